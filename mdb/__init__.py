@@ -1,0 +1,46 @@
+"""mdb: an MDB-style router that spreads briefcases of relational data over many servers."""
+
+from mdb.engines import EngineRegistry
+from mdb.errors import (
+    BriefcaseMovingError,
+    CrossBriefcaseError,
+    GDIDError,
+    MapEditError,
+    MapError,
+    MdbError,
+    RetryableError,
+    RoutingError,
+    SchemaError,
+    ServerUnavailableError,
+    StaleRouteError,
+)
+from mdb.gdid import GDID
+from mdb.partition_map import PartitionMap, load_map, parse_map
+from mdb.router import CentralPlacement, Placement, Router, ShardLayout
+from mdb.sqltypes import GDIDType
+from mdb.urls import mask_url
+
+__all__ = [
+    "BriefcaseMovingError",
+    "CentralPlacement",
+    "CrossBriefcaseError",
+    "EngineRegistry",
+    "GDID",
+    "GDIDError",
+    "GDIDType",
+    "MapEditError",
+    "MapError",
+    "MdbError",
+    "PartitionMap",
+    "Placement",
+    "RetryableError",
+    "Router",
+    "RoutingError",
+    "SchemaError",
+    "ServerUnavailableError",
+    "ShardLayout",
+    "StaleRouteError",
+    "load_map",
+    "mask_url",
+    "parse_map",
+]

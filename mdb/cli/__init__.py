@@ -1,0 +1,6 @@
+"""The ``mdb`` command. Each module below registers its commands on the shared typer app."""
+
+from mdb.cli import inspect as _inspect  # noqa: F401  (registers commands)
+from mdb.cli.app import app, main
+
+__all__ = ["app", "main"]

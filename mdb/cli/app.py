@@ -1,0 +1,68 @@
+"""The typer application and the few helpers every command module shares.
+
+Command modules (one per topic) register on :data:`app` or one of its groups; ``main`` turns
+every error mdb raises on purpose into one clear line on stderr and exit code 2, so operators
+and scripts never see a traceback for bad input or a server that is down.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+from typer.core import TyperGroup
+
+from mdb.errors import MdbError
+from mdb.partition_map import PartitionMap, load_map
+from mdb.urls import mask_secrets
+
+__all__ = ["app", "console", "err_console", "emit_json", "fail", "main", "map_app", "open_map"]
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+class DefaultCommandGroup(TyperGroup):
+    """A group whose unknown first word is handed to a default subcommand (``mdb gdid VALUE``)."""
+
+    default_command = "show"
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> tuple[Any, Any, list[str]]:
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            args = [self.default_command, *args]
+        return super().resolve_command(ctx, args)
+
+
+app = typer.Typer(
+    name="mdb",
+    help="mdb: briefcases of relational data routed over many database servers.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+map_app = typer.Typer(help="Check, show, diff and apply partition maps.", no_args_is_help=True)
+app.add_typer(map_app, name="map")
+
+
+def fail(message: str) -> NoReturn:
+    err_console.print(f"error: {mask_secrets(message)}", markup=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def emit_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def open_map(path: str) -> PartitionMap:
+    return load_map(path)
+
+
+def main() -> None:
+    try:
+        app()
+    except MdbError as exc:
+        err_console.print(f"error: {mask_secrets(str(exc))}", markup=False, soft_wrap=True)
+        sys.exit(2)

@@ -1,0 +1,154 @@
+"""Server name -> SQLAlchemy engine: lazy, pooled, one engine per URL, primary or replica.
+
+Engines know nothing of GDIDs or areas; they only turn the map's server names into pooled
+connections. SQLite files get WAL and a busy timeout (so concurrent writers wait instead of
+failing), PostgreSQL URLs are forced onto psycopg 3. URLs are masked in every repr and error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.pool import NullPool
+
+from mdb.errors import RoutingError
+from mdb.partition_map import PartitionMap, ServerSpec
+from mdb.urls import mask_url
+
+__all__ = ["EngineRegistry", "sqlalchemy_url"]
+
+log = logging.getLogger("mdb.engines")
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def sqlalchemy_url(url: str) -> URL:
+    """Parse a map URL, choosing psycopg 3 for bare ``postgresql://`` URLs."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def _sqlite_setup(dbapi_connection: Any, _record: Any) -> None:
+    # pysqlite's own transaction handling would defer BEGIN; SQLAlchemy's recommended recipe
+    # turns it off so that our explicit BEGIN takes effect (see _sqlite_begin).
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+    finally:
+        cursor.close()
+
+
+def _sqlite_begin_write(conn: Any) -> None:
+    # BEGIN IMMEDIATE takes SQLite's write lock up front, so two writers queue on the busy
+    # timeout instead of deadlocking when both upgrade from a read lock.
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _sqlite_begin_read(conn: Any) -> None:
+    conn.exec_driver_sql("BEGIN")
+
+
+def _create(url: str, readonly: bool) -> Engine:
+    parsed = sqlalchemy_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        database = parsed.database
+        if database and database != ":memory:" and not database.startswith("file:"):
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(parsed, poolclass=NullPool if database in (None, "", ":memory:") else None)
+        event.listen(engine, "connect", _sqlite_setup)
+        event.listen(engine, "begin", _sqlite_begin_read if readonly else _sqlite_begin_write)
+        return engine
+    if parsed.get_backend_name() == "postgresql":
+        return create_engine(parsed, pool_size=10, max_overflow=20, pool_pre_ping=False)
+    return create_engine(parsed)
+
+
+class EngineRegistry:
+    """Lazily created engines for the servers of a map; replaced servers keep their engines.
+
+    One engine per distinct URL: two server names with the same URL share a pool. Changing a
+    map (a new version with new servers or URLs) is done with :meth:`update`, which keeps the
+    engines of URLs that did not change.
+    """
+
+    def __init__(self, servers: Mapping[str, ServerSpec]) -> None:
+        self._servers: dict[str, ServerSpec] = dict(servers)
+        self._engines: dict[tuple[str, bool], Engine] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_map(cls, pmap: PartitionMap) -> EngineRegistry:
+        return cls(pmap.servers)
+
+    def __repr__(self) -> str:
+        return f"EngineRegistry(servers={sorted(self._servers)}, open={len(self._engines)})"
+
+    @property
+    def server_names(self) -> list[str]:
+        return list(self._servers)
+
+    def spec(self, server: str) -> ServerSpec:
+        try:
+            return self._servers[server]
+        except KeyError:
+            raise RoutingError(f"unknown server {server!r} (known: {', '.join(sorted(self._servers))})") from None
+
+    def masked_url(self, server: str, readonly: bool = False) -> str:
+        spec = self.spec(server)
+        return mask_url(spec.replica if readonly and spec.replica else spec.primary)
+
+    def has_replica(self, server: str) -> bool:
+        return self.spec(server).replica is not None
+
+    def is_sqlite(self, server: str) -> bool:
+        return sqlalchemy_url(self.spec(server).primary).get_backend_name() == "sqlite"
+
+    def backend(self, server: str) -> str:
+        return sqlalchemy_url(self.spec(server).primary).get_backend_name()
+
+    def engine(self, server: str, readonly: bool = False) -> Engine:
+        """The pooled engine of a server; ``readonly`` picks the replica when the map has one."""
+        spec = self.spec(server)
+        url = spec.replica if readonly and spec.replica else spec.primary
+        # SQLite readers get their own engine (deferred BEGIN, no write lock); PostgreSQL readers
+        # without a replica share the primary's pool.
+        separate_reader = spec.replica is not None or self.is_sqlite(server)
+        key = (url, readonly and separate_reader)
+        engine = self._engines.get(key)
+        if engine is not None:
+            return engine
+        with self._lock:
+            engine = self._engines.get(key)
+            if engine is None:
+                engine = _create(url, readonly=key[1])
+                self._engines[key] = engine
+                log.debug("created engine for server %s at %s", server, mask_url(url))
+        return engine
+
+    def update(self, servers: Mapping[str, ServerSpec]) -> None:
+        """Adopt a new server list; engines of URLs no longer used are disposed."""
+        with self._lock:
+            self._servers = dict(servers)
+            live = {s.primary for s in self._servers.values()} | {
+                s.replica for s in self._servers.values() if s.replica
+            }
+            for key in [k for k in self._engines if k[0] not in live]:
+                self._engines.pop(key).dispose()
+
+    def dispose(self) -> None:
+        with self._lock:
+            for engine in self._engines.values():
+                engine.dispose()
+            self._engines.clear()

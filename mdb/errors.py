@@ -1,0 +1,58 @@
+"""The exception hierarchy of mdb.
+
+Every error mdb raises on purpose derives from :class:`MdbError`, so an application can catch
+"anything mdb refused" in one place. Errors caused by bad input also derive from ``ValueError``
+because that is what they are to Python code that does not know mdb. Retryable conditions
+(a stale route, a briefcase that is being moved) derive from :class:`RetryableError` so the
+Store's retry loop and application code agree on what may be retried.
+"""
+
+from __future__ import annotations
+
+
+class MdbError(Exception):
+    """Base of every error mdb raises on purpose."""
+
+
+class GDIDError(MdbError, ValueError):
+    """A GDID could not be parsed or built; the message quotes the offending input."""
+
+
+class MapError(MdbError, ValueError):
+    """A partition map is invalid; the message names the file, the line where known, and the problem."""
+
+
+class MapEditError(MapError):
+    """A new map version would re-route existing data or otherwise breaks edit safety."""
+
+
+class RoutingError(MdbError, LookupError):
+    """A GDID or key cannot be placed: unknown area, below the first partition, and the like."""
+
+
+class ServerUnavailableError(MdbError):
+    """A server could not be reached; names the server (the URL is masked)."""
+
+    def __init__(self, server: str, detail: str) -> None:
+        super().__init__(f"server {server!r} is unavailable: {detail}")
+        self.server = server
+
+
+class SchemaError(MdbError, TypeError):
+    """A briefcase type or table is declared in a way that would break a briefcase invariant."""
+
+
+class CrossBriefcaseError(MdbError, ValueError):
+    """A session tried to write a row that belongs to another briefcase."""
+
+
+class RetryableError(MdbError):
+    """The operation did not run and may be retried after refreshing routing."""
+
+
+class StaleRouteError(RetryableError):
+    """The shard a session was routed to no longer owns the briefcase (a fence or a re-stamp)."""
+
+
+class BriefcaseMovingError(RetryableError):
+    """The briefcase is in the middle of a move; retry after a short wait."""

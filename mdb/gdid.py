@@ -1,0 +1,224 @@
+"""GDID: the global distributed id that keys every briefcase.
+
+A GDID is ``era`` (u32), ``authority`` (0..15) and ``counter`` (0..2^60-1). The authority and
+counter pack into one 64-bit *raw id* (``authority << 60 | counter``); the 12-byte form is the
+big-endian era followed by the big-endian raw id, so byte order equals GDID order and a
+database index on the bytes sorts like the ids. The formats are fixed by DESIGN.md because
+tests outside the project check them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Final
+
+from mdb.errors import GDIDError
+
+__all__ = ["GDID", "GDIDError"]
+
+MAX_ERA: Final = 2**32 - 1
+MAX_AUTHORITY: Final = 15
+MAX_COUNTER: Final = 2**60 - 1
+COUNTER_BITS: Final = 60
+_HEX_LEN: Final = 24
+_BYTES_LEN: Final = 12
+
+
+def _decimal(part: str, name: str, limit: int, source: str) -> int:
+    text = part.strip()
+    # isdigit() alone would accept non-ASCII digits such as '²'; only ASCII decimals are valid.
+    if not text or not (text.isascii() and text.isdigit()):
+        raise GDIDError(f"invalid GDID {source!r}: {name} must be a decimal number, got {part!r}")
+    value = int(text)
+    if value > limit:
+        raise GDIDError(f"invalid GDID {source!r}: {name} {value} is above its maximum {limit}")
+    return value
+
+
+class GDID:
+    """Immutable, hashable, totally ordered GDID value.
+
+    Ordering is by (era, raw id), which is the order of the 12-byte form.
+    """
+
+    __slots__ = ("_era", "_raw")
+
+    _era: int
+    _raw: int
+    ZERO: ClassVar[GDID]
+
+    def __init__(self, era: int, authority: int, counter: int) -> None:
+        for name, value, limit in (
+            ("era", era, MAX_ERA),
+            ("authority", authority, MAX_AUTHORITY),
+            ("counter", counter, MAX_COUNTER),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise GDIDError(f"invalid GDID: {name} must be an int, got {value!r}")
+            if not 0 <= value <= limit:
+                raise GDIDError(f"invalid GDID: {name} {value} is outside 0..{limit}")
+        object.__setattr__(self, "_era", era)
+        object.__setattr__(self, "_raw", authority << COUNTER_BITS | counter)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("GDID is immutable")
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_raw(cls, era: int, raw_id: int) -> GDID:
+        if not isinstance(raw_id, int) or not 0 <= raw_id < 2**64:
+            raise GDIDError(f"invalid GDID: raw id {raw_id!r} is not an unsigned 64-bit integer")
+        return cls(era, raw_id >> COUNTER_BITS, raw_id & MAX_COUNTER)
+
+    @classmethod
+    def parse(cls, value: str) -> GDID:
+        """Parse the text form ``era:authority:counter`` or the 24-digit hex form."""
+        if not isinstance(value, str):
+            raise GDIDError(f"invalid GDID {value!r}: expected text, got {type(value).__name__}")
+        if ":" in value:
+            return cls.parse_text(value)
+        return cls.parse_hex(value)
+
+    @classmethod
+    def parse_text(cls, value: str) -> GDID:
+        parts = value.split(":")
+        if len(parts) != 3:
+            raise GDIDError(f"invalid GDID {value!r}: expected era:authority:counter")
+        era = _decimal(parts[0], "era", MAX_ERA, value)
+        authority = _decimal(parts[1], "authority", MAX_AUTHORITY, value)
+        counter = _decimal(parts[2], "counter", MAX_COUNTER, value)
+        return cls(era, authority, counter)
+
+    @classmethod
+    def parse_hex(cls, value: str) -> GDID:
+        text = value.strip()
+        if text[:2] in ("0x", "0X"):
+            text = text[2:]
+        if len(text) != _HEX_LEN:
+            raise GDIDError(
+                f"invalid GDID {value!r}: hex form must have {_HEX_LEN} hex digits, got {len(text)}"
+            )
+        try:
+            data = bytes.fromhex(text)
+        except ValueError:
+            raise GDIDError(f"invalid GDID {value!r}: not hexadecimal") from None
+        if len(data) != _BYTES_LEN:  # fromhex skips inner whitespace; the length check catches it
+            raise GDIDError(f"invalid GDID {value!r}: not hexadecimal")
+        return cls.from_bytes(data)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> GDID:
+        raw = bytes(data)
+        if len(raw) != _BYTES_LEN:
+            raise GDIDError(f"invalid GDID bytes {raw!r}: expected {_BYTES_LEN} bytes, got {len(raw)}")
+        return cls.from_raw(int.from_bytes(raw[:4], "big"), int.from_bytes(raw[4:], "big"))
+
+    @classmethod
+    def from_sharding_value(cls, value: int, authority: int = 0) -> GDID:
+        """Inverse of :attr:`sharding_value` (authority is not part of it, so it is given)."""
+        if not 0 <= value <= MAX_ERA * 2**COUNTER_BITS + MAX_COUNTER:
+            raise GDIDError(f"invalid GDID: sharding value {value} is out of range")
+        era, counter = divmod(value, 2**COUNTER_BITS)
+        return cls(era, authority, counter)
+
+    # -- views -------------------------------------------------------------------------------
+
+    @property
+    def era(self) -> int:
+        return self._era
+
+    @property
+    def authority(self) -> int:
+        return self._raw >> COUNTER_BITS
+
+    @property
+    def counter(self) -> int:
+        return self._raw & MAX_COUNTER
+
+    @property
+    def raw_id(self) -> int:
+        return self._raw
+
+    @property
+    def hex(self) -> str:
+        return f"{self._era:08x}{self._raw:016x}"
+
+    @property
+    def sharding_value(self) -> int:
+        """``era * 2^60 + counter``: the value routing uses; authority never influences placement."""
+        return self._era << COUNTER_BITS | (self._raw & MAX_COUNTER)
+
+    @property
+    def is_zero(self) -> bool:
+        return self._era == 0 and self._raw == 0
+
+    def __bytes__(self) -> bytes:
+        return self._era.to_bytes(4, "big") + self._raw.to_bytes(8, "big")
+
+    def __str__(self) -> str:
+        return f"{self._era}:{self.authority}:{self.counter}"
+
+    def __repr__(self) -> str:
+        return f"GDID('{self}')"
+
+    # -- comparison --------------------------------------------------------------------------
+
+    def _key(self) -> tuple[int, int]:
+        return (self._era, self._raw)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, GDID):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __lt__(self, other: GDID) -> bool:
+        if not isinstance(other, GDID):
+            return NotImplemented
+        return self._key() < other._key()
+
+    def __le__(self, other: GDID) -> bool:
+        if not isinstance(other, GDID):
+            return NotImplemented
+        return self._key() <= other._key()
+
+    def __gt__(self, other: GDID) -> bool:
+        if not isinstance(other, GDID):
+            return NotImplemented
+        return self._key() > other._key()
+
+    def __ge__(self, other: GDID) -> bool:
+        if not isinstance(other, GDID):
+            return NotImplemented
+        return self._key() >= other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __bool__(self) -> bool:
+        return not self.is_zero
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (GDID, (self.era, self.authority, self.counter))
+
+    # -- pydantic ----------------------------------------------------------------------------
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        """Accept a GDID, its text or hex form; serialize to the text form (DESIGN.md)."""
+        from pydantic_core import core_schema
+
+        def coerce(value: Any) -> GDID:
+            if isinstance(value, GDID):
+                return value
+            if isinstance(value, str):
+                return cls.parse(value)
+            raise GDIDError(f"invalid GDID {value!r}: expected text like '0:0:1' or 24 hex digits")
+
+        return core_schema.no_info_plain_validator_function(
+            coerce,
+            serialization=core_schema.plain_serializer_function_ser_schema(str),
+            json_schema_input_schema=core_schema.str_schema(),
+        )
+
+
+GDID.ZERO = GDID(0, 0, 0)  # type: ignore[attr-defined]

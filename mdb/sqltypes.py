@@ -1,0 +1,43 @@
+"""SQLAlchemy column type for GDIDs.
+
+A GDID is stored as its 12-byte form (BYTEA on PostgreSQL, BLOB on SQLite) because byte order
+equals GDID order: a B-tree index on the column sorts exactly like the ids, range scans over a
+partition are index range scans, and there is no sign or width trouble with 92-bit values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import LargeBinary
+from sqlalchemy.engine import Dialect
+from sqlalchemy.types import TypeDecorator
+
+from mdb.gdid import GDID
+
+__all__ = ["GDIDType"]
+
+
+class GDIDType(TypeDecorator[GDID]):
+    """Stores a :class:`~mdb.GDID` as 12 bytes; accepts GDIDs or their text/hex forms on write."""
+
+    impl = LargeBinary(12)
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> bytes | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = GDID.parse(value)
+        if not isinstance(value, GDID):
+            raise TypeError(f"GDIDType column expects a GDID, got {type(value).__name__}: {value!r}")
+        return bytes(value)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> GDID | None:
+        if value is None:
+            return None
+        return GDID.from_bytes(value)
+
+    @property
+    def python_type(self) -> type[GDID]:
+        return GDID
