@@ -2,7 +2,9 @@
 
 Engines know nothing of GDIDs or areas; they only turn the map's server names into pooled
 connections. SQLite files get WAL and a busy timeout (so concurrent writers wait instead of
-failing), PostgreSQL URLs are forced onto psycopg 3. URLs are masked in every repr and error.
+failing), PostgreSQL URLs are forced onto psycopg 3. On both, mdb issues BEGIN itself (driver
+autocommit mode plus a ``begin`` hook) so that a transaction can carry a prelude, the briefcase
+ownership check, without an extra round trip. URLs are masked in every repr and error.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from mdb.errors import RoutingError
 from mdb.partition_map import PartitionMap, ServerSpec
 from mdb.urls import mask_url
 
-__all__ = ["EngineRegistry", "sqlalchemy_url"]
+__all__ = ["BEGIN_PRELUDE", "BEGIN_RESULT", "EngineRegistry", "sqlalchemy_url"]
 
 log = logging.getLogger("mdb.engines")
 
@@ -50,14 +52,57 @@ def _sqlite_setup(dbapi_connection: Any, _record: Any) -> None:
         cursor.close()
 
 
+BEGIN_PRELUDE = "mdb.begin_prelude"
+"""``Connection.info`` key: SQL statements (literals inlined) to run right after BEGIN."""
+BEGIN_RESULT = "mdb.begin_result"
+"""``Connection.info`` key where the rows of the prelude's last statement are left."""
+
+
+def _last_rows(cursor: Any) -> list[tuple[Any, ...]] | None:
+    rows = None
+    while True:
+        if cursor.description is not None:
+            rows = cursor.fetchall()
+        if not cursor.nextset():
+            return rows
+
+
+def _pg_begin(conn: Any) -> None:
+    # The engine runs in driver autocommit mode and every transaction starts here, so that a
+    # prelude (the briefcase ownership check) travels with BEGIN in ONE round trip: psycopg
+    # sends a parameterless multi-statement string with the simple query protocol.
+    prelude: list[str] | None = conn.info.pop(BEGIN_PRELUDE, None)
+    if not prelude:
+        conn.exec_driver_sql("BEGIN")
+        return
+    with conn.connection.driver_connection.cursor() as cursor:
+        cursor.execute("; ".join(["BEGIN", *prelude]))
+        conn.info[BEGIN_RESULT] = _last_rows(cursor)
+
+
+def _sqlite_begin(conn: Any, begin: str) -> None:
+    conn.exec_driver_sql(begin)
+    prelude: list[str] | None = conn.info.pop(BEGIN_PRELUDE, None)
+    if prelude:
+        cursor = conn.connection.driver_connection.cursor()
+        try:
+            rows = None
+            for statement in prelude:
+                cursor.execute(statement)
+                rows = cursor.fetchall() if cursor.description is not None else rows
+            conn.info[BEGIN_RESULT] = rows
+        finally:
+            cursor.close()
+
+
 def _sqlite_begin_write(conn: Any) -> None:
     # BEGIN IMMEDIATE takes SQLite's write lock up front, so two writers queue on the busy
     # timeout instead of deadlocking when both upgrade from a read lock.
-    conn.exec_driver_sql("BEGIN IMMEDIATE")
+    _sqlite_begin(conn, "BEGIN IMMEDIATE")
 
 
 def _sqlite_begin_read(conn: Any) -> None:
-    conn.exec_driver_sql("BEGIN")
+    _sqlite_begin(conn, "BEGIN")
 
 
 def _create(url: str, readonly: bool) -> Engine:
@@ -71,7 +116,9 @@ def _create(url: str, readonly: bool) -> Engine:
         event.listen(engine, "begin", _sqlite_begin_read if readonly else _sqlite_begin_write)
         return engine
     if parsed.get_backend_name() == "postgresql":
-        return create_engine(parsed, pool_size=10, max_overflow=20, pool_pre_ping=False)
+        engine = create_engine(parsed, isolation_level="AUTOCOMMIT", pool_size=10, max_overflow=20)
+        event.listen(engine, "begin", _pg_begin)
+        return engine
     return create_engine(parsed)
 
 

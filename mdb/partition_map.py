@@ -216,8 +216,16 @@ def _pydantic_problems(exc: ValidationError) -> list[tuple[Path_, str]]:
     return problems
 
 
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,62}$")
+
+
 def _semantic_problems(m: PartitionMap) -> list[tuple[Path_, str]]:
     problems: list[tuple[Path_, str]] = []
+    # Names end up in SQL literals, lock keys and file names: keep them to a safe alphabet.
+    for kind, names in (("server", m.servers), ("area", m.areas)):
+        for name in names:
+            if not _NAME.match(name):
+                problems.append(((f"{kind}s", name), f"{kind} name {name!r} must start with a letter or _ and use only letters, digits, _ . - (at most 63)"))
     central = [name for name, a in m.areas.items() if a.kind == "central"]
     if not central:
         problems.append((("areas",), "the map needs exactly one area with kind: central, found none"))

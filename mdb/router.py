@@ -38,6 +38,7 @@ class ShardLayout:
 
     area: str
     partition_start: GDID
+    partition_end: GDID | None  # exclusive; None = open-ended
     shard_index: int
     shard_count: int
 
@@ -50,6 +51,7 @@ class Placement:
     gdid: GDID
     range_set: GDID
     partition_start: GDID
+    partition_end: GDID | None
     shard_index: int
     shard_count: int
     server: str
@@ -59,7 +61,7 @@ class Placement:
     @property
     def layout(self) -> ShardLayout:
         """The layout the default shard must carry for this routing to be valid."""
-        return ShardLayout(self.area, self.partition_start, self.shard_index, self.shard_count)
+        return ShardLayout(self.area, self.partition_start, self.partition_end, self.shard_index, self.shard_count)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,7 @@ class CentralPlacement:
 @dataclass(frozen=True, slots=True)
 class _Partition:
     start: GDID  # absolute
+    end: GDID | None  # absolute, exclusive; None = open-ended
     shards: tuple[str, ...]
 
 
@@ -100,13 +103,21 @@ class Router:
                 self._central = tuple(area.shards or ())
                 continue
             sets = []
-            for rs in area.effective_range_sets():
+            specs = area.effective_range_sets()
+            for r, rs in enumerate(specs):
                 base = rs.breakpoint.sharding_value
+                starts = [base + p.start.sharding_value for p in rs.partitions]
+                set_end = specs[r + 1].breakpoint.sharding_value if r + 1 < len(specs) else None
+                ends = [*starts[1:], set_end]
                 parts = tuple(
-                    _Partition(GDID.from_sharding_value(base + p.start.sharding_value), p.shards)
-                    for p in rs.partitions
+                    _Partition(
+                        GDID.from_sharding_value(start),
+                        None if end is None else GDID.from_sharding_value(end),
+                        p.shards,
+                    )
+                    for p, start, end in zip(rs.partitions, starts, ends)
                 )
-                sets.append(_RangeSet(rs.breakpoint, tuple(p.start.sharding_value for p in parts), parts))
+                sets.append(_RangeSet(rs.breakpoint, tuple(starts), parts))
             self._areas[name] = (tuple(s.breakpoint.sharding_value for s in sets), tuple(sets))
 
     @property
@@ -153,7 +164,7 @@ class Router:
         part = rs.partitions[p]
         index = v % len(part.shards)
         server = part.shards[index]
-        return Placement(area, gdid, rs.breakpoint, part.start, index, len(part.shards), server, server, False)
+        return Placement(area, gdid, rs.breakpoint, part.start, part.end, index, len(part.shards), server, server, False)
 
     def locate(self, area: str, gdid: GDID) -> Placement:
         """Where ``gdid`` lives: the default shard, or its relocation where one exists."""
@@ -162,8 +173,8 @@ class Router:
         if moved_to is None or moved_to == placement.server:
             return placement
         return Placement(
-            area, gdid, placement.range_set, placement.partition_start, placement.shard_index,
-            placement.shard_count, moved_to, placement.server, True,
+            area, gdid, placement.range_set, placement.partition_start, placement.partition_end,
+            placement.shard_index, placement.shard_count, moved_to, placement.server, True,
         )
 
     def locate_central(self, key: str | bytes | GDID) -> CentralPlacement:
@@ -188,18 +199,18 @@ class Router:
         _, sets = self._area(area)
         return [s for rs in sets for p in rs.partitions for s in p.shards]
 
-    def partitions(self, area: str) -> Iterator[tuple[GDID, tuple[str, ...]]]:
-        """(absolute start, shard list) of every partition of the area, in order."""
+    def partitions(self, area: str) -> Iterator[tuple[GDID, GDID | None, tuple[str, ...]]]:
+        """(absolute start, exclusive end or None, shard list) of every partition, in order."""
         _, sets = self._area(area)
         for rs in sets:
             for part in rs.partitions:
-                yield part.start, part.shards
+                yield part.start, part.end, part.shards
 
     def layouts(self) -> Iterator[tuple[str, ShardLayout]]:
         """(server, layout) for every shard of every area, CENTRAL included: what to stamp."""
         for index, server in enumerate(self._central):
-            yield server, ShardLayout(self._map.central_area, GDID.ZERO, index, len(self._central))
+            yield server, ShardLayout(self._map.central_area, GDID.ZERO, None, index, len(self._central))
         for area in self._areas:
-            for start, shards in self.partitions(area):
+            for start, end, shards in self.partitions(area):
                 for index, server in enumerate(shards):
-                    yield server, ShardLayout(area, start, index, len(shards))
+                    yield server, ShardLayout(area, start, end, index, len(shards))

@@ -51,6 +51,7 @@ def route(
     data = {
         "area": p.area, "gdid": str(p.gdid), "sharding_value": p.gdid.sharding_value,
         "range_set": str(p.range_set), "partition_start": str(p.partition_start),
+        "partition_end": None if p.partition_end is None else str(p.partition_end),
         "shard_index": p.shard_index, "shard_count": p.shard_count, "server": p.server,
         "url": spec.masked_primary, "replica_url": spec.masked_replica, "map_version": pmap.version,
     }

@@ -1,0 +1,117 @@
+"""Briefcase types: a root table and its child tables, all keyed by the root's GDID.
+
+A briefcase type is declared as a subclass naming its area, its key column and its SQLAlchemy
+mapped classes. Declaration is where invariant 1 is enforced: every table must carry the key
+column as a GDID, every primary key column must be a GDID, and nothing may auto-increment,
+because a briefcase must be movable to another server without renumbering anything.
+
+    class UserBriefcase(BriefcaseType):
+        area = "user"
+        key = "user_id"
+        root = User
+        children = (Address, Order, OrderLineItem)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from sqlalchemy import Column, Identity, Integer, Sequence as SqlSequence, Table, inspect as sa_inspect
+
+from mdb.errors import SchemaError
+from mdb.sqltypes import GDIDType
+
+__all__ = ["BriefcaseType", "registered_types", "types_by_area"]
+
+_REGISTRY: dict[str, type[BriefcaseType]] = {}
+
+
+class BriefcaseType:
+    """Declare a briefcase type by subclassing; validation runs at class creation."""
+
+    area: ClassVar[str]
+    key: ClassVar[str]
+    root: ClassVar[type[Any]]
+    children: ClassVar[Sequence[type[Any]]] = ()
+
+    # Filled in at declaration.
+    models: ClassVar[tuple[type[Any], ...]]
+    tables: ClassVar[tuple[Table, ...]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__name__
+        for attr in ("area", "key", "root"):
+            if not hasattr(cls, attr):
+                raise SchemaError(f"briefcase type {name} must set {attr!r}")
+        models = (cls.root, *cls.children)
+        tables: list[Table] = []
+        for model in models:
+            try:
+                mapper = sa_inspect(model)
+            except Exception:
+                raise SchemaError(f"briefcase type {name}: {model!r} is not a SQLAlchemy mapped class") from None
+            table = mapper.local_table
+            if not isinstance(table, Table):
+                raise SchemaError(f"briefcase type {name}: {model.__name__} is not mapped to a plain table")
+            _check_table(name, cls.key, table, is_root=model is cls.root)
+            tables.append(table)
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise SchemaError(f"briefcase type {name}: a table is listed twice ({', '.join(names)})")
+        cls.models = models
+        cls.tables = tuple(tables)
+        _REGISTRY[f"{cls.__module__}.{cls.__qualname__}"] = cls
+
+    @classmethod
+    def key_column(cls, table: Table) -> Column[Any]:
+        return table.c[cls.key]
+
+    @classmethod
+    def model_for_table(cls, table_name: str) -> type[Any]:
+        for model in cls.models:
+            if sa_inspect(model).local_table.name == table_name:
+                return model
+        raise SchemaError(f"table {table_name!r} is not part of briefcase type {cls.__name__}")
+
+
+def _check_table(type_name: str, key: str, table: Table, is_root: bool) -> None:
+    where = f"briefcase type {type_name}, table {table.name!r}"
+    if key not in table.c:
+        raise SchemaError(f"{where}: missing the briefcase key column {key!r} (every table of a briefcase carries it)")
+    if not isinstance(table.c[key].type, GDIDType):
+        raise SchemaError(f"{where}: briefcase key column {key!r} must be a GDIDType column")
+    pk = list(table.primary_key.columns)
+    if not pk:
+        raise SchemaError(f"{where}: has no primary key; primary keys are GDIDs")
+    for column in table.columns:
+        if isinstance(column.default, (Identity, SqlSequence)) or column.identity is not None:
+            raise SchemaError(f"{where}: column {column.name!r} auto-increments; briefcase tables use GDID keys")
+    for column in pk:
+        if isinstance(column.type, Integer) or column.autoincrement is True:
+            raise SchemaError(f"{where}: primary key column {column.name!r} auto-increments; use a GDIDType key")
+        if not isinstance(column.type, GDIDType):
+            raise SchemaError(f"{where}: primary key column {column.name!r} must be a GDIDType column")
+    if is_root and [c.name for c in pk] != [key]:
+        raise SchemaError(f"{where}: the root table's primary key must be exactly the briefcase key {key!r}")
+
+
+def registered_types() -> list[type[BriefcaseType]]:
+    """Every briefcase type declared so far in this process (the CLI's default set)."""
+    return list(_REGISTRY.values())
+
+
+def types_by_area(types: Sequence[type[BriefcaseType]]) -> dict[str, list[type[BriefcaseType]]]:
+    """Group types by area, refusing two types of one area that share a table name."""
+    out: dict[str, list[type[BriefcaseType]]] = {}
+    for btype in types:
+        for other in out.get(btype.area, []):
+            shared = {t.name for t in btype.tables} & {t.name for t in other.tables}
+            if shared:
+                raise SchemaError(
+                    f"briefcase types {other.__name__} and {btype.__name__} of area {btype.area!r} "
+                    f"share tables {sorted(shared)}"
+                )
+        out.setdefault(btype.area, []).append(btype)
+    return out

@@ -1,0 +1,47 @@
+"""Turning driver errors into mdb errors that name the server and hide secrets."""
+
+from __future__ import annotations
+
+from sqlalchemy.exc import DBAPIError
+
+from mdb.errors import MdbError, SchemaError, ServerUnavailableError
+from mdb.urls import mask_secrets
+
+__all__ = ["describe", "translate"]
+
+_MISSING_TABLE = ("does not exist", "no such table", "UndefinedTable")
+_UNREACHABLE = (
+    "connection refused",
+    "could not connect",
+    "connection failed",
+    "server closed the connection",
+    "terminating connection",
+    "unable to open database file",
+    "the database system is shutting down",
+    "the database system is starting up",
+    "no such host",
+    "timeout expired",
+    "connection is lost",
+    "consuming input failed",
+    "connection timeout",
+)
+
+
+def describe(exc: BaseException) -> str:
+    """The driver's own message (first line), masked; without SQLAlchemy's SQL echo."""
+    orig = getattr(exc, "orig", None) or exc
+    text = str(orig).strip().splitlines()
+    return mask_secrets(text[0] if text else type(orig).__name__)
+
+
+def translate(server: str, exc: BaseException) -> MdbError | None:
+    """An mdb error for a driver error on ``server``, or None when it is the caller's own error."""
+    if not isinstance(exc, DBAPIError):
+        return None
+    detail = describe(exc)
+    lowered = str(getattr(exc, "orig", exc)).lower()
+    if exc.connection_invalidated or any(s in lowered for s in _UNREACHABLE):
+        return ServerUnavailableError(server, detail)
+    if any(s.lower() in lowered for s in _MISSING_TABLE) or type(exc.orig).__name__ == "UndefinedTable":
+        return SchemaError(f"server {server!r}: {detail} (run `mdb schema apply MAP`)")
+    return None

@@ -1,0 +1,114 @@
+"""Creating mdb's tables and the briefcase tables on every shard, and the first layout stamp.
+
+``apply_schema`` is idempotent and goes shard by shard: a shard that is down is reported and
+the others proceed. It stamps a shard's layout only where the shard has none yet for an area;
+changing an existing stamp is a map change and belongs to ``mdb map apply`` (edit safety).
+Servers that no area uses yet are prepared for every area, so they can receive moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from sqlalchemy import Table, insert, inspect as sa_inspect, select
+from sqlalchemy.engine import Connection
+
+from mdb.errors import MdbError
+from mdb.router import Router, ShardLayout
+from mdb.store import Store
+from mdb.system_tables import load_system_tables, shard_layout
+
+__all__ = ["ShardReport", "apply_schema", "stamp_layout"]
+
+
+@dataclass
+class ShardReport:
+    server: str
+    url: str
+    roles: list[str] = field(default_factory=list)
+    created: list[str] = field(default_factory=list)
+    stamped: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.problems
+
+
+def _tables_for(store: Store, areas: Iterable[str]) -> list[Table]:
+    return [t for area in areas for btype in store.types_of(area) for t in btype.tables]
+
+
+def _create(conn: Connection, tables: list[Table]) -> list[str]:
+    existing = set(sa_inspect(conn).get_table_names())
+    created = [t.name for t in tables if t.name not in existing]
+    for metadata in {t.metadata for t in tables}:
+        metadata.create_all(conn, tables=[t for t in tables if t.metadata is metadata], checkfirst=True)
+    return created
+
+
+def stamp_layout(conn: Connection, layout: ShardLayout, map_version: int, *, replace: bool) -> str | None:
+    """Write the layout stamp for ``layout.area``; returns a problem text if refused."""
+    row = conn.execute(select(shard_layout).where(shard_layout.c.area == layout.area)).mappings().first()
+    values = dict(
+        partition_start=layout.partition_start,
+        partition_end=layout.partition_end,
+        shard_index=layout.shard_index,
+        shard_count=layout.shard_count,
+        map_version=map_version,
+    )
+    if row is None:
+        conn.execute(insert(shard_layout).values(area=layout.area, **values))
+        return None
+    current = (row["partition_start"], row["partition_end"], row["shard_index"], row["shard_count"])
+    wanted = (layout.partition_start, layout.partition_end, layout.shard_index, layout.shard_count)
+    if current == wanted:
+        return None
+    if not replace:
+        return (
+            f"area {layout.area!r} is stamped {current[0]}..{current[1] or 'open'} shard {current[2]} of {current[3]} "
+            f"(map version {row['map_version']}) but this map says {wanted[0]}..{wanted[1] or 'open'} shard "
+            f"{wanted[2]} of {wanted[3]}: a layout change is applied with `mdb map apply`"
+        )
+    conn.execute(shard_layout.update().where(shard_layout.c.area == layout.area).values(**values))
+    return None
+
+
+def apply_schema(store: Store) -> list[ShardReport]:
+    shard_md, central_md = load_system_tables()
+    pmap = store.map
+    router = Router(pmap)  # layouts only: relocations do not matter here
+    layouts: dict[str, list[ShardLayout]] = {}
+    for server, layout in router.layouts():
+        layouts.setdefault(server, []).append(layout)
+    all_areas = router.area_names()
+    central = set(router.central_servers())
+    reports = []
+    for server in pmap.servers:
+        report = ShardReport(server, store.engines.masked_url(server))
+        areas = [l.area for l in layouts.get(server, []) if l.area in all_areas]
+        if server in central:
+            report.roles.append("central")
+        report.roles.extend(areas)
+        if not report.roles:
+            report.roles.append("spare")
+            areas = all_areas
+        tables = list(shard_md.sorted_tables)
+        if server in central:
+            tables += list(central_md.sorted_tables)
+        tables += _tables_for(store, areas)
+        try:
+            with store.transaction(server) as conn:
+                report.created = _create(conn, tables)
+                for layout in layouts.get(server, []):
+                    problem = stamp_layout(conn, layout, pmap.version, replace=False)
+                    if problem:
+                        report.problems.append(problem)
+                    else:
+                        report.stamped.append(layout.area)
+        except MdbError as exc:
+            report.error = str(exc)
+        reports.append(report)
+    return reports

@@ -1,0 +1,215 @@
+"""Store: the one object application code holds.
+
+It owns the map, the router (with a cached relocation directory) and the engines, and hands
+out briefcase sessions. A session starts with the ownership check on its shard; when the shard
+says the route is stale (a fence, a re-stamped layout), the Store refreshes its routing and
+retries on the right shard before any application code runs, so a stale cache costs a retry,
+never a wrong write.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.engine import Connection
+
+from mdb import dberrors
+from mdb.briefcase import BriefcaseType, registered_types, types_by_area
+from mdb.engines import BEGIN_PRELUDE, BEGIN_RESULT, EngineRegistry
+from mdb.errors import BriefcaseMovingError, RetryableError, RoutingError
+from mdb.gdid import GDID
+from mdb.ownership import check_ownership, ownership_prelude
+from mdb.partition_map import PartitionMap, load_map
+from mdb.relocations import load_relocations
+from mdb.router import Router
+from mdb.session import _INFO_KEY, BriefcaseContext, BriefcaseSession
+
+__all__ = ["Store"]
+
+
+class Store:
+    """Routes briefcase sessions over the servers of a partition map.
+
+    ``types`` are the briefcase types this application uses (default: every type declared so
+    far). ``map_path``, when given, is re-read on refresh so a new map version is picked up.
+    """
+
+    def __init__(
+        self,
+        pmap: PartitionMap,
+        *,
+        types: Sequence[type[BriefcaseType]] | None = None,
+        map_path: str | Path | None = None,
+        max_stale_retries: int = 3,
+        move_wait_seconds: float = 30.0,
+    ) -> None:
+        self._map_path = None if map_path is None else Path(map_path)
+        self._router = Router(pmap)
+        self.engines = EngineRegistry.for_map(pmap)
+        self.types: list[type[BriefcaseType]] = list(registered_types() if types is None else types)
+        self.types_by_area = types_by_area(self.types)
+        self.max_stale_retries = max_stale_retries
+        self.move_wait_seconds = move_wait_seconds
+        self._relocations_loaded = False
+        self._refresh_lock = threading.Lock()
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **kwargs: Any) -> Store:
+        return cls(load_map(path), map_path=path, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Store(map_version={self.map.version}, servers={len(self.map.servers)}, types={[t.__name__ for t in self.types]})"
+
+    # -- routing -----------------------------------------------------------------------------
+
+    @property
+    def router(self) -> Router:
+        if not self._relocations_loaded:
+            self.refresh()
+        return self._router
+
+    @property
+    def map(self) -> PartitionMap:
+        return self._router.map
+
+    def refresh(self) -> None:
+        """Reload the map file (when it has a newer version) and the relocation directory."""
+        with self._refresh_lock:
+            pmap = self._router.map
+            if self._map_path is not None:
+                candidate = load_map(self._map_path)
+                if candidate.version > pmap.version:
+                    pmap = candidate
+                    self.engines.update(pmap.servers)
+            self._router = Router(pmap, self._load_relocations(Router(pmap)))
+            self._relocations_loaded = True
+
+    def _load_relocations(self, router: Router) -> dict[tuple[str, GDID], str]:
+        connections: list[Connection] = []
+        server = "?"
+        try:
+            for server in router.central_servers():
+                connections.append(self.connect(server))
+            return dict(load_relocations(connections))
+        except Exception as exc:
+            translated = dberrors.translate(server, exc)
+            if translated is not None:
+                raise translated from None
+            raise
+        finally:
+            for conn in connections:
+                conn.close()
+
+    def types_of(self, area: str) -> list[type[BriefcaseType]]:
+        return self.types_by_area.get(area, [])
+
+    # -- connections -------------------------------------------------------------------------
+
+    def engine(self, server: str, readonly: bool = False) -> Engine:
+        return self.engines.engine(server, readonly)
+
+    def connect(self, server: str, readonly: bool = False) -> Connection:
+        """A pooled connection to a server, with driver errors turned into mdb errors."""
+        try:
+            return self.engines.engine(server, readonly).connect()
+        except Exception as exc:
+            translated = dberrors.translate(server, exc)
+            if translated is not None:
+                raise translated from None
+            raise
+
+    @contextmanager
+    def transaction(self, server: str, readonly: bool = False) -> Iterator[Connection]:
+        """A Core connection in one transaction on ``server`` (commit on success)."""
+        conn = self.connect(server, readonly)
+        try:
+            with conn.begin():
+                yield conn
+        except Exception as exc:
+            translated = dberrors.translate(server, exc)
+            if translated is not None:
+                raise translated from None
+            raise
+        finally:
+            conn.close()
+
+    # -- briefcase sessions ------------------------------------------------------------------
+
+    @contextmanager
+    def briefcase(
+        self, btype: type[BriefcaseType], gdid: GDID | str, *, readonly: bool = False
+    ) -> Iterator[BriefcaseSession]:
+        """A Session on the briefcase's shard, in one transaction: commit on success, rollback on error.
+
+        ``readonly`` reads from the server's replica when the map has one.
+        """
+        gid = gdid if isinstance(gdid, GDID) else GDID.parse(gdid)
+        if btype not in self.types_of(btype.area):
+            raise RoutingError(f"briefcase type {btype.__name__} is not registered with this Store")
+        session, conn = self._open(btype, gid, readonly)
+        server = session.placement.server
+        try:
+            yield session
+            session.flush()
+            conn.commit()
+        except Exception as exc:
+            if conn.in_transaction():
+                conn.rollback()
+            translated = dberrors.translate(server, exc)
+            if translated is not None:
+                raise translated from exc
+            raise
+        finally:
+            session.close()
+            conn.close()
+
+    def _open(self, btype: type[BriefcaseType], gdid: GDID, readonly: bool) -> tuple[BriefcaseSession, Connection]:
+        stale_retries = 0
+        deadline = time.monotonic() + self.move_wait_seconds
+        delay = 0.01
+        while True:
+            router = self.router
+            placement = router.locate(btype.area, gdid)
+            conn = self.connect(placement.server, readonly)
+            backend = conn.dialect.name
+            conn.info[BEGIN_PRELUDE] = ownership_prelude(backend, placement, lock=not readonly)
+            try:
+                conn.begin()
+                check_ownership(conn.info.pop(BEGIN_RESULT, None), placement, router.version)
+            except RetryableError as exc:
+                conn.close()
+                if isinstance(exc, BriefcaseMovingError):
+                    if time.monotonic() + delay > deadline:
+                        raise
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.5)
+                else:
+                    stale_retries += 1
+                    if stale_retries > self.max_stale_retries:
+                        raise
+                self.refresh()
+                continue
+            except Exception as exc:
+                conn.close()
+                translated = dberrors.translate(placement.server, exc)
+                if translated is not None:
+                    raise translated from None
+                raise
+            session = BriefcaseSession(bind=conn, join_transaction_mode="rollback_only", expire_on_commit=False)
+            session.info[_INFO_KEY] = BriefcaseContext(btype, gdid, placement, readonly)
+            return session, conn
+
+    def close(self) -> None:
+        self.engines.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

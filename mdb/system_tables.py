@@ -1,0 +1,78 @@
+"""mdb's own tables.
+
+``shard_metadata`` lives on every server: the ownership stamp each session checks
+(``mdb_shard_layout``) and the per-briefcase exceptions to default routing
+(``mdb_briefcase_state``: fences, incoming copies, relocated residents). ``central_metadata``
+lives on the CENTRAL shards only; feature modules (GDID sequences, indexes, the relocation
+directory, the move journal) define their tables on it, and :func:`load_system_tables`
+imports them so that ``mdb schema apply`` creates every one of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Final
+
+from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table, func
+
+from mdb.sqltypes import GDIDType
+
+__all__ = [
+    "CENTRAL_TABLE_MODULES",
+    "STATE_GONE",
+    "STATE_INCOMING",
+    "STATE_RESIDENT",
+    "briefcase_state",
+    "central_metadata",
+    "load_system_tables",
+    "shard_layout",
+    "shard_metadata",
+]
+
+shard_metadata = MetaData()
+central_metadata = MetaData()
+
+shard_layout = Table(
+    "mdb_shard_layout",
+    shard_metadata,
+    Column("area", String(63), primary_key=True),
+    Column("partition_start", GDIDType, nullable=False),
+    # Exclusive end of the partition (next start or next breakpoint); NULL = open-ended. A new
+    # partition above the high-water mark bounds the old last one, and the end in the stamp
+    # makes a process still holding the old map notice.
+    Column("partition_end", GDIDType, nullable=True),
+    Column("shard_index", Integer, nullable=False),
+    Column("shard_count", Integer, nullable=False),
+    Column("map_version", Integer, nullable=False),
+    Column("stamped_at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
+)
+
+STATE_GONE: Final = "gone"
+"""Fence: the briefcase left this shard for ``peer``. Written at a move's commit point."""
+STATE_INCOMING: Final = "incoming"
+"""A copy is being made here by move ``move_id``; not authoritative until the move finalizes."""
+STATE_RESIDENT: Final = "resident"
+"""The briefcase lives here although the map's default shard is another one (a relocation)."""
+
+briefcase_state = Table(
+    "mdb_briefcase_state",
+    shard_metadata,
+    Column("area", String(63), primary_key=True),
+    Column("gdid", GDIDType, primary_key=True),
+    Column("state", String(16), nullable=False),
+    Column("peer", String(63), nullable=True),
+    Column("move_id", String(64), nullable=True),
+    Column("changed_at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
+)
+
+CENTRAL_TABLE_MODULES: Final[tuple[str, ...]] = (
+    "mdb.relocations",
+)
+"""Modules that define tables on ``central_metadata``; add yours here."""
+
+
+def load_system_tables() -> tuple[MetaData, MetaData]:
+    """Import every module that defines system tables, then return (shard, central) metadata."""
+    for module in CENTRAL_TABLE_MODULES:
+        importlib.import_module(module)
+    return shard_metadata, central_metadata
