@@ -28,7 +28,11 @@ def _decimal(part: str, name: str, limit: int, source: str) -> int:
     # isdigit() alone would accept non-ASCII digits such as '²'; only ASCII decimals are valid.
     if not text or not (text.isascii() and text.isdigit()):
         raise GDIDError(f"invalid GDID {source!r}: {name} must be a decimal number, got {part!r}")
-    value = int(text)
+    # int() refuses strings over 4300 digits with a plain ValueError; no valid part is that long.
+    digits = text.lstrip("0") or "0"
+    if len(digits) > len(str(limit)):
+        raise GDIDError(f"invalid GDID {source!r}: {name} has {len(digits)} digits, above its maximum {limit}")
+    value = int(digits)
     if value > limit:
         raise GDIDError(f"invalid GDID {source!r}: {name} {value} is above its maximum {limit}")
     return value
