@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 Path_ = tuple[str | int, ...]
+_MAX_SHARDING_VALUE = GDID(2**32 - 1, 0, 2**60 - 1).sharding_value  # era * 2^60 + counter
 
 
 class _Strict(BaseModel):
@@ -70,8 +71,8 @@ class RangeSetSpec(_Strict):
 
 class AreaSpec(_Strict):
     kind: Literal["partitioned", "central"] = "partitioned"
-    partitions: tuple[PartitionSpec, ...] | None = None
-    range_sets: tuple[RangeSetSpec, ...] | None = None
+    partitions: Annotated[tuple[PartitionSpec, ...], Field(min_length=1)] | None = None
+    range_sets: Annotated[tuple[RangeSetSpec, ...], Field(min_length=1)] | None = None
     shards: tuple[str, ...] | None = None
 
     def effective_range_sets(self) -> tuple[RangeSetSpec, ...]:
@@ -205,7 +206,7 @@ def _pydantic_problems(exc: ValidationError) -> list[tuple[Path_, str]]:
             problems.append((loc, f"unknown key {loc[-1]!r}"))
         elif err["type"] == "missing":
             problems.append((loc, "required key is missing"))
-        elif err["type"] == "too_short" and loc and loc[-1] in ("shards", "partitions"):
+        elif err["type"] == "too_short" and loc and loc[-1] in ("shards", "partitions", "range_sets"):
             problems.append((loc, f"the {loc[-1]} list is empty"))
         else:
             msg = err["msg"]
@@ -275,7 +276,11 @@ def _semantic_problems(m: PartitionMap) -> list[tuple[Path_, str]]:
                 if p > 0 and part.start.sharding_value <= rs.partitions[p - 1].start.sharding_value:
                     kind = "duplicate" if part.start.sharding_value == rs.partitions[p - 1].start.sharding_value else "unsorted"
                     problems.append((p_path + ("start",), f"{kind} partition start {part.start}: starts must strictly increase (previous is {rs.partitions[p - 1].start})"))
+                if r > 0 and p == 0 and part.start.sharding_value != 0:
+                    problems.append((p_path + ("start",), f"the first partition of range set {rs.breakpoint} must start at offset 0:0:0, or the GDIDs from the breakpoint up to {part.start} past it could not be routed"))
                 absolute = rs.breakpoint.sharding_value + part.start.sharding_value
+                if absolute > _MAX_SHARDING_VALUE:
+                    problems.append((p_path + ("start",), f"partition start {part.start} (offset from breakpoint {rs.breakpoint}) lies past the largest GDID"))
                 if limit is not None and absolute >= limit:
                     problems.append((p_path + ("start",), f"partition start {part.start} (offset from breakpoint {rs.breakpoint}) lies at or past the next breakpoint, so no GDID could reach it"))
                 for s, server in enumerate(part.shards):
@@ -290,6 +295,8 @@ def parse_map(text: str, source: str = "<map>") -> PartitionMap:
         raise MapError(_format(source, problems, located.lines))
     if not isinstance(located.data, dict):
         raise MapError(f"{source}:1: the map must be a mapping with version, servers and areas")
+    if "source" in located.data:  # an internal field, not a key of the file format
+        raise MapError(_format(source, [(("source",), "unknown key 'source'")], located.lines))
     try:
         m = PartitionMap.model_validate({**located.data, "source": source})
     except ValidationError as exc:
