@@ -1,5 +1,6 @@
 """mdb: an MDB-style router that spreads briefcases of relational data over many servers."""
 
+from mdb.briefcase import BriefcaseType
 from mdb.engines import EngineRegistry
 from mdb.errors import (
     BriefcaseMovingError,
@@ -17,11 +18,15 @@ from mdb.errors import (
 from mdb.gdid import GDID
 from mdb.partition_map import PartitionMap, load_map, parse_map
 from mdb.router import CentralPlacement, Placement, Router, ShardLayout
+from mdb.session import BriefcaseSession
 from mdb.sqltypes import GDIDType
+from mdb.store import Store
 from mdb.urls import mask_url
 
 __all__ = [
     "BriefcaseMovingError",
+    "BriefcaseSession",
+    "BriefcaseType",
     "CentralPlacement",
     "CrossBriefcaseError",
     "EngineRegistry",
@@ -40,6 +45,7 @@ __all__ = [
     "ServerUnavailableError",
     "ShardLayout",
     "StaleRouteError",
+    "Store",
     "load_map",
     "mask_url",
     "parse_map",
