@@ -35,6 +35,13 @@ def sqlalchemy_url(url: str) -> URL:
     parsed = make_url(url)
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() == "postgresql" and "password" in parsed.query:
+        # libpq's ?password= means the same as the userinfo password (and wins over it, as the
+        # dialect applies query args last). Kept in the query, SQLAlchemy would print it in
+        # repr(engine) and str(url); as the URL's password it is masked there.
+        value = parsed.query["password"]
+        password = value[-1] if isinstance(value, tuple) else value
+        parsed = parsed.difference_update_query(["password"]).set(password=password)
     return parsed
 
 
