@@ -33,6 +33,21 @@ class GDIDType(TypeDecorator[GDID]):
             raise TypeError(f"GDIDType column expects a GDID, got {type(value).__name__}: {value!r}")
         return bytes(value)
 
+    def literal_processor(self, dialect: Dialect) -> Any:
+        # LargeBinary's own literal rendering quotes the raw bytes as a text string, so a
+        # statement compiled with literal_binds would silently compare against the wrong value.
+        def process(value: Any) -> str:
+            if value is None:
+                return "NULL"
+            gdid = GDID.parse(value) if isinstance(value, str) else value
+            if not isinstance(gdid, GDID):
+                raise TypeError(f"GDIDType column expects a GDID, got {type(value).__name__}: {value!r}")
+            if dialect.name == "postgresql":
+                return f"'\\x{gdid.hex}'::bytea"
+            return f"X'{gdid.hex}'"
+
+        return process
+
     def process_result_value(self, value: Any, dialect: Dialect) -> GDID | None:
         if value is None:
             return None
