@@ -23,6 +23,7 @@ from mdb import dberrors
 from mdb.briefcase import BriefcaseType, registered_types, types_by_area
 from mdb.engines import BEGIN_PRELUDE, BEGIN_RESULT, EngineRegistry
 from mdb.errors import BriefcaseMovingError, RetryableError, RoutingError
+from mdb.fanout import FanOutResult, fan_out
 from mdb.gdid import GDID
 from mdb.ownership import check_ownership, ownership_prelude
 from mdb.partition_map import PartitionMap, load_map
@@ -138,6 +139,12 @@ class Store:
             raise
         finally:
             conn.close()
+
+    # -- fan-out reads -----------------------------------------------------------------------
+
+    def fan_out(self, area: str, statement: Any, **kwargs: Any) -> FanOutResult:
+        """Run one select() on every shard of ``area`` and merge the rows (:func:`mdb.fanout.fan_out`)."""
+        return fan_out(self, area, statement, **kwargs)
 
     # -- briefcase sessions ------------------------------------------------------------------
 

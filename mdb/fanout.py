@@ -1,0 +1,561 @@
+"""Fan-out reads: one SELECT run on every shard of an area, merged as one database would answer.
+
+SQLAlchemy's horizontal_shard extension concatenates per-shard results, so ``ORDER BY ... LIMIT
+10`` over three shards gives up to 30 rows in shard order. Here each shard gets the statement
+with ``LIMIT limit+offset`` (and no OFFSET), the per-shard sorted streams are k-way merged in
+the global order, and OFFSET/LIMIT are applied once to the merged stream. Aggregates
+(count, sum, min, max, avg) are computed per shard and combined (avg as sum/count).
+
+Which shards: every server of the area's partitions (only partitions that can hold a GDID at or
+past ``from_gdid`` when it is given) plus every server the relocation directory names for the
+area. Rows of briefcases that are being copied onto a shard (``mdb_briefcase_state`` says
+'incoming') are filtered out there: the source still holds the authoritative copy.
+
+A fan-out read is NOT a consistent snapshot: each shard is read in its own transaction, at
+slightly different moments (see docs/fan-out.md).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from decimal import Decimal
+from itertools import chain, islice
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Enum, String, and_, func, or_, select
+from sqlalchemy import inspect as sa_inspect
+from sqlalchemy.engine import Row
+from sqlalchemy.engine.result import IteratorResult, SimpleResultMetaData
+from sqlalchemy.exc import CompileError
+from sqlalchemy.orm import Session
+from sqlalchemy.sql import operators
+from sqlalchemy.sql.elements import ColumnElement, Label, UnaryExpression, _textual_label_reference
+from sqlalchemy.sql.functions import FunctionElement
+from sqlalchemy.sql.schema import Table
+from sqlalchemy.sql.selectable import Alias, Join, Select
+
+from mdb import dberrors
+from mdb.errors import MdbError, QueryError
+from mdb.gdid import GDID, MAX_AUTHORITY, MAX_COUNTER, MAX_ERA
+from mdb.router import Router
+from mdb.system_tables import STATE_INCOMING, briefcase_state
+from mdb.urls import mask_secrets
+
+if TYPE_CHECKING:
+    from mdb.store import Store
+
+__all__ = ["FanOutResult", "ShardFailure", "fan_out", "fan_out_aggregate", "fan_out_servers"]
+
+AGGREGATES = frozenset({"count", "sum", "min", "max", "avg"})
+# Aggregates that cannot be combined from per-shard partial results: refused, not mis-combined.
+_OTHER_AGGREGATES = frozenset(
+    {"array_agg", "string_agg", "group_concat", "bool_and", "bool_or", "every", "json_agg", "jsonb_agg",
+     "stddev", "stddev_pop", "stddev_samp", "variance", "var_pop", "var_samp", "percentile_cont",
+     "percentile_disc", "mode", "total"}
+)
+DEFAULT_MAX_WORKERS = 16
+
+
+@dataclass(frozen=True)
+class ShardFailure:
+    """A shard whose part of a fan-out failed; ``error`` is masked (no secrets)."""
+
+    server: str
+    error: str
+
+
+@dataclass
+class FanOutResult:
+    """Merged rows of a fan-out, plus the shards that failed (only with ``allow_partial``)."""
+
+    rows: list[Row[Any]]
+    failed: list[ShardFailure] = field(default_factory=list)
+    servers: list[str] = field(default_factory=list)
+    """The servers that were queried (failed ones included)."""
+
+    @property
+    def complete(self) -> bool:
+        return not self.failed
+
+    def scalars(self) -> list[Any]:
+        """The first element of each row (e.g. the ORM objects of ``select(Order)``)."""
+        return [row[0] for row in self.rows]
+
+    def __iter__(self) -> Iterator[Row[Any]]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+# -- which shards -------------------------------------------------------------------------------
+
+
+def fan_out_servers(router: Router, area: str, from_gdid: GDID | None = None) -> list[str]:
+    """Servers holding data of ``area`` (from ``from_gdid`` on, in sharding order), deduplicated.
+
+    Map order first (partition by partition), then relocation targets in directory order.
+    """
+    v = None if from_gdid is None else from_gdid.sharding_value
+    out: dict[str, None] = {}
+    for _start, end, shards in router.partitions(area):
+        if v is not None and end is not None and end.sharding_value <= v:
+            continue
+        out.update(dict.fromkeys(shards))
+    for (reloc_area, gdid), server in router.relocations.items():
+        if reloc_area == area and (v is None or gdid.sharding_value >= v):
+            out[server] = None
+    return list(out)
+
+
+def _from_condition(key: ColumnElement[Any], start: GDID) -> ColumnElement[bool]:
+    """``sharding_value(key) >= sharding_value(start)`` as byte-range predicates on the GDID column.
+
+    GDIDs are stored as 12 bytes ordered by (era, authority, counter), but routing orders them
+    by (era, counter): authority never influences placement. So "from this GDID on" is, per
+    authority, one byte range in the start's era, plus everything in later eras.
+    """
+    if start.counter == 0:
+        return key >= GDID(start.era, 0, 0)
+    ranges = [key.between(GDID(start.era, a, start.counter), GDID(start.era, a, MAX_COUNTER)) for a in range(MAX_AUTHORITY + 1)]
+    if start.era < MAX_ERA:
+        ranges.append(key >= GDID(start.era + 1, 0, 0))
+    return or_(*ranges)
+
+
+# -- statement rewriting -----------------------------------------------------------------------
+
+
+def _briefcase_columns(statement: Select[Any], keys: dict[str, str]) -> list[tuple[ColumnElement[Any], bool]]:
+    """(key column, nullable side of an outer join) of each briefcase table in the statement's FROM."""
+    out: list[tuple[ColumnElement[Any], bool]] = []
+
+    def walk(from_: Any, nullable: bool) -> None:
+        if isinstance(from_, Join):
+            walk(from_.left, nullable or from_.full)
+            walk(from_.right, nullable or from_.isouter or from_.full)
+            return
+        table = from_.element if isinstance(from_, Alias) else from_
+        if isinstance(table, Table) and table.name in keys and keys[table.name] in from_.c:
+            out.append((from_.c[keys[table.name]], nullable))
+
+    try:
+        froms = statement.get_final_froms()
+    except CompileError as exc:
+        raise QueryError(f"fan-out statement does not compile: {exc}") from None
+    for from_ in froms:
+        walk(from_, False)
+    return out
+
+
+def _restrict(statement: Select[Any], store: Store, area: str, from_gdid: GDID | None) -> Select[Any]:
+    """Add the 'not incoming here' filter (and the from-GDID range) for every briefcase table."""
+    keys = {t.name: btype.key for btype in store.types_of(area) for t in btype.tables}
+    columns = _briefcase_columns(statement, keys)
+    if not columns:
+        known = ", ".join(sorted(keys)) or "none registered"
+        raise QueryError(
+            f"fan-out over area {area!r}: the statement reads no briefcase table of the area "
+            f"(tables of its briefcase types: {known})"
+        )
+    incoming = select(briefcase_state.c.gdid).where(
+        briefcase_state.c.area == area, briefcase_state.c.state == STATE_INCOMING
+    )
+    conditions = []
+    for column, nullable in columns:
+        condition: ColumnElement[bool] = column.not_in(incoming)
+        if from_gdid is not None:
+            condition = and_(condition, _from_condition(column, from_gdid))
+        conditions.append(or_(column.is_(None), condition) if nullable else condition)
+    return statement.where(*conditions)
+
+
+@dataclass(frozen=True)
+class _Order:
+    """One ORDER BY term: how to read its value off a result row, and where it sorts."""
+
+    get: Callable[[Row[Any]], Any]
+    descending: bool
+    nulls_first: bool
+    sql: ColumnElement[Any]  # the expression itself (labels resolved), for the per-shard rewrite
+    position: int | None  # the row position it reads, when it reads a whole column
+
+
+def _unwrap(clause: Any) -> tuple[Any, bool, bool | None]:
+    descending, nulls_first = False, None
+    while isinstance(clause, UnaryExpression) and clause.modifier in (
+        operators.asc_op, operators.desc_op, operators.nulls_first_op, operators.nulls_last_op,
+    ):
+        if clause.modifier is operators.desc_op:
+            descending = True
+        elif clause.modifier is operators.nulls_first_op:
+            nulls_first = True
+        elif clause.modifier is operators.nulls_last_op:
+            nulls_first = False
+        clause = clause.element
+    return clause, descending, nulls_first
+
+
+def _clause(expr: Any) -> Any:
+    return expr.__clause_element__() if hasattr(expr, "__clause_element__") else expr
+
+
+def _resolve(term: Any, descriptions: Sequence[dict[str, Any]]) -> tuple[Callable[[Row[Any]], Any], ColumnElement[Any], int | None]:
+    """Find an ORDER BY term among the statement's result columns (by label, identity or structure)."""
+    name: str | None = None
+    if isinstance(term, _textual_label_reference):
+        name = term.element
+    elif isinstance(term, Label):
+        name = term.name
+    for i, d in enumerate(descriptions):
+        expr = _clause(d["expr"])
+        is_entity = d["entity"] is not None and d["expr"] is d["entity"]
+        if is_entity:
+            ann = getattr(term, "_annotations", {})
+            parent = ann.get("parententity")
+            if parent is not None and parent is sa_inspect(d["entity"]) and "proxy_key" in ann:
+                key = ann["proxy_key"]
+                return (lambda row, i=i, key=key: getattr(row[i], key)), term, None
+            continue
+        if (name is not None and d["name"] == name) or expr is term or (
+            isinstance(term, ColumnElement) and expr.compare(term)
+        ):
+            sql = expr.element if isinstance(expr, Label) else expr
+            return (lambda row, i=i: row[i]), sql, i
+        if isinstance(expr, Label) and isinstance(term, ColumnElement) and expr.element.compare(term):
+            return (lambda row, i=i: row[i]), expr.element, i
+    shown = name if name is not None else str(term)
+    raise QueryError(
+        f"fan-out cannot merge by ORDER BY {shown!r}: order by a selected column, an attribute of a "
+        f"selected entity, or a selected labelled expression (the merge reads sort values off the rows)"
+    )
+
+
+def _orders(statement: Select[Any], descriptions: Sequence[dict[str, Any]]) -> list[_Order]:
+    out = []
+    for clause in statement._order_by_clauses:
+        term, descending, nulls_first = _unwrap(clause)
+        get, sql, position = _resolve(term, descriptions)
+        # Unspecified NULL placement: PostgreSQL's rule (NULL sorts above every value), made
+        # explicit on every shard so SQLite shards and the merge agree with it.
+        out.append(_Order(get, descending, descending if nulls_first is None else nulls_first, sql, position))
+    return out
+
+
+def _is_string(expr: ColumnElement[Any]) -> bool:
+    return isinstance(expr.type, String) and not isinstance(expr.type, Enum)
+
+
+def _shard_order_by(orders: list[_Order], backend: str) -> list[ColumnElement[Any]]:
+    """ORDER BY terms for a shard: explicit NULL placement; binary string order on PostgreSQL.
+
+    The merge compares Python values, and Python orders str by code point: PostgreSQL's
+    ``COLLATE "C"`` is that order (UTF-8 bytes), SQLite's default BINARY collation already is.
+    """
+    terms = []
+    for o in orders:
+        expr = o.sql
+        if backend == "postgresql" and _is_string(expr):
+            expr = expr.collate("C")
+        term = expr.desc() if o.descending else expr.asc()
+        terms.append(term.nulls_first() if o.nulls_first else term.nulls_last())
+    return terms
+
+
+class _SortKey:
+    """Row ordering of the merge: per term, direction and NULL placement as the shards used."""
+
+    __slots__ = ("values", "orders")
+
+    def __init__(self, row: Row[Any], orders: list[_Order]) -> None:
+        self.values = [o.get(row) for o in orders]
+        self.orders = orders
+
+    def __lt__(self, other: _SortKey) -> bool:
+        for o, a, b in zip(self.orders, self.values, other.values):
+            if a is None or b is None:
+                if a is None and b is None:
+                    continue
+                return (a is None) == o.nulls_first
+            if a == b:
+                continue
+            return bool(a > b) if o.descending else bool(a < b)
+        return False
+
+
+def _limits(statement: Select[Any]) -> tuple[int | None, int]:
+    if statement._fetch_clause is not None:
+        raise QueryError("fan-out does not support FETCH FIRST; use .limit()")
+    try:
+        limit, offset = statement._limit, statement._offset
+    except CompileError as exc:
+        raise QueryError(f"fan-out needs literal integers for LIMIT and OFFSET: {exc}") from None
+    return limit, offset or 0
+
+
+# -- running on the shards ---------------------------------------------------------------------
+
+
+def _run(store: Store, server: str, statement: Select[Any], readonly: bool) -> list[Row[Any]]:
+    conn = store.connect(server, readonly)
+    try:
+        with conn.begin():
+            session = Session(bind=conn, expire_on_commit=False)
+            try:
+                return list(session.execute(statement).all())
+            finally:
+                session.close()
+    except MdbError:
+        raise
+    except Exception as exc:
+        translated = dberrors.translate(server, exc)
+        if translated is not None:
+            raise translated from None
+        raise
+    finally:
+        conn.close()
+
+
+def _dedupe_by_url(store: Store, servers: list[str], readonly: bool) -> list[str]:
+    # Two server names for one database would count its rows twice.
+    seen: set[str] = set()
+    out = []
+    for server in servers:
+        spec = store.engines.spec(server)
+        url = spec.replica if readonly and spec.replica else spec.primary
+        if url not in seen:
+            seen.add(url)
+            out.append(server)
+    return out
+
+
+def _gather(
+    store: Store,
+    servers: list[str],
+    build: Callable[[str], Select[Any]],
+    readonly: bool,
+    allow_partial: bool,
+    max_workers: int | None,
+) -> tuple[list[list[Row[Any]]], list[ShardFailure]]:
+    statements: dict[str, Select[Any]] = {}
+    per_server = {}
+    for server in servers:
+        backend = store.engines.backend(server)
+        if backend not in statements:
+            statements[backend] = build(backend)
+        per_server[server] = statements[backend]
+    workers = max(1, min(len(servers), max_workers or DEFAULT_MAX_WORKERS))
+    results: list[list[Row[Any]]] = []
+    errors: list[tuple[str, MdbError]] = []
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mdb-fanout") as pool:
+        futures = [(s, pool.submit(_run, store, s, per_server[s], readonly)) for s in servers]
+        for server, future in futures:
+            try:
+                results.append(future.result())
+            except MdbError as exc:  # translated: names the server, masked
+                errors.append((server, exc))
+    if errors and not allow_partial:
+        first = errors[0][1]
+        if len(errors) > 1:
+            first.add_note("fan-out: other failed shards: " + "; ".join(mask_secrets(str(e)) for _, e in errors[1:]))
+        raise first
+    return results, [ShardFailure(server, mask_secrets(str(exc))) for server, exc in errors]
+
+
+def fan_out(
+    store: Store,
+    area: str,
+    statement: Select[Any],
+    *,
+    aggregate: bool = False,
+    from_gdid: GDID | str | None = None,
+    readonly: bool = False,
+    allow_partial: bool = False,
+    max_workers: int | None = None,
+) -> FanOutResult:
+    """Run ``statement`` on every shard of ``area`` in parallel and merge as one database would.
+
+    Rows come back in the statement's ORDER BY (k-way merge), with LIMIT/OFFSET applied to the
+    merged stream. ``aggregate=True`` combines count/sum/min/max/avg (optionally grouped) across
+    shards. ``from_gdid`` limits the read to partitions (and rows) from that GDID on, in routing
+    order. ``readonly`` reads replicas where the map has them. A failed shard raises its
+    :class:`~mdb.errors.ServerUnavailableError` (or ``SchemaError``), naming the server, unless
+    ``allow_partial``: then the result lists it in ``failed`` and holds the other shards' rows.
+    """
+    if not isinstance(statement, Select):
+        raise QueryError(f"fan-out runs a SQLAlchemy select(), got {type(statement).__name__}")
+    start = GDID.parse(from_gdid) if isinstance(from_gdid, str) else from_gdid
+    servers = _dedupe_by_url(store, fan_out_servers(store.router, area, start), readonly)
+    restricted = _restrict(statement, store, area, start)
+    if aggregate:
+        rows, failed = _aggregate(store, servers, statement, restricted, readonly, allow_partial, max_workers)
+        return FanOutResult(rows, failed, servers)
+    _refuse_aggregates(statement)
+    descriptions = statement.column_descriptions
+    orders = _orders(statement, descriptions)
+    limit, offset = _limits(statement)
+
+    def build(backend: str) -> Select[Any]:
+        shard = restricted.offset(None)
+        if limit is not None:
+            shard = shard.limit(limit + offset)
+        if orders:
+            shard = shard.order_by(None).order_by(*_shard_order_by(orders, backend))
+        return shard
+
+    per_shard, failed = _gather(store, servers, build, readonly, allow_partial, max_workers)
+    merged: Iterator[Row[Any]]
+    if orders:
+        merged = heapq.merge(*per_shard, key=lambda row: _SortKey(row, orders))
+    else:
+        merged = chain.from_iterable(per_shard)
+    rows = list(islice(merged, offset, None if limit is None else offset + limit))
+    return FanOutResult(rows, failed, servers)
+
+
+def fan_out_aggregate(store: Store, area: str, statement: Select[Any], **kwargs: Any) -> FanOutResult:
+    """``fan_out(..., aggregate=True)``: combine count/sum/min/max/avg across shards."""
+    return fan_out(store, area, statement, aggregate=True, **kwargs)
+
+
+# -- aggregates --------------------------------------------------------------------------------
+
+
+def _function(expr: Any) -> FunctionElement[Any] | None:
+    inner = expr.element if isinstance(expr, Label) else expr
+    return inner if isinstance(inner, FunctionElement) else None
+
+
+def _function_name(fn: FunctionElement[Any]) -> str:
+    return str(getattr(fn, "name", "")).lower()
+
+
+def _refuse_aggregates(statement: Select[Any]) -> None:
+    if statement._group_by_clauses:
+        raise QueryError("a GROUP BY statement groups per shard: pass aggregate=True to combine groups across shards")
+    for column in statement.selected_columns:
+        fn = _function(column)
+        if fn is not None and _function_name(fn) in AGGREGATES | _OTHER_AGGREGATES:
+            raise QueryError(
+                f"{_function_name(fn)}() would be computed per shard: pass aggregate=True to combine it across shards"
+            )
+
+
+@dataclass(frozen=True)
+class _AggSpec:
+    kind: str  # "group" or an aggregate name
+    positions: tuple[int, ...]  # columns of the per-shard row it reads
+
+
+def _has_distinct(fn: FunctionElement[Any]) -> bool:
+    return any(
+        isinstance(arg, UnaryExpression) and arg.operator is operators.distinct_op for arg in fn.clauses.clauses
+    )
+
+
+def _aggregate_plan(statement: Select[Any]) -> tuple[list[str], list[ColumnElement[Any]], list[_AggSpec]]:
+    if statement._having_criteria:
+        raise QueryError("fan-out aggregates cannot apply HAVING to per-shard partial groups; filter the combined rows")
+    if statement._distinct:
+        raise QueryError("fan-out aggregates do not support SELECT DISTINCT")
+    for d in statement.column_descriptions:
+        if d["entity"] is not None and d["expr"] is d["entity"]:
+            raise QueryError(f"fan-out aggregates select columns, not the entity {d['name']}")
+    groups = [_clause(g) for g in statement._group_by_clauses]
+    names = list(statement.selected_columns.keys())
+    shard_columns: list[ColumnElement[Any]] = []
+    specs: list[_AggSpec] = []
+    grouped: list[ColumnElement[Any]] = []
+    for i, column in enumerate(statement.selected_columns):
+        fn = _function(column)
+        kind = None if fn is None else _function_name(fn)
+        if fn is not None and kind in AGGREGATES:
+            if _has_distinct(fn):
+                raise QueryError(f"{kind}(DISTINCT ...) cannot be combined across shards (a value may be on several)")
+            if kind == "avg":
+                args = list(fn.clauses.clauses)
+                pos = len(shard_columns)
+                shard_columns += [func.sum(*args).label(f"_mdb_sum_{i}"), func.count(*args).label(f"_mdb_n_{i}")]
+                specs.append(_AggSpec("avg", (pos, pos + 1)))
+            else:
+                specs.append(_AggSpec(kind, (len(shard_columns),)))
+                shard_columns.append(column)
+            continue
+        inner = column.element if isinstance(column, Label) else column
+        if not any(inner.compare(g) or column.compare(g) for g in groups):
+            raise QueryError(
+                f"cannot combine column {names[i]!r} across shards: select count/sum/min/max/avg or a GROUP BY expression"
+            )
+        grouped.append(inner)
+        specs.append(_AggSpec("group", (len(shard_columns),)))
+        shard_columns.append(column)
+    for g in groups:
+        if not any(g.compare(s) for s in grouped):
+            raise QueryError(f"GROUP BY {g} must also be selected, so groups from different shards can be matched")
+    return names, shard_columns, specs
+
+
+def _add(kind: str, acc: Any, value: Any) -> Any:
+    if value is None:
+        return acc
+    if acc is None:
+        return value
+    if kind in ("count", "sum"):
+        return acc + value
+    if kind == "min":
+        return value if value < acc else acc
+    return value if value > acc else acc  # max
+
+
+def _average(total: Any, count: int) -> Any:
+    if not count or total is None:
+        return None
+    if isinstance(total, float):
+        return total / count
+    return Decimal(total) / Decimal(count)
+
+
+def _aggregate(
+    store: Store,
+    servers: list[str],
+    statement: Select[Any],
+    restricted: Select[Any],
+    readonly: bool,
+    allow_partial: bool,
+    max_workers: int | None,
+) -> tuple[list[Row[Any]], list[ShardFailure]]:
+    names, shard_columns, specs = _aggregate_plan(statement)
+    orders = _orders(statement, statement.column_descriptions)
+    limit, offset = _limits(statement)
+    shard_statement = (
+        restricted.with_only_columns(*shard_columns, maintain_column_froms=True).order_by(None).limit(None).offset(None)
+    )
+    per_shard, failed = _gather(store, servers, lambda _backend: shard_statement, readonly, allow_partial, max_workers)
+    group_positions = [s.positions[0] for s in specs if s.kind == "group"]
+    combined: dict[tuple[Any, ...], list[Any]] = {}
+    for row in chain.from_iterable(per_shard):
+        key = tuple(row[p] for p in group_positions)
+        acc = combined.get(key)
+        if acc is None:
+            acc = combined[key] = [None if s.kind != "avg" else [None, 0] for s in specs]
+        for j, spec in enumerate(specs):
+            if spec.kind == "group":
+                acc[j] = row[spec.positions[0]]
+            elif spec.kind == "avg":
+                acc[j][0] = _add("sum", acc[j][0], row[spec.positions[0]])
+                acc[j][1] += row[spec.positions[1]] or 0
+            else:
+                acc[j] = _add(spec.kind, acc[j], row[spec.positions[0]])
+    tuples = []
+    for acc in combined.values():
+        tuples.append(tuple(
+            _average(*value) if spec.kind == "avg" else (value or 0) if spec.kind == "count" else value
+            for spec, value in zip(specs, acc)
+        ))
+    rows = list(IteratorResult(SimpleResultMetaData(names), iter(tuples)).all())
+    if orders:
+        rows.sort(key=lambda row: _SortKey(row, orders))
+    return rows[offset: None if limit is None else offset + limit], failed
