@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Table, insert, inspect as sa_inspect, select
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 
+from mdb.dberrors import describe
 from mdb.errors import MdbError
 from mdb.router import Router, ShardLayout
 from mdb.store import Store
@@ -29,6 +31,9 @@ class ShardReport:
     roles: list[str] = field(default_factory=list)
     created: list[str] = field(default_factory=list)
     stamped: list[str] = field(default_factory=list)
+    """Areas whose layout stamp this run wrote."""
+    kept: list[str] = field(default_factory=list)
+    """Areas already stamped with the same layout (nothing written)."""
     problems: list[str] = field(default_factory=list)
     error: str | None = None
 
@@ -102,13 +107,16 @@ def apply_schema(store: Store) -> list[ShardReport]:
         try:
             with store.transaction(server) as conn:
                 report.created = _create(conn, tables)
+                already = set(conn.execute(select(shard_layout.c.area)).scalars())
                 for layout in layouts.get(server, []):
                     problem = stamp_layout(conn, layout, pmap.version, replace=False)
                     if problem:
                         report.problems.append(problem)
                     else:
-                        report.stamped.append(layout.area)
+                        (report.kept if layout.area in already else report.stamped).append(layout.area)
         except MdbError as exc:
             report.error = str(exc)
+        except DBAPIError as exc:  # e.g. permission denied: this shard's failure, the others proceed
+            report.error = f"server {server!r}: {describe(exc)}"
         reports.append(report)
     return reports

@@ -1,6 +1,7 @@
 """The ``mdb`` command. Each module below registers its commands on the shared typer app."""
 
 from mdb.cli import inspect as _inspect  # noqa: F401  (registers commands)
+from mdb.cli import schema_cmd as _schema_cmd  # noqa: F401
 from mdb.cli.app import app, main
 
 __all__ = ["app", "main"]

@@ -1,0 +1,100 @@
+"""``mdb schema apply MAP``: create mdb's tables and every briefcase type's tables on every shard.
+
+The briefcase types come from the modules the map lists under ``models:`` (and ``--models``),
+imported before the Store opens, so the command knows the application's tables without the
+application running. Shards are independent: one that is down or refuses is reported, the
+others are still done, and the exit code (1) tells scripts that the run is incomplete.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from mdb.briefcase import registered_types
+from mdb.cli.app import app, console, emit_json, fail, open_map
+from mdb.schema import ShardReport, apply_schema
+from mdb.store import Store
+from mdb.urls import mask_secrets
+
+__all__ = ["import_models", "schema_app"]
+
+schema_app = typer.Typer(help="Create mdb's and the briefcase types' tables on every shard.", no_args_is_help=True)
+app.add_typer(schema_app, name="schema")
+
+
+def import_models(modules: list[str]) -> None:
+    """Import the modules that declare briefcase types, so they register; a bad name fails clearly."""
+    for module in dict.fromkeys(modules):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            fail(f"cannot import models module {module!r}: {exc}")
+
+
+def _status(report: ShardReport) -> str:
+    if report.error is not None:
+        return f"[red]failed[/red]: {escape(mask_secrets(report.error))}"
+    if report.problems:
+        return f"[yellow]problems[/yellow]: {escape(mask_secrets('; '.join(report.problems)))}"
+    return "[green]ok[/green]"
+
+
+def _print(reports: list[ShardReport], map_version: int) -> None:
+    table = Table(title=f"schema apply (map version {map_version})")
+    for column in ("server", "url", "roles", "tables created", "stamped areas", "status"):
+        table.add_column(column)
+    for r in reports:
+        stamped = [*(f"{area} (new)" for area in r.stamped), *(f"{area} (kept)" for area in r.kept)]
+        table.add_row(
+            escape(r.server),
+            escape(r.url),
+            escape(", ".join(r.roles)),
+            escape(", ".join(r.created) or "-"),
+            escape(", ".join(stamped) or "-"),
+            _status(r),
+        )
+    console.print(table)
+    bad = [r.server for r in reports if not r.ok]
+    if bad:
+        console.print(f"{len(bad)} of {len(reports)} shards not done: {', '.join(bad)}", markup=False)
+    else:
+        console.print(f"all {len(reports)} shards ok", markup=False)
+
+
+@schema_app.command("apply")
+def schema_apply(
+    map_path: Annotated[str, typer.Argument(metavar="MAP", help="partition map YAML")],
+    models: Annotated[
+        list[str] | None,
+        typer.Option("--models", metavar="MODULE", help="also import this module for briefcase types (repeatable)"),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Create tables on every shard and stamp new shard layouts; idempotent. Exit 1 if a shard failed."""
+    pmap = open_map(map_path)
+    import_models([*pmap.models, *(models or [])])
+    store = Store(pmap, types=registered_types(), map_path=map_path)
+    try:
+        reports = apply_schema(store)
+    finally:
+        store.close()
+    if as_json:
+        emit_json({
+            "map_version": pmap.version,
+            "ok": all(r.ok for r in reports),
+            "shards": [
+                {"server": r.server, "url": r.url, "roles": r.roles, "created": r.created, "stamped": r.stamped,
+                 "kept": r.kept, "problems": [mask_secrets(p) for p in r.problems],
+                 "error": None if r.error is None else mask_secrets(r.error), "ok": r.ok}
+                for r in reports
+            ],
+        })
+    else:
+        _print(reports, pmap.version)
+    if not all(r.ok for r in reports):
+        raise typer.Exit(1)
