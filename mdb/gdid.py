@@ -9,6 +9,8 @@ tests outside the project check them.
 
 from __future__ import annotations
 
+from collections import deque
+from itertools import repeat
 from typing import Any, ClassVar, Final
 
 from mdb.errors import GDIDError
@@ -226,3 +228,30 @@ class GDID:
 
 
 GDID.ZERO = GDID(0, 0, 0)  # type: ignore[attr-defined]
+
+
+# -- trusted construction (for the generator's hot path) ---------------------------------------
+# GDID.__init__ validates every part, which costs more than the rest of handing out an id. The
+# generator builds ids from counters it reserved itself (always in range), so it may skip that.
+# Writing the slots through their descriptors bypasses the immutability guard in __setattr__,
+# and map() over C callables builds a whole run without a Python-level loop.
+
+_new_object = object.__new__
+_set_era = GDID._era.__set__  # type: ignore[attr-defined]
+_set_raw = GDID._raw.__set__  # type: ignore[attr-defined]
+
+
+def _trusted(era: int, raw_id: int) -> GDID:
+    """A GDID from parts known valid (no checks): era 0..2^32-1, raw id 0..2^64-1."""
+    g = _new_object(GDID)
+    _set_era(g, era)
+    _set_raw(g, raw_id)
+    return g
+
+
+def _trusted_run(era: int, raw_start: int, count: int) -> list[GDID]:
+    """``count`` GDIDs of one era with consecutive raw ids from ``raw_start`` (no checks)."""
+    ids: list[GDID] = list(map(_new_object, repeat(GDID, count)))
+    deque(map(_set_era, ids, repeat(era, count)), maxlen=0)
+    deque(map(_set_raw, ids, range(raw_start, raw_start + count)), maxlen=0)
+    return ids
