@@ -46,6 +46,17 @@ class QueryError(MdbError, ValueError):
     """A statement mdb cannot run as asked, e.g. a fan-out whose result it cannot merge correctly."""
 
 
+class DuplicateKeyError(MdbError, ValueError):
+    """A unique CENTRAL index key is already taken (or being taken) by another briefcase."""
+
+    def __init__(self, index: str, key: str, holder: object | None = None) -> None:
+        held = f" by {holder}" if holder is not None else ""
+        super().__init__(f"key {key!r} of CENTRAL index {index!r} is already taken{held}")
+        self.index = index
+        self.key = key
+        self.holder = holder
+
+
 class CrossBriefcaseError(MdbError, ValueError):
     """A session tried to write a row that belongs to another briefcase."""
 
