@@ -1,0 +1,444 @@
+"""Block-allocating GDID generator: never auto-increment.
+
+Auto-increment keys are per server: they collide as soon as a briefcase moves to another server,
+and they make the database the bottleneck of every insert. GDIDs instead come from a *sequence*
+in CENTRAL: one row per (scope, sequence) holding the next free (era, counter). A process
+reserves a *block* of counters with ONE atomic statement (an upsert with RETURNING) and hands
+them out in-process under a lock; the next block is prefetched in a background thread when the
+current one runs low, so callers almost never wait on the database.
+
+Guarantees:
+- a counter is reserved by exactly one reservation (the row update is atomic), so GDIDs are
+  unique across threads, processes and restarts; the unused tail of a block is lost, never reused;
+- counters start at 1, so ``0:0:0`` is never issued;
+- blocks are consumed in the order they were reserved, and the sequence only moves forward, so
+  the GDIDs one generator hands out strictly increase;
+- when a block would pass 2^60-1 it ends at 2^60-1 and the sequence moves to era+1, counter 1.
+
+The row lives on the CENTRAL shard that ``router.locate_central(f"{scope}/{sequence}")`` names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from sqlalchemy import BigInteger, Column, DateTime, String, Table, and_, case, func, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
+
+from mdb.errors import GDIDError
+from mdb.gdid import COUNTER_BITS, MAX_AUTHORITY, MAX_COUNTER, MAX_ERA, GDID, _trusted, _trusted_run
+from mdb.router import Router
+from mdb.system_tables import central_metadata
+
+if TYPE_CHECKING:
+    from mdb.store import Store
+
+__all__ = [
+    "AUTHORITY_ENV",
+    "DEFAULT_BLOCK_SIZE",
+    "Block",
+    "GdidGenerator",
+    "SequenceState",
+    "advance_sequence",
+    "authority_from_env",
+    "generator_for",
+    "read_sequence",
+    "reserve_block",
+    "sequence_key",
+    "sequences",
+]
+
+log = logging.getLogger("mdb.idgen")
+
+DEFAULT_BLOCK_SIZE: Final = 1024
+MAX_BLOCK_SIZE: Final = 2**40
+"""Upper bound of one reservation; keeps ``next_counter + size`` far inside a signed 64-bit int."""
+AUTHORITY_ENV: Final = "MDB_AUTHORITY"
+LOW_WATER: Final = 0.25
+"""Prefetch the next block when less than this share of the current block is left."""
+
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,63}$")
+
+sequences = Table(
+    "mdb_gdid_sequences",
+    central_metadata,
+    Column("scope", String(63), primary_key=True),
+    Column("sequence", String(63), primary_key=True),
+    # The next free position: never issued yet. Only ever moves forward.
+    Column("era", BigInteger, nullable=False),
+    Column("next_counter", BigInteger, nullable=False),
+    # The block the last reservation took; RETURNING reads it, because across an era roll-over
+    # the new (era, next_counter) no longer tells where the block started.
+    Column("block_era", BigInteger, nullable=False),
+    Column("block_start", BigInteger, nullable=False),
+    Column("block_end", BigInteger, nullable=False),
+    Column("reserved_at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """Counters ``start..end`` (inclusive) of ``era``, reserved for one generator."""
+
+    era: int
+    start: int
+    end: int
+
+    def __len__(self) -> int:
+        return self.end - self.start + 1
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceState:
+    """A sequence row: the next free position and the last block reserved."""
+
+    scope: str
+    sequence: str
+    era: int
+    next_counter: int
+    last_block: Block
+
+
+def _check_name(kind: str, value: str) -> None:
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise GDIDError(
+            f"invalid GDID {kind} {value!r}: use 1-63 characters from letters, digits and _ . : -"
+        )
+
+
+def sequence_key(scope: str, sequence: str) -> str:
+    """The CENTRAL key of a sequence row: ``"{scope}/{sequence}"`` (names cannot hold '/')."""
+    _check_name("scope", scope)
+    _check_name("sequence", sequence)
+    return f"{scope}/{sequence}"
+
+
+def _check_block_size(size: int) -> int:
+    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_BLOCK_SIZE:
+        raise GDIDError(f"invalid GDID block size {size!r}: must be an int in 1..{MAX_BLOCK_SIZE}")
+    return size
+
+
+def _check_authority(authority: int, source: str) -> int:
+    if not isinstance(authority, int) or isinstance(authority, bool) or not 0 <= authority <= MAX_AUTHORITY:
+        raise GDIDError(f"invalid GDID authority {authority!r} from {source}: must be an int in 0..{MAX_AUTHORITY}")
+    return authority
+
+
+def authority_from_env() -> int:
+    """The authority nibble from ``MDB_AUTHORITY`` (0 when unset)."""
+    text = os.environ.get(AUTHORITY_ENV)
+    if text is None or not text.strip():
+        return 0
+    if not (text.strip().isascii() and text.strip().isdigit()):
+        raise GDIDError(f"invalid GDID authority {text!r} from ${AUTHORITY_ENV}: must be a number in 0..{MAX_AUTHORITY}")
+    return _check_authority(int(text.strip()), f"${AUTHORITY_ENV}")
+
+
+# -- the sequence table -------------------------------------------------------------------------
+
+
+def _upsert(dialect: str):  # type: ignore[no-untyped-def]
+    if dialect == "postgresql":
+        return postgresql.insert
+    if dialect == "sqlite":
+        return sqlite.insert
+    raise GDIDError(f"GDID sequences need PostgreSQL or SQLite, not {dialect!r}")
+
+
+def reserve_block(conn: Connection, scope: str, sequence: str, size: int) -> Block:
+    """Reserve ``size`` counters with ONE statement; ``conn`` must be in a transaction.
+
+    A new sequence starts at era 0, counter 1. A block that would pass 2^60-1 is cut at 2^60-1
+    (it may be shorter than ``size``) and the sequence moves on to era+1, counter 1.
+    """
+    sequence_key(scope, sequence)
+    _check_block_size(size)
+    t = sequences
+    fits = t.c.next_counter + size <= MAX_COUNTER  # the position after the block is a valid counter
+    stmt = _upsert(conn.dialect.name)(t).values(
+        scope=scope,
+        sequence=sequence,
+        era=0,
+        next_counter=1 + size,
+        block_era=0,
+        block_start=1,
+        block_end=size,
+    )
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[t.c.scope, t.c.sequence],
+        set_={
+            # Every right-hand side reads the row as it was before this statement.
+            "block_era": t.c.era,
+            "block_start": t.c.next_counter,
+            "block_end": case((fits, t.c.next_counter + (size - 1)), else_=MAX_COUNTER),
+            "era": case((fits, t.c.era), else_=t.c.era + 1),
+            "next_counter": case((fits, t.c.next_counter + size), else_=1),
+            "reserved_at": func.current_timestamp(),
+        },
+    ).returning(t.c.block_era, t.c.block_start, t.c.block_end)
+    era, start, end = conn.execute(stmt).one()
+    if era > MAX_ERA:
+        raise GDIDError(f"GDID sequence {scope}/{sequence} is exhausted: every era up to {MAX_ERA} is used")
+    return Block(era, start, end)
+
+
+def read_sequence(conn: Connection, scope: str, sequence: str) -> SequenceState | None:
+    """The sequence row, or None when nothing was ever reserved from it."""
+    sequence_key(scope, sequence)
+    t = sequences
+    row = conn.execute(
+        select(t.c.era, t.c.next_counter, t.c.block_era, t.c.block_start, t.c.block_end).where(
+            t.c.scope == scope, t.c.sequence == sequence
+        )
+    ).one_or_none()
+    if row is None:
+        return None
+    return SequenceState(scope, sequence, row.era, row.next_counter, Block(row.block_era, row.block_start, row.block_end))
+
+
+def advance_sequence(conn: Connection, scope: str, sequence: str, era: int, next_counter: int) -> SequenceState:
+    """Move the next free position forward to (era, next_counter); never backward.
+
+    For starting a sequence above ids that already exist (an import, a migration). A position
+    at or below the current one leaves the row unchanged, so this can never cause a reissue.
+    """
+    sequence_key(scope, sequence)
+    if not isinstance(era, int) or not 0 <= era <= MAX_ERA:
+        raise GDIDError(f"invalid GDID sequence era {era!r}: must be in 0..{MAX_ERA}")
+    if not isinstance(next_counter, int) or not 1 <= next_counter <= MAX_COUNTER:
+        raise GDIDError(f"invalid GDID sequence counter {next_counter!r}: must be in 1..{MAX_COUNTER}")
+    t = sequences
+    conn.execute(
+        _upsert(conn.dialect.name)(t)
+        .values(scope=scope, sequence=sequence, era=0, next_counter=1, block_era=0, block_start=0, block_end=0)
+        .on_conflict_do_nothing(index_elements=[t.c.scope, t.c.sequence])
+    )
+    conn.execute(
+        update(t)
+        .where(
+            t.c.scope == scope,
+            t.c.sequence == sequence,
+            or_(t.c.era < era, and_(t.c.era == era, t.c.next_counter < next_counter)),
+        )
+        .values(era=era, next_counter=next_counter)
+    )
+    state = read_sequence(conn, scope, sequence)
+    assert state is not None  # the upsert above created it in this transaction
+    return state
+
+
+# -- the generator ------------------------------------------------------------------------------
+
+Reserver = Callable[[int], Block]
+"""Reserves a block of at least one and at most the given number of counters."""
+
+
+class GdidGenerator:
+    """Hands out GDIDs of one sequence from reserved blocks; thread-safe.
+
+    ``reserve`` does the database work (see :meth:`for_store`). The hot path is a counter and a
+    limit under a lock; ids are built outside it without validation (they are known valid).
+    """
+
+    def __init__(
+        self,
+        reserve: Reserver,
+        *,
+        authority: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        name: str = "gdid",
+        prefetch: bool = True,
+    ) -> None:
+        self.authority = authority_from_env() if authority is None else _check_authority(authority, "the authority argument")
+        self.block_size = _check_block_size(block_size)
+        self.name = name
+        self.prefetch = prefetch
+        self._reserve = reserve
+        self._base = self.authority << COUNTER_BITS
+        self._cond = threading.Condition(threading.Lock())
+        # Current block as raw ids (authority << 60 | counter): next to hand out, last inclusive.
+        self._era = 0
+        self._next = 1
+        self._last = 0
+        self._low_mark = _NEVER
+        self._queue: deque[Block] = deque()
+        self._fetching = False
+        self.last_prefetch_error: BaseException | None = None
+        """Why the last background prefetch failed (None after a success); also logged."""
+        self.blocks_reserved = 0
+
+    @classmethod
+    def for_store(
+        cls,
+        store: Store,
+        scope: str,
+        sequence: str,
+        *,
+        authority: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        prefetch: bool = True,
+    ) -> GdidGenerator:
+        """A generator whose blocks come from the sequence row on its CENTRAL shard."""
+        key = sequence_key(scope, sequence)
+        # The CENTRAL shard list can never change (map edit safety), so locating once is final.
+        server = Router(store.map).locate_central(key).server
+
+        def reserve(size: int) -> Block:
+            with store.transaction(server) as conn:
+                return reserve_block(conn, scope, sequence, size)
+
+        return cls(reserve, authority=authority, block_size=block_size, name=key, prefetch=prefetch)
+
+    def __repr__(self) -> str:
+        return f"GdidGenerator({self.name!r}, authority={self.authority}, block_size={self.block_size})"
+
+    # -- handing out --------------------------------------------------------------------------
+
+    def next(self) -> GDID:
+        """One new GDID."""
+        with self._cond:
+            raw = self._next
+            if raw > self._last:
+                self._install_locked(1)
+                raw = self._next
+            self._next = raw + 1
+            if raw >= self._low_mark:
+                self._start_prefetch_locked()
+            era = self._era
+        return _trusted(era, raw)
+
+    def take(self, n: int) -> list[GDID]:
+        """``n`` new GDIDs in increasing order (for bulk inserts)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise GDIDError(f"invalid GDID count {n!r}: must be an int >= 0")
+        runs: list[tuple[int, int, int]] = []
+        with self._cond:
+            while n > 0:
+                available = self._last - self._next + 1
+                if available <= 0:
+                    self._install_locked(n)
+                    continue
+                k = available if available < n else n
+                runs.append((self._era, self._next, k))
+                self._next += k
+                n -= k
+            if self._next > self._low_mark:
+                self._start_prefetch_locked()
+        if len(runs) == 1:
+            return _trusted_run(*runs[0])
+        out: list[GDID] = []
+        for run in runs:
+            out.extend(_trusted_run(*run))
+        return out
+
+    def __iter__(self) -> GdidGenerator:
+        return self
+
+    def __next__(self) -> GDID:
+        return self.next()
+
+    # -- blocks -------------------------------------------------------------------------------
+
+    def _install_locked(self, need: int) -> None:
+        """Make the next reserved block current (the current one is used up); may reserve."""
+        while not self._queue:
+            if self._fetching:
+                self._cond.wait()  # a reservation (prefetch or another caller) is in flight
+                continue
+            # A bulk take() reserves what it needs in one statement rather than in many blocks.
+            size = min(max(self.block_size, need), MAX_BLOCK_SIZE)
+            self._fetching = True
+            self._cond.release()
+            try:
+                block = self._reserve(size)
+            finally:
+                self._cond.acquire()
+                self._fetching = False
+                self._cond.notify_all()
+            self._queue.append(block)
+            self.blocks_reserved += 1
+        block = self._queue.popleft()
+        self._era = block.era
+        self._next = self._base | block.start
+        self._last = self._base | block.end
+        if self.prefetch and not self._queue:
+            self._low_mark = self._last - int(len(block) * LOW_WATER)
+        else:
+            self._low_mark = _NEVER
+
+    def _start_prefetch_locked(self) -> None:
+        self._low_mark = _NEVER
+        if not self.prefetch or self._fetching or self._queue:
+            return
+        self._fetching = True
+        threading.Thread(target=self._prefetch, name=f"mdb-gdid-prefetch {self.name}", daemon=True).start()
+
+    def _prefetch(self) -> None:
+        try:
+            block = self._reserve(self.block_size)
+        except BaseException as exc:
+            # The caller that runs out next reserves in the foreground and gets the error itself.
+            log.warning("prefetching a GDID block for %s failed: %s", self.name, exc)
+            with self._cond:
+                self.last_prefetch_error = exc
+                self._fetching = False
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self._queue.append(block)
+            self.blocks_reserved += 1
+            self.last_prefetch_error = None
+            self._fetching = False
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no reservation is in flight (tests, orderly shutdown)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._fetching, timeout)
+
+
+_NEVER: Final = 1 << 200
+"""A low-water mark no raw id reaches: no prefetch is due."""
+
+_registry: weakref.WeakKeyDictionary[Store, dict[tuple[str, str], GdidGenerator]] = weakref.WeakKeyDictionary()
+_registry_lock = threading.Lock()
+
+
+def generator_for(
+    store: Store,
+    scope: str,
+    sequence: str,
+    *,
+    authority: int | None = None,
+    block_size: int | None = None,
+) -> GdidGenerator:
+    """The Store's one generator of a sequence (created on first use, then cached).
+
+    One generator per sequence per Store keeps the ids a process hands out increasing. Asking
+    again with a different authority or block size is refused rather than silently ignored.
+    """
+    key = (scope, sequence)
+    with _registry_lock:
+        cache = _registry.setdefault(store, {})
+        gen = cache.get(key)
+        if gen is None:
+            gen = GdidGenerator.for_store(
+                store, scope, sequence, authority=authority, block_size=block_size or DEFAULT_BLOCK_SIZE
+            )
+            cache[key] = gen
+            return gen
+    if authority is not None and authority != gen.authority:
+        raise GDIDError(f"GDID generator {scope}/{sequence} already uses authority {gen.authority}, not {authority}")
+    if block_size is not None and block_size != gen.block_size:
+        raise GDIDError(f"GDID generator {scope}/{sequence} already uses block size {gen.block_size}, not {block_size}")
+    return gen
