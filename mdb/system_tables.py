@@ -67,6 +67,7 @@ briefcase_state = Table(
 
 CENTRAL_TABLE_MODULES: Final[tuple[str, ...]] = (
     "mdb.relocations",
+    "mdb.idgen",
 )
 """Modules that define tables on ``central_metadata``; add yours here."""
 
