@@ -2,6 +2,7 @@
 
 from mdb.cli import inspect as _inspect  # noqa: F401  (registers commands)
 from mdb.cli import schema_cmd as _schema_cmd  # noqa: F401
+from mdb.cli import idgen_cmd as _idgen_cmd  # noqa: F401
 from mdb.cli.app import app, main
 
 __all__ = ["app", "main"]
