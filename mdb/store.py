@@ -197,7 +197,7 @@ class Store:
             conn.info[BEGIN_PRELUDE] = ownership_prelude(backend, placement, lock=not readonly)
             try:
                 conn.begin()
-                conn.info.pop(BEGIN_RESULT, None)
+                check_ownership(conn.info.pop(BEGIN_RESULT, None), placement, router.version)
             except RetryableError as exc:
                 conn.close()
                 if isinstance(exc, BriefcaseMovingError):
