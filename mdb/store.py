@@ -21,6 +21,7 @@ from sqlalchemy.engine import Connection
 
 from mdb import dberrors
 from mdb.briefcase import BriefcaseType, registered_types, types_by_area
+from mdb.central.service import Central
 from mdb.engines import BEGIN_PRELUDE, BEGIN_RESULT, EngineRegistry
 from mdb.errors import BriefcaseMovingError, RetryableError, RoutingError
 from mdb.fanout import FanOutResult, fan_out
@@ -60,6 +61,8 @@ class Store:
         self.move_wait_seconds = move_wait_seconds
         self._relocations_loaded = False
         self._refresh_lock = threading.Lock()
+        self.central = Central(self)
+        """CENTRAL indexes, cache and atomic creation (:mod:`mdb.central`)."""
 
     @classmethod
     def from_yaml(cls, path: str | Path, **kwargs: Any) -> Store:

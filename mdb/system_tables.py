@@ -68,6 +68,7 @@ briefcase_state = Table(
 CENTRAL_TABLE_MODULES: Final[tuple[str, ...]] = (
     "mdb.relocations",
     "mdb.idgen",
+    "mdb.central.indexes",
 )
 """Modules that define tables on ``central_metadata``; add yours here."""
 
