@@ -1,0 +1,271 @@
+"""Engine registry: lazy, one engine per URL, SQLite set up for concurrency, secrets masked."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from mdb import EngineRegistry, MdbError, RoutingError, load_map
+from mdb.engines import SQLITE_BUSY_TIMEOUT_MS, sqlalchemy_url
+from mdb.partition_map import ServerSpec
+
+SECRET = "Hunter2-secret"
+EXAMPLE = Path(__file__).resolve().parent.parent / "partition_maps" / "example.yaml"
+
+
+def sqlite_servers(tmp_path: Path) -> dict[str, ServerSpec]:
+    return {
+        "a": ServerSpec(primary=f"sqlite:///{tmp_path / 'a.db'}"),
+        "b": ServerSpec(primary=f"sqlite:///{tmp_path / 'b.db'}"),
+        "a-alias": ServerSpec(primary=f"sqlite:///{tmp_path / 'a.db'}"),
+        "nested": ServerSpec(primary=f"sqlite:///{tmp_path / 'deep' / 'er' / 'n.db'}"),
+    }
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> EngineRegistry:
+    reg = EngineRegistry(sqlite_servers(tmp_path))
+    yield reg
+    reg.dispose()
+
+
+def test_engines_are_created_lazily(registry: EngineRegistry, tmp_path: Path) -> None:
+    assert "open=0" in repr(registry)
+    assert not (tmp_path / "a.db").exists()
+    assert registry.server_names == ["a", "b", "a-alias", "nested"]
+    registry.engine("a")
+    assert "open=1" in repr(registry)
+    assert not (tmp_path / "b.db").exists()  # b was never asked for
+
+
+def test_one_engine_per_url(registry: EngineRegistry) -> None:
+    a = registry.engine("a")
+    assert registry.engine("a") is a
+    assert registry.engine("a-alias") is a  # same URL, same pool
+    assert registry.engine("b") is not a
+    assert "open=2" in repr(registry)
+
+
+def test_one_engine_under_concurrency(registry: EngineRegistry) -> None:
+    barrier = threading.Barrier(8)
+    got: list[sa.Engine] = []
+
+    def worker() -> None:
+        barrier.wait()
+        got.append(registry.engine("b"))
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and len({id(e) for e in got}) == 1
+
+
+def test_sqlite_parent_directories_are_created(registry: EngineRegistry, tmp_path: Path) -> None:
+    with registry.engine("nested").connect() as conn:
+        conn.execute(sa.text("SELECT 1"))
+    assert (tmp_path / "deep" / "er" / "n.db").exists()
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_sqlite_pragmas(registry: EngineRegistry, tmp_path: Path, readonly: bool) -> None:
+    engine = registry.engine("a", readonly=readonly)
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("PRAGMA journal_mode")).scalar_one().lower() == "wal"
+        assert conn.execute(sa.text("PRAGMA busy_timeout")).scalar_one() == SQLITE_BUSY_TIMEOUT_MS
+        assert SQLITE_BUSY_TIMEOUT_MS >= 1000
+        assert conn.execute(sa.text("PRAGMA foreign_keys")).scalar_one() == 1
+    # WAL is a property of the file: a plain sqlite3 connection sees it too
+    raw = sqlite3.connect(tmp_path / "a.db")
+    try:
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal"
+    finally:
+        raw.close()
+
+
+def test_every_pooled_connection_is_set_up(registry: EngineRegistry) -> None:
+    # readers (deferred BEGIN) can hold several connections at once; writers queue on BEGIN IMMEDIATE
+    engine = registry.engine("b", readonly=True)
+    conns = [engine.connect() for _ in range(3)]
+    try:
+        for conn in conns:
+            assert conn.execute(sa.text("PRAGMA busy_timeout")).scalar_one() == SQLITE_BUSY_TIMEOUT_MS
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_sqlite_transactions_commit_and_roll_back(registry: EngineRegistry, tmp_path: Path) -> None:
+    engine = registry.engine("a")
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE t (x INTEGER)"))
+        conn.execute(sa.text("INSERT INTO t VALUES (1)"))
+    with engine.connect() as conn:
+        conn.execute(sa.text("INSERT INTO t VALUES (2)"))
+        conn.rollback()  # must really roll back: the driver is in autocommit mode behind our BEGIN
+    with pytest.raises(RuntimeError), engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO t VALUES (3)"))
+        raise RuntimeError("abort")
+    raw = sqlite3.connect(tmp_path / "a.db")
+    try:
+        assert raw.execute("SELECT x FROM t ORDER BY x").fetchall() == [(1,)]
+    finally:
+        raw.close()
+
+
+def test_sqlite_write_transactions_take_the_write_lock_at_begin(registry: EngineRegistry, tmp_path: Path) -> None:
+    engine = registry.engine("a")
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE t (x INTEGER)"))
+    other = sqlite3.connect(tmp_path / "a.db", timeout=0, isolation_level=None)
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT count(*) FROM t")).scalar_one()  # only a read so far
+            with pytest.raises(sqlite3.OperationalError, match="locked"):
+                other.execute("BEGIN IMMEDIATE")
+            conn.rollback()
+        # a read-only engine does not block writers
+        with registry.engine("a", readonly=True).connect() as conn:
+            conn.execute(sa.text("SELECT count(*) FROM t")).scalar_one()
+            other.execute("BEGIN IMMEDIATE")
+            other.execute("ROLLBACK")
+    finally:
+        other.close()
+
+
+def test_unknown_server(registry: EngineRegistry) -> None:
+    for call in (registry.engine, registry.spec, registry.masked_url, registry.has_replica):
+        with pytest.raises(RoutingError, match="'ghost'") as info:
+            call("ghost")
+        assert isinstance(info.value, MdbError)
+
+
+def pg_servers() -> dict[str, ServerSpec]:
+    return {
+        "pg": ServerSpec(
+            primary=f"postgresql://mdb:{SECRET}@127.0.0.1:1/app",
+            replica=f"postgresql+psycopg://ro:{SECRET}@127.0.0.1:1/app_replica",
+        ),
+        "pg2": ServerSpec(primary=f"postgresql+psycopg://mdb:{SECRET}@127.0.0.1:1/other?password={SECRET}"),
+    }
+
+
+def test_masked_urls_and_repr_hide_passwords(caplog: pytest.LogCaptureFixture) -> None:
+    reg = EngineRegistry(pg_servers())
+    caplog.set_level(logging.DEBUG, logger="mdb")
+    try:
+        assert reg.masked_url("pg") == "postgresql://mdb:***@127.0.0.1:1/app"
+        assert reg.masked_url("pg", readonly=True) == "postgresql+psycopg://ro:***@127.0.0.1:1/app_replica"
+        assert SECRET not in reg.masked_url("pg2")
+        engines = [reg.engine("pg"), reg.engine("pg", readonly=True), reg.engine("pg2")]  # no connection yet
+        for text in (repr(reg), *(repr(e) for e in engines), *(str(e.url) for e in engines), caplog.text):
+            assert SECRET not in text
+        assert "created engine" in caplog.text  # the log line exists and is masked
+        with pytest.raises(RoutingError) as info:
+            reg.engine("nope")
+        assert SECRET not in str(info.value)
+    finally:
+        reg.dispose()
+
+
+def test_connection_errors_do_not_leak_passwords() -> None:
+    reg = EngineRegistry(pg_servers())
+    try:
+        with pytest.raises(sa.exc.OperationalError) as info:
+            with reg.engine("pg").connect():
+                pass
+        assert SECRET not in str(info.value) and SECRET not in repr(info.value)
+    finally:
+        reg.dispose()
+
+
+def test_postgres_urls_use_psycopg3() -> None:
+    reg = EngineRegistry(pg_servers())
+    try:
+        assert sqlalchemy_url("postgresql://u@h/db").drivername == "postgresql+psycopg"
+        assert sqlalchemy_url("postgres://u@h/db").drivername == "postgresql+psycopg"
+        assert sqlalchemy_url("postgresql+psycopg://u@h/db").drivername == "postgresql+psycopg"
+        assert reg.engine("pg").dialect.driver == "psycopg"
+        assert reg.backend("pg") == "postgresql" and not reg.is_sqlite("pg")
+    finally:
+        reg.dispose()
+
+
+def test_replica_selection() -> None:
+    reg = EngineRegistry(pg_servers())
+    try:
+        assert reg.has_replica("pg") and not reg.has_replica("pg2")
+        primary, replica = reg.engine("pg"), reg.engine("pg", readonly=True)
+        assert primary is not replica
+        assert primary.url.database == "app" and replica.url.database == "app_replica"
+        assert replica.url.username == "ro"
+        # no replica: readers share the primary's pool
+        assert reg.engine("pg2", readonly=True) is reg.engine("pg2")
+    finally:
+        reg.dispose()
+
+
+def test_update_keeps_unchanged_urls_and_disposes_removed(tmp_path: Path) -> None:
+    servers = sqlite_servers(tmp_path)
+    reg = EngineRegistry(servers)
+    try:
+        a, b = reg.engine("a"), reg.engine("b")
+        reg.update({"a": servers["a"], "c": ServerSpec(primary=f"sqlite:///{tmp_path / 'c.db'}")})
+        assert reg.engine("a") is a
+        assert reg.engine("c") is not b
+        with pytest.raises(RoutingError):
+            reg.engine("b")
+        assert reg.server_names == ["a", "c"]
+    finally:
+        reg.dispose()
+
+
+def test_for_map(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the example map's SQLite paths are relative
+    reg = EngineRegistry.for_map(load_map(EXAMPLE))
+    try:
+        assert sorted(reg.server_names) == sorted(["central-a"] + [f"user-{i}" for i in range(1, 10)])
+        assert reg.is_sqlite("user-1") and reg.backend("user-1") == "sqlite"
+        with reg.engine("user-1").connect() as conn:
+            assert conn.execute(sa.text("PRAGMA journal_mode")).scalar_one().lower() == "wal"
+        assert (tmp_path / "mdb-data" / "user-1.db").exists()
+    finally:
+        reg.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_engine_transactions(pg_url: str) -> None:
+    reg = EngineRegistry({"pg": ServerSpec(primary=pg_url)})
+    try:
+        engine = reg.engine("pg")
+        assert engine.dialect.driver == "psycopg"
+        with engine.begin() as conn:
+            conn.execute(sa.text("CREATE TABLE t (x integer)"))
+            conn.execute(sa.text("INSERT INTO t VALUES (1)"))
+        with engine.connect() as conn:
+            conn.execute(sa.text("INSERT INTO t VALUES (2)"))
+            assert conn.execute(sa.text("SELECT count(*) FROM t")).scalar_one() == 2
+            conn.rollback()  # a real transaction, not autocommitted statements
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT x FROM t")).scalars().all() == [1]
+        with engine.begin() as conn:
+            # now() is the transaction's start time: equal across statements only inside one transaction
+            first = conn.execute(sa.text("SELECT now()")).scalar_one()
+            conn.execute(sa.text("SELECT pg_sleep(0.02)"))
+            assert conn.execute(sa.text("SELECT now()")).scalar_one() == first
+    finally:
+        reg.dispose()
+
+
+def test_password_query_arg_still_reaches_the_driver() -> None:
+    for raw in (f"postgresql://u@h/db?password={SECRET}&sslmode=require", f"postgresql://u:old@h/db?sslmode=require&password={SECRET}"):
+        url = sqlalchemy_url(raw)
+        _, kwargs = url.get_dialect()().create_connect_args(url)
+        assert kwargs["password"] == SECRET and kwargs["sslmode"] == "require"
+        assert SECRET not in repr(url) and SECRET not in str(url)
