@@ -350,8 +350,23 @@ class GdidGenerator:
     # -- blocks -------------------------------------------------------------------------------
 
     def _install_locked(self, need: int) -> None:
-        """Make the next reserved block current (the current one is used up); may reserve."""
-        while not self._queue:
+        """Make the next reserved block current (the current one is used up); may reserve.
+
+        The lock is released while reserving or waiting, so another caller may have installed
+        a block meanwhile: the loop re-checks the current block before replacing it, or a
+        partly used block would be dropped (a gap, and with a queued block, disorder).
+        """
+        while self._next > self._last:
+            if self._queue:
+                block = self._queue.popleft()
+                self._era = block.era
+                self._next = self._base | block.start
+                self._last = self._base | block.end
+                if self.prefetch and not self._queue:
+                    self._low_mark = self._last - int(len(block) * LOW_WATER)
+                else:
+                    self._low_mark = _NEVER
+                return
             if self._fetching:
                 self._cond.wait()  # a reservation (prefetch or another caller) is in flight
                 continue
@@ -367,14 +382,6 @@ class GdidGenerator:
                 self._cond.notify_all()
             self._queue.append(block)
             self.blocks_reserved += 1
-        block = self._queue.popleft()
-        self._era = block.era
-        self._next = self._base | block.start
-        self._last = self._base | block.end
-        if self.prefetch and not self._queue:
-            self._low_mark = self._last - int(len(block) * LOW_WATER)
-        else:
-            self._low_mark = _NEVER
 
     def _start_prefetch_locked(self) -> None:
         self._low_mark = _NEVER
