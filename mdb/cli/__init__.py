@@ -3,6 +3,8 @@
 from mdb.cli import inspect as _inspect  # noqa: F401  (registers commands)
 from mdb.cli import schema_cmd as _schema_cmd  # noqa: F401
 from mdb.cli import idgen_cmd as _idgen_cmd  # noqa: F401
+from mdb.cli import central_cmd as _central_cmd  # noqa: F401
+from mdb.cli import demo as _demo  # noqa: F401
 from mdb.cli.app import app, main
 
 __all__ = ["app", "main"]
