@@ -32,7 +32,7 @@ from sqlalchemy.engine.result import IteratorResult, SimpleResultMetaData
 from sqlalchemy.exc import CompileError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import operators
-from sqlalchemy.sql.elements import ColumnElement, Label, UnaryExpression, _textual_label_reference
+from sqlalchemy.sql.elements import BinaryExpression, ColumnElement, Label, UnaryExpression, _textual_label_reference
 from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.sql.schema import Table
 from sqlalchemy.sql.selectable import Alias, Join, Select
@@ -57,6 +57,7 @@ _OTHER_AGGREGATES = frozenset(
      "percentile_disc", "mode", "total"}
 )
 DEFAULT_MAX_WORKERS = 16
+_BINARY_COLLATIONS = frozenset({"C", "POSIX", "BINARY", "UCS_BASIC"})
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,16 @@ def _unwrap(clause: Any) -> tuple[Any, bool, bool | None]:
         elif clause.modifier is operators.nulls_last_op:
             nulls_first = False
         clause = clause.element
+    if isinstance(clause, BinaryExpression) and clause.operator is operators.collate:
+        # The merge orders strings by code point; a binary collation says the same, any other
+        # one would make the shards and the merge disagree.
+        collation = str(getattr(clause.right, "collation", "")).strip('"')
+        if collation.upper() not in _BINARY_COLLATIONS:
+            raise QueryError(
+                f"fan-out merges strings in code point order: ORDER BY ... COLLATE {collation!r} cannot be "
+                f"merged (use COLLATE \"C\" or no COLLATE)"
+            )
+        clause = clause.left
     return clause, descending, nulls_first
 
 
