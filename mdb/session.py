@@ -10,15 +10,18 @@ filtered: it is the application's explicit escape hatch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
-from sqlalchemy import event, inspect as sa_inspect
+from sqlalchemy import bindparam, event, inspect as sa_inspect
 from sqlalchemy.orm import ORMExecuteState, Session, UOWTransaction, with_loader_criteria
+from sqlalchemy.sql.base import ExecutableOption
 
 from mdb.briefcase import BriefcaseType
 from mdb.errors import CrossBriefcaseError, MdbError
 from mdb.gdid import GDID
 from mdb.router import Placement
+from mdb.sqltypes import GDIDType
 
 __all__ = ["BriefcaseContext", "BriefcaseSession"]
 
@@ -33,9 +36,35 @@ class BriefcaseContext:
     readonly: bool
 
 
+_KEY_PARAM = "mdb_briefcase_key"
+"""Bound parameter that carries the session's GDID into the confining criteria."""
+
+
 def _key_attr(model: type[Any], key: str) -> str:
     mapper = sa_inspect(model)
     return mapper.get_property_by_column(mapper.local_table.c[key]).key
+
+
+@cache
+def _criteria(btype: type[BriefcaseType]) -> tuple[ExecutableOption, ...]:
+    """The confining options of a type, built once: the GDID travels as a bound parameter.
+
+    Building eight ``with_loader_criteria`` options with the GDID inlined cost more than the
+    query itself; built once with a placeholder, adding them to a statement is cheap and the
+    compiled form is cached across briefcases. The placeholder is required: a statement that
+    somehow missed the parameter fails instead of reading unfiltered.
+    """
+    placeholder = bindparam(_KEY_PARAM, type_=GDIDType(), required=True)
+    return tuple(
+        with_loader_criteria(model, getattr(model, _key_attr(model, btype.key)) == placeholder, include_aliases=True)
+        for model in btype.models
+    )
+
+
+def _with_key(parameters: Any, gdid: GDID) -> Any:
+    if isinstance(parameters, list):  # executemany-style ORM bulk UPDATE/DELETE
+        return [{**p, _KEY_PARAM: gdid} for p in parameters]
+    return {**(parameters or {}), _KEY_PARAM: gdid}
 
 
 class BriefcaseSession(Session):
@@ -61,13 +90,8 @@ def _confine_statements(state: ORMExecuteState) -> None:
         return
     if ctx.readonly and not state.is_select:
         raise MdbError(f"briefcase {ctx.btype.area}/{ctx.gdid}: a readonly session cannot update or delete")
-    key = ctx.btype.key
-    state.statement = state.statement.options(
-        *(
-            with_loader_criteria(model, getattr(model, _key_attr(model, key)) == ctx.gdid, include_aliases=True)
-            for model in ctx.btype.models
-        )
-    )
+    state.statement = state.statement.options(*_criteria(ctx.btype))
+    state.parameters = _with_key(state.parameters, ctx.gdid)
 
 
 @event.listens_for(BriefcaseSession, "before_flush")
