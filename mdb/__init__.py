@@ -9,12 +9,14 @@ from mdb.errors import (
     MapEditError,
     MapError,
     MdbError,
+    QueryError,
     RetryableError,
     RoutingError,
     SchemaError,
     ServerUnavailableError,
     StaleRouteError,
 )
+from mdb.fanout import FanOutResult, ShardFailure
 from mdb.gdid import GDID
 from mdb.partition_map import PartitionMap, load_map, parse_map
 from mdb.router import CentralPlacement, Placement, Router, ShardLayout
@@ -30,6 +32,7 @@ __all__ = [
     "CentralPlacement",
     "CrossBriefcaseError",
     "EngineRegistry",
+    "FanOutResult",
     "GDID",
     "GDIDError",
     "GDIDType",
@@ -38,11 +41,13 @@ __all__ = [
     "MdbError",
     "PartitionMap",
     "Placement",
+    "QueryError",
     "RetryableError",
     "Router",
     "RoutingError",
     "SchemaError",
     "ServerUnavailableError",
+    "ShardFailure",
     "ShardLayout",
     "StaleRouteError",
     "Store",
