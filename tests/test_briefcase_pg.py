@@ -1,0 +1,414 @@
+"""Briefcase sessions on real PostgreSQL servers (and the same checks on SQLite files).
+
+The map: CENTRAL on one database, area ``user`` with two partitions, [0:0:0, 0:0:1000) on 2
+shards and [0:0:1000, open) on 3 shards. The six databases are spread over three PostgreSQL
+servers, so neighbouring shards really are on different servers. Every placement claim is
+checked by querying every shard directly, not by asking the router again.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mapfiles import write_map
+from sqlalchemy import func, select, text, update
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+
+from mdb.demo.models import (
+    AccountAuthorizationHistory,
+    Address,
+    Balance,
+    Order,
+    OrderLineItem,
+    PayAccount,
+    Transaction,
+    User,
+    UserBriefcase,
+)
+from mdb.errors import CrossBriefcaseError, MdbError, StaleRouteError
+from mdb.gdid import GDID
+from mdb.router import ShardLayout
+from mdb.schema import apply_schema, stamp_layout
+from mdb.store import Store
+from mdb.system_tables import briefcase_state
+
+SERVERS = ["central", "u1", "u2", "u3", "u4", "u5"]
+PARTITIONS = [("0:0:0", ["u1", "u2"]), ("0:0:1000", ["u3", "u4", "u5"])]
+USER_SERVERS = SERVERS[1:]
+
+
+def make_store(tmp_path: Path, urls: list[str], **kwargs: Any) -> Store:
+    path = write_map(tmp_path, dict(zip(SERVERS, urls)), central=["central"], partitions=PARTITIONS)
+    store = Store.from_yaml(path, types=[UserBriefcase], **kwargs)
+    reports = apply_schema(store)
+    assert all(r.ok for r in reports), [(r.server, r.error, r.problems) for r in reports]
+    return store
+
+
+@pytest.fixture
+def pg_store(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Iterator[Store]:
+    # Two databases on each of three servers: six map servers over three PostgreSQL servers.
+    first, second = pg_databases(3), pg_databases(3)
+    with make_store(tmp_path, [first[0], first[1], first[2], second[0], second[1], second[2]]) as store:
+        yield store
+
+
+@pytest.fixture
+def sqlite_store(tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path) -> Iterator[Store]:
+    with make_store(tmp_path, tmp_sqlite_urls(len(SERVERS))) as store:
+        yield store
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def store(request: pytest.FixtureRequest) -> Store:
+    return request.getfixturevalue("pg_store" if request.param == "postgresql" else "sqlite_store")  # type: ignore[no-any-return]
+
+
+_counter = iter(range(10**6, 2 * 10**6))
+
+
+def child_id() -> GDID:
+    """Ids for child rows; authority 1 keeps them apart from the briefcase ids used below."""
+    return GDID(0, 1, next(_counter))
+
+
+def fill_briefcase(session: Session, gdid: GDID, tag: str = "") -> None:
+    """One row in every table of the user briefcase; children leave the key for the session to fill."""
+    user = User(user_id=gdid, email=f"{gdid}{tag}@example.com", name=f"user {gdid}{tag}")
+    account = PayAccount(account_id=child_id(), kind="card", masked_number="**** 4242")
+    order = Order(order_id=child_id(), total_cents=1250)
+    session.add_all([user, account, order])
+    session.flush()
+    session.add_all(
+        [
+            AccountAuthorizationHistory(authorization_id=child_id(), account_id=account.account_id, amount=1250, approved=True),
+            Address(address_id=child_id(), line1="1 Main St", city="Springfield", country="US"),
+            OrderLineItem(line_id=child_id(), order_id=order.order_id, sku="SKU-1", quantity=1, price_cents=1250),
+            Transaction(transaction_id=child_id(), amount_cents=-1250, memo="order"),
+            Balance(balance_id=child_id(), currency="USD", amount_cents=100),
+        ]
+    )
+
+
+def rows_on_every_shard(store: Store, gdid: GDID) -> dict[str, dict[str, int]]:
+    """server -> table -> rows carrying ``gdid``, read from each shard directly (no session)."""
+    out: dict[str, dict[str, int]] = {}
+    for server in USER_SERVERS:
+        with store.transaction(server) as conn:
+            out[server] = {
+                table.name: conn.execute(
+                    select(func.count()).select_from(table).where(UserBriefcase.key_column(table) == gdid)
+                ).scalar_one()
+                for table in UserBriefcase.tables
+            }
+    return out
+
+
+def holders(counts: dict[str, dict[str, int]]) -> set[str]:
+    return {server for server, tables in counts.items() if any(tables.values())}
+
+
+# Briefcase ids covering every shard of both partitions: counters 2, 3 -> u1, u2; 1500..1502 -> u3..u5.
+SPREAD = [GDID(0, 0, c) for c in (2, 3, 1500, 1501, 1502)]
+
+
+def test_every_row_lands_on_the_routed_shard_and_nowhere_else(store: Store) -> None:
+    expected = {}
+    for gdid in SPREAD:
+        with store.briefcase(UserBriefcase, gdid) as session:
+            fill_briefcase(session, gdid)
+            expected[gdid] = session.placement.server
+    assert sorted(expected.values()) == USER_SERVERS  # the ids really cover every shard
+    for gdid, server in expected.items():
+        counts = rows_on_every_shard(store, gdid)
+        assert counts[server] == {t.name: 1 for t in UserBriefcase.tables}, (gdid, counts)
+        assert holders(counts) == {server}
+        assert store.router.locate("user", gdid).server == server
+
+
+def test_key_is_filled_in_for_new_rows(store: Store) -> None:
+    gdid = GDID(0, 0, 7)
+    with store.briefcase(UserBriefcase, gdid) as session:
+        fill_briefcase(session, gdid)
+    with store.briefcase(UserBriefcase, gdid, readonly=True) as session:
+        for model in UserBriefcase.models:
+            keys = session.scalars(select(model.user_id)).all()
+            assert keys == [gdid], model.__name__
+
+
+def test_reads_see_only_their_briefcase(store: Store) -> None:
+    mine, neighbour = GDID(0, 0, 10), GDID(0, 0, 12)  # both even: the same shard u1
+    for gdid in (mine, neighbour):
+        with store.briefcase(UserBriefcase, gdid) as session:
+            fill_briefcase(session, gdid)
+    assert store.router.locate("user", mine).server == store.router.locate("user", neighbour).server == "u1"
+    with store.briefcase(UserBriefcase, mine, readonly=True) as session:
+        for model in UserBriefcase.models:
+            assert session.scalars(select(model.user_id)).all() == [mine], model.__name__
+            assert session.execute(select(func.count()).select_from(model)).scalar_one() == 1, model.__name__
+        assert session.get(User, neighbour) is None
+        user = session.get(User, mine)
+        assert user is not None and [o.user_id for o in user.orders] == [mine]
+        joined = session.execute(select(Order.order_id, OrderLineItem.line_id).join(OrderLineItem, OrderLineItem.order_id == Order.order_id)).all()
+        assert len(joined) == 1
+        # Raw SQL is the escape hatch: it is not filtered (documented in docs/briefcases.md).
+        assert session.execute(text("SELECT count(*) FROM users")).scalar_one() == 2
+
+
+def test_cross_briefcase_writes_are_refused_and_nothing_is_written(store: Store) -> None:
+    mine, other = GDID(0, 0, 20), GDID(0, 0, 22)
+    with store.briefcase(UserBriefcase, other) as session:
+        fill_briefcase(session, other)
+    before = {g: rows_on_every_shard(store, g) for g in (mine, other)}
+
+    with pytest.raises(CrossBriefcaseError, match=r"user_id=0:0:22 cannot be written in the session of briefcase user/0:0:20"):
+        with store.briefcase(UserBriefcase, mine) as session:
+            fill_briefcase(session, mine)  # a legitimate row in the same transaction...
+            session.add(Address(user_id=other, address_id=child_id(), line1="x", city="y", country="US"))
+
+    with pytest.raises(CrossBriefcaseError):
+        with store.briefcase(UserBriefcase, mine) as session:
+            session.add(User(user_id=mine, email="m@example.com", name="m"))
+            session.flush()
+            address = Address(address_id=child_id(), line1="x", city="y", country="US")
+            session.add(address)
+            session.flush()
+            address.user_id = other  # moving a row into another briefcase
+
+    with pytest.raises(CrossBriefcaseError, match="is not part of briefcase type UserBriefcase"):
+        with store.briefcase(UserBriefcase, mine) as session:
+            session.add(briefcase_state_row())
+
+    # ...and nothing at all was written, neither the legitimate rows nor the foreign ones.
+    assert {g: rows_on_every_shard(store, g) for g in (mine, other)} == before
+
+    # A bulk ORM UPDATE inside a session only touches its own briefcase.
+    with store.briefcase(UserBriefcase, mine) as session:
+        fill_briefcase(session, mine)
+    with store.briefcase(UserBriefcase, mine) as session:
+        result = session.execute(update(Order).values(status="shipped"))
+        assert result.rowcount == 1
+    with store.briefcase(UserBriefcase, other, readonly=True) as session:
+        assert session.scalars(select(Order.status)).all() == ["placed"]
+
+
+class _ForeignRow:
+    """A mapped class outside the user briefcase (declared lazily to keep the module import cheap)."""
+
+    model: Any = None
+
+
+def briefcase_state_row() -> Any:
+    if _ForeignRow.model is None:
+        from sqlalchemy.orm import DeclarativeBase
+
+        class Base(DeclarativeBase):
+            pass
+
+        class State(Base):
+            __table__ = briefcase_state
+
+        _ForeignRow.model = State
+    return _ForeignRow.model(area="user", gdid=GDID(0, 0, 20), state="gone", peer="u2")
+
+
+def test_an_exception_inside_the_block_rolls_back(store: Store) -> None:
+    gdid = GDID(0, 0, 30)
+    with pytest.raises(ZeroDivisionError):
+        with store.briefcase(UserBriefcase, gdid) as session:
+            fill_briefcase(session, gdid)
+            session.flush()  # the rows reached the server inside the transaction
+            assert session.execute(select(func.count()).select_from(Order)).scalar_one() == 1
+            1 / 0
+    assert holders(rows_on_every_shard(store, gdid)) == set()
+
+
+def test_readonly_session_refuses_writes(store: Store) -> None:
+    gdid = GDID(0, 0, 40)
+    with store.briefcase(UserBriefcase, gdid) as session:
+        fill_briefcase(session, gdid)
+    before = rows_on_every_shard(store, gdid)
+    with pytest.raises(MdbError, match="readonly session cannot write"):
+        with store.briefcase(UserBriefcase, gdid, readonly=True) as session:
+            session.add(Address(address_id=child_id(), line1="x", city="y", country="US"))
+    with pytest.raises(MdbError, match="readonly session cannot update or delete"):
+        with store.briefcase(UserBriefcase, gdid, readonly=True) as session:
+            session.execute(update(Order).values(status="void"))
+    assert rows_on_every_shard(store, gdid) == before
+
+
+def test_ownership_check_refuses_a_fenced_or_restamped_shard(store: Store) -> None:
+    """The check itself, on both backends: no newer map exists, so the retries end in StaleRouteError."""
+    fenced, restamped = GDID(0, 0, 50), GDID(0, 0, 1503)  # u1; 1503 % 3 = 0 -> u3
+    with store.transaction("u1") as conn:
+        conn.execute(briefcase_state.insert().values(area="user", gdid=fenced, state="gone", peer="u2"))
+    with store.transaction("u3") as conn:
+        layout = ShardLayout("user", GDID(0, 0, 1000), None, 0, 4)
+        assert stamp_layout(conn, layout, 1, replace=True) is None
+    with pytest.raises(StaleRouteError, match=r"fenced, it moved to server 'u2'"):
+        with store.briefcase(UserBriefcase, fenced) as session:
+            fill_briefcase(session, fenced)
+    with pytest.raises(StaleRouteError, match=r"stamped partition \[0:0:1000, open\) shard 0 of 4 .* routed it to partition \[0:0:1000, open\) shard 0 of 3"):
+        with store.briefcase(UserBriefcase, restamped, readonly=True) as session:
+            session.scalars(select(User)).all()
+    assert holders(rows_on_every_shard(store, fenced)) == set()
+
+
+# -- replica ---------------------------------------------------------------------------------
+
+
+def test_readonly_sessions_read_from_the_replica(
+    pg_replica_pair: Any, pg_databases: Callable[[int], list[str]], tmp_path: Path
+) -> None:
+    primary, replica = pg_replica_pair.primary_url, pg_replica_pair.replica_url
+    (central,) = pg_databases(1)
+    path = write_map(
+        tmp_path, {"central": central, "u1": primary}, central=["central"], partitions=[("0:0:0", ["u1"])],
+        replicas={"u1": replica},
+    )
+    with Store.from_yaml(path, types=[UserBriefcase]) as store:
+        assert all(r.ok for r in apply_schema(store))
+        gdid = GDID(0, 0, 60)
+        with store.briefcase(UserBriefcase, gdid) as session:
+            assert session.execute(text("SELECT pg_is_in_recovery()")).scalar_one() is False
+            fill_briefcase(session, gdid)
+        pg_replica_pair.wait_for_replay()
+        with store.briefcase(UserBriefcase, gdid, readonly=True) as session:
+            assert session.execute(text("SELECT pg_is_in_recovery()")).scalar_one() is True
+            assert session.scalars(select(User.email)).all() == [f"{gdid}@example.com"]
+        # Even raw SQL cannot write through a readonly session: the server itself is a standby.
+        with pytest.raises(DBAPIError, match="read-only transaction"):
+            with store.briefcase(UserBriefcase, gdid, readonly=True) as session:
+                session.execute(text("DELETE FROM balances"))
+        with store.briefcase(UserBriefcase, gdid) as session:
+            assert session.execute(select(func.count()).select_from(Balance)).scalar_one() == 1
+
+
+# -- the ownership check's cost --------------------------------------------------------------
+
+
+class RoundTripCounter:
+    """A TCP proxy in front of a PostgreSQL server that counts ReadyForQuery messages.
+
+    Without pipelining, every client/server exchange ends with exactly one ReadyForQuery ('Z')
+    from the server: a simple query (one or many statements in one string) gets one, an
+    extended-protocol Parse/Bind/Execute/Sync gets one. The client cannot send its next query
+    before that message arrives, so the number of 'Z' messages is the number of network round
+    trips. The proxy parses the server's message framing (type byte + 4-byte length), which
+    is why the client connects with sslmode=disable (an SSL stream could not be parsed).
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.ready_for_query = 0
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_server: bool) -> None:
+        buffer = bytearray()
+        try:
+            while data := src.recv(65536):
+                if from_server:  # count before forwarding: once the client has the 'Z', it is counted
+                    buffer += data
+                    while len(buffer) >= 5:
+                        length = int.from_bytes(buffer[1:5], "big")
+                        if len(buffer) < 1 + length:
+                            break
+                        if buffer[0] == ord("Z"):
+                            with self._lock:
+                                self.ready_for_query += 1
+                        del buffer[: 1 + length]
+                dst.sendall(data)
+        except OSError:
+            pass  # the other side closed: the pump's job is over
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # already closed by the other pump
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def _proxied(url: str, port: int) -> str:
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    return parsed.set(host="127.0.0.1", port=port).update_query_dict({"sslmode": "disable", "gssencmode": "disable"}).render_as_string(hide_password=False)
+
+
+def test_ownership_check_costs_no_extra_round_trip(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
+    """Count round trips of a briefcase session against the same work in a plain Session.
+
+    Both run on the same engine (driver autocommit, BEGIN issued by mdb), so both cost BEGIN,
+    the SELECT and COMMIT; the briefcase session's BEGIN also carries the advisory lock and the
+    ownership check in the same simple-protocol string. If the check cost a statement of its
+    own, the briefcase session would show one more ReadyForQuery than the plain one; the
+    control with one extra ``SELECT 1`` shows the counter does see a single extra round trip.
+    """
+    from sqlalchemy.engine import make_url
+
+    central, shard = pg_databases(2)
+    parsed = make_url(shard)
+    proxy = RoundTripCounter(parsed.host or "127.0.0.1", parsed.port or 5432)
+    try:
+        path = write_map(
+            tmp_path, {"central": central, "u1": _proxied(shard, proxy.port)}, central=["central"],
+            partitions=[("0:0:0", ["u1"])],
+        )
+        with Store.from_yaml(path, types=[UserBriefcase]) as store:
+            assert all(r.ok for r in apply_schema(store))
+            gdid = GDID(0, 0, 70)
+            with store.briefcase(UserBriefcase, gdid) as session:
+                fill_briefcase(session, gdid)
+            engine = store.engine("u1")
+
+            def briefcase_read() -> None:
+                with store.briefcase(UserBriefcase, gdid) as session:
+                    assert session.scalars(select(User).where(User.user_id == gdid)).one().user_id == gdid
+                    session.expunge_all()
+
+            def plain_read(extra: bool = False) -> None:
+                with Session(engine) as session, session.begin():
+                    if extra:
+                        session.execute(text("SELECT 1"))
+                    assert session.scalars(select(User).where(User.user_id == gdid)).one().user_id == gdid
+
+            def trips(fn: Callable[[], None]) -> int:
+                # Warm-up past psycopg's prepare_threshold (5): the run that prepares a statement
+                # costs one extra round trip (Parse), later runs reuse it. Then the steady state.
+                for _ in range(7):
+                    fn()
+                before = proxy.ready_for_query
+                for _ in range(3):
+                    fn()
+                total = proxy.ready_for_query - before
+                assert total % 3 == 0, total
+                return total // 3
+
+            plain = trips(plain_read)
+            assert plain == 3  # BEGIN, SELECT, COMMIT
+            assert trips(lambda: plain_read(extra=True)) == plain + 1  # the counter sees one more
+            assert trips(briefcase_read) == plain  # the check rode along with BEGIN
+    finally:
+        proxy.close()

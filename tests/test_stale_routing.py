@@ -1,0 +1,350 @@
+"""A stale router cannot lose data (DESIGN.md invariant 2).
+
+A Store caches the map and the relocation directory. These tests make that cache wrong on
+purpose (an older map version, a re-stamped shard, a briefcase that moved away, a move in
+progress) and check that the shard refuses the session, the Store refreshes and retries, and
+nothing is ever written to the wrong shard: every shard is read directly afterwards.
+
+Moves are simulated here with plain SQL (copy rows, 'resident' on the target, 'gone' fence on
+the source, relocation directory entry): the move tool lives in its own issue.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mapfiles import write_map
+from sqlalchemy import delete, func, insert, select, text, update
+from sqlalchemy.engine import Connection
+
+from mdb.demo.models import Address, User, UserBriefcase
+from mdb.errors import BriefcaseMovingError, StaleRouteError
+from mdb.gdid import GDID
+from mdb.ownership import lock_key_sql
+from mdb.partition_map import load_map
+from mdb.relocations import set_relocation
+from mdb.router import Router, ShardLayout
+from mdb.schema import apply_schema, stamp_layout
+from mdb.store import Store
+from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
+
+NAMES = ["central", "u1", "u2", "u3", "u4", "u5", "x"]
+SHARDS = NAMES[1:]
+V1 = [("0:0:0", ["u1", "u2"])]
+V2 = [*V1, ("0:0:1000", ["u3", "u4", "u5"])]
+
+
+@dataclass
+class Cluster:
+    """Named databases, the map file they are published in, and Stores opened on it."""
+
+    urls: dict[str, str]
+    directory: Path
+    stores: list[Store]
+
+    def publish(self, version: int, partitions: list[tuple[str, list[str]]]) -> Path:
+        return write_map(self.directory, self.urls, central=["central"], partitions=partitions, version=version)
+
+    @property
+    def path(self) -> Path:
+        return self.directory / "map.yaml"
+
+    def store(self, **kwargs: Any) -> Store:
+        """A Store on the current map; its relocation cache is loaded now, so it can go stale."""
+        store = Store.from_yaml(self.path, types=[UserBriefcase], **kwargs)
+        store.router  # noqa: B018 - loads the relocation directory now
+        self.stores.append(store)
+        return store
+
+
+def _cluster(urls: list[str], tmp_path: Path) -> Iterator[Cluster]:
+    cluster = Cluster(dict(zip(NAMES, urls)), tmp_path, [])
+    cluster.publish(1, V1)
+    admin = Store.from_yaml(cluster.path, types=[UserBriefcase])
+    cluster.stores.append(admin)
+    reports = apply_schema(admin)  # u3..u5 and x are spares in version 1: tables, no stamps
+    assert all(r.ok for r in reports), [(r.server, r.error, r.problems) for r in reports]
+    try:
+        yield cluster
+    finally:
+        for store in cluster.stores:
+            store.close()
+
+
+@pytest.fixture
+def pg_cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Iterator[Cluster]:
+    # Seven databases over four PostgreSQL servers.
+    yield from _cluster(pg_databases(4) + pg_databases(3), tmp_path)
+
+
+@pytest.fixture
+def sqlite_cluster(tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path) -> Iterator[Cluster]:
+    yield from _cluster(tmp_sqlite_urls(len(NAMES)), tmp_path)
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def cluster(request: pytest.FixtureRequest) -> Cluster:
+    return request.getfixturevalue("pg_cluster" if request.param == "postgresql" else "sqlite_cluster")  # type: ignore[no-any-return]
+
+
+def rows_on_every_shard(store: Store, gdid: GDID) -> dict[str, int]:
+    """server -> number of briefcase rows carrying ``gdid`` (all tables), read directly."""
+    out = {}
+    for server in SHARDS:
+        with store.transaction(server) as conn:
+            out[server] = sum(
+                conn.execute(select(func.count()).select_from(t).where(UserBriefcase.key_column(t) == gdid)).scalar_one()
+                for t in UserBriefcase.tables
+            )
+    return out
+
+
+def count_refreshes(store: Store, monkeypatch: pytest.MonkeyPatch, on_call: Callable[[int], None] | None = None) -> list[int]:
+    calls: list[int] = []
+    original = store.refresh
+
+    def refresh() -> None:
+        calls.append(1)
+        original()
+        if on_call is not None:
+            on_call(len(calls))
+
+    monkeypatch.setattr(store, "refresh", refresh)
+    return calls
+
+
+def create_user(store: Store, gdid: GDID) -> str:
+    with store.briefcase(UserBriefcase, gdid) as session:
+        session.add(User(user_id=gdid, email=f"{gdid}@example.com", name="u"))
+        session.add(Address(address_id=GDID(0, 1, gdid.counter), line1="1 Main St", city="Springfield", country="US"))
+        return session.placement.server
+
+
+# -- an older map ------------------------------------------------------------------------------
+
+
+def restamp_for(cluster: Cluster, version: int) -> None:
+    """Stamp every shard of the published map with its layout (what `mdb map apply` will do)."""
+    pmap = load_map(cluster.path)
+    admin = Store(pmap, types=[UserBriefcase])
+    try:
+        for server, layout in Router(pmap).layouts():
+            with admin.transaction(server) as conn:
+                assert stamp_layout(conn, layout, version, replace=True) is None
+    finally:
+        admin.close()
+
+
+def test_store_with_an_older_map_is_refused_and_retried_on_the_right_shard(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old_writer, old_reader = cluster.store(), cluster.store()
+    assert old_writer.map.version == 1
+    cluster.publish(2, V2)  # a partition above the high-water mark...
+    restamp_for(cluster, 2)  # ...bounds the old last partition: u1 and u2 now own [0, 1000)
+
+    gdid = GDID(0, 0, 1500)  # version 1: u1 (1500 % 2 = 0); version 2: u3 (1500 % 3 = 0)
+    assert Router(load_map(cluster.path)).locate("user", gdid).server == "u3"
+    assert old_writer.router.locate("user", gdid).server == "u1"
+    refreshes = count_refreshes(old_writer, monkeypatch)
+    assert create_user(old_writer, gdid) == "u3"
+    assert len(refreshes) == 1 and old_writer.map.version == 2
+    assert rows_on_every_shard(old_writer, gdid) == {s: (2 if s == "u3" else 0) for s in SHARDS}
+
+    # A stale reader would find nothing on u1 and answer "no such user"; it is sent to u3.
+    reads = count_refreshes(old_reader, monkeypatch)
+    with old_reader.briefcase(UserBriefcase, gdid, readonly=True) as session:
+        assert session.placement.server == "u3"
+        assert session.scalars(select(User.user_id)).all() == [gdid]
+    assert len(reads) == 1
+
+    # Briefcases below the new partition keep routing to the same shards under both versions.
+    assert create_user(cluster.store(), GDID(0, 0, 501)) == "u2"
+
+
+def test_shard_restamped_with_another_layout_refuses_until_the_retries_run_out(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = cluster.store(max_stale_retries=2)
+    with store.transaction("u1") as conn:
+        assert stamp_layout(conn, ShardLayout("user", GDID.ZERO, None, 0, 3), 1, replace=True) is None
+    gdid = GDID(0, 0, 8)  # u1 in the map
+    refreshes = count_refreshes(store, monkeypatch)
+    with pytest.raises(StaleRouteError, match=r"server 'u1': the server is stamped partition \[0:0:0, open\) shard 0 of 3 but map version 1 routed it to partition \[0:0:0, open\) shard 0 of 2"):
+        create_user(store, gdid)
+    assert len(refreshes) == 2  # three attempts: the first and max_stale_retries retries
+    assert rows_on_every_shard(store, gdid) == {s: 0 for s in SHARDS}
+    # The other shard of the partition is unaffected.
+    assert create_user(store, GDID(0, 0, 9)) == "u2"
+
+
+# -- a briefcase that moved --------------------------------------------------------------------
+
+
+def copy_briefcase(source: Connection, target: Connection, gdid: GDID) -> None:
+    for table in UserBriefcase.tables:  # parents first: the type lists the root, then children in FK order
+        rows = source.execute(select(table).where(UserBriefcase.key_column(table) == gdid)).mappings().all()
+        if rows:
+            target.execute(insert(table), [dict(r) for r in rows])
+
+
+def delete_briefcase(conn: Connection, gdid: GDID) -> None:
+    for table in reversed(UserBriefcase.tables):
+        conn.execute(delete(table).where(UserBriefcase.key_column(table) == gdid))
+
+
+def set_state(conn: Connection, gdid: GDID, state: str, peer: str | None = None) -> None:
+    conn.execute(delete(briefcase_state).where(briefcase_state.c.area == "user", briefcase_state.c.gdid == gdid))
+    conn.execute(insert(briefcase_state).values(area="user", gdid=gdid, state=state, peer=peer, move_id="test-move"))
+
+
+def move_by_hand(store: Store, gdid: GDID, source: str, target: str, target_state: str = STATE_RESIDENT) -> None:
+    with store.transaction(source) as src, store.transaction(target) as dst:
+        copy_briefcase(src, dst, gdid)
+        set_state(dst, gdid, target_state)
+    with store.transaction("central") as conn:
+        set_relocation(conn, "user", gdid, target)
+    with store.transaction(source) as src:
+        delete_briefcase(src, gdid)
+        set_state(src, gdid, STATE_GONE, peer=target)
+
+
+def test_fence_and_relocation_send_a_stale_store_to_the_new_shard(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    gdid = GDID(0, 0, 4)
+    stale = cluster.store()
+    stale_reader = cluster.store()
+    assert create_user(stale, gdid) == "u1"
+    move_by_hand(cluster.store(), gdid, "u1", "x")
+    assert rows_on_every_shard(stale, gdid) == {s: (2 if s == "x" else 0) for s in SHARDS}
+
+    refreshes = count_refreshes(stale, monkeypatch)
+    with stale.briefcase(UserBriefcase, gdid) as session:
+        assert (session.placement.server, session.placement.relocated) == ("x", True)
+        assert session.placement.default_server == "u1"
+        assert session.get(User, gdid) is not None
+        session.add(Address(address_id=GDID(0, 2, 4), line1="2 Side St", city="Shelbyville", country="US"))
+    assert len(refreshes) == 1
+    assert rows_on_every_shard(stale, gdid) == {s: (3 if s == "x" else 0) for s in SHARDS}
+
+    with stale_reader.briefcase(UserBriefcase, gdid, readonly=True) as session:
+        assert session.placement.server == "x"
+        assert len(session.scalars(select(Address)).all()) == 2
+
+
+def test_a_relocation_without_resident_record_is_refused(cluster: Cluster) -> None:
+    """The directory alone is not trusted: the target must say the briefcase lives there."""
+    gdid = GDID(0, 0, 6)
+    store = cluster.store(max_stale_retries=1)
+    with store.transaction("central") as conn:
+        set_relocation(conn, "user", gdid, "x")
+    store.refresh()
+    with pytest.raises(StaleRouteError, match="the relocation directory points here but the server holds no resident record"):
+        create_user(store, gdid)
+    assert rows_on_every_shard(store, gdid) == {s: 0 for s in SHARDS}
+
+
+def test_incoming_copy_makes_sessions_wait(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    gdid = GDID(0, 0, 12)
+    admin = cluster.store()
+    assert create_user(admin, gdid) == "u1"
+    move_by_hand(admin, gdid, "u1", "x", target_state=STATE_INCOMING)
+
+    impatient = cluster.store(move_wait_seconds=0.2)
+    with pytest.raises(BriefcaseMovingError, match=r"briefcase user/0:0:12 on server 'x': a move into this server is not finished yet"):
+        create_user(impatient, GDID(0, 0, 12))
+
+    # A patient session waits; once the move finalizes (incoming -> resident) it proceeds on x.
+    waiting = threading.Event()
+    patient = cluster.store(move_wait_seconds=60)
+    count_refreshes(patient, monkeypatch, on_call=lambda n: waiting.set() if n >= 2 else None)
+    outcome: list[Any] = []
+
+    def session() -> None:
+        try:
+            with patient.briefcase(UserBriefcase, gdid) as s:
+                outcome.append(s.placement.server)
+                s.add(Address(address_id=GDID(0, 2, 12), line1="3 Far Rd", city="Ogdenville", country="US"))
+        except BaseException as exc:  # handed to the test thread, which re-raises it
+            outcome.append(exc)
+
+    worker = threading.Thread(target=session)
+    worker.start()
+    assert waiting.wait(60), "the session never retried while the briefcase was incoming"
+    assert outcome == []  # still waiting
+    with admin.transaction("x") as conn:
+        conn.execute(update(briefcase_state).where(briefcase_state.c.gdid == gdid).values(state=STATE_RESIDENT))
+    worker.join(60)
+    if outcome and isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    assert outcome == ["x"]
+    assert rows_on_every_shard(admin, gdid) == {s: (3 if s == "x" else 0) for s in SHARDS}
+
+
+# -- concurrency with a move's exclusive lock (PostgreSQL) -------------------------------------
+
+
+def _waiting_advisory_locks(conn: Connection) -> int:
+    return conn.execute(
+        text(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
+    ).scalar_one()
+
+
+def test_session_waits_for_a_moves_lock_then_follows_the_fence(pg_cluster: Cluster) -> None:
+    cluster = pg_cluster
+    gdid = GDID(0, 0, 14)
+    admin = cluster.store()
+    stale = cluster.store()
+    assert create_user(admin, gdid) == "u1"
+
+    outcome: list[Any] = []
+    started = threading.Event()
+
+    def session() -> None:
+        try:
+            started.set()
+            with stale.briefcase(UserBriefcase, gdid) as s:
+                outcome.append(s.placement.server)
+                s.add(Address(address_id=GDID(0, 2, 14), line1="4 Lock Ln", city="Capital City", country="US"))
+        except BaseException as exc:  # handed to the test thread, which re-raises it
+            outcome.append(exc)
+
+    move = admin.engine("u1").connect()
+    probe = admin.engine("u1").connect()
+    try:
+        with move.begin():
+            move.execute(text(f"SELECT pg_advisory_xact_lock({lock_key_sql('user', gdid)})"))
+            worker = threading.Thread(target=session)
+            worker.start()
+            started.wait(10)
+            deadline = time.monotonic() + 30
+            while _waiting_advisory_locks(probe) == 0:  # the session queues behind the move's lock
+                assert time.monotonic() < deadline, "the session never waited for the move's lock"
+                assert worker.is_alive(), outcome
+                time.sleep(0.01)
+            assert outcome == []
+            # The move, under its lock: copy to x, directory entry, fence + delete on the source.
+            with admin.transaction("x") as dst:
+                copy_briefcase(move, dst, gdid)
+                set_state(dst, gdid, STATE_RESIDENT)
+            with admin.transaction("central") as conn:
+                set_relocation(conn, "user", gdid, "x")
+            delete_briefcase(move, gdid)
+            set_state(move, gdid, STATE_GONE, peer="x")
+        # committed: the waiting session gets its lock, its check sees the fence (fresh snapshot)
+        worker.join(60)
+    finally:
+        move.close()
+        probe.close()
+    if outcome and isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    assert outcome == ["x"]
+    assert rows_on_every_shard(admin, gdid) == {s: (3 if s == "x" else 0) for s in SHARDS}

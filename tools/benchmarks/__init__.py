@@ -1,0 +1,105 @@
+"""The benchmark framework's shared parts: what a section gets (BenchContext) and returns (Result).
+
+A section is a module ``tools/benchmarks/<name>.py`` with ``def run(ctx: BenchContext) ->
+list[Result]``. Speed is only meaningful next to a baseline measured in the same run on the
+same machine, so every Result carries its baseline and the report prints the ratio.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+__all__ = ["BenchContext", "Result", "per_call", "compare"]
+
+Better = Literal["higher", "lower"]
+_RATE_SUFFIX = "/s"
+
+
+@dataclass(frozen=True)
+class Result:
+    """One measurement next to its baseline. ``better`` defaults from the unit (rates: higher)."""
+
+    section: str
+    name: str
+    value: float
+    unit: str
+    baseline_name: str
+    baseline_value: float
+    note: str = ""
+    better: Better | None = None
+
+    def __post_init__(self) -> None:
+        if self.better is None:
+            object.__setattr__(self, "better", "higher" if self.unit.endswith(_RATE_SUFFIX) else "lower")
+
+    @property
+    def ratio(self) -> float:
+        """value / baseline: for a time, 1.07 means 7% slower than the baseline."""
+        return self.value / self.baseline_value if self.baseline_value else float("nan")
+
+
+@dataclass
+class BenchContext:
+    """What the runner hands every section; PostgreSQL servers are shared by all sections."""
+
+    tmpdir: Path
+    quick: bool = False
+    _servers: list = field(default_factory=list)  # list[mdb.testing.postgres.PostgresServer]
+
+    def pg_urls(self, n: int) -> list[str]:
+        """URLs of ``n`` fresh, empty databases on ``n`` distinct real PostgreSQL servers.
+
+        Servers start on first use (in parallel), are reused by later calls and sections, and
+        are stopped and deleted when the run ends (:meth:`close`).
+        """
+        from mdb.testing.postgres import PostgresServer, postgres_unavailable_reason
+
+        missing = n - len(self._servers)
+        if missing > 0:
+            reason = postgres_unavailable_reason()
+            if reason:
+                raise RuntimeError(f"PostgreSQL benchmarks need real servers: {reason}")
+            new = [PostgresServer(name=f"bench{len(self._servers) + i}") for i in range(missing)]
+            self._servers.extend(new)
+            with ThreadPoolExecutor(max_workers=missing) as pool:
+                for started in [pool.submit(server.start) for server in new]:
+                    started.result()
+        return [server.create_database() for server in self._servers[:n]]
+
+    def iterations(self, full: int, quick: int) -> int:
+        return quick if self.quick else full
+
+    def close(self) -> None:
+        while self._servers:
+            self._servers.pop().close()
+
+
+def per_call(fn: Callable[[], object], iterations: int) -> float:
+    """Seconds per call of ``fn`` over ``iterations`` calls."""
+    start = time.perf_counter()
+    for _ in range(iterations):
+        fn()
+    return (time.perf_counter() - start) / iterations
+
+
+def compare(
+    subject: Callable[[], object], baseline: Callable[[], object], *, iterations: int, rounds: int, warmup: int
+) -> tuple[float, float]:
+    """Median seconds per call of (subject, baseline), measured in alternating rounds.
+
+    Alternating rounds share whatever else the machine is doing between the two, so the ratio
+    is steadier than two back-to-back runs.
+    """
+    per_call(subject, warmup)
+    per_call(baseline, warmup)
+    subject_times, baseline_times = [], []
+    for _ in range(rounds):
+        subject_times.append(per_call(subject, iterations))
+        baseline_times.append(per_call(baseline, iterations))
+    return statistics.median(subject_times), statistics.median(baseline_times)

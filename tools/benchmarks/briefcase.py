@@ -1,0 +1,99 @@
+"""Routed point read: a briefcase session fetching one row by GDID vs a plain SQLAlchemy Session.
+
+Both sides read the same row of the same table on the same database. The baseline is what an
+application without mdb would write: an engine it holds itself and ``Session(engine)``. The
+routed side adds routing, the ownership check (carried by BEGIN: no extra round trip on
+PostgreSQL), the loader criteria that confine the session, and the shared advisory lock for
+write sessions.
+"""
+
+from __future__ import annotations
+
+import random
+from datetime import datetime, timezone
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+from sqlalchemy import create_engine, insert, select
+from sqlalchemy.orm import Session
+
+from benchmarks import BenchContext, Result, compare
+from mdb.demo.models import User, UserBriefcase
+from mdb.gdid import GDID
+from mdb.schema import apply_schema
+from mdb.store import Store
+
+ROWS = 1000
+NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def _store(directory: Path, central: str, shard: str) -> Store:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "map.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "version": 1,
+                "servers": {"central": {"primary": central}, "u1": {"primary": shard}},
+                "areas": {"central": {"kind": "central", "shards": ["central"]}, "user": {"partitions": [{"start": "0:0:0", "shards": ["u1"]}]}},
+            }
+        )
+    )
+    store = Store.from_yaml(path, types=[UserBriefcase])
+    failed = [r for r in apply_schema(store) if not r.ok]
+    if failed:
+        raise RuntimeError(f"schema apply failed: {failed}")
+    return store
+
+
+def _measure(ctx: BenchContext, backend: str, central: str, shard: str) -> list[Result]:
+    store = _store(ctx.tmpdir / backend, central, shard)
+    ids = [GDID(0, 0, i) for i in range(1, ROWS + 1)]
+    with store.transaction("u1") as conn:
+        conn.execute(insert(User.__table__), [{"user_id": g, "email": f"{g}@example.com", "name": f"user {g}", "created_at": NOW} for g in ids])
+    plain = create_engine(shard)
+    order = ids * 20
+    random.Random(7).shuffle(order)
+    cursor = iter(order * 1000)
+
+    def routed(readonly: bool) -> Callable[[], object]:
+        def read() -> object:
+            g = next(cursor)
+            with store.briefcase(UserBriefcase, g, readonly=readonly) as session:
+                return session.scalars(select(User).where(User.user_id == g)).one()
+
+        return read
+
+    def direct() -> object:
+        g = next(cursor)
+        with Session(plain) as session:
+            return session.scalars(select(User).where(User.user_id == g)).one()
+
+    iterations = ctx.iterations(2000, 200)
+    rounds = ctx.iterations(5, 2)
+    results = []
+    try:
+        for readonly in (True, False):
+            value, base = compare(routed(readonly), direct, iterations=iterations, rounds=rounds, warmup=ctx.iterations(300, 50))
+            kind = "readonly" if readonly else "write"
+            results.append(
+                Result(
+                    "briefcase", f"{backend}: routed point read ({kind} session)", value * 1e6, "µs/read",
+                    "plain Session on the engine", base * 1e6,
+                    f"{iterations} reads x {rounds} rounds, median" + ("; + shared advisory lock" if not readonly and backend == "postgresql" else ""),
+                )
+            )
+    finally:
+        plain.dispose()
+        store.close()
+    return results
+
+
+def run(ctx: BenchContext) -> list[Result]:
+    central, shard = ctx.pg_urls(2)
+    results = _measure(ctx, "postgresql", central, shard)
+    sqlite_dir = ctx.tmpdir / "sqlite-files"
+    sqlite_dir.mkdir(parents=True, exist_ok=True)
+    results += _measure(ctx, "sqlite", f"sqlite:///{sqlite_dir / 'central.db'}", f"sqlite:///{sqlite_dir / 'u1.db'}")
+    return results
