@@ -38,3 +38,19 @@ def test_demo_runs_twice_on_the_same_folder(tmp_path: Path) -> None:
         assert report.ok and report.entries == 34 and report.briefcases == 34
     out = run("central", "lookup", str(folder / "map.yaml"), "user_email", "user000030@demo.example")
     assert "-> 0:0:" in out
+
+
+def test_demo_on_a_postgresql_map(pg_databases, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from typer.testing import CliRunner
+
+    from mdb.cli import app
+    from test_central_index import make_map
+
+    urls = pg_databases(2) + pg_databases(2)
+    path = make_map(tmp_path, urls)
+    result = CliRunner().invoke(app, ["demo", "--map", str(path), "--users", "12"])
+    assert result.exit_code == 0, result.output
+    assert "registered 12 new users (numbers from 1)" in result.output
+    with Store.from_yaml(path, types=[UserBriefcase]) as store:
+        assert sum(c.briefcases for c in shard_counts(store)) == 12
+        assert check(store.central, [EmailIndex]).ok
