@@ -1,10 +1,12 @@
 """mdb: an MDB-style router that spreads briefcases of relational data over many servers."""
 
 from mdb.briefcase import BriefcaseType
+from mdb.central import Central, CentralIndex
 from mdb.engines import EngineRegistry
 from mdb.errors import (
     BriefcaseMovingError,
     CrossBriefcaseError,
+    DuplicateKeyError,
     GDIDError,
     MapEditError,
     MapError,
@@ -23,14 +25,18 @@ from mdb.router import CentralPlacement, Placement, Router, ShardLayout
 from mdb.session import BriefcaseSession
 from mdb.sqltypes import GDIDType
 from mdb.store import Store
+from mdb.repository import Repository
 from mdb.urls import mask_url
 
 __all__ = [
     "BriefcaseMovingError",
     "BriefcaseSession",
     "BriefcaseType",
+    "Central",
+    "CentralIndex",
     "CentralPlacement",
     "CrossBriefcaseError",
+    "DuplicateKeyError",
     "EngineRegistry",
     "FanOutResult",
     "GDID",
@@ -42,6 +48,7 @@ __all__ = [
     "PartitionMap",
     "Placement",
     "QueryError",
+    "Repository",
     "RetryableError",
     "Router",
     "RoutingError",
