@@ -21,7 +21,7 @@ from mdb.router import Router, ShardLayout
 from mdb.store import Store
 from mdb.system_tables import load_system_tables, shard_layout
 
-__all__ = ["ShardReport", "apply_schema", "stamp_layout"]
+__all__ = ["ShardReport", "apply_schema", "create_tables", "server_tables", "stamp_layout"]
 
 
 @dataclass
@@ -46,7 +46,8 @@ def _tables_for(store: Store, areas: Iterable[str]) -> list[Table]:
     return [t for area in areas for btype in store.types_of(area) for t in btype.tables]
 
 
-def _create(conn: Connection, tables: list[Table]) -> list[str]:
+def create_tables(conn: Connection, tables: list[Table]) -> list[str]:
+    """Create the missing ones of ``tables`` (checkfirst); returns the names it created."""
     existing = set(sa_inspect(conn).get_table_names())
     created = [t.name for t in tables if t.name not in existing]
     for metadata in {t.metadata for t in tables}:
@@ -81,32 +82,41 @@ def stamp_layout(conn: Connection, layout: ShardLayout, map_version: int, *, rep
     return None
 
 
-def apply_schema(store: Store) -> list[ShardReport]:
+def server_tables(
+    store: Store, router: Router, server: str, server_layouts: Iterable[ShardLayout]
+) -> tuple[list[str], list[Table]]:
+    """(roles, tables) of ``server`` under ``router``'s map; ``store`` supplies the briefcase types.
+
+    Shared by ``apply_schema`` and ``mdb map apply`` (which prepares the servers a new map adds).
+    """
     shard_md, central_md = load_system_tables()
+    all_areas = router.area_names()
+    is_central = server in router.central_servers()
+    areas = [l.area for l in server_layouts if l.area in all_areas]
+    roles = (["central"] if is_central else []) + areas
+    if not roles:
+        roles.append("spare")
+        areas = all_areas
+    tables = list(shard_md.sorted_tables)
+    if is_central:
+        tables += list(central_md.sorted_tables)
+    tables += _tables_for(store, areas)
+    return roles, tables
+
+
+def apply_schema(store: Store) -> list[ShardReport]:
     pmap = store.map
     router = Router(pmap)  # layouts only: relocations do not matter here
     layouts: dict[str, list[ShardLayout]] = {}
     for server, layout in router.layouts():
         layouts.setdefault(server, []).append(layout)
-    all_areas = router.area_names()
-    central = set(router.central_servers())
     reports = []
     for server in pmap.servers:
         report = ShardReport(server, store.engines.masked_url(server))
-        areas = [l.area for l in layouts.get(server, []) if l.area in all_areas]
-        if server in central:
-            report.roles.append("central")
-        report.roles.extend(areas)
-        if not report.roles:
-            report.roles.append("spare")
-            areas = all_areas
-        tables = list(shard_md.sorted_tables)
-        if server in central:
-            tables += list(central_md.sorted_tables)
-        tables += _tables_for(store, areas)
+        report.roles, tables = server_tables(store, router, server, layouts.get(server, []))
         try:
             with store.transaction(server) as conn:
-                report.created = _create(conn, tables)
+                report.created = create_tables(conn, tables)
                 already = set(conn.execute(select(shard_layout.c.area)).scalars())
                 for layout in layouts.get(server, []):
                     problem = stamp_layout(conn, layout, pmap.version, replace=False)

@@ -92,8 +92,23 @@ class Store:
                 if candidate.version > pmap.version:
                     pmap = candidate
                     self.engines.update(pmap.servers)
+            applied = self._newest_applied_map(pmap)
+            if applied is not None:
+                pmap = applied
+                self.engines.update(pmap.servers)
             self._router = Router(pmap, self._load_relocations(Router(pmap)))
             self._relocations_loaded = True
+
+    @property
+    def map_path(self) -> Path | None:
+        """The map file this Store re-reads on refresh, if it was given one."""
+        return self._map_path
+
+    def _newest_applied_map(self, current: PartitionMap) -> PartitionMap | None:
+        """A map newer than ``current`` that `mdb map apply` recorded in CENTRAL, if any."""
+        from mdb.map_edit import load_applied_map  # late: map_edit builds on mdb.schema, which imports this module
+
+        return load_applied_map(self, current)
 
     def _load_relocations(self, router: Router) -> dict[tuple[str, GDID], str]:
         connections: list[Connection] = []

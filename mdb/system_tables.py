@@ -67,6 +67,7 @@ briefcase_state = Table(
 
 CENTRAL_TABLE_MODULES: Final[tuple[str, ...]] = (
     "mdb.relocations",
+    "mdb.map_edit",
     "mdb.idgen",
     "mdb.central.indexes",
 )
