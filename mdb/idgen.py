@@ -65,6 +65,8 @@ MAX_BLOCK_SIZE: Final = 2**40
 AUTHORITY_ENV: Final = "MDB_AUTHORITY"
 LOW_WATER: Final = 0.25
 """Prefetch the next block when less than this share of the current block is left."""
+GROWTH_LIMIT: Final = 64
+"""By default a block may grow to 64 times the configured size (see ``max_block_size``)."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,63}$")
 
@@ -256,11 +258,19 @@ class GdidGenerator:
         *,
         authority: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        max_block_size: int | None = None,
         name: str = "gdid",
         prefetch: bool = True,
     ) -> None:
         self.authority = authority_from_env() if authority is None else _check_authority(authority, "the authority argument")
         self.block_size = _check_block_size(block_size)
+        self.max_block_size = _check_block_size(
+            min(block_size * GROWTH_LIMIT, MAX_BLOCK_SIZE) if max_block_size is None else max_block_size
+        )
+        if self.max_block_size < self.block_size:
+            raise GDIDError(f"invalid GDID max block size {self.max_block_size}: below the block size {self.block_size}")
+        self.current_block_size = self.block_size
+        """What the next reservation asks for: doubles each time a caller had to wait for a block."""
         self.name = name
         self.prefetch = prefetch
         self._reserve = reserve
@@ -276,6 +286,7 @@ class GdidGenerator:
         self.last_prefetch_error: BaseException | None = None
         """Why the last background prefetch failed (None after a success); also logged."""
         self.blocks_reserved = 0
+        self._grown_at = 0
 
     @classmethod
     def for_store(
@@ -286,6 +297,7 @@ class GdidGenerator:
         *,
         authority: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        max_block_size: int | None = None,
         prefetch: bool = True,
     ) -> GdidGenerator:
         """A generator whose blocks come from the sequence row on its CENTRAL shard."""
@@ -297,7 +309,9 @@ class GdidGenerator:
             with store.transaction(server) as conn:
                 return reserve_block(conn, scope, sequence, size)
 
-        return cls(reserve, authority=authority, block_size=block_size, name=key, prefetch=prefetch)
+        return cls(
+            reserve, authority=authority, block_size=block_size, max_block_size=max_block_size, name=key, prefetch=prefetch
+        )
 
     def __repr__(self) -> str:
         return f"GdidGenerator({self.name!r}, authority={self.authority}, block_size={self.block_size})"
@@ -356,6 +370,12 @@ class GdidGenerator:
         a block meanwhile: the loop re-checks the current block before replacing it, or a
         partly used block would be dropped (a gap, and with a queued block, disorder).
         """
+        if not self._queue and self.blocks_reserved != self._grown_at and self.current_block_size < self.max_block_size:
+            # A caller waits on the database: blocks are used faster than prefetch refills them,
+            # so ask for more at a time. Once per block (many threads may stall on one), and the
+            # first block, always a wait, does not count.
+            self._grown_at = self.blocks_reserved
+            self.current_block_size = min(self.current_block_size * 2, self.max_block_size)
         while self._next > self._last:
             if self._queue:
                 block = self._queue.popleft()
@@ -371,7 +391,7 @@ class GdidGenerator:
                 self._cond.wait()  # a reservation (prefetch or another caller) is in flight
                 continue
             # A bulk take() reserves what it needs in one statement rather than in many blocks.
-            size = min(max(self.block_size, need), MAX_BLOCK_SIZE)
+            size = min(max(self.current_block_size, need), MAX_BLOCK_SIZE)
             self._fetching = True
             self._cond.release()
             try:
@@ -392,7 +412,7 @@ class GdidGenerator:
 
     def _prefetch(self) -> None:
         try:
-            block = self._reserve(self.block_size)
+            block = self._reserve(self.current_block_size)
         except BaseException as exc:
             # The caller that runs out next reserves in the foreground and gets the error itself.
             log.warning("prefetching a GDID block for %s failed: %s", self.name, exc)

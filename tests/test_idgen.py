@@ -236,6 +236,24 @@ def test_prefetch_reserves_the_next_block_before_the_current_one_runs_out(store:
     assert GdidGenerator.for_store(store, "user", fresh(), block_size=10, prefetch=False).take(30)[-1].counter == 30
 
 
+def test_blocks_grow_while_callers_wait_for_them_up_to_the_maximum(store: Store) -> None:
+    seq = fresh()
+    gen = GdidGenerator.for_store(store, "user", seq, block_size=10, max_block_size=35, prefetch=False)
+    sizes = []
+    for _ in range(5):  # without prefetch, every used-up block makes the caller wait
+        before = gen.blocks_reserved
+        gen.next()
+        gen.take(gen.current_block_size - 1)
+        assert gen.blocks_reserved == before + 1
+        sizes.append(gen.current_block_size)
+    assert sizes == [10, 20, 35, 35, 35]
+    with central_conn(store, "user", seq) as conn:
+        state = read_sequence(conn, "user", seq)
+    assert state is not None and state.next_counter == 1 + sum(sizes)  # and nothing was skipped
+    with pytest.raises(GDIDError, match="below the block size"):
+        GdidGenerator.for_store(store, "user", seq, block_size=10, max_block_size=9)
+
+
 def test_a_restarted_generator_never_reissues_what_was_reserved_before(map_path: Path) -> None:
     seq = fresh()
     with Store.from_yaml(map_path, types=[]) as store:

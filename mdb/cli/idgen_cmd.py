@@ -1,8 +1,8 @@
 """``mdb gdid next MAP SCOPE SEQUENCE``: reserve GDIDs from a CENTRAL sequence for operators and scripts.
 
-The command reserves exactly ``--count`` counters (one block; two when the era rolls over), so
-nothing is wasted beyond what it prints, and prints them one per line (or as JSON). Ids printed
-are consumed: running it again never prints them again.
+The command reserves exactly ``--count`` counters in one block, so nothing is wasted beyond what
+it prints (except at an era roll-over, where the block is cut short and a second one is taken),
+and prints them one per line (or as JSON). Ids printed are consumed: never printed again.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ def gdid_next(
     server = Router(pmap).locate_central(key).server
     store = Store(pmap, types=[], map_path=map_path)
     try:
-        gen = GdidGenerator.for_store(store, scope, sequence, authority=authority, block_size=count, prefetch=False)
+        gen = GdidGenerator.for_store(
+            store, scope, sequence, authority=authority, block_size=count, max_block_size=count, prefetch=False
+        )
         ids = gen.take(count)
     finally:
         store.close()
