@@ -20,6 +20,7 @@ from mdb.errors import (
 )
 from mdb.fanout import FanOutResult, ShardFailure
 from mdb.gdid import GDID
+from mdb.idgen import GdidGenerator
 from mdb.partition_map import PartitionMap, load_map, parse_map
 from mdb.router import CentralPlacement, Placement, Router, ShardLayout
 from mdb.session import BriefcaseSession
@@ -42,6 +43,7 @@ __all__ = [
     "GDID",
     "GDIDError",
     "GDIDType",
+    "GdidGenerator",
     "MapEditError",
     "MapError",
     "MdbError",
