@@ -70,6 +70,7 @@ CENTRAL_TABLE_MODULES: Final[tuple[str, ...]] = (
     "mdb.map_edit",
     "mdb.idgen",
     "mdb.central.indexes",
+    "mdb.moves.journal",
 )
 """Modules that define tables on ``central_metadata``; add yours here."""
 

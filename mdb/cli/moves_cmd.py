@@ -1,0 +1,276 @@
+"""``mdb move``, ``mdb reshard``, ``mdb moves status|resume`` and ``mdb where``.
+
+Every command opens the map, imports the map's ``models:`` so the area's briefcase types are
+known, and talks to the live system; errors mdb raises on purpose end as one ``error:`` line.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from mdb.cli.app import app, console, emit_json, fail, open_map
+from mdb.cli.schema_cmd import import_models
+from mdb.gdid import GDID
+from mdb.moves.protocol import DEFAULT_MAX_PAUSE, MoveAbortedError, move_briefcase
+from mdb.moves.resume import resume_all
+from mdb.moves.status import move_status, where
+from mdb.store import Store
+
+__all__ = ["moves_app"]
+
+moves_app = typer.Typer(help="Status and crash recovery of briefcase moves and reshards.", no_args_is_help=True)
+app.add_typer(moves_app, name="moves")
+
+MapArg = Annotated[str, typer.Argument(metavar="MAP", help="partition map YAML")]
+BIG_MOVE_ROWS = 10_000
+
+
+def _store(map_path: str) -> Store:
+    pmap = open_map(map_path)
+    import_models(list(pmap.models))
+    return Store(pmap, map_path=map_path)
+
+
+def _gdid(text: str) -> GDID:
+    return GDID.parse(text)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+@app.command("move")
+def move_cmd(
+    map_path: MapArg,
+    area: Annotated[str, typer.Argument(help="area of the briefcase")],
+    gdid: Annotated[str, typer.Argument(help="briefcase GDID (text or hex)")],
+    to: Annotated[str, typer.Option("--to", metavar="SERVER", help="server to move the briefcase to")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would move; change nothing.")] = False,
+    max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Abort a cutover that would block the briefcase's writes longer.")] = DEFAULT_MAX_PAUSE,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Move one briefcase (every table of every briefcase type of AREA) to SERVER, online."""
+    gid = _gdid(gdid)
+    with _store(map_path) as store:
+        progress: Progress | None = None
+        on_table = None
+        if not dry_run and not as_json:
+            store.refresh()
+            from mdb.moves.protocol import area_tables
+            from mdb.moves.copy import measure
+
+            source = store.router.locate(area, gid).server
+            with store.transaction(source) as conn:
+                sizes = measure(conn, area_tables(store, area), gid)
+            total = sum(r for r, _ in sizes.values())
+            if total >= BIG_MOVE_ROWS:
+                progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+                task = progress.add_task(f"moving {area}/{gid} rows", total=total)
+
+                def on_table(name: str, rows: int) -> None:
+                    assert progress is not None
+                    progress.update(task, advance=rows, description=f"copied {name}")
+
+                progress.start()
+        try:
+            result = move_briefcase(store, area, gid, to, dry_run=dry_run, max_pause=max_pause, on_table=on_table)
+        except MoveAbortedError as exc:
+            fail(str(exc))
+        finally:
+            if progress is not None:
+                progress.stop()
+    if as_json:
+        emit_json(result.to_json())
+        return
+    table = Table(title=f"{'would move' if dry_run else 'moved'} {area}/{gid}: {result.source} -> {result.target}")
+    table.add_column("table")
+    table.add_column("rows", justify="right")
+    table.add_column("bytes", justify="right")
+    for name, (rows, nbytes) in result.tables.items():
+        table.add_row(escape(name), str(rows), _size(nbytes))
+    table.add_row("total", str(result.rows), _size(result.bytes))
+    console.print(table)
+    if result.status == "already-there":
+        console.print(f"{area}/{gid} already lives on {result.target}; nothing to do", markup=False)
+    elif result.status == "done":
+        console.print(f"done: move {result.move_id}, write pause {result.pause_seconds * 1000:.0f} ms", markup=False)
+
+
+@app.command("where")
+def where_cmd(
+    map_path: MapArg,
+    area: Annotated[str, typer.Argument(help="area of the briefcase")],
+    gdid: Annotated[str, typer.Argument(help="briefcase GDID")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Ask the live system where a briefcase is and whether a move of it is in flight."""
+    with _store(map_path) as store:
+        found = where(store, area, _gdid(gdid))
+    if as_json:
+        emit_json(found.to_json())
+        return
+    console.print(f"{area}/{found.gdid}: routed to {found.routed_to} (default {found.default_server}, relocation: {found.relocation or '-'})", markup=False)
+    for server, rows in found.holders.items():
+        console.print(f"  {server}: holds {rows} row(s)", markup=False)
+    for server, state in found.states.items():
+        console.print(f"  {server}: state {state['state']} peer {state['peer']} move {state['move_id']}", markup=False)
+    for server, problem in found.unreachable.items():
+        console.print(f"  {server}: unreachable: {problem}", markup=False)
+    for move in found.moves_in_flight:
+        console.print(f"  move in flight: {move['move_id']} {move['source']} -> {move['target']} at step {move['step']}", markup=False)
+    if not found.moves_in_flight:
+        console.print("  no move in flight", markup=False)
+    if not found.consistent:
+        console.print("  WARNING: the holders disagree with routing; run `mdb moves resume MAP`", markup=False)
+
+
+def _ago(when: datetime | None) -> str:
+    if when is None:
+        return "-"
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return f"{(datetime.now(timezone.utc) - when).total_seconds():.0f}s ago"
+
+
+@moves_app.command("status")
+def status_cmd(
+    map_path: MapArg,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """In-flight moves and reshards: phase, briefcases and rows done per table, rate, ETA, last change."""
+    with _store(map_path) as store:
+        running, finished = move_status(store)
+    if as_json:
+        emit_json({"in_flight": [s.to_json() for s in running], "recent": [s.to_json() for s in finished]})
+        return
+    for title, items in (("in flight", running), ("recently finished", finished)):
+        table = Table(title=title)
+        for column in ("id", "kind", "briefcase / partition", "from -> to", "phase", "briefcases", "rows", "rows/s", "ETA", "last change"):
+            table.add_column(column)
+        for s in items:
+            e = s.entry
+            subject = f"{e.area}/{e.gdid}" if e.kind == "move" else f"{e.area} partition {e.params.get('partition_start')}"
+            route = f"{e.source} -> {e.target}" if e.kind == "move" else f"{','.join(e.params.get('old_shards', []))} -> {','.join(e.params.get('new_shards', []))}"
+            table.add_row(
+                escape(e.move_id), e.kind, escape(subject), escape(route), escape(e.step),
+                f"{e.briefcases_done}/{e.briefcases_total}", f"{e.rows_done}/{e.rows_total}",
+                "-" if s.rate_rows is None else f"{s.rate_rows:.0f}", "-" if s.eta_seconds is None else f"{s.eta_seconds:.0f}s",
+                _ago(e.updated_at),
+            )
+        console.print(table)
+        for s in items:
+            if s.entry.tables and s.entry.status == "running":
+                per = ", ".join(f"{name} {done}/{planned}" for name, (planned, done) in s.entry.tables.items())
+                console.print(f"  {s.entry.move_id} rows per table: {per}", markup=False)
+            if s.entry.detail and s.entry.status != "done":
+                console.print(f"  {s.entry.move_id}: {s.entry.detail}", markup=False)
+
+
+@moves_app.command("resume")
+def resume_cmd(
+    map_path: MapArg,
+    retry: Annotated[bool, typer.Option("--retry", help="After rolling an interrupted single move back, try it again.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Finish (commit point passed) or roll back (it did not) every interrupted move; continue reshards."""
+    with _store(map_path) as store:
+        outcomes = resume_all(store, retry=retry)
+    if as_json:
+        emit_json([o.to_json() for o in outcomes])
+        return
+    if not outcomes:
+        console.print("nothing to resume", markup=False)
+    for o in outcomes:
+        console.print(f"{o.move_id} ({o.kind}): {o.action}: {o.detail}", markup=False)
+
+
+@app.command("reshard")
+def reshard_cmd(
+    map_path: MapArg,
+    area: Annotated[str, typer.Argument(help="area to re-shard")],
+    partition: Annotated[str, typer.Option("--partition", metavar="START", help="absolute start GDID of the partition")],
+    shards: Annotated[str, typer.Option("--shards", metavar="A,B,C", help="the partition's new shard list")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
+    parallel: Annotated[int, typer.Option("--parallel", min=1, max=64, help="Moves in flight at once.")] = 1,
+    max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Per-briefcase cutover bound.")] = DEFAULT_MAX_PAUSE,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Move every briefcase of a partition whose shard changes under SHARDS, then write the new map."""
+    from mdb.moves.reshard import reshard
+
+    new_shards = [s.strip() for s in shards.split(",") if s.strip()]
+    if not new_shards:
+        fail("--shards needs at least one server name")
+    with _store(map_path) as store:
+        if dry_run or as_json:
+            outcome = reshard(store, area, _gdid(partition), new_shards, dry_run=dry_run, parallel=parallel, max_pause=max_pause, map_path=map_path)
+        else:
+            with _RichReshardProgress() as progress:
+                outcome = reshard(store, area, _gdid(partition), new_shards, parallel=parallel, max_pause=max_pause, map_path=map_path, progress=progress)
+    plan = outcome.plan
+    if as_json:
+        emit_json(outcome.to_json())
+        return
+    table = Table(title=f"reshard {area} partition {plan.partition_start}: {','.join(plan.old_shards)} -> {','.join(plan.new_shards)}")
+    for column in ("source", "target", "briefcases", "rows"):
+        table.add_column(column, justify="right" if column in ("briefcases", "rows") else "left")
+    for (src, dst), (n, rows) in sorted(plan.pairs().items()):
+        table.add_row(escape(src), escape(dst), str(n), str(rows))
+    console.print(table)
+    console.print(f"{len(plan.moves)} of {plan.briefcases_in_partition} briefcases {'would move' if dry_run else 'moved'}; rows per table: "
+                  + ", ".join(f"{k} {v}" for k, v in plan.rows_per_table().items()), markup=False)
+    if not dry_run:
+        console.print(f"done: reshard {outcome.reshard_id}, map version {outcome.map_version}", markup=False)
+
+
+class _RichReshardProgress:
+    """Briefcases and rows bars with rate and ETA; the description shows the last change."""
+
+    def __init__(self) -> None:
+        self._progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
+            TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), TimeElapsedColumn(), console=console,
+        )
+        self._lock = threading.Lock()
+        self._bc: Any = None
+        self._rows: Any = None
+        self._started = time.monotonic()
+
+    def __enter__(self) -> _RichReshardProgress:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def phase(self, name: str) -> None:
+        self._progress.console.print(f"phase: {name}", markup=False)
+
+    def planned(self, briefcases: int, rows: int) -> None:
+        with self._lock:
+            self._bc = self._progress.add_task("briefcases", total=briefcases, rate="")
+            self._rows = self._progress.add_task("rows", total=rows, rate="")
+
+    def moved(self, gdid: GDID, source: str, target: str, rows: int) -> None:
+        with self._lock:
+            if self._bc is None:
+                return
+            elapsed = max(time.monotonic() - self._started, 1e-6)
+            self._progress.update(self._bc, advance=1, description=f"briefcases (last: {gdid} {source}->{target})")
+            self._progress.update(self._rows, advance=rows)
+            done = self._progress.tasks[self._rows].completed
+            self._progress.update(self._rows, rate=f"{done / elapsed:.0f} rows/s")
+
+

@@ -1,0 +1,136 @@
+"""Copying one briefcase's rows between two servers, inside transactions the caller owns.
+
+PostgreSQL to PostgreSQL streams each table with ``COPY (SELECT ...) TO STDOUT (FORMAT
+BINARY)`` into ``COPY ... FROM STDIN (FORMAT BINARY)`` through psycopg 3: no row is decoded in
+Python. Anything else (SQLite on either side) goes through SQLAlchemy Core: select, then
+executemany insert, with the column types doing the conversions. Tables are given parents
+first; deletes run children first, so composite foreign keys hold at every statement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg import sql
+from sqlalchemy import Table, delete, func, insert, literal_column, select, tuple_
+from sqlalchemy.engine import Connection
+
+from mdb.gdid import GDID
+
+__all__ = ["AreaTable", "copy_rows", "delete_briefcase", "delete_keys", "is_postgres", "measure", "select_keys"]
+
+BATCH = 2000
+
+
+@dataclass(frozen=True)
+class AreaTable:
+    """One table of an area's briefcase types, with its briefcase key column name."""
+
+    table: Table
+    key: str
+
+    @property
+    def name(self) -> str:
+        return self.table.name
+
+    @property
+    def columns(self) -> list[str]:
+        return [c.name for c in self.table.columns]
+
+    @property
+    def pk(self) -> list[str]:
+        return [c.name for c in self.table.primary_key.columns]
+
+
+def is_postgres(conn: Connection) -> bool:
+    return conn.dialect.name == "postgresql"
+
+
+def _pg_literal(gdid: GDID) -> sql.Composable:
+    return sql.SQL("'\\x{}'::bytea").format(sql.SQL(gdid.hex))
+
+
+def _pg_copy(src: Connection, dst: Connection, at: AreaTable, gdid: GDID) -> int:
+    cols = sql.SQL(", ").join(sql.Identifier(c) for c in at.columns)
+    out_stmt = sql.SQL("COPY (SELECT {cols} FROM {table} WHERE {key} = {gdid}) TO STDOUT (FORMAT BINARY)").format(
+        cols=cols, table=sql.Identifier(at.name), key=sql.Identifier(at.key), gdid=_pg_literal(gdid)
+    )
+    in_stmt = sql.SQL("COPY {table} ({cols}) FROM STDIN (FORMAT BINARY)").format(table=sql.Identifier(at.name), cols=cols)
+    src_raw: Any = src.connection.driver_connection
+    dst_raw: Any = dst.connection.driver_connection
+    with src_raw.cursor() as scur, dst_raw.cursor() as dcur:
+        with scur.copy(out_stmt) as out, dcur.copy(in_stmt) as into:
+            for chunk in out:
+                into.write(chunk)
+        return int(dcur.rowcount)
+
+
+def _generic_copy(src: Connection, dst: Connection, at: AreaTable, gdid: GDID, where: Any = None) -> int:
+    query = select(at.table).where(at.table.c[at.key] == gdid)
+    if where is not None:
+        query = query.where(where)
+    result = src.execute(query.order_by(*at.table.primary_key.columns))
+    copied = 0
+    while True:
+        rows = result.mappings().fetchmany(BATCH)
+        if not rows:
+            return copied
+        dst.execute(insert(at.table), [dict(r) for r in rows])
+        copied += len(rows)
+
+
+def copy_rows(
+    src: Connection,
+    dst: Connection,
+    tables: Sequence[AreaTable],
+    gdid: GDID,
+    *,
+    on_table: Callable[[str, int], None] | None = None,
+) -> dict[str, int]:
+    """Copy every row of the briefcase, table by table (parents first); returns rows per table."""
+    both_pg = is_postgres(src) and is_postgres(dst)
+    counts: dict[str, int] = {}
+    for at in tables:
+        counts[at.name] = _pg_copy(src, dst, at, gdid) if both_pg else _generic_copy(src, dst, at, gdid)
+        if on_table is not None:
+            on_table(at.name, counts[at.name])
+    return counts
+
+
+def select_keys(src: Connection, dst: Connection, at: AreaTable, gdid: GDID, keys: Sequence[tuple[Any, ...]]) -> int:
+    """Copy the rows of ``at`` whose primary keys are ``keys`` (a re-sync after a pre-copy)."""
+    copied = 0
+    pk = tuple_(*at.table.primary_key.columns)
+    for i in range(0, len(keys), 500):
+        copied += _generic_copy(src, dst, at, gdid, where=pk.in_(list(keys[i : i + 500])))
+    return copied
+
+
+def delete_keys(conn: Connection, at: AreaTable, gdid: GDID, keys: Sequence[tuple[Any, ...]]) -> None:
+    pk = tuple_(*at.table.primary_key.columns)
+    for i in range(0, len(keys), 500):
+        conn.execute(delete(at.table).where(at.table.c[at.key] == gdid, pk.in_(list(keys[i : i + 500]))))
+
+
+def delete_briefcase(conn: Connection, tables: Sequence[AreaTable], gdid: GDID) -> int:
+    """Delete every row of the briefcase, children first; returns the number of rows deleted."""
+    deleted = 0
+    for at in reversed(tables):
+        deleted += conn.execute(delete(at.table).where(at.table.c[at.key] == gdid)).rowcount
+    return deleted
+
+
+def measure(conn: Connection, tables: Sequence[AreaTable], gdid: GDID) -> dict[str, tuple[int, int]]:
+    """table -> (rows, bytes) of the briefcase on this server, counted exactly (for --dry-run and plans)."""
+    out: dict[str, tuple[int, int]] = {}
+    for at in tables:
+        t = at.table
+        if is_postgres(conn):
+            size = func.coalesce(func.sum(func.pg_column_size(literal_column(f'"{t.name}".*'))), 0)
+        else:
+            size = func.coalesce(func.sum(sum((func.coalesce(func.length(c), 0) for c in t.columns), start=literal_column("0"))), 0)
+        rows, nbytes = conn.execute(select(func.count(), size).select_from(t).where(t.c[at.key] == gdid)).one()
+        out[at.name] = (int(rows), int(nbytes))
+    return out

@@ -1,0 +1,177 @@
+"""The move journal: one CENTRAL row per move and per reshard, updated before every step.
+
+A step is written *before* it is taken, so after a crash the row says how far the move may
+have got; the authoritative answer to "did it pass its commit point?" is still the fence on
+the source shard (see :mod:`mdb.moves.resume`), the journal only says where to look. All rows
+live on the CENTRAL shard of the key ``mdb:moves`` (FNV-1a like any CENTRAL key), so status
+and resume read one table.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Final
+
+from sqlalchemy import Column, DateTime, Integer, String, Table, Text, func, insert, select, update
+from sqlalchemy.engine import RowMapping
+
+from mdb.gdid import GDID
+from mdb.sqltypes import GDIDType
+from mdb.system_tables import central_metadata
+
+__all__ = [
+    "FINISHED",
+    "JOURNAL_KEY",
+    "Journal",
+    "JournalEntry",
+    "moves_table",
+    "new_move_id",
+]
+
+JOURNAL_KEY: Final = "mdb:moves"
+
+RUNNING: Final = "running"
+DONE: Final = "done"
+ABORTED: Final = "aborted"
+ROLLED_BACK: Final = "rolled back"
+FINISHED: Final = frozenset({DONE, ABORTED, ROLLED_BACK})
+
+moves_table = Table(
+    "mdb_moves",
+    central_metadata,
+    Column("move_id", String(64), primary_key=True),
+    Column("kind", String(16), nullable=False),  # 'move' | 'reshard'
+    Column("reshard_id", String(64), nullable=True, index=True),
+    Column("area", String(63), nullable=False),
+    Column("gdid", GDIDType, nullable=True),
+    Column("source", String(63), nullable=True),
+    Column("target", String(63), nullable=True),
+    Column("step", String(40), nullable=False),
+    Column("status", String(16), nullable=False, index=True),
+    Column("detail", Text, nullable=True),
+    Column("params", Text, nullable=False, default="{}"),
+    Column("tables", Text, nullable=False, default="{}"),  # {table: [rows planned, rows done]}
+    Column("briefcases_total", Integer, nullable=False, default=0),
+    Column("briefcases_done", Integer, nullable=False, default=0),
+    Column("rows_total", Integer, nullable=False, default=0),
+    Column("rows_done", Integer, nullable=False, default=0),
+    Column("started_at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
+)
+
+
+def new_move_id(kind: str = "move") -> str:
+    return f"{kind}-{uuid.uuid4().hex[:16]}"
+
+
+@dataclass
+class JournalEntry:
+    move_id: str
+    kind: str
+    area: str
+    step: str
+    status: str
+    gdid: GDID | None = None
+    source: str | None = None
+    target: str | None = None
+    reshard_id: str | None = None
+    detail: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    tables: dict[str, list[int]] = field(default_factory=dict)
+    briefcases_total: int = 0
+    briefcases_done: int = 0
+    rows_total: int = 0
+    rows_done: int = 0
+    started_at: datetime | None = None
+    updated_at: datetime | None = None
+
+    @classmethod
+    def from_row(cls, row: RowMapping) -> JournalEntry:
+        return cls(
+            move_id=row["move_id"], kind=row["kind"], area=row["area"], step=row["step"], status=row["status"],
+            gdid=row["gdid"], source=row["source"], target=row["target"], reshard_id=row["reshard_id"],
+            detail=row["detail"], params=json.loads(row["params"] or "{}"), tables=json.loads(row["tables"] or "{}"),
+            briefcases_total=row["briefcases_total"], briefcases_done=row["briefcases_done"],
+            rows_total=row["rows_total"], rows_done=row["rows_done"],
+            started_at=row["started_at"], updated_at=row["updated_at"],
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "move_id": self.move_id, "kind": self.kind, "area": self.area,
+            "gdid": None if self.gdid is None else str(self.gdid), "source": self.source, "target": self.target,
+            "reshard_id": self.reshard_id, "step": self.step, "status": self.status, "detail": self.detail,
+            "params": self.params, "tables": self.tables,
+            "briefcases_total": self.briefcases_total, "briefcases_done": self.briefcases_done,
+            "rows_total": self.rows_total, "rows_done": self.rows_done,
+            "started_at": None if self.started_at is None else self.started_at.isoformat(),
+            "updated_at": None if self.updated_at is None else self.updated_at.isoformat(),
+        }
+
+
+class Journal:
+    """Reads and writes ``mdb_moves``; every write is its own committed transaction."""
+
+    def __init__(self, store: Any) -> None:  # Store (typed loosely: mdb.store imports nothing from here)
+        self._store = store
+        self.server: str = store.router.locate_central(JOURNAL_KEY).server
+
+    def start(self, entry: JournalEntry) -> None:
+        with self._store.transaction(self.server) as conn:
+            conn.execute(
+                insert(moves_table).values(
+                    move_id=entry.move_id, kind=entry.kind, area=entry.area, gdid=entry.gdid, source=entry.source,
+                    target=entry.target, reshard_id=entry.reshard_id, step=entry.step, status=entry.status,
+                    detail=entry.detail, params=json.dumps(entry.params), tables=json.dumps(entry.tables),
+                    briefcases_total=entry.briefcases_total, briefcases_done=entry.briefcases_done,
+                    rows_total=entry.rows_total, rows_done=entry.rows_done,
+                )
+            )
+
+    def step(self, move_id: str, step: str, **values: Any) -> None:
+        """Record that ``step`` is about to be taken (plus any counters/fields given)."""
+        self.update(move_id, step=step, **values)
+
+    def update(self, move_id: str, **values: Any) -> None:
+        for name in ("params", "tables"):
+            if name in values and not isinstance(values[name], str):
+                values[name] = json.dumps(values[name])
+        with self._store.transaction(self.server) as conn:
+            changed = conn.execute(
+                update(moves_table).where(moves_table.c.move_id == move_id)
+                .values(updated_at=func.current_timestamp(), **values)
+            ).rowcount
+        if not changed:
+            raise LookupError(f"move {move_id!r} is not in the journal on server {self.server!r}")
+
+    def finish(self, move_id: str, status: str, detail: str | None = None, **values: Any) -> None:
+        self.update(move_id, status=status, step=status, detail=detail, **values)
+
+    def get(self, move_id: str) -> JournalEntry | None:
+        with self._store.transaction(self.server) as conn:
+            row = conn.execute(select(moves_table).where(moves_table.c.move_id == move_id)).mappings().first()
+        return None if row is None else JournalEntry.from_row(row)
+
+    def entries(self, *, unfinished: bool = False, reshard_id: str | None = None, limit: int | None = None) -> list[JournalEntry]:
+        query = select(moves_table).order_by(moves_table.c.started_at.desc(), moves_table.c.move_id)
+        if unfinished:
+            query = query.where(moves_table.c.status == RUNNING)
+        if reshard_id is not None:
+            query = query.where(moves_table.c.reshard_id == reshard_id)
+        if limit is not None:
+            query = query.limit(limit)
+        with self._store.transaction(self.server) as conn:
+            return [JournalEntry.from_row(r) for r in conn.execute(query).mappings()]
+
+    def reshard_counts(self, reshard_id: str) -> Mapping[str, int]:
+        """status -> number of moves of a reshard (exact, from the journal)."""
+        with self._store.transaction(self.server) as conn:
+            rows = conn.execute(
+                select(moves_table.c.status, func.count()).where(moves_table.c.reshard_id == reshard_id)
+                .group_by(moves_table.c.status)
+            ).all()
+        return {status: count for status, count in rows}

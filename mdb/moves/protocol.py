@@ -1,0 +1,449 @@
+"""Moving one briefcase online (DESIGN.md invariant 3).
+
+Order of a move, each step journaled before it is taken (``mdb.moves.journal``):
+
+1. prechecks: target reachable with the area's tables (matching columns), target holds no row
+   of the briefcase and no state row other than an old fence (a move back), source holds it;
+2. optional pre-copy of a large briefcase outside the lock (committed on the target together
+   with an ``incoming`` state row that keeps sessions away from it);
+3. source transaction: the briefcase's EXCLUSIVE lock (PostgreSQL advisory lock on
+   :func:`mdb.ownership.lock_key_sql`, which every session takes SHARED; SQLite: BEGIN
+   IMMEDIATE). New sessions of the briefcase wait from here: the only pause;
+4. copy (or re-sync after a pre-copy) to the target, committed there with the ``incoming`` row;
+5. verify: counts and checksums per table computed separately on both sides;
+6. commit point: in the locked source transaction, write the fence and delete the rows; the
+   transaction is rolled back instead when the lock was held longer than ``max_pause``;
+7. finalize: relocation directory in CENTRAL, then the target's ``incoming`` row becomes
+   ``resident`` (or disappears on the briefcase's default server), journal ``done``.
+
+A crash before 6 leaves the source authoritative (resume discards the target copy); after 6
+the fence proves the move happened and resume finishes 7.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import delete, func, insert, inspect as sa_inspect, select
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from mdb import dberrors
+from mdb.errors import MdbError, RoutingError, SchemaError
+from mdb.gdid import GDID
+from mdb.moves import verify
+from mdb.moves.copy import AreaTable, copy_rows, delete_briefcase, delete_keys, measure, select_keys
+from mdb.moves.faults import fault_point
+from mdb.moves.journal import ABORTED, DONE, RUNNING, Journal, JournalEntry, new_move_id
+from mdb.ownership import lock_key_sql
+from mdb.relocations import clear_relocation, set_relocation
+from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
+
+__all__ = [
+    "MoveAbortedError",
+    "MoveResult",
+    "area_tables",
+    "check_target_schema",
+    "discard_target",
+    "finalize",
+    "locked_source",
+    "move_briefcase",
+    "precheck",
+]
+
+log = logging.getLogger("mdb.moves")
+
+DEFAULT_MAX_PAUSE = 5.0
+DEFAULT_LOCK_WAIT = 30.0
+PRECOPY_ROWS = int(os.environ.get("MDB_PRECOPY_ROWS", "20000"))
+"""Briefcases with at least this many rows are pre-copied outside the lock, then re-synced under it."""
+
+
+class MoveAbortedError(MdbError):
+    """A move stopped before its commit point; the source is still authoritative."""
+
+    def __init__(self, message: str, move_id: str | None = None, mismatches: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.move_id = move_id
+        self.mismatches = mismatches or []
+
+
+@dataclass
+class MoveResult:
+    move_id: str | None
+    area: str
+    gdid: GDID
+    source: str
+    target: str
+    status: str  # done | dry-run | already-there
+    tables: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """table -> (rows, bytes)."""
+    pause_seconds: float = 0.0
+    precopied: bool = False
+
+    @property
+    def rows(self) -> int:
+        return sum(r for r, _ in self.tables.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for _, b in self.tables.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "move_id": self.move_id, "area": self.area, "gdid": str(self.gdid), "source": self.source,
+            "target": self.target, "status": self.status, "rows": self.rows, "bytes": self.bytes,
+            "tables": {k: {"rows": r, "bytes": b} for k, (r, b) in self.tables.items()},
+            "pause_seconds": self.pause_seconds, "precopied": self.precopied,
+        }
+
+
+# -- helpers shared by move, resume and reshard -------------------------------------------------
+
+
+def area_tables(store: Any, area: str) -> list[AreaTable]:
+    """Every table of every briefcase type of ``area``, parents before children (FK order)."""
+    out: list[AreaTable] = []
+    for btype in store.types_of(area):
+        mine = set(btype.tables)
+        for table in btype.tables[0].metadata.sorted_tables:
+            if table in mine:
+                out.append(AreaTable(table, btype.key))
+    if not out:
+        raise RoutingError(f"no briefcase type of area {area!r} is registered (list its module under models: in the map)")
+    return out
+
+
+@contextmanager
+def _translated(server: str) -> Iterator[None]:
+    try:
+        yield
+    except DBAPIError as exc:
+        translated = dberrors.translate(server, exc)
+        if translated is not None:
+            raise translated from None
+        raise
+
+
+def _state(conn: Connection, area: str, gdid: GDID) -> dict[str, Any] | None:
+    row = conn.execute(
+        select(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid)
+    ).mappings().first()
+    return None if row is None else dict(row)
+
+
+def _set_state(conn: Connection, area: str, gdid: GDID, state: str, peer: str | None, move_id: str | None) -> None:
+    conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid))
+    conn.execute(insert(briefcase_state).values(area=area, gdid=gdid, state=state, peer=peer, move_id=move_id))
+
+
+def _root_exists(conn: Connection, tables: list[AreaTable], gdid: GDID) -> bool:
+    roots = [at for at in tables if at.pk == [at.key]]
+    return any(
+        conn.execute(select(func.count()).select_from(at.table).where(at.table.c[at.key] == gdid)).scalar_one()
+        for at in roots
+    )
+
+
+@contextmanager
+def locked_source(store: Any, server: str, area: str, gdid: GDID, *, lock_wait: float, max_pause: float) -> Iterator[tuple[Connection, float]]:
+    """A source transaction holding the briefcase's exclusive lock; yields (conn, lock start time).
+
+    PostgreSQL: ``pg_try_advisory_xact_lock`` polled for ``lock_wait`` seconds (no queue forms,
+    so sessions are not held up while we wait for a gap), then one blocking attempt bounded by
+    ``max_pause`` via ``lock_timeout``. SQLite: BEGIN IMMEDIATE is the lock. The caller commits;
+    leaving the block without commit rolls back.
+    """
+    conn = store.connect(server)
+    try:
+        with _translated(server):
+            if conn.dialect.name != "postgresql":
+                started = time.monotonic()
+                conn.begin()
+                yield conn, started
+                return
+            key = lock_key_sql(area, gdid)
+            deadline = time.monotonic() + lock_wait
+            delay = 0.002
+            while True:
+                conn.begin()
+                started = time.monotonic()
+                if conn.exec_driver_sql(f"SELECT pg_try_advisory_xact_lock({key})").scalar_one():
+                    break
+                conn.rollback()
+                if time.monotonic() + delay >= deadline:
+                    conn.begin()
+                    started = time.monotonic()
+                    conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{max(1, int(max_pause * 1000))}ms'")
+                    try:
+                        conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({key})")
+                    except OperationalError as exc:
+                        raise MoveAbortedError(
+                            f"briefcase {area}/{gdid}: could not take its write lock on {server!r} within "
+                            f"{lock_wait:.1f}s + {max_pause:.1f}s (sessions kept it busy): {dberrors.describe(exc)}"
+                        ) from None
+                    conn.exec_driver_sql("SET LOCAL lock_timeout = 0")
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+            yield conn, started
+    finally:
+        if conn.in_transaction():
+            conn.rollback()
+        conn.close()
+
+
+def check_target_schema(conn: Connection, target: str, tables: list[AreaTable], what: str) -> None:
+    """The target has every table of the area with the model's columns, and mdb's shard tables."""
+    inspector = sa_inspect(conn)
+    existing = {t: {c["name"] for c in inspector.get_columns(t)} for t in inspector.get_table_names()}
+    for at in tables:
+        if at.name not in existing:
+            raise SchemaError(f"{what}: server {target!r} has no table {at.name!r} (run `mdb schema apply MAP`)")
+        missing = set(at.columns) - existing[at.name]
+        extra = existing[at.name] - set(at.columns)
+        if missing or extra:
+            raise SchemaError(
+                f"{what}: table {at.name!r} on {target!r} does not match the model "
+                f"(missing columns: {sorted(missing) or '-'}, extra columns: {sorted(extra) or '-'})"
+            )
+    if "mdb_briefcase_state" not in existing:
+        raise SchemaError(f"{what}: server {target!r} has no mdb system tables (run `mdb schema apply MAP`)")
+
+
+def precheck(store: Any, area: str, gdid: GDID, source: str, target: str, tables: list[AreaTable], move_id: str) -> dict[str, Any] | None:
+    """Refuse, with the reason, a move that cannot be done safely; returns the target's old state row.
+
+    The old state row (a fence left by an earlier move away) is restored if this move is rolled back.
+    """
+    what = f"move of {area}/{gdid} from {source!r} to {target!r}"
+    if target not in store.map.servers:
+        raise RoutingError(f"{what}: unknown server {target!r} (known: {', '.join(store.map.servers)})")
+    with _translated(target), store.transaction(target) as conn:
+        check_target_schema(conn, target, tables, what)
+        state = _state(conn, area, gdid)
+        if state is not None and state["state"] != STATE_GONE:
+            if state["state"] == STATE_INCOMING:
+                raise MdbError(f"{what}: move {state['move_id']!r} into {target!r} is unfinished (run `mdb moves resume MAP`)")
+            raise MdbError(f"{what}: server {target!r} already records the briefcase as {state['state']!r}")
+        for at in tables:
+            n = conn.execute(select(func.count()).select_from(at.table).where(at.table.c[at.key] == gdid)).scalar_one()
+            if n:
+                raise MdbError(f"{what}: server {target!r} already holds {n} row(s) of the briefcase in {at.name!r}; nothing moved")
+    with _translated(source), store.transaction(source, readonly=False) as conn:
+        src_state = _state(conn, area, gdid)
+        if src_state is not None and src_state["state"] in (STATE_GONE, STATE_INCOMING):
+            raise MdbError(f"{what}: the source records the briefcase as {src_state['state']!r}; run `mdb where` / `mdb moves resume`")
+        if not _root_exists(conn, tables, gdid):
+            raise MdbError(f"{what}: server {source!r} does not hold the briefcase (no root row)")
+    return state
+
+
+def discard_target(store: Any, target: str, area: str, gdid: GDID, tables: list[AreaTable], move_id: str, previous: dict[str, Any] | None) -> int:
+    """Delete this move's copy on the target and restore the state row it replaced; idempotent."""
+    with _translated(target), store.transaction(target) as conn:
+        state = _state(conn, area, gdid)
+        if state is None or state["state"] != STATE_INCOMING or state["move_id"] != move_id:
+            return 0  # the copy was never committed (copy and incoming row commit together)
+        deleted = delete_briefcase(conn, tables, gdid)
+        conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid))
+        if previous is not None:
+            conn.execute(insert(briefcase_state).values(
+                area=area, gdid=gdid, state=previous["state"], peer=previous["peer"], move_id=previous["move_id"]
+            ))
+        return deleted
+
+
+def finalize(store: Any, journal: Journal, entry: JournalEntry) -> None:
+    """After the commit point: relocation directory, then the target's state row, then 'done'. Idempotent."""
+    assert entry.gdid is not None and entry.target is not None
+    area, gdid, target = entry.area, entry.gdid, entry.target
+    router = store.router
+    default = router.default_placement(area, gdid).server
+    central = router.locate_central(gdid).server
+    journal.step(entry.move_id, "relocation")
+    with _translated(central), store.transaction(central) as conn:
+        if target == default:
+            clear_relocation(conn, area, gdid)
+        else:
+            set_relocation(conn, area, gdid, target)
+    fault_point("move.after_relocation")
+    journal.step(entry.move_id, "target_state")
+    with _translated(target), store.transaction(target) as conn:
+        state = _state(conn, area, gdid)
+        if state is not None and state["state"] == STATE_INCOMING and state["move_id"] == entry.move_id:
+            if target == default:
+                conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid))
+            else:
+                _set_state(conn, area, gdid, STATE_RESIDENT, entry.source, entry.move_id)
+    fault_point("move.after_target_state")
+    journal.finish(entry.move_id, DONE)
+
+
+def _resync(src: Connection, dst: Connection, tables: list[AreaTable], gdid: GDID, method: verify.Method) -> dict[str, int]:
+    """Bring a pre-copied target up to date: only rows that differ are deleted and copied again."""
+    changed: dict[str, int] = {}
+    plans = []
+    for at in tables:
+        only_src, only_dst, different = verify.differing_keys(
+            verify.row_digests(src, at, gdid, method), verify.row_digests(dst, at, gdid, method)
+        )
+        plans.append((at, only_src + different, only_dst + different))
+        changed[at.name] = len(only_src) + len(only_dst) + len(different)
+    for at, _, remove in reversed(plans):
+        delete_keys(dst, at, gdid, remove)
+    for at, add, _ in plans:
+        select_keys(src, dst, at, gdid, add)
+    return changed
+
+
+# -- the move ------------------------------------------------------------------------------------
+
+
+def move_briefcase(
+    store: Any,
+    area: str,
+    gdid: GDID,
+    target: str,
+    *,
+    max_pause: float = DEFAULT_MAX_PAUSE,
+    lock_wait: float = DEFAULT_LOCK_WAIT,
+    dry_run: bool = False,
+    reshard_id: str | None = None,
+    precopy_rows: int = PRECOPY_ROWS,
+    journal: Journal | None = None,
+    on_table: Callable[[str, int], None] | None = None,
+    refresh: bool = True,
+    source: str | None = None,
+) -> MoveResult:
+    """Move one briefcase (every table of every type of ``area``) to server ``target``, online.
+
+    Raises :class:`MoveAbortedError` (source still authoritative, target copy removed) when
+    verification fails or the pause would exceed ``max_pause``.
+    """
+    if refresh:
+        store.refresh()
+    tables = area_tables(store, area)
+    if source is None:  # a reshard passes the source it found the briefcase on; precheck confirms it
+        source = store.router.locate(area, gdid).server
+    if source == target:
+        return MoveResult(None, area, gdid, source, target, "already-there")
+    store.engines.spec(target)  # unknown server -> RoutingError naming the known ones
+    with _translated(source), store.transaction(source) as conn:
+        sizes = measure(conn, tables, gdid)
+    if dry_run:
+        precheck(store, area, gdid, source, target, tables, "dry-run")
+        return MoveResult(None, area, gdid, source, target, "dry-run", sizes)
+    journal = journal or Journal(store)
+    move_id = new_move_id("move")
+    total = sum(r for r, _ in sizes.values())
+    journal.start(JournalEntry(
+        move_id=move_id, kind="move", area=area, step="precheck", status=RUNNING, gdid=gdid, source=source,
+        target=target, reshard_id=reshard_id, params={"max_pause": max_pause},
+        tables={name: [rows, 0] for name, (rows, _) in sizes.items()}, briefcases_total=1, rows_total=total,
+    ))
+    fault_point("move.after_journal_start")
+    try:
+        previous = precheck(store, area, gdid, source, target, tables, move_id)
+    except MdbError as exc:
+        journal.finish(move_id, ABORTED, f"precheck: {exc}")
+        raise
+    params = {"max_pause": max_pause, "previous_target_state": None if previous is None else {
+        "state": previous["state"], "peer": previous["peer"], "move_id": previous["move_id"]}}
+    fault_point("move.after_precheck")
+    precopied = total >= precopy_rows
+    if precopied:
+        journal.step(move_id, "precopy", params=params)
+        with _translated(target), store.transaction(source) as src, store.transaction(target) as dst:
+            _set_state(dst, area, gdid, STATE_INCOMING, source, move_id)
+            copy_rows(src, dst, tables, gdid, on_table=on_table)
+        fault_point("move.after_precopy")
+        journal.step(move_id, "lock")
+    else:
+        journal.step(move_id, "lock", params=params)
+
+    def abort(reason: str, mismatches: list[str] | None = None) -> MoveAbortedError:
+        discard_target(store, target, area, gdid, tables, move_id, previous)
+        detail = reason if not mismatches else reason + ": " + "; ".join(mismatches)
+        journal.finish(move_id, ABORTED, detail)
+        return MoveAbortedError(f"move {move_id} of {area}/{gdid} aborted, {source!r} is still authoritative: {detail}", move_id, mismatches)
+
+    try:
+        with locked_source(store, source, area, gdid, lock_wait=lock_wait, max_pause=max_pause) as (src, locked_at):
+            fault_point("move.after_lock")
+            src_state = _state(src, area, gdid)
+            if (src_state is not None and src_state["state"] in (STATE_GONE, STATE_INCOMING)) or not _root_exists(src, tables, gdid):
+                raise abort("under the lock the source no longer holds the briefcase (another move?)")
+            journal.step(move_id, "copy")
+            with _translated(target), store.transaction(target) as dst:
+                if precopied:
+                    state = _state(dst, area, gdid)
+                    if state is None or state["move_id"] != move_id:
+                        raise abort("the pre-copy on the target vanished")
+                    changed = _resync(src, dst, tables, gdid, verify.method_for(src, dst))
+                    log.info("move %s: re-synced %d changed row(s) under the lock", move_id, sum(changed.values()))
+                else:
+                    _set_state(dst, area, gdid, STATE_INCOMING, source, move_id)
+                    first = [True]
+
+                    def table_done(name: str, rows: int) -> None:
+                        if first[0]:
+                            first[0] = False
+                            fault_point("move.during_copy")
+                        if on_table is not None:
+                            on_table(name, rows)
+
+                    copy_rows(src, dst, tables, gdid, on_table=table_done)
+            fault_point("move.after_copy_commit")
+            journal.step(move_id, "verify")
+            with _translated(target), store.transaction(target) as dst:
+                method = verify.method_for(src, dst)
+                src_sums = verify.table_sums(src, tables, gdid, method)
+                dst_sums = verify.table_sums(dst, tables, gdid, method)
+                bad = verify.compare(src_sums, dst_sums)
+                mismatches: list[str] = []
+                for name in bad:
+                    at = next(t for t in tables if t.name == name)
+                    only_src, only_dst, different = verify.differing_keys(
+                        verify.row_digests(src, at, gdid, method), verify.row_digests(dst, at, gdid, method)
+                    )
+                    mismatches.append(
+                        f"{name}: source {src_sums[name].rows} rows, target {dst_sums[name].rows} rows; "
+                        f"missing on target: {[verify.describe_key(k) for k in only_src]}; "
+                        f"extra on target: {[verify.describe_key(k) for k in only_dst]}; "
+                        f"different: {[verify.describe_key(k) for k in different]}"
+                    )
+            if mismatches:
+                raise abort("verification failed", mismatches)
+            fault_point("move.after_verify")
+            held = time.monotonic() - locked_at
+            if held > max_pause:
+                src.rollback()
+                fault_point("move.pause_abort.after_source_rollback")
+                raise abort(f"the write lock was held {held:.2f}s, over --max-pause {max_pause:.2f}s")
+            journal.step(move_id, "commit_point", tables={n: [s.rows, s.rows] for n, s in src_sums.items()}, rows_done=total)
+            _set_state(src, area, gdid, STATE_GONE, target, move_id)
+            delete_briefcase(src, tables, gdid)
+            fault_point("move.before_commit_point")
+            src.commit()
+            pause = time.monotonic() - locked_at
+    except MoveAbortedError:
+        raise
+    except BaseException:
+        # Anything else (a server going away, a bug): the source transaction was rolled back by
+        # locked_source, so the source is authoritative; resume discards the target copy.
+        log.exception("move %s of %s/%s failed before finishing; run `mdb moves resume`", move_id, area, gdid)
+        raise
+    fault_point("move.after_commit_point")
+    entry = journal.get(move_id)
+    assert entry is not None
+    finalize(store, journal, entry)
+    if refresh:
+        store.refresh()
+    return MoveResult(move_id, area, gdid, source, target, DONE, sizes, pause, precopied)

@@ -1,0 +1,322 @@
+"""Re-sharding one partition online: every briefcase whose shard changes is moved, then the map.
+
+Order, chosen so that no moment exists where a session is routed to a server that does not
+hold the data:
+
+1. plan and precheck everything (every target's schema, the new map through
+   :func:`mdb.map_edit.apply_map` in dry-run) before the first briefcase moves;
+2. move each briefcase to its shard under the NEW list (``v mod len(new)``) with the ordinary
+   move protocol: until the new map exists the target is a relocation ('resident' row +
+   relocation entry), so old-map and new-map processes alike find it; the old shard keeps a
+   fence that redirects anyone who still goes there. Then sweep again for briefcases created
+   meanwhile, until a pass finds none;
+3. apply the new map version (``apply_map`` re-stamps every shard under a lock and records
+   the map in CENTRAL; a process meeting a new stamp refreshes) and write it to the map file;
+4. only now clear the partition's relocations (they point at what is now the default shard)
+   and delete the 'resident' rows that default routing has made redundant. A process with the
+   old map and a stale relocation cache meets a missing 'resident' row or a new stamp,
+   refreshes, and gets the new map.
+
+Every step is journaled (kind 'reshard'); :func:`continue_reshard` picks an interrupted
+reshard up at its step, re-planning from the live system, so it can crash anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+from sqlalchemy import and_, delete, select
+
+from mdb.errors import MdbError, RoutingError
+from mdb.gdid import GDID
+from mdb.moves.faults import fault_point
+from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
+from mdb.moves.plan import PlannedMove, ReshardPlan, find_partition, plan_reshard
+from mdb.moves.protocol import DEFAULT_MAX_PAUSE, MoveAbortedError, area_tables, check_target_schema, move_briefcase
+from mdb.partition_map import PartitionMap, parse_map
+from mdb.relocations import clear_relocation
+from mdb.system_tables import STATE_RESIDENT, briefcase_state
+
+__all__ = ["ReshardOutcome", "ReshardProgress", "continue_reshard", "new_map_text", "reshard"]
+
+log = logging.getLogger("mdb.moves.reshard")
+
+MOVE_ATTEMPTS = 3
+MAX_SWEEPS = 5
+
+
+class ReshardProgress(Protocol):
+    def phase(self, name: str) -> None: ...
+    def planned(self, briefcases: int, rows: int) -> None: ...
+    def moved(self, gdid: GDID, source: str, target: str, rows: int) -> None: ...
+
+
+@dataclass
+class ReshardOutcome:
+    reshard_id: str | None
+    plan: ReshardPlan
+    map_version: int | None
+    moved: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reshard_id": self.reshard_id, "map_version": self.map_version, "moved": self.moved, "plan": self.plan.to_json()}
+
+
+def new_map_text(current_text: str, area: str, start: GDID, new_shards: list[str], version: int) -> str:
+    """The map file text with the partition's new shard list and a new version.
+
+    Edited as plain YAML data without expanding ``${NAME}``, so no secret lands in the text.
+    """
+    data = yaml.safe_load(current_text)
+    spec = data.get("areas", {}).get(area)
+    if spec is None:
+        raise RoutingError(f"the map has no area {area!r}")
+    sets = spec.get("range_sets") or [{"breakpoint": "0:0:0", "partitions": spec.get("partitions", [])}]
+    for rs in sets:
+        base = GDID.parse(str(rs["breakpoint"])).sharding_value
+        for part in rs["partitions"]:
+            if GDID.from_sharding_value(base + GDID.parse(str(part["start"])).sharding_value) == start:
+                part["shards"] = list(new_shards)
+                data["version"] = version
+                return yaml.safe_dump(data, sort_keys=False)
+    raise RoutingError(f"area {area!r} has no partition starting at {start}")
+
+
+def _validate(store: Any, area: str, start: GDID, new_shards: list[str]) -> None:
+    unknown = [s for s in new_shards if s not in store.map.servers]
+    if unknown:
+        raise RoutingError(f"--shards names unknown server(s) {unknown} (known: {', '.join(store.map.servers)})")
+    if len(set(new_shards)) != len(new_shards):
+        raise RoutingError(f"--shards lists a server twice: {new_shards}")
+
+
+def reshard(
+    store: Any,
+    area: str,
+    start: GDID,
+    new_shards: list[str],
+    *,
+    dry_run: bool = False,
+    parallel: int = 1,
+    max_pause: float = DEFAULT_MAX_PAUSE,
+    map_path: str | Path | None = None,
+    progress: ReshardProgress | None = None,
+) -> ReshardOutcome:
+    """Re-shard partition ``start`` of ``area`` onto ``new_shards``; see the module docstring."""
+    store.refresh()
+    _validate(store, area, start, new_shards)
+    tables = area_tables(store, area)
+    _, _, old = find_partition(store.router, area, start)
+    if old == list(new_shards):
+        raise RoutingError(f"partition {start} of area {area!r} already has shards {old}")
+    journal = Journal(store)
+    busy = [e for e in journal.entries(unfinished=True) if e.area == area]
+    if busy:
+        raise MdbError(f"area {area!r} has unfinished moves/reshards ({', '.join(e.move_id for e in busy)}): run `mdb moves resume MAP` first")
+    plan = plan_reshard(store, tables, area, start, new_shards)
+    if dry_run:
+        _prechecks(store, plan, tables, map_path, dry_run=True)
+        return ReshardOutcome(None, plan, None, 0)
+    reshard_id = new_move_id("reshard")
+    journal.start(JournalEntry(
+        move_id=reshard_id, kind="reshard", area=area, step="plan", status=RUNNING,
+        params={"partition_start": str(start), "old_shards": old, "new_shards": list(new_shards), "parallel": parallel,
+                "max_pause": max_pause, "map_path": None if map_path is None else str(map_path)},
+        tables={name: [rows, 0] for name, rows in plan.rows_per_table().items()},
+        briefcases_total=len(plan.moves), rows_total=plan.total_rows,
+    ))
+    fault_point("reshard.after_journal_start")
+    entry = journal.get(reshard_id)
+    assert entry is not None
+    return continue_reshard(store, journal, entry, progress=progress, first_plan=plan)
+
+
+def _store_map_text(store: Any, map_path: str | None) -> str:
+    if map_path is not None and Path(map_path).is_file():
+        return Path(map_path).read_text(encoding="utf-8")
+    return store.map.to_yaml()
+
+
+def _next_version(store: Any) -> int:
+    from mdb.map_edit import applied_maps
+
+    versions = [v for v, _ in applied_maps(store)]
+    return max([store.map.version, *versions]) + 1
+
+
+def _prechecks(store: Any, plan: ReshardPlan, tables: list[Any], map_path: str | Path | None, *, dry_run: bool) -> tuple[PartitionMap, str]:
+    """Every target's schema and the new map (through apply_map's dry run), before anything moves."""
+    from mdb.map_edit import apply_map
+
+    for target in dict.fromkeys([*plan.new_shards, *(m.target for m in plan.moves)]):
+        with store.transaction(target) as conn:
+            check_target_schema(conn, target, tables, f"reshard of {plan.area} partition {plan.partition_start}")
+    for source in dict.fromkeys(m.source for m in plan.moves):
+        with store.transaction(source):
+            pass  # reachable
+    text = new_map_text(_store_map_text(store, None if map_path is None else str(map_path)), plan.area, plan.partition_start, plan.new_shards, _next_version(store))
+    new_map = parse_map(text, "<new map>")
+    apply_map(store, new_map, yaml_text=text, allow_reshard_of=(plan.area, plan.partition_start), dry_run=True)
+    return new_map, text
+
+
+def _move_all(store: Any, journal: Journal, entry: JournalEntry, moves: list[PlannedMove], parallel: int, max_pause: float, progress: ReshardProgress | None, counters: dict[str, Any]) -> None:
+    lock = threading.Lock()
+
+    def one(m: PlannedMove) -> None:
+        last: Exception | None = None
+        for _ in range(MOVE_ATTEMPTS):
+            try:
+                move_briefcase(store, entry.area, m.gdid, m.target, source=m.source, max_pause=max_pause,
+                               reshard_id=entry.move_id, journal=journal, refresh=False)
+                break
+            except MoveAbortedError as exc:  # e.g. --max-pause: the source is intact, try again
+                last = exc
+        else:
+            raise MdbError(f"reshard {entry.move_id}: briefcase {entry.area}/{m.gdid} could not be moved: {last}")
+        with lock:
+            counters["briefcases"] += 1
+            counters["rows"] += m.total_rows
+            for name, n in m.rows.items():
+                counters["tables"].setdefault(name, [0, 0])[1] += n
+            journal.update(entry.move_id, briefcases_done=counters["briefcases"], rows_done=counters["rows"], tables=counters["tables"])
+            if counters["briefcases"] == 1:
+                fault_point("reshard.after_first_move")
+        if progress is not None:
+            progress.moved(m.gdid, m.source, m.target, m.total_rows)
+
+    if parallel <= 1:
+        for m in moves:
+            one(m)
+        return
+    with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="mdb-reshard") as pool:
+        for future in [pool.submit(one, m) for m in moves]:
+            future.result()
+
+
+def continue_reshard(
+    store: Any,
+    journal: Journal,
+    entry: JournalEntry,
+    *,
+    progress: ReshardProgress | None = None,
+    first_plan: ReshardPlan | None = None,
+) -> ReshardOutcome:
+    """Run (or resume) a journaled reshard from its recorded step to the end."""
+    params = entry.params
+    area, start = entry.area, GDID.parse(params["partition_start"])
+    new_shards: list[str] = list(params["new_shards"])
+    map_path: str | None = params.get("map_path")
+    max_pause = float(params.get("max_pause", DEFAULT_MAX_PAUSE))
+    tables = area_tables(store, area)
+    plan = first_plan
+    moved = 0
+    store.refresh()
+    if entry.step in ("plan", "prechecks", "moves"):
+        if plan is None:
+            plan = plan_reshard(store, tables, area, start, new_shards)
+        fault_point("reshard.after_plan")
+        if progress is not None:
+            progress.phase("prechecks")
+        journal.step(entry.move_id, "prechecks")
+        _prechecks(store, plan, tables, map_path, dry_run=True)
+        fault_point("reshard.after_prechecks")
+        journal.step(entry.move_id, "moves")
+        counters: dict[str, Any] = {"briefcases": entry.briefcases_done, "rows": entry.rows_done, "tables": dict(entry.tables)}
+        if progress is not None:
+            progress.phase("moves")
+            progress.planned(entry.briefcases_total, entry.rows_total)
+        for sweep in range(MAX_SWEEPS):
+            if not plan.moves:
+                break
+            _move_all(store, journal, entry, plan.moves, int(params.get("parallel", 1)), max_pause, progress, counters)
+            moved += len(plan.moves)
+            store.refresh()
+            plan = plan_reshard(store, tables, area, start, new_shards)  # briefcases created meanwhile
+        else:
+            raise MdbError(f"reshard {entry.move_id}: new briefcases kept appearing after {MAX_SWEEPS} sweeps; run `mdb moves resume MAP` again")
+        fault_point("reshard.after_moves")
+        entry.step = "map_apply"
+        journal.step(entry.move_id, "map_apply")
+    if plan is None:
+        plan = ReshardPlan(area, start, None, list(params["old_shards"]), new_shards)
+    if entry.step == "map_apply":
+        if progress is not None:
+            progress.phase("map apply")
+        version = _apply_new_map(store, journal, entry, map_path)
+        entry.step = "cleanup"
+        journal.step(entry.move_id, "cleanup", params={**params, "map_version": version})
+        params["map_version"] = version
+    if entry.step == "cleanup":
+        if progress is not None:
+            progress.phase("cleanup")
+        _cleanup(store, area, start)
+    journal.finish(entry.move_id, DONE)
+    store.refresh()
+    return ReshardOutcome(entry.move_id, plan, params.get("map_version"), moved)
+
+
+def _apply_new_map(store: Any, journal: Journal, entry: JournalEntry, map_path: str | None) -> int:
+    """Apply the journaled new map (once), then write it to the map file; idempotent."""
+    from mdb.map_edit import applied_maps, apply_map
+
+    params = entry.params
+    area, start, new_shards = entry.area, GDID.parse(params["partition_start"]), list(params["new_shards"])
+    text = params.get("new_map_yaml")
+    if text is None:
+        text = new_map_text(_store_map_text(store, map_path), area, start, new_shards, _next_version(store))
+        params["new_map_yaml"] = text
+        journal.update(entry.move_id, params=params)
+    new_map = parse_map(text, "<new map>")
+    fault_point("reshard.before_map_apply")
+    if new_map.version not in {v for v, _ in applied_maps(store)}:
+        apply_map(store, new_map, yaml_text=text, allow_reshard_of=(area, start))
+    fault_point("reshard.after_map_apply")
+    if map_path is not None:
+        path = Path(map_path)
+        current = parse_map(path.read_text(encoding="utf-8"), str(path)) if path.is_file() else None
+        if current is None or current.version < new_map.version:
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(path)
+    fault_point("reshard.after_map_file")
+    store.refresh()
+    return new_map.version
+
+
+def _cleanup(store: Any, area: str, start: GDID) -> None:
+    """Drop relocations that now equal default routing, then the redundant 'resident' rows."""
+    router = store.router
+    in_partition = [
+        (g, srv) for (a, g), srv in router.relocations.items()
+        if a == area and router.default_placement(area, g).partition_start == start
+    ]
+    for gdid, server in in_partition:
+        if router.default_placement(area, gdid).server == server:
+            with store.transaction(router.locate_central(gdid).server) as conn:
+                clear_relocation(conn, area, gdid)
+    fault_point("reshard.after_clear_relocations")
+    store.refresh()
+    router = store.router
+    _, _, shards = find_partition(router, area, start)
+    for server in shards:
+        with store.transaction(server) as conn:
+            rows = conn.execute(
+                select(briefcase_state.c.gdid).where(briefcase_state.c.area == area, briefcase_state.c.state == STATE_RESIDENT)
+            ).scalars().all()
+            redundant = [
+                g for g in rows
+                if router.default_placement(area, g).partition_start == start
+                and router.default_placement(area, g).server == server and (area, g) not in router.relocations
+            ]
+            for g in redundant:
+                conn.execute(delete(briefcase_state).where(and_(
+                    briefcase_state.c.area == area, briefcase_state.c.gdid == g, briefcase_state.c.state == STATE_RESIDENT
+                )))
+    fault_point("reshard.after_resident_cleanup")

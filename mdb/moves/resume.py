@@ -1,0 +1,84 @@
+"""Finishing or rolling back every interrupted move, whatever step it died at.
+
+The journal says which moves are unfinished; the source shard says what happened. Under the
+briefcase's exclusive lock on the source (so a commit that was still in flight when the mover
+died has landed or is gone for good), the fence of this move id on the source means the commit
+point passed: the move is finalized forward. No fence means it did not: the target copy and
+its ``incoming`` row are discarded, the target's earlier state row restored, and the source
+stays authoritative (optionally the move is then tried again). Interrupted reshards are then
+continued from their journal row (:mod:`mdb.moves.reshard`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mdb.moves.faults import fault_point
+from mdb.moves.journal import ROLLED_BACK, Journal, JournalEntry
+from mdb.moves.protocol import (
+    DEFAULT_LOCK_WAIT,
+    DEFAULT_MAX_PAUSE,
+    _state,
+    area_tables,
+    discard_target,
+    finalize,
+    locked_source,
+    move_briefcase,
+)
+from mdb.system_tables import STATE_GONE
+
+__all__ = ["ResumeOutcome", "resolve_move", "resume_all"]
+
+
+@dataclass
+class ResumeOutcome:
+    move_id: str
+    kind: str
+    action: str  # finalized | rolled back | retried | reshard completed
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"move_id": self.move_id, "kind": self.kind, "action": self.action, "detail": self.detail}
+
+
+def resolve_move(store: Any, journal: Journal, entry: JournalEntry, *, retry: bool = False) -> ResumeOutcome:
+    """Finalize forward (commit point passed) or roll back one unfinished move."""
+    assert entry.gdid is not None and entry.source is not None and entry.target is not None
+    area, gdid = entry.area, entry.gdid
+    tables = area_tables(store, area)
+    previous = entry.params.get("previous_target_state")
+    with locked_source(store, entry.source, area, gdid, lock_wait=DEFAULT_LOCK_WAIT, max_pause=DEFAULT_MAX_PAUSE) as (src, _):
+        state = _state(src, area, gdid)
+        passed = state is not None and state["state"] == STATE_GONE and state["move_id"] == entry.move_id
+        if not passed:
+            deleted = discard_target(store, entry.target, area, gdid, tables, entry.move_id, previous)
+            fault_point("resume.after_discard")
+            journal.finish(entry.move_id, ROLLED_BACK, f"interrupted at step {entry.step!r}; discarded {deleted} copied row(s) on {entry.target!r}")
+        src.rollback()
+    if passed:
+        finalize(store, journal, entry)
+        return ResumeOutcome(entry.move_id, "move", "finalized", f"commit point had passed (step {entry.step!r})")
+    if retry and entry.reshard_id is None:
+        result = move_briefcase(store, area, gdid, entry.target, max_pause=float(entry.params.get("max_pause", DEFAULT_MAX_PAUSE)))
+        return ResumeOutcome(entry.move_id, "move", "retried", f"rolled back, then moved again as {result.move_id}")
+    return ResumeOutcome(entry.move_id, "move", "rolled back", f"interrupted at step {entry.step!r}; source {entry.source!r} is authoritative")
+
+
+def resume_all(store: Any, *, retry: bool = False, progress: Any = None) -> list[ResumeOutcome]:
+    """Resolve every unfinished move, then continue every unfinished reshard."""
+    store.refresh()
+    journal = Journal(store)
+    outcomes: list[ResumeOutcome] = []
+    unfinished = journal.entries(unfinished=True)
+    for entry in unfinished:
+        if entry.kind == "move":
+            outcomes.append(resolve_move(store, journal, entry, retry=retry))
+    store.refresh()
+    from mdb.moves.reshard import continue_reshard
+
+    for entry in unfinished:
+        if entry.kind == "reshard":
+            continue_reshard(store, journal, entry, progress=progress)
+            outcomes.append(ResumeOutcome(entry.move_id, "reshard", "reshard completed", f"was at step {entry.step!r}"))
+    return outcomes

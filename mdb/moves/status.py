@@ -1,0 +1,117 @@
+"""What the live system says: where a briefcase is, and what moves and reshards are in flight.
+
+``where`` does not trust the router alone: it asks every server of the map for the briefcase's
+root row and state row, and CENTRAL for the relocation entry and the journal, so an operator
+sees a disagreement (a fence without a relocation, an unfinished copy) instead of a guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import func, inspect as sa_inspect, select
+
+from mdb.errors import MdbError
+from mdb.gdid import GDID
+from mdb.moves.journal import Journal, JournalEntry
+from mdb.moves.protocol import _state, area_tables
+from mdb.relocations import relocations
+
+__all__ = ["BriefcaseWhere", "MoveStatus", "move_status", "where"]
+
+
+@dataclass
+class BriefcaseWhere:
+    area: str
+    gdid: GDID
+    routed_to: str
+    default_server: str
+    relocation: str | None
+    holders: dict[str, int] = field(default_factory=dict)
+    """server -> rows of the briefcase found there (all tables)."""
+    states: dict[str, dict[str, Any]] = field(default_factory=dict)
+    unreachable: dict[str, str] = field(default_factory=dict)
+    moves_in_flight: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def consistent(self) -> bool:
+        return list(self.holders) == [self.routed_to] or (not self.holders and not self.moves_in_flight)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "area": self.area, "gdid": str(self.gdid), "routed_to": self.routed_to,
+            "default_server": self.default_server, "relocation": self.relocation, "holders": self.holders,
+            "states": self.states, "unreachable": self.unreachable, "moves_in_flight": self.moves_in_flight,
+            "consistent": self.consistent,
+        }
+
+
+def where(store: Any, area: str, gdid: GDID) -> BriefcaseWhere:
+    store.refresh()
+    router = store.router
+    placement = router.locate(area, gdid)
+    tables = area_tables(store, area)
+    central = router.locate_central(gdid).server
+    with store.transaction(central) as conn:
+        relocation = conn.execute(
+            select(relocations.c.server).where(relocations.c.area == area, relocations.c.gdid == gdid)
+        ).scalar_one_or_none()
+    out = BriefcaseWhere(area, gdid, placement.server, placement.default_server, relocation)
+    for server in store.map.servers:
+        try:
+            with store.transaction(server) as conn:
+                present = set(sa_inspect(conn).get_table_names())
+                if "mdb_briefcase_state" in present:
+                    state = _state(conn, area, gdid)
+                    if state is not None:
+                        out.states[server] = {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in state.items() if k in ("state", "peer", "move_id", "changed_at")}
+                rows = sum(
+                    conn.execute(select(func.count()).select_from(at.table).where(at.table.c[at.key] == gdid)).scalar_one()
+                    for at in tables if at.name in present
+                )
+                if rows:
+                    out.holders[server] = rows
+        except MdbError as exc:
+            out.unreachable[server] = str(exc)
+    journal = Journal(store)
+    out.moves_in_flight = [e.to_json() for e in journal.entries(unfinished=True) if e.kind == "move" and e.area == area and e.gdid == gdid]
+    return out
+
+
+@dataclass
+class MoveStatus:
+    entry: JournalEntry
+    rate_rows: float | None
+    rate_briefcases: float | None
+    eta_seconds: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.entry.to_json(), "rows_per_second": self.rate_rows, "briefcases_per_second": self.rate_briefcases, "eta_seconds": self.eta_seconds}
+
+
+def _status(entry: JournalEntry, now: datetime) -> MoveStatus:
+    started = entry.started_at
+    if started is None:
+        return MoveStatus(entry, None, None, None)
+    if started.tzinfo is None:
+        started = started.replace(tzinfo=timezone.utc)
+    elapsed = max((now - started).total_seconds(), 1e-6)
+    rate_rows = entry.rows_done / elapsed if entry.rows_done else None
+    rate_bc = entry.briefcases_done / elapsed if entry.briefcases_done else None
+    eta = None
+    if rate_rows:
+        eta = max(entry.rows_total - entry.rows_done, 0) / rate_rows
+    elif rate_bc:
+        eta = max(entry.briefcases_total - entry.briefcases_done, 0) / rate_bc
+    return MoveStatus(entry, rate_rows, rate_bc, eta)
+
+
+def move_status(store: Any, *, recent: int = 10) -> tuple[list[MoveStatus], list[MoveStatus]]:
+    """(in flight, recently finished) journal entries with rate and ETA computed from exact counts."""
+    journal = Journal(store)
+    now = datetime.now(timezone.utc)
+    running = [_status(e, now) for e in journal.entries(unfinished=True)]
+    finished = [_status(e, now) for e in journal.entries(limit=recent + len(running)) if e.status != "running"][:recent]
+    return running, finished

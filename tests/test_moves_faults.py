@@ -1,0 +1,150 @@
+"""A move can crash anywhere (DESIGN.md invariant 3): SIGKILL at every named step, then resume.
+
+Each case runs the real ``mdb move`` / ``mdb reshard`` in a child process with
+``MDB_FAULT_POINT`` naming a point in the protocol; the child kills itself there with SIGKILL.
+Then ``mdb moves resume`` runs, and every table's rows over all servers must equal the
+snapshot taken before (no duplicate, nothing lost), each briefcase must be on exactly one
+server, that server must be where a fresh Store routes it, and the journal must be empty of
+unfinished work.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from movehelp import Cluster, create_user, locations, make_cluster, run_cli, snapshot
+
+from mdb.demo.models import User, UserBriefcase
+from mdb.gdid import GDID
+from mdb.moves.faults import FAULT_POINTS
+from mdb.moves.journal import Journal
+from mdb.store import Store
+
+SERVERS = ["u1", "u2", "x"]
+USERS = [GDID(0, 0, i) for i in range(1, 7)]
+
+MOVE_POINTS = [
+    ("move.after_journal_start", {}),
+    ("move.after_precheck", {}),
+    ("move.after_precopy", {"MDB_PRECOPY_ROWS": "1"}),
+    ("move.after_lock", {}),
+    ("move.during_copy", {}),
+    ("move.after_copy_commit", {}),
+    ("move.after_verify", {}),
+    ("move.before_commit_point", {}),
+    ("move.after_commit_point", {}),
+    ("move.after_relocation", {}),
+    ("move.after_target_state", {}),
+    ("move.pause_abort.after_source_rollback", {}),
+]
+# Where the briefcase must be after resume: the target iff the commit point had passed.
+PASSED = {"move.after_commit_point", "move.after_relocation", "move.after_target_state"}
+
+
+def _check(cluster: Cluster, before: dict, where_expected: dict[GDID, str] | None = None) -> dict[GDID, str]:
+    with cluster.store() as store:
+        assert snapshot(store, SERVERS) == before, "rows differ from the snapshot taken before the move"
+        found = locations(store, SERVERS)
+        assert set(found) == set(USERS)
+        out = {}
+        for g, servers in found.items():
+            assert len(servers) == 1, f"{g} is on {servers}"
+            assert store.router.locate("user", g).server == servers[0], f"{g} routed away from its data"
+            with store.briefcase(UserBriefcase, g) as s:  # the ownership check agrees
+                assert s.get(User, g) is not None
+            out[g] = servers[0]
+        assert Journal(store).entries(unfinished=True) == []
+    if where_expected is not None:
+        assert out == where_expected
+    return out
+
+
+def _resume(cluster: Cluster, env: dict[str, str] | None = None) -> None:
+    done = run_cli(["moves", "resume", str(cluster.path)], env=env)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture
+def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster:
+    urls = pg_databases(4)
+    cluster = make_cluster(dict(zip(["c", *SERVERS], urls)), tmp_path, [("0:0:0", ["u1", "u2"])])
+    with cluster.store() as store:
+        for g in USERS:
+            create_user(store, g)
+    return cluster
+
+
+def test_every_fault_point_is_exercised_here_or_in_the_reshard_test() -> None:
+    covered = {p for p, _ in MOVE_POINTS} | {p for p, _ in RESHARD_POINTS} | {"resume.after_discard"}
+    assert covered == set(FAULT_POINTS)
+    assert len(FAULT_POINTS) >= 20
+
+
+def test_sigkill_at_every_move_step_then_resume(cluster: Cluster) -> None:
+    with cluster.store() as store:
+        before = snapshot(store, SERVERS)
+    placed = _check(cluster, before)
+    for i, (point, env) in enumerate(MOVE_POINTS):
+        g = USERS[i % len(USERS)]
+        source = placed[g]
+        target = next(s for s in SERVERS if s != source)
+        extra = ["--max-pause", "0"] if point.startswith("move.pause_abort") else []
+        run = run_cli(["move", str(cluster.path), "user", str(g), "--to", target, *extra], env={"MDB_FAULT_POINT": point, **env})
+        assert run.returncode == -signal.SIGKILL, f"{point}: the child was not killed there: {run.returncode} {run.stderr}"
+        _resume(cluster)
+        expected = dict(placed)
+        expected[g] = target if point in PASSED else source
+        placed = _check(cluster, before, expected)
+
+
+def test_sigkill_while_resuming_a_rollback(cluster: Cluster) -> None:
+    with cluster.store() as store:
+        before = snapshot(store, SERVERS)
+    placed = _check(cluster, before)
+    g = USERS[0]
+    target = next(s for s in SERVERS if s != placed[g])
+    run = run_cli(["move", str(cluster.path), "user", str(g), "--to", target], env={"MDB_FAULT_POINT": "move.after_verify"})
+    assert run.returncode == -signal.SIGKILL
+    crashed = run_cli(["moves", "resume", str(cluster.path)], env={"MDB_FAULT_POINT": "resume.after_discard"})
+    assert crashed.returncode == -signal.SIGKILL
+    _resume(cluster)
+    _check(cluster, before, placed)
+
+
+RESHARD_POINTS = [
+    ("reshard.after_journal_start", {}),
+    ("reshard.after_plan", {}),
+    ("reshard.after_prechecks", {}),
+    ("reshard.after_first_move", {}),
+    ("reshard.after_moves", {}),
+    ("reshard.before_map_apply", {}),
+    ("reshard.after_map_apply", {}),
+    ("reshard.after_map_file", {}),
+    ("reshard.after_clear_relocations", {}),
+    ("reshard.after_resident_cleanup", {}),
+]
+
+
+def test_sigkill_at_every_reshard_step_then_resume(cluster: Cluster) -> None:
+    with cluster.store() as store:
+        before = snapshot(store, SERVERS)
+    _check(cluster, before)
+    lists = [["u1", "u2", "x"], ["u1", "u2"]]
+    cases = [*RESHARD_POINTS, ("move.after_copy_commit", {"MDB_FAULT_SKIP": "1"}), ("move.after_commit_point", {"MDB_FAULT_SKIP": "1"})]
+    for i, (point, env) in enumerate(cases):
+        shards = lists[i % 2]
+        run = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", ",".join(shards)],
+                      env={"MDB_FAULT_POINT": point, **env})
+        assert run.returncode == -signal.SIGKILL, f"{point}: {run.returncode} {run.stdout} {run.stderr}"
+        _resume(cluster)
+        placed = _check(cluster, before)
+        # The reshard finished: every briefcase sits on its shard under the new list, by default routing.
+        with Store.from_yaml(cluster.path, types=[UserBriefcase]) as store:
+            store.refresh()
+            assert [list(p[2]) for p in store.router.partitions("user")] == [shards], point
+            assert not store.router.relocations, point
+            for g, server in placed.items():
+                assert server == shards[g.sharding_value % len(shards)], (point, g)
