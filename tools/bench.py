@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in args.sections if s not in sections]
     if unknown:
         parser.error(f"unknown section(s) {', '.join(unknown)}; available: {', '.join(sections)}")
-    console = Console(stderr=args.json)
+    stream = sys.stderr if args.json else sys.stdout
+    console = Console(stderr=args.json, width=None if stream.isatty() else 160)  # a log file gets the whole table
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="mdb-bench-") as tmp:
         ctx = BenchContext(tmpdir=Path(tmp), quick=args.quick)

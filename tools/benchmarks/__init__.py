@@ -13,7 +13,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from mdb.testing.postgres import PostgresServer
 
 __all__ = ["BenchContext", "Result", "per_call", "compare"]
 
@@ -50,7 +53,7 @@ class BenchContext:
 
     tmpdir: Path
     quick: bool = False
-    _servers: list = field(default_factory=list)  # list[mdb.testing.postgres.PostgresServer]
+    _servers: list[PostgresServer] = field(default_factory=list)
 
     def pg_urls(self, n: int) -> list[str]:
         """URLs of ``n`` fresh, empty databases on ``n`` distinct real PostgreSQL servers.
