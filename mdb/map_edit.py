@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from sqlalchemy import Column, DateTime, Integer, Table, Text, delete, func, insert, select, union_all
+from sqlalchemy import Column, DateTime, Integer, Table, Text, delete, func, insert, select
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Connection
 from sqlalchemy.engine import make_url
@@ -361,15 +361,18 @@ def stored_high_water(conn: Connection, key_columns: Iterable[Any]) -> int | Non
     """
     best: int | None = None
     for col in key_columns:
-        top = conn.execute(select(func.max(col))).scalar()
+        # ORDER BY .. DESC LIMIT 1 rather than max(): PostgreSQL has no max(bytea), and both
+        # servers answer it from the primary key index.
+        top = conn.execute(select(col).order_by(col.desc()).limit(1)).scalar()
         if top is None:
             continue
         era = top.era
         probes = [
-            select(func.max(col).label("k")).where(col.between(GDID(era, a, 0), GDID(era, a, 2**60 - 1)))
+            select(col).where(col.between(GDID(era, a, 0), GDID(era, a, 2**60 - 1))).order_by(col.desc()).limit(1)
+            .scalar_subquery().label(f"a{a}")
             for a in range(16)
         ]
-        for (k,) in conn.execute(union_all(*probes)):
+        for k in conn.execute(select(*probes)).one():
             if k is not None and (best is None or k.sharding_value > best):
                 best = k.sharding_value
     return best
@@ -715,6 +718,8 @@ def apply_map(
     marks = high_water_marks(store, margin=margin)
     diff = diff_maps(old_map, new_map, marks, allow_reshard_of=allow_reshard_of, relocated_to=relocated_to)
     report = ApplyReport(old_map.version, new_map.version, diff)
+    if dry_run and not diff.ok:
+        return report
     diff.raise_if_refused()
     known = [old_applied.yaml] if old_applied else []
     if store.map_path is not None and Path(store.map_path).is_file():

@@ -2,6 +2,7 @@
 
 from mdb.cli import inspect as _inspect  # noqa: F401  (registers commands)
 from mdb.cli import schema_cmd as _schema_cmd  # noqa: F401
+from mdb.cli import map_edit_cmd as _map_edit_cmd  # noqa: F401
 from mdb.cli import idgen_cmd as _idgen_cmd  # noqa: F401
 from mdb.cli import moves_cmd as _moves_cmd  # noqa: F401
 from mdb.cli import central_cmd as _central_cmd  # noqa: F401

@@ -1,0 +1,180 @@
+"""``mdb map diff``, ``mdb map apply`` and ``mdb map history``: safe map edits (invariant 4).
+
+``diff`` is offline by default: without a high-water mark nothing new can be shown to be safe,
+so new partitions are refused until the mark comes from ``--high-water AREA=GDID`` or from the
+live servers of OLD (``--live``). ``apply MAP NEW`` reaches the system through MAP (any map
+version that names the CENTRAL servers; the old side of the diff is the newest map applied in
+CENTRAL, or MAP itself when none was applied yet) and stamps NEW onto the shards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from mdb.briefcase import registered_types
+from mdb.cli.app import console, emit_json, fail, map_app, open_map
+from mdb.cli.schema_cmd import import_models
+from mdb.errors import GDIDError
+from mdb.gdid import GDID
+from mdb.map_edit import ApplyReport, MapDiff, applied_maps, apply_map, diff_maps, high_water_marks
+from mdb.partition_map import PartitionMap
+from mdb.store import Store
+
+__all__ = ["map_apply", "map_diff", "map_history"]
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+ModelsOpt = Annotated[
+    list[str] | None,
+    typer.Option("--models", metavar="MODULE", help="also import this module for briefcase types (repeatable)"),
+]
+MarginOpt = Annotated[
+    int, typer.Option("--margin", min=0, help="add this many counter values of headroom to each live high-water mark"),
+]
+ReshardOpt = Annotated[
+    str | None,
+    typer.Option("--allow-reshard", metavar="AREA=START", help="accept the shard-list change of exactly this partition (used by reshard)"),
+]
+
+
+def _area_gdid(text: str, option: str) -> tuple[str, GDID]:
+    area, sep, value = text.partition("=")
+    if not sep or not area.strip():
+        fail(f"{option} expects AREA=GDID, got {text!r}")
+    try:
+        return area.strip(), GDID.parse(value)
+    except GDIDError as exc:
+        fail(f"{option} {text!r}: {exc}")
+
+
+def _open_store(pmap: PartitionMap, path: str, models: list[str] | None) -> Store:
+    import_models([*pmap.models, *(models or [])])
+    return Store(pmap, types=registered_types(), map_path=path)
+
+
+def print_diff(diff: MapDiff) -> None:
+    table = Table(title=f"map version {diff.old_version} -> {diff.new_version}")
+    for column in ("verdict", "change", "subject", "old", "new", "reason"):
+        table.add_column(column, overflow="fold")
+    for c in diff.changes:
+        verdict = "[green]accepted[/green]" if c.accepted else "[red]refused[/red]"
+        table.add_row(verdict, escape(c.kind), escape(c.subject), escape(c.old or "-"), escape(c.new or "-"), escape(c.reason))
+    console.print(table)
+    marks = ", ".join(f"{a}={'unknown' if g is None else g}" for a, g in diff.high_water.items()) or "-"
+    console.print(f"high-water marks: {marks}", markup=False)
+    if diff.ok:
+        console.print(f"all {len(diff.changes)} changes are safe", markup=False)
+    else:
+        console.print(f"{len(diff.refused)} of {len(diff.changes)} changes refused", markup=False)
+
+
+@map_app.command("diff")
+def map_diff(
+    old_path: Annotated[str, typer.Argument(metavar="OLD", help="the map in use")],
+    new_path: Annotated[str, typer.Argument(metavar="NEW", help="the proposed map")],
+    high_water: Annotated[
+        list[str] | None,
+        typer.Option("--high-water", metavar="AREA=GDID", help="the area's high-water mark (repeatable; overrides --live)"),
+    ] = None,
+    live: Annotated[bool, typer.Option("--live", help="read the high-water marks from the servers of OLD")] = False,
+    margin: MarginOpt = 0,
+    allow_reshard: ReshardOpt = None,
+    models: ModelsOpt = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """List every change from OLD to NEW, accepted or refused with the reason; exit 2 if any is refused."""
+    old, new = open_map(old_path), open_map(new_path)
+    marks: dict[str, GDID] = {}
+    relocated_to: set[str] = set()
+    if live:
+        store = _open_store(old, old_path, models)
+        try:
+            marks.update(high_water_marks(store, margin=margin))
+            relocated_to = set(store.router.relocations.values())
+        finally:
+            store.close()
+    marks.update(dict(_area_gdid(h, "--high-water") for h in high_water or []))
+    reshard = None if allow_reshard is None else _area_gdid(allow_reshard, "--allow-reshard")
+    diff = diff_maps(old, new, marks, allow_reshard_of=reshard, relocated_to=relocated_to)
+    if as_json:
+        emit_json(diff.to_json())
+    else:
+        print_diff(diff)
+    if not diff.ok:
+        raise typer.Exit(2)
+
+
+def _print_apply(report: ApplyReport) -> None:
+    table = Table(title=f"layout stamps (map version {report.new_version})")
+    for column in ("server", "area", "action", "old", "new"):
+        table.add_column(column)
+    for s in report.stamps:
+        table.add_row(escape(s.server), escape(s.area), escape(s.action), escape(s.old or "-"), escape(s.new or "-"))
+    console.print(table)
+    for server, created in report.prepared.items():
+        console.print(f"prepared server {server}: {', '.join(created) or 'tables already there'}", markup=False)
+    console.print(f"map version {report.new_version} applied and recorded on CENTRAL server {report.recorded_on}", markup=False)
+
+
+@map_app.command("apply")
+def map_apply(
+    map_path: Annotated[str, typer.Argument(metavar="MAP", help="a map that reaches the system (its CENTRAL servers)")],
+    new_path: Annotated[str, typer.Argument(metavar="NEW", help="the new map version to apply")],
+    allow_reshard: ReshardOpt = None,
+    margin: MarginOpt = 0,
+    lock_timeout: Annotated[float, typer.Option("--lock-timeout", min=0.1, help="seconds to wait for a shard's in-flight sessions")] = 10.0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="check against the live system, change nothing")] = False,
+    models: ModelsOpt = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Check NEW against the live system and stamp it onto every shard; the only way a map change is applied."""
+    current = open_map(map_path)
+    new = open_map(new_path)
+    text = Path(new_path).read_text(encoding="utf-8")
+    reshard = None if allow_reshard is None else _area_gdid(allow_reshard, "--allow-reshard")
+    store = _open_store(current, map_path, models)
+    try:
+        check = apply_map(store, new, yaml_text=text, allow_reshard_of=reshard, margin=margin, dry_run=True)
+        if not check.diff.ok or dry_run:
+            if as_json:
+                emit_json(check.to_json())
+            else:
+                print_diff(check.diff)
+            if not check.diff.ok:
+                raise typer.Exit(2)
+            return
+        report = apply_map(store, new, yaml_text=text, allow_reshard_of=reshard, margin=margin, lock_timeout=lock_timeout)
+    finally:
+        store.close()
+    if as_json:
+        emit_json(report.to_json())
+    else:
+        print_diff(report.diff)
+        _print_apply(report)
+
+
+@map_app.command("history")
+def map_history(map_path: Annotated[str, typer.Argument(metavar="MAP")], as_json: JsonFlag = False) -> None:
+    """List the map versions applied in CENTRAL."""
+    pmap = open_map(map_path)
+    store = Store(pmap, types=[], map_path=map_path)
+    try:
+        rows = applied_maps(store)
+    finally:
+        store.close()
+    if as_json:
+        emit_json([{"version": v, "applied_at": None if t is None else t.isoformat()} for v, t in rows])
+        return
+    if not rows:
+        console.print("no map has been applied with `mdb map apply` yet", markup=False)
+        return
+    table = Table(title="applied maps")
+    table.add_column("version")
+    table.add_column("applied at")
+    for v, t in rows:
+        table.add_row(str(v), "-" if t is None else t.isoformat())
+    console.print(table)
