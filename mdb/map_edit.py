@@ -48,6 +48,7 @@ __all__ = [
     "applied_maps",
     "diff_maps",
     "high_water_marks",
+    "live_diff",
     "load_applied_map",
     "maps_table",
 ]
@@ -677,6 +678,28 @@ def _shrink_check(store: Store, conn: Connection, server: str, area: str, live: 
         )
 
 
+def _live_diff(
+    store: Store, new_map: PartitionMap, allow_reshard_of: tuple[str, GDID] | None, margin: int
+) -> tuple[MapDiff, PartitionMap, AppliedMap | None]:
+    store.refresh()
+    old_applied = _newest_applied(store, store.map)
+    old_map = parse_map(old_applied.yaml, f"mdb_maps version {old_applied.version}") if old_applied else store.map
+    relocated_to = set(store.router.relocations.values())
+    marks = high_water_marks(store, margin=margin)
+    diff = diff_maps(old_map, new_map, marks, allow_reshard_of=allow_reshard_of, relocated_to=relocated_to)
+    return diff, old_map, old_applied
+
+
+def live_diff(
+    store: Store, new_map: PartitionMap, *, allow_reshard_of: tuple[str, GDID] | None = None, margin: int = 0
+) -> MapDiff:
+    """``diff_maps`` from the newest applied map (else the Store's) to ``new_map``, with live marks.
+
+    What ``apply_map`` checks first; never raises for a refused change (see ``MapDiff.ok``).
+    """
+    return _live_diff(store, new_map, allow_reshard_of, margin)[0]
+
+
 def apply_map(
     store: Store,
     new_map: PartitionMap,
@@ -707,19 +730,14 @@ def apply_map(
     6. The map text is recorded in CENTRAL; refreshing Stores adopt it (retrying processes
        that met a new stamp in steps 4-5 succeed from here on).
 
+    ``dry_run`` does every check (refusing like a real run) and returns before step 1.
+
     A failure in steps 3-5 restores every stamp already written (tables created stay; they
     are empty) and raises MapEditError. A crash between 4 and 6 leaves old processes refused
     (retryably) for the changed ranges, never misrouted; running the apply again finishes it.
     """
-    store.refresh()
-    old_applied = _newest_applied(store, store.map)
-    old_map = parse_map(old_applied.yaml, f"mdb_maps version {old_applied.version}") if old_applied else store.map
-    relocated_to = set(store.router.relocations.values())
-    marks = high_water_marks(store, margin=margin)
-    diff = diff_maps(old_map, new_map, marks, allow_reshard_of=allow_reshard_of, relocated_to=relocated_to)
+    diff, old_map, old_applied = _live_diff(store, new_map, allow_reshard_of, margin)
     report = ApplyReport(old_map.version, new_map.version, diff)
-    if dry_run and not diff.ok:
-        return report
     diff.raise_if_refused()
     known = [old_applied.yaml] if old_applied else []
     if store.map_path is not None and Path(store.map_path).is_file():

@@ -21,7 +21,7 @@ from mdb.cli.app import console, emit_json, fail, map_app, open_map
 from mdb.cli.schema_cmd import import_models
 from mdb.errors import GDIDError
 from mdb.gdid import GDID
-from mdb.map_edit import ApplyReport, MapDiff, applied_maps, apply_map, diff_maps, high_water_marks
+from mdb.map_edit import ApplyReport, MapDiff, applied_maps, apply_map, diff_maps, high_water_marks, live_diff
 from mdb.partition_map import PartitionMap
 from mdb.store import Store
 
@@ -138,14 +138,20 @@ def map_apply(
     reshard = None if allow_reshard is None else _area_gdid(allow_reshard, "--allow-reshard")
     store = _open_store(current, map_path, models)
     try:
-        check = apply_map(store, new, yaml_text=text, allow_reshard_of=reshard, margin=margin, dry_run=True)
-        if not check.diff.ok or dry_run:
+        check = live_diff(store, new, allow_reshard_of=reshard, margin=margin)
+        if not check.ok:
             if as_json:
                 emit_json(check.to_json())
             else:
-                print_diff(check.diff)
-            if not check.diff.ok:
-                raise typer.Exit(2)
+                print_diff(check)
+            raise typer.Exit(2)
+        if dry_run:
+            dry = apply_map(store, new, yaml_text=text, allow_reshard_of=reshard, margin=margin, dry_run=True)
+            if as_json:
+                emit_json(dry.to_json())
+            else:
+                print_diff(dry.diff)
+                console.print("dry run: nothing was changed", markup=False)
             return
         report = apply_map(store, new, yaml_text=text, allow_reshard_of=reshard, margin=margin, lock_timeout=lock_timeout)
     finally:
