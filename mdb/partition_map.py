@@ -91,7 +91,7 @@ class AreaSpec(_Strict):
 
 
 class PartitionMap(_Strict):
-    version: int = Field(ge=1)
+    version: int = Field(ge=1, strict=True)
     servers: dict[str, ServerSpec]
     areas: dict[str, AreaSpec]
     models: tuple[str, ...] = ()
@@ -145,7 +145,12 @@ def _construct(
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_construct(loader, item, path + (i,), lines, problems) for i, item in enumerate(node.value)]
-    value = loader.construct_object(node, deep=True)
+    if node.tag == "tag:yaml.org,2002:int" and ":" in str(node.value):
+        # YAML 1.1 reads an unquoted 1:0:5 as a base-60 integer; keep the text so a GDID
+        # written without quotes still parses as the GDID it looks like.
+        value: Any = str(node.value)
+    else:
+        value = loader.construct_object(node, deep=True)
     if isinstance(value, str):
 
         def expand(match: re.Match[str]) -> str:

@@ -310,8 +310,6 @@ def test_console_script_missing_env_var_and_masking(tmp_path: Path) -> None:
     assert "mdb:***@10.0.0.5/central_a" in proc.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="known: a GDID starting with '-' is parsed by Click as an option; "
-                   "the usage error is a multi-line box, not one 'error:' line (mdb/cli/app.py)")
 def test_console_script_signed_gdid_is_one_error_line() -> None:
     proc = run_mdb("gdid", "-1:0:0")
     assert proc.returncode == 2

@@ -13,6 +13,8 @@ from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from typer import Abort
+from typer._click.exceptions import ClickException
 from typer.core import TyperGroup
 
 from mdb.errors import MdbError
@@ -48,7 +50,7 @@ app.add_typer(map_app, name="map")
 
 
 def fail(message: str) -> NoReturn:
-    err_console.print(f"error: {mask_secrets(message)}", markup=False, soft_wrap=True)
+    _error_line(message)
     raise typer.Exit(2)
 
 
@@ -60,9 +62,24 @@ def open_map(path: str) -> PartitionMap:
     return load_map(path)
 
 
+def _error_line(message: str) -> None:
+    err_console.print(f"error: {mask_secrets(message)}", markup=False, soft_wrap=True)
+
+
 def main() -> None:
+    """Run the CLI: bad input and unreachable servers end in one ``error:`` line and exit 2."""
     try:
-        app()
+        code = app(standalone_mode=False)
     except MdbError as exc:
-        err_console.print(f"error: {mask_secrets(str(exc))}", markup=False, soft_wrap=True)
+        _error_line(str(exc))
         sys.exit(2)
+    except ClickException as exc:
+        message = exc.format_message()
+        if message:  # an empty one is "no arguments": the help text was already shown
+            ctx = getattr(exc, "ctx", None)
+            _error_line(message + (f" (see: {ctx.command_path} --help)" if ctx is not None else ""))
+        sys.exit(2)
+    except Abort:
+        _error_line("aborted")
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
