@@ -21,6 +21,7 @@ from mdb.errors import (
 from mdb.fanout import FanOutResult, ShardFailure
 from mdb.gdid import GDID
 from mdb.idgen import GdidGenerator
+from mdb.map_edit import ApplyReport, MapDiff, apply_map, diff_maps, high_water_marks
 from mdb.partition_map import PartitionMap, load_map, parse_map
 from mdb.router import CentralPlacement, Placement, Router, ShardLayout
 from mdb.session import BriefcaseSession
@@ -30,6 +31,11 @@ from mdb.repository import Repository
 from mdb.urls import mask_url
 
 __all__ = [
+    "ApplyReport",
+    "MapDiff",
+    "apply_map",
+    "diff_maps",
+    "high_water_marks",
     "BriefcaseMovingError",
     "BriefcaseSession",
     "BriefcaseType",
