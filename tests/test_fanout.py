@@ -322,3 +322,27 @@ def test_relocated_briefcases_included_and_incoming_copies_excluded(
         assert [r.user_id for r in later] == [GDID(0, 0, 1500)] and later.servers == ["u3"]
     finally:
         store.close()
+
+
+def test_readonly_fan_out_reads_replicas(pg_replica_pair: Any, pg_databases: Any, tmp_path: Path) -> None:
+    c, u2 = pg_databases(2)
+    servers = {"c": c, "u1": pg_replica_pair.primary_url, "u2": u2}
+    path = write_map(tmp_path, servers, central=["c"], partitions=[("0:0:0", ["u1", "u2"])],
+                     replicas={"u1": pg_replica_pair.replica_url})
+    store = Store.from_yaml(path, types=[UserBriefcase])
+    try:
+        assert all(r.ok for r in apply_schema(store))
+        users: UserRows = [(GDID(0, 0, n), f"n{n}", [(n, "a", n, 0)]) for n in range(1, 7)]
+        insert_users(store, None, users)
+        pg_replica_pair.wait_for_replay()
+        stmt = select(Order.user_id, func.pg_is_in_recovery().label("on_replica")).order_by(Order.user_id)
+        primary = store.fan_out("user", stmt)
+        replica = store.fan_out("user", stmt, readonly=True)
+        assert [r.user_id for r in replica] == [r.user_id for r in primary] == [u[0] for u in users]
+        assert not any(r.on_replica for r in primary)
+        # u1 has a replica and is read there; u2 has none and is read on its primary.
+        assert {r.user_id: r.on_replica for r in replica} == {
+            u[0]: store.router.locate("user", u[0]).server == "u1" for u in users
+        }
+    finally:
+        store.close()
