@@ -346,3 +346,24 @@ def test_readonly_fan_out_reads_replicas(pg_replica_pair: Any, pg_databases: Any
         }
     finally:
         store.close()
+
+
+def test_sqlite_shards_follow_the_documented_null_order(tmp_sqlite_urls: Any, tmp_path: Path) -> None:
+    # SQLite's own default puts NULLs first in ASC; the fan-out makes every shard sort them as
+    # PostgreSQL does (NULL above every value) unless the statement says otherwise.
+    store = make_store(tmp_path, tmp_sqlite_urls(3))
+    try:
+        users: UserRows = [
+            (GDID(0, 0, 1), "a", [(1, "a", 5, 0)]), (GDID(0, 0, 2), "b", []),
+            (GDID(0, 0, 1001), "c", [(2, "a", 3, 0)]), (GDID(0, 0, 4), "d", []),
+        ]
+        insert_users(store, None, users)
+        stmt = select(User.name, Order.total_cents).outerjoin(User.orders)
+        asc = store.fan_out("user", stmt.order_by(Order.total_cents, User.name))
+        assert [(r.name, r.total_cents) for r in asc] == [("c", 3), ("a", 5), ("b", None), ("d", None)]
+        desc_ = store.fan_out("user", stmt.order_by(Order.total_cents.desc(), User.name))
+        assert [r.name for r in desc_] == ["b", "d", "a", "c"]
+        first = store.fan_out("user", stmt.order_by(Order.total_cents.nulls_first(), User.name).offset(1).limit(2))
+        assert [r.name for r in first] == ["d", "c"]
+    finally:
+        store.close()
