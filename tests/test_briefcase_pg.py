@@ -18,7 +18,7 @@ import pytest
 from mapfiles import write_map
 from sqlalchemy import func, select, text, update
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import DeclarativeBase, Session
 
 from mdb.demo.models import (
     AccountAuthorizationHistory,
@@ -198,24 +198,18 @@ def test_cross_briefcase_writes_are_refused_and_nothing_is_written(store: Store)
         assert session.scalars(select(Order.status)).all() == ["placed"]
 
 
-class _ForeignRow:
-    """A mapped class outside the user briefcase (declared lazily to keep the module import cheap)."""
+class _ForeignBase(DeclarativeBase):
+    pass
 
-    model: Any = None
+
+class ForeignRow(_ForeignBase):
+    """A mapped class outside the user briefcase (mdb's own state table)."""
+
+    __table__ = briefcase_state
 
 
 def briefcase_state_row() -> Any:
-    if _ForeignRow.model is None:
-        from sqlalchemy.orm import DeclarativeBase
-
-        class Base(DeclarativeBase):
-            pass
-
-        class State(Base):
-            __table__ = briefcase_state
-
-        _ForeignRow.model = State
-    return _ForeignRow.model(area="user", gdid=GDID(0, 0, 20), state="gone", peer="u2")
+    return ForeignRow(area="user", gdid=GDID(0, 0, 20), state="gone", peer="u2")
 
 
 def test_an_exception_inside_the_block_rolls_back(store: Store) -> None:
