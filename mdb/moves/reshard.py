@@ -221,6 +221,7 @@ def continue_reshard(
     if entry.step in ("plan", "prechecks", "moves"):
         if plan is None:
             plan = plan_reshard(store, tables, area, start, new_shards)
+        report = plan
         fault_point("reshard.after_plan")
         if progress is not None:
             progress.phase("prechecks")
@@ -242,6 +243,7 @@ def continue_reshard(
         else:
             raise MdbError(f"reshard {entry.move_id}: new briefcases kept appearing after {MAX_SWEEPS} sweeps; run `mdb moves resume MAP` again")
         fault_point("reshard.after_moves")
+        plan = report
         entry.step = "map_apply"
         journal.step(entry.move_id, "map_apply")
     if plan is None:
