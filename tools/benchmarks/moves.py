@@ -1,0 +1,134 @@
+"""Moves: throughput of ``mdb move`` vs raw COPY between the same servers, and the write pause per
+briefcase while re-sharding.
+
+Throughput: one large briefcase (order line items) moved from server A to server B, in rows
+per second, next to a raw ``COPY (SELECT ...) TO STDOUT`` piped into ``COPY ... FROM STDIN`` of
+the same rows between the same two servers in the same run (the move adds prechecks, journal,
+lock, verification on both sides and the commit point). Pause: a reshard of N briefcases of
+about 100 rows each from 2 to 3 shards; the pause of each briefcase is the time its write lock
+was held (``MoveResult.pause_seconds``), reported as median and p99 next to the median time of
+one plain write transaction on the same server.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import psycopg
+import yaml
+from sqlalchemy import insert
+from sqlalchemy.engine import make_url
+
+from benchmarks import BenchContext, Result
+from mdb.demo.models import Order, OrderLineItem, User, UserBriefcase
+from mdb.gdid import GDID
+from mdb.moves import move_briefcase
+from mdb.moves import protocol as move_protocol
+from mdb.moves.reshard import reshard
+from mdb.schema import apply_schema
+from mdb.store import Store
+
+SECTION = "moves"
+
+
+def _map(directory: Path, urls: dict[str, str], shards: list[str]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "map.yaml"
+    data = {
+        "version": 1,
+        "servers": {name: {"primary": url} for name, url in urls.items()},
+        "areas": {"central": {"kind": "central", "shards": ["c"]}, "user": {"partitions": [{"start": "0:0:0", "shards": shards}]}},
+        "models": ["mdb.demo.models"],
+    }
+    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def _fill(store: Store, server: str, users: list[GDID], lines: int) -> None:
+    with store.transaction(server) as conn:
+        conn.execute(insert(User), [{"user_id": g, "email": f"{g}@x", "name": "n"} for g in users])
+        conn.execute(insert(Order), [{"user_id": g, "order_id": GDID(0, 2, g.counter), "status": "placed", "total_cents": 1} for g in users])
+        rows = [
+            {"user_id": g, "line_id": GDID(0, 3, g.counter * 1_000_000 + i), "order_id": GDID(0, 2, g.counter), "sku": f"sku-{i}", "quantity": 1, "price_cents": i}
+            for g in users for i in range(lines)
+        ]
+        for i in range(0, len(rows), 5000):
+            conn.execute(insert(OrderLineItem), rows[i : i + 5000])
+
+
+def _raw_copy(src_url: str, dst_url: str, gdid: GDID) -> float:
+    def dsn(url: str) -> str:
+        return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+    with psycopg.connect(dsn(src_url)) as src, psycopg.connect(dsn(dst_url)) as dst:
+        dst.execute("CREATE TEMP TABLE raw_lines (LIKE order_line_items)")
+        start = time.perf_counter()
+        with src.cursor().copy(f"COPY (SELECT * FROM order_line_items WHERE user_id = '\\x{gdid.hex}'::bytea) TO STDOUT (FORMAT BINARY)") as out, \
+                dst.cursor().copy("COPY raw_lines FROM STDIN (FORMAT BINARY)") as into:
+            for chunk in out:
+                into.write(chunk)
+        dst.commit()
+        return time.perf_counter() - start
+
+
+def run(ctx: BenchContext) -> list[Result]:
+    urls = dict(zip(["c", "a", "b", "x"], ctx.pg_urls(4)))
+    results: list[Result] = []
+
+    # -- throughput ---------------------------------------------------------------------------
+    lines = ctx.iterations(200_000, 20_000)
+    path = _map(ctx.tmpdir / "moves-throughput", urls, ["a"])
+    big = GDID(0, 0, 1)
+    with Store.from_yaml(path, types=[UserBriefcase]) as store:
+        assert all(r.ok for r in apply_schema(store))
+        _fill(store, "a", [big], lines)
+        raw = _raw_copy(urls["a"], urls["b"], big)
+        start = time.perf_counter()
+        result = move_briefcase(store, "user", big, "b", precopy_rows=10**12)
+        moved = time.perf_counter() - start
+    rows = result.rows
+    results.append(Result(SECTION, f"mdb move, one briefcase of {rows} rows", rows / moved, "rows/s",
+                          "raw COPY TO STDOUT -> FROM STDIN (same rows, same servers)", lines / raw,
+                          note=f"write pause {result.pause_seconds * 1000:.0f} ms; aim: at least 0.5x raw"))
+
+    # -- pause while re-sharding --------------------------------------------------------------
+    n = ctx.iterations(1000, 100)
+    urls = dict(zip(["c", "a", "b", "x"], ctx.pg_urls(4)))  # fresh databases: no stamps yet
+    path = _map(ctx.tmpdir / "moves-reshard", urls, ["a", "b"])
+    users = [GDID(0, 0, i) for i in range(10, 10 + n)]
+    with Store.from_yaml(path, types=[UserBriefcase]) as store:
+        assert all(r.ok for r in apply_schema(store))
+        for server in ("a", "b"):
+            _fill(store, server, [g for g in users if ["a", "b"][g.sharding_value % 2] == server], 98)
+        pauses: list[float] = []
+        original = move_protocol.move_briefcase
+
+        def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+            r = original(*args, **kwargs)
+            pauses.append(r.pause_seconds)
+            return r
+
+        import mdb.moves.reshard as reshard_module
+
+        reshard_module.move_briefcase = timed  # type: ignore[assignment]
+        try:
+            start = time.perf_counter()
+            reshard(store, "user", GDID(0, 0, 0), ["a", "b", "x"], parallel=2, map_path=path)
+            elapsed = time.perf_counter() - start
+        finally:
+            reshard_module.move_briefcase = original  # type: ignore[assignment]
+        plain = []
+        for _ in range(50):
+            t = time.perf_counter()
+            with store.transaction("a") as conn:
+                conn.exec_driver_sql("SELECT 1")
+            plain.append(time.perf_counter() - t)
+    pauses.sort()
+    base = statistics.median(plain) * 1000
+    p99 = pauses[min(len(pauses) - 1, int(len(pauses) * 0.99))] * 1000
+    note = f"{len(pauses)} of {n} briefcases moved in {elapsed:.1f}s"
+    results.append(Result(SECTION, "reshard: write pause per briefcase, median", statistics.median(pauses) * 1000, "ms", "one plain transaction", base, note=note))
+    results.append(Result(SECTION, "reshard: write pause per briefcase, p99", p99, "ms", "one plain transaction", base, note=note))
+    return results
