@@ -240,3 +240,36 @@ def test_factory_root_must_carry_the_key(store: Store) -> None:
         store.central.create(UserBriefcase, lambda g: User(email="x@example.org", name="x"), {EmailIndex: "y@example.org"})
     assert store.central.lookup(EmailIndex, "y@example.org") is None
     assert store.central.lookup(EmailIndex, "x@example.org") is None
+
+
+class CityIndex(CentralIndex):
+    """A non-unique index without a root column: many users per city, existence-checked only."""
+
+    name = "t_user_city"
+    area = "user"
+    unique = False
+    normalize = strip_casefold
+    briefcase = UserBriefcase
+
+
+def test_non_unique_index_and_existence_check(store: Store) -> None:
+    users = UserRepository(store)
+    a = users.register("city-a@example.org", "A")
+    b = users.register("city-b@example.org", "B")
+    central = store.central
+    central.add(CityIndex, "Lyon", a)
+    central.add(CityIndex, " lyon ", b)
+    central.add(CityIndex, "LYON", b)  # idempotent
+    assert central.lookup_all(CityIndex, "lyon") == sorted([a, b])
+    assert central.keys_of(CityIndex, a) == ["lyon"]
+    with pytest.raises(SchemaError, match="not unique"):
+        central.lookup(CityIndex, "lyon")
+    from mdb.central.reconcile import check
+
+    assert check(central, [CityIndex]).ok
+    ghost = GDID(0, 0, 777_777)  # no such briefcase
+    central.add(CityIndex, "lyon", ghost)
+    report = check(central, [CityIndex])
+    assert [(p.kind, p.gdid) for p in report.problems] == [("dangling", ghost)]
+    assert central.remove(CityIndex, "lyon", a)
+    assert central.lookup_all(CityIndex, "lyon") == sorted([b, ghost])  # a live entry is trusted as written
