@@ -198,16 +198,15 @@ class _Differ:
         for name, area in old.areas.items():
             for server in area.servers():
                 in_use.setdefault(server, []).append(name)
-        reshard_leaving: set[str] = set()
-        if self.allow is not None and self.reshard_found:
-            reshard_leaving = self._reshard_leaving()
         for name, spec in old.servers.items():
             if name not in new.servers:
                 areas = in_use.get(name, [])
                 if name in self.relocated_to:
                     self.add("server-removed", f"server {name}", spec.masked_primary, None, False,
                              f"server {name!r} is removed but relocated briefcases live on it")
-                elif areas and not (self.allow is not None and name in reshard_leaving and areas == [self.allow[0]]):
+                elif areas:
+                    # Also after a reshard that empties it: its stamp must be withdrawn by an
+                    # apply that still names it; remove it from servers: in a later version.
                     self.add("server-removed", f"server {name}", spec.masked_primary, None, False,
                              f"server {name!r} is removed but the old map uses it in area(s) {', '.join(areas)}")
                 else:
@@ -224,14 +223,6 @@ class _Differ:
         for name, spec in new.servers.items():
             if name not in old.servers:
                 self.add("server-added", f"server {name}", None, spec.masked_primary, True, "a new server holds no data yet")
-
-    def _reshard_leaving(self) -> set[str]:
-        assert self.allow is not None
-        area, start = self.allow
-        old_parts = {s: p for s, _, p in _parts(self.old.areas[area])}
-        new_parts = {s: p for s, _, p in _parts(self.new.areas[area])}
-        v = start.sharding_value
-        return set(old_parts[v].shards) - set(new_parts[v].shards)
 
     def _area(self, name: str, old: AreaSpec, new: AreaSpec) -> None:
         subject = f"area {name}"
@@ -322,13 +313,6 @@ class _Differ:
                 "may exist there and would re-route; start it above the mark"
             )
         return True, f"starts above the high-water mark {hw} of area {area!r}"
-
-
-def _parts(area: AreaSpec) -> Iterator[tuple[int, GDID, Any]]:
-    for rs in area.effective_range_sets():
-        for p in rs.partitions:
-            v = rs.breakpoint.sharding_value + p.start.sharding_value
-            yield v, _gdid_v(v), p
 
 
 def diff_maps(
