@@ -35,7 +35,17 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from mdb.errors import GDIDError
-from mdb.gdid import COUNTER_BITS, MAX_AUTHORITY, MAX_COUNTER, MAX_ERA, GDID, _trusted, _trusted_run
+from mdb.gdid import (
+    COUNTER_BITS,
+    MAX_AUTHORITY,
+    MAX_COUNTER,
+    MAX_ERA,
+    GDID,
+    _new_object,
+    _set_era,
+    _set_raw,
+    _trusted_run,
+)
 from mdb.router import Router
 from mdb.system_tables import central_metadata
 
@@ -275,7 +285,10 @@ class GdidGenerator:
         self.prefetch = prefetch
         self._reserve = reserve
         self._base = self.authority << COUNTER_BITS
-        self._cond = threading.Condition(threading.Lock())
+        # The hot paths take the plain lock (Condition.__enter__ is a Python-level call); waits
+        # and notifications go through the condition built on the same lock.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         # Current block as raw ids (authority << 60 | counter): next to hand out, last inclusive.
         self._era = 0
         self._next = 1
@@ -320,7 +333,7 @@ class GdidGenerator:
 
     def next(self) -> GDID:
         """One new GDID."""
-        with self._cond:
+        with self._lock:
             raw = self._next
             if raw > self._last:
                 self._install_locked(1)
@@ -329,14 +342,17 @@ class GdidGenerator:
             if raw >= self._low_mark:
                 self._start_prefetch_locked()
             era = self._era
-        return _trusted(era, raw)
+        g = _new_object(GDID)  # _trusted(era, raw), inlined: a call costs as much as the rest
+        _set_era(g, era)
+        _set_raw(g, raw)
+        return g
 
     def take(self, n: int) -> list[GDID]:
         """``n`` new GDIDs in increasing order (for bulk inserts)."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise GDIDError(f"invalid GDID count {n!r}: must be an int >= 0")
         runs: list[tuple[int, int, int]] = []
-        with self._cond:
+        with self._lock:
             while n > 0:
                 available = self._last - self._next + 1
                 if available <= 0:
