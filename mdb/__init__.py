@@ -17,6 +17,7 @@ from mdb.errors import (
     SchemaError,
     ServerUnavailableError,
     StaleRouteError,
+    StatsError,
 )
 from mdb.fanout import FanOutResult, ShardFailure
 from mdb.gdid import GDID
@@ -65,6 +66,7 @@ __all__ = [
     "ShardFailure",
     "ShardLayout",
     "StaleRouteError",
+    "StatsError",
     "Store",
     "load_map",
     "mask_url",

@@ -71,3 +71,7 @@ class StaleRouteError(RetryableError):
 
 class BriefcaseMovingError(RetryableError):
     """The briefcase is in the middle of a move; retry after a short wait."""
+
+
+class StatsError(MdbError, ValueError):
+    """A hot-data pattern asked to do something that would lose or double-count data (e.g. shrink K)."""

@@ -1,0 +1,171 @@
+"""Logically sharded counters: one hot total spread over K rows so writers rarely collide.
+
+A counter ``C`` is stored as up to K slot rows ``C:0 .. C:K-1`` of a counter family (see
+:func:`mdb.stats.tables.counter_tables`); every row holds all the family's named values. An
+increment picks a slot at random and adds every given value in ONE upsert statement
+(``INSERT .. ON CONFLICT (counter, slot) DO UPDATE SET v = t.v + excluded.v``), so two
+concurrent writers only wait for each other when they pick the same slot (probability 1/K). A
+read sums the counter's rows: K rows, the price paid for the spread.
+
+K is persisted per counter (``{family}_config``) and may grow but never shrink: slot rows
+n >= K already hold part of the total, and a shrunk K would orphan them (no writer would add
+to them again, and a reader bound to the new K would drop them). Because K only grows, a
+process that cached an older, smaller K still writes to valid slots: the cache is never wrong,
+merely less spread, which is why K is read once per (shard, briefcase, counter) and kept.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+from sqlalchemy import func, select, update
+
+from mdb.errors import StatsError
+from mdb.session import BriefcaseSession
+from mdb.stats.place import Place, dialect_insert, place_of
+from mdb.stats.tables import CounterTables, derived_gdid
+
+__all__ = ["MAX_SLOTS", "Counters"]
+
+MAX_SLOTS = 4096
+
+
+class Counters:
+    """Operations on one counter family; ``default_slots`` is K for a counter used before it is configured."""
+
+    def __init__(self, tables: CounterTables, *, default_slots: int = 1) -> None:
+        _check_slots(default_slots)
+        self.tables = tables
+        self.default_slots = default_slots
+        self._slots: dict[tuple[str, Any, str], int] = {}
+        self._lock = threading.Lock()
+        self._random = random.Random()
+
+    def __repr__(self) -> str:
+        return f"Counters({self.tables.rows.name!r}, values={list(self.tables.values)})"
+
+    # -- configuration ----------------------------------------------------------------------------
+
+    def configure(self, target: Place | BriefcaseSession, counter: str, slots: int) -> int:
+        """Set K of ``counter`` (creating it); growing is allowed, shrinking is refused. Returns K."""
+        _check_slots(slots)
+        place = self._place(target, counter, write=True)
+        cfg = self.tables.config
+        where = self._where(place, cfg, counter)
+        place.conn.execute(
+            dialect_insert(place, cfg)
+            .values(**place.key_values(), config_id=_config_id(counter), counter=counter, slots=slots)
+            .on_conflict_do_nothing()
+        )
+        current = place.conn.execute(select(cfg.c.slots).where(*where).with_for_update()).scalar_one()
+        if slots < current:
+            raise StatsError(
+                f"counter {counter!r} in {place.where}: refusing to shrink K from {current} to {slots}: "
+                f"slot rows {slots}..{current - 1} already hold part of the total and would be orphaned "
+                "(K may only grow)"
+            )
+        if slots > current:
+            place.conn.execute(update(cfg).where(*where).values(slots=slots, updated_at=func.current_timestamp()))
+        self._remember(place, counter, slots)
+        return slots
+
+    def slots(self, target: Place | BriefcaseSession, counter: str) -> int:
+        """K of ``counter`` as persisted (``default_slots`` when it was never configured)."""
+        place = self._place(target, counter, write=False)
+        return self._load_slots(place, counter)
+
+    # -- increments and reads ---------------------------------------------------------------------
+
+    def add(self, target: Place | BriefcaseSession, counter: str, **deltas: int) -> int:
+        """Add ``deltas`` (value name -> amount) to one random slot, in one statement; returns the slot."""
+        if not deltas:
+            raise StatsError(f"counter {counter!r}: nothing to add (name the values, e.g. add(s, {counter!r}, value=1))")
+        unknown = sorted(set(deltas) - set(self.tables.values))
+        if unknown:
+            raise StatsError(f"counter family {self.tables.rows.name!r} has no values {unknown} (it has {list(self.tables.values)})")
+        place = self._place(target, counter, write=True)
+        cached = self._slots.get(self._cache_key(place, counter))
+        k = cached if cached is not None else self._load_slots(place, counter, persist=True)
+        slot = self._random.randrange(k)
+        rows = self.tables.rows
+        stmt = dialect_insert(place, rows).values(
+            **place.key_values(), row_id=_row_id(counter, slot), counter=counter, slot=slot, **deltas
+        )
+        target_cols = [*place.key_values(), "counter", "slot"]
+        stmt = stmt.on_conflict_do_update(
+            index_elements=target_cols, set_={name: rows.c[name] + stmt.excluded[name] for name in deltas}
+        )
+        place.conn.execute(stmt)
+        return slot
+
+    def read(self, target: Place | BriefcaseSession, counter: str) -> dict[str, int]:
+        """The counter's totals: every value summed over its slot rows (0 for a counter never written)."""
+        place = self._place(target, counter, write=False)
+        rows = self.tables.rows
+        sums = [func.coalesce(func.sum(rows.c[name]), 0) for name in self.tables.values]
+        got = place.conn.execute(select(*sums).where(*self._where(place, rows, counter))).one()
+        return {name: int(v) for name, v in zip(self.tables.values, got)}
+
+    def slot_rows(self, target: Place | BriefcaseSession, counter: str) -> dict[int, dict[str, int]]:
+        """slot -> values of the counter's rows (for inspection and tests)."""
+        place = self._place(target, counter, write=False)
+        rows = self.tables.rows
+        result = place.conn.execute(
+            select(rows.c.slot, *(rows.c[v] for v in self.tables.values)).where(*self._where(place, rows, counter))
+        )
+        return {r[0]: {v: int(r[i + 1]) for i, v in enumerate(self.tables.values)} for r in result}
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def _place(self, target: Place | BriefcaseSession, counter: str, *, write: bool) -> Place:
+        if not counter or len(counter) > 200:
+            raise StatsError(f"counter id must be 1..200 characters, got {counter!r}")
+        place = place_of(target)
+        place.check(self.tables.tables, self.tables.key_column, write=write)
+        place.check_routed(counter)
+        return place
+
+    def _where(self, place: Place, table: Any, counter: str) -> list[Any]:
+        conds = [table.c[k] == v for k, v in place.key_values().items()]
+        return [*conds, table.c.counter == counter]
+
+    def _cache_key(self, place: Place, counter: str) -> tuple[str, Any, str]:
+        return (place.server, place.key, counter)
+
+    def _remember(self, place: Place, counter: str, slots: int) -> None:
+        key = self._cache_key(place, counter)
+        with self._lock:
+            self._slots[key] = max(slots, self._slots.get(key, 0))
+
+    def _load_slots(self, place: Place, counter: str, *, persist: bool = False) -> int:
+        cfg = self.tables.config
+        query = select(cfg.c.slots).where(*self._where(place, cfg, counter))
+        k = place.conn.execute(query).scalar()
+        if k is None and persist:
+            # First write of a counter never configured: persist the default K, so a later
+            # configure() knows which slots may already hold values.
+            place.conn.execute(
+                dialect_insert(place, cfg)
+                .values(**place.key_values(), config_id=_config_id(counter), counter=counter, slots=self.default_slots)
+                .on_conflict_do_nothing()
+            )
+            k = place.conn.execute(query).scalar_one()
+        slots = self.default_slots if k is None else int(k)
+        if k is not None:
+            self._remember(place, counter, slots)
+        return slots
+
+
+def _check_slots(slots: int) -> None:
+    if not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+        raise StatsError(f"K (slots) must be an integer in 1..{MAX_SLOTS}, got {slots!r}")
+
+
+def _row_id(counter: str, slot: int) -> Any:
+    return derived_gdid("counter", counter, slot)
+
+
+def _config_id(counter: str) -> Any:
+    return derived_gdid("counter-config", counter)

@@ -1,0 +1,341 @@
+"""Event log + incremental snapshots (event sourcing with a CQRS read side).
+
+Writers only append immutable events to a stream (a briefcase's ledger, a CENTRAL stream). A
+snapshot job folds the events no snapshot has folded yet into the next snapshot; a read loads
+the latest snapshot and replays only the events after it.
+
+**Why a fold marker and not "events with id > the snapshot's last id".** With concurrent
+writers, ids (and sequence numbers, and timestamps) are handed out in one order and committed
+in another: an event with a small id can commit after a snapshot has already covered larger
+ids, and a high-water mark would skip it forever. Instead each event carries ``snapshot_seq``,
+NULL when appended. The snapshot job, in one transaction:
+
+1. locks the stream's head row (snapshot number 0, created on first use), so two jobs on one
+   stream run one after the other;
+2. claims the events that are still unmarked: ``UPDATE .. SET snapshot_seq = n+1 WHERE
+   stream = s AND snapshot_seq IS NULL RETURNING ..``; an event whose transaction has not
+   committed is not visible to that statement and simply stays unmarked;
+3. writes snapshot n+1 = snapshot n folded with exactly the claimed events.
+
+So every event is either marked with the one snapshot that folded it or unmarked: none is
+skipped, none is folded twice. A read takes the latest snapshot (number n) and the events with
+no marker or a marker above n (a snapshot committed between the two statements has marked
+events with n+1; they are still replayed, and its state is not used). The marker is the only
+write to an event after its append; payloads are never changed.
+
+Folds run in Python (:class:`Fold`). The log's canonical order is fold order: by snapshot, and
+within a snapshot (and in the tail) by event id. A fold whose result does not depend on order
+(sums, counts, min/max) gives the same state however appends and snapshots interleave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from sqlalchemy import func, or_, select, update
+from sqlalchemy.engine import Connection
+
+from mdb.errors import RoutingError, SchemaError, StatsError
+from mdb.fanout import fan_out_servers
+from mdb.gdid import GDID
+from mdb.session import BriefcaseSession
+from mdb.stats.place import Place, central, dialect_insert, place_of
+from mdb.stats.tables import EventLogTables, derived_gdid
+from mdb.system_tables import STATE_INCOMING, briefcase_state
+
+if TYPE_CHECKING:
+    from mdb.briefcase import BriefcaseType
+    from mdb.store import Store
+
+__all__ = [
+    "EventLog",
+    "Fold",
+    "SnapshotResult",
+    "StreamState",
+    "SumFold",
+    "registered_logs",
+    "run_snapshots",
+]
+
+State = dict[str, Any]
+
+
+class Fold(Protocol):
+    """How events become state. States and payloads are JSON objects."""
+
+    def initial(self) -> State: ...
+
+    def apply(self, state: State, kind: str, payload: Mapping[str, Any]) -> State: ...
+
+
+@dataclass(frozen=True)
+class SumFold:
+    """Sums integer payload ``fields`` and counts events: a balance, a vote tally."""
+
+    fields: tuple[str, ...]
+
+    def initial(self) -> State:
+        return {"events": 0, **{f: 0 for f in self.fields}}
+
+    def apply(self, state: State, kind: str, payload: Mapping[str, Any]) -> State:
+        out = dict(state)
+        out["events"] += 1
+        for f in self.fields:
+            value = payload.get(f, 0)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise StatsError(f"SumFold: payload field {f!r} must be an integer, got {value!r} (event kind {kind!r})")
+            out[f] += value
+        return out
+
+
+@dataclass(frozen=True)
+class StreamState:
+    """A read: the state, the snapshot it started from, and how many tail events were replayed."""
+
+    state: State
+    snapshot_seq: int
+    tail_events: int
+
+
+@dataclass(frozen=True)
+class SnapshotResult:
+    stream: str
+    key: GDID | None
+    seq: int
+    """The stream's latest snapshot number after this run."""
+    folded: int
+    """Events folded by this run (0: nothing new, no snapshot written)."""
+    server: str = ""
+
+
+_REGISTRY: dict[str, EventLog] = {}
+
+
+def registered_logs() -> list[EventLog]:
+    """Every event log declared so far in this process (what ``mdb snapshot`` works on)."""
+    return list(_REGISTRY.values())
+
+
+class EventLog:
+    """Operations on one event-log table pair with its fold; declaring one registers it by table name."""
+
+    def __init__(self, tables: EventLogTables, fold: Fold) -> None:
+        self.tables = tables
+        self.fold = fold
+        _REGISTRY[tables.events.name] = self
+
+    @property
+    def name(self) -> str:
+        return self.tables.events.name
+
+    def __repr__(self) -> str:
+        return f"EventLog({self.name!r}, fold={self.fold!r})"
+
+    # -- writers ------------------------------------------------------------------------------------
+
+    def append(self, target: Place | BriefcaseSession, stream: str, event_id: GDID, kind: str, payload: Mapping[str, Any]) -> bool:
+        """Append one event; False when an event with this id is already in the log (a redelivery)."""
+        if not isinstance(event_id, GDID):
+            raise StatsError(f"event id must be a GDID (from store.gdids(...)), got {event_id!r}")
+        if not kind or len(kind) > 64:
+            raise StatsError(f"event kind must be 1..64 characters, got {kind!r}")
+        place = self._place(target, stream, write=True)
+        ev = self.tables.events
+        stmt = (
+            dialect_insert(place, ev)
+            .values(**place.key_values(), event_id=event_id, stream=stream, kind=kind, payload=dict(payload))
+            .on_conflict_do_nothing(index_elements=[*place.key_values(), "event_id"])
+            .returning(ev.c.event_id)
+        )
+        return place.conn.execute(stmt).first() is not None
+
+    # -- readers ------------------------------------------------------------------------------------
+
+    def read(self, target: Place | BriefcaseSession, stream: str) -> StreamState:
+        """Latest snapshot + the events after it."""
+        place = self._place(target, stream, write=False)
+        seq, state = self._latest(place.conn, self._conds(place, self.tables.snapshots, stream))
+        ev = self.tables.events
+        tail = place.conn.execute(
+            select(ev.c.kind, ev.c.payload)
+            .where(*self._conds(place, ev, stream), or_(ev.c.snapshot_seq.is_(None), ev.c.snapshot_seq > seq))
+            .order_by(ev.c.event_id)
+        ).all()
+        for kind, payload in tail:
+            state = self.fold.apply(state, kind, payload)
+        return StreamState(state, seq, len(tail))
+
+    def replay(self, target: Place | BriefcaseSession, stream: str) -> State:
+        """The whole log folded from the initial state (what a snapshot + tail read must equal)."""
+        place = self._place(target, stream, write=False)
+        ev = self.tables.events
+        rows = place.conn.execute(
+            select(ev.c.kind, ev.c.payload)
+            .where(*self._conds(place, ev, stream))
+            .order_by(ev.c.snapshot_seq.is_(None), ev.c.snapshot_seq, ev.c.event_id)
+        )
+        state = self.fold.initial()
+        for kind, payload in rows:
+            state = self.fold.apply(state, kind, payload)
+        return state
+
+    # -- the snapshot job ---------------------------------------------------------------------------
+
+    def snapshot(self, target: Place | BriefcaseSession, stream: str) -> SnapshotResult:
+        """Fold the stream's unmarked events into its next snapshot (nothing new: no snapshot)."""
+        place = self._place(target, stream, write=True)
+        snaps, ev = self.tables.snapshots, self.tables.events
+        conn = place.conn
+        keys = place.key_values()
+        conn.execute(
+            dialect_insert(place, snaps)
+            .values(**keys, snapshot_id=_snapshot_id(stream, 0), stream=stream, seq=0,
+                    state=self.fold.initial(), events=0, total_events=0)
+            .on_conflict_do_nothing(index_elements=[*keys, "stream", "seq"])
+        )
+        snap_conds = self._conds(place, snaps, stream)
+        conn.execute(select(snaps.c.seq).where(*snap_conds, snaps.c.seq == 0).with_for_update()).one()
+        seq, state = self._latest(conn, snap_conds)
+        total = conn.execute(select(snaps.c.total_events).where(*snap_conds, snaps.c.seq == seq)).scalar_one()
+        new_seq = seq + 1
+        claimed = conn.execute(
+            update(ev)
+            .where(*self._conds(place, ev, stream), ev.c.snapshot_seq.is_(None))
+            .values(snapshot_seq=new_seq)
+            .returning(ev.c.event_id, ev.c.kind, ev.c.payload)
+        ).all()
+        key = place.key
+        if not claimed:
+            return SnapshotResult(stream, key, seq, 0, place.server)
+        for _eid, kind, payload in sorted(claimed, key=lambda r: r[0]):
+            state = self.fold.apply(state, kind, payload)
+        conn.execute(
+            dialect_insert(place, snaps).values(
+                **keys, snapshot_id=_snapshot_id(stream, new_seq), stream=stream, seq=new_seq,
+                state=state, events=len(claimed), total_events=int(total) + len(claimed),
+            )
+        )
+        return SnapshotResult(stream, key, new_seq, len(claimed), place.server)
+
+    def pending_streams(self, conn: Connection, stream: str | None = None) -> list[tuple[GDID | None, str]]:
+        """(briefcase key or None, stream) pairs with unmarked events in this server's table."""
+        ev = self.tables.events
+        key_col = [ev.c[self.tables.key_column]] if self.tables.key_column else []
+        query = select(*key_col, ev.c.stream).where(ev.c.snapshot_seq.is_(None)).distinct()
+        if stream is not None:
+            query = query.where(ev.c.stream == stream)
+        return [(row[0], row[1]) if key_col else (None, row[0]) for row in conn.execute(query)]
+
+    # -- cross-briefcase reads ----------------------------------------------------------------------
+
+    def read_all(self, store: Store, area: str, stream: str) -> dict[GDID, State]:
+        """Every briefcase's state of ``stream`` in ``area`` (a leaderboard), shard by shard.
+
+        Each shard is read in one transaction with one MVCC snapshot (REPEATABLE READ on
+        PostgreSQL, a read transaction on SQLite), so snapshot and tail agree per shard; as with
+        any fan-out, different shards are read at slightly different moments. Copies of
+        briefcases that are being moved onto a shard (``incoming``) are skipped.
+        """
+        if self.tables.key_column is None:
+            raise StatsError(f"event log {self.name!r} is a CENTRAL log: read its streams with read()")
+        self._briefcase_type(store, area)
+        key = self.tables.key_column
+        snaps, ev = self.tables.snapshots, self.tables.events
+        out: dict[GDID, State] = {}
+        seen: set[str] = set()
+        for server in fan_out_servers(store.router, area):
+            url = store.engines.spec(server).primary
+            if url in seen:
+                continue
+            seen.add(url)
+            with store.transaction(server) as conn:
+                if conn.dialect.name == "postgresql":
+                    conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                incoming = set(conn.execute(
+                    select(briefcase_state.c.gdid).where(briefcase_state.c.area == area, briefcase_state.c.state == STATE_INCOMING)
+                ).scalars())
+                latest = select(func.max(snaps.c.seq)).where(snaps.c[key] == ev.c[key], snaps.c.stream == stream).scalar_subquery()
+                s2 = snaps.alias("s2")
+                newest = select(func.max(s2.c.seq)).where(s2.c[key] == snaps.c[key], s2.c.stream == stream).scalar_subquery()
+                states: dict[GDID, State] = {}
+                for gid, state in conn.execute(select(snaps.c[key], snaps.c.state).where(snaps.c.stream == stream, snaps.c.seq == newest)):
+                    states[gid] = state
+                tail = conn.execute(
+                    select(ev.c[key], ev.c.kind, ev.c.payload)
+                    .where(ev.c.stream == stream, or_(ev.c.snapshot_seq.is_(None), ev.c.snapshot_seq > func.coalesce(latest, -1)))
+                    .order_by(ev.c[key], ev.c.event_id)
+                )
+                for gid, kind, payload in tail:
+                    states[gid] = self.fold.apply(states[gid] if gid in states else self.fold.initial(), kind, payload)
+            for gid, state in states.items():
+                if gid not in incoming:
+                    out[gid] = state
+        return out
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def _place(self, target: Place | BriefcaseSession, stream: str, *, write: bool) -> Place:
+        if not isinstance(stream, str) or not stream or len(stream) > 200:
+            raise StatsError(f"stream must be 1..200 characters, got {stream!r}")
+        place = place_of(target)
+        place.check(self.tables.tables, self.tables.key_column, write=write)
+        place.check_routed(stream)
+        return place
+
+    def _conds(self, place: Place, table: Any, stream: str) -> list[Any]:
+        return [*(table.c[k] == v for k, v in place.key_values().items()), table.c.stream == stream]
+
+    def _latest(self, conn: Connection, snap_conds: Sequence[Any]) -> tuple[int, State]:
+        snaps = self.tables.snapshots
+        row = conn.execute(select(snaps.c.seq, snaps.c.state).where(*snap_conds).order_by(snaps.c.seq.desc()).limit(1)).first()
+        if row is None:
+            return 0, self.fold.initial()
+        return int(row[0]), dict(row[1])
+
+    def _briefcase_type(self, store: Store, area: str) -> type[BriefcaseType]:
+        for btype in store.types_of(area):
+            if self.tables.events in btype.tables:
+                if self.tables.snapshots not in btype.tables:
+                    raise SchemaError(f"briefcase type {btype.__name__} lists {self.name!r} but not its snapshots table")
+                return btype
+        raise RoutingError(f"no briefcase type of area {area!r} registered with this Store holds event log {self.name!r}")
+
+
+def _snapshot_id(stream: str, seq: int) -> GDID:
+    return derived_gdid("snapshot", stream, seq)
+
+
+def run_snapshots(store: Store, log: EventLog, where: str, *, stream: str | None = None) -> list[SnapshotResult]:
+    """One snapshot pass of ``log`` over ``where`` (an area name, or ``central``).
+
+    Finds streams with unmarked events on every shard, then snapshots each in its own
+    transaction: a briefcase stream through a briefcase session (routed, ownership-checked,
+    waits for a move), a CENTRAL stream on the shard its key routes to. Safe to run on a
+    schedule, next to writers and next to another pass.
+    """
+    results: list[SnapshotResult] = []
+    if where == "central":
+        if log.tables.key_column is not None:
+            raise StatsError(f"event log {log.name!r} lives in briefcases (key {log.tables.key_column!r}), not on CENTRAL")
+        pending: dict[str, None] = {}
+        for server in store.router.central_servers():
+            with store.transaction(server) as conn:
+                pending.update(dict.fromkeys(s for _k, s in log.pending_streams(conn, stream)))
+        for name in pending:
+            with central(store, name) as place:
+                results.append(log.snapshot(place, name))
+        return results
+    if log.tables.key_column is None:
+        raise StatsError(f"event log {log.name!r} is a CENTRAL log: run it with 'central', not area {where!r}")
+    btype = log._briefcase_type(store, where)
+    todo: dict[tuple[GDID | None, str], None] = {}
+    for server in fan_out_servers(store.router, where):
+        with store.transaction(server) as conn:
+            todo.update(dict.fromkeys(log.pending_streams(conn, stream)))
+    for key, name in todo:
+        assert key is not None
+        with store.briefcase(btype, key) as session:
+            results.append(log.snapshot(session, name))
+    return results

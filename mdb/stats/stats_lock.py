@@ -1,0 +1,88 @@
+"""Stats lock: exactly-once effects from at-least-once events.
+
+An event (a staking transaction becoming ``active``, later ``unbonded``) may be delivered many
+times, concurrently. For each calculation it feeds (``overall``, ``per_provider``, ...) the
+lock records that the calculation was applied for ``{event id}:{state}``, and it does so IN
+THE SAME TRANSACTION as the calculation's effect: one row per (event id, state, calculation),
+inserted with ``ON CONFLICT DO NOTHING RETURNING``; a returned row says this delivery is
+the first. A concurrent duplicate waits on the unique index until the first commits (then sees
+the conflict and skips) or rolls back (then it applies). New calculation kinds are new rows,
+so old records never need rewriting.
+
+The API takes the effect as a callback that receives the same place, so the effect cannot run
+in another transaction by accident; it runs inside a savepoint together with the lock row, so
+an effect that raises leaves no lock row behind even if the caller catches the error and
+commits the rest of its transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import select
+
+from mdb.errors import StatsError
+from mdb.session import BriefcaseSession
+from mdb.stats.place import Place, dialect_insert, place_of
+from mdb.stats.tables import StatsLockTables, derived_gdid
+
+__all__ = ["StatsLock"]
+
+
+class StatsLock:
+    """Operations on one stats-lock table (CENTRAL or inside a briefcase)."""
+
+    def __init__(self, tables: StatsLockTables) -> None:
+        self.tables = tables
+
+    def __repr__(self) -> str:
+        return f"StatsLock({self.tables.locks.name!r})"
+
+    def apply(
+        self,
+        target: Place | BriefcaseSession,
+        event_id: str,
+        state: str,
+        calculation: str,
+        effect: Callable[[Place], Any],
+    ) -> bool:
+        """Run ``effect(place)`` unless ``calculation`` was already applied for ``event_id:state``.
+
+        Returns True when this call applied it. The lock row and the effect commit or roll back
+        together with the caller's transaction.
+        """
+        for what, value in (("event id", event_id), ("state", state), ("calculation", calculation)):
+            if not isinstance(value, str) or not value or len(value) > (200 if what == "event id" else 64):
+                raise StatsError(f"stats lock: {what} must be a non-empty string of bounded length, got {value!r}")
+        place = place_of(target)
+        place.check(self.tables.tables, self.tables.key_column, write=True)
+        locks = self.tables.locks
+        stmt = (
+            dialect_insert(place, locks)
+            .values(
+                **place.key_values(),
+                lock_id=derived_gdid("stats-lock", event_id, state, calculation),
+                event_id=event_id,
+                state=state,
+                calculation=calculation,
+            )
+            .on_conflict_do_nothing(index_elements=[*place.key_values(), "event_id", "state", "calculation"])
+            .returning(locks.c.lock_id)
+        )
+        with place.conn.begin_nested():
+            if place.conn.execute(stmt).first() is None:  # RETURNING: rowcount is not reliable on every driver
+                return False
+            effect(place)
+        return True
+
+    def applied(self, target: Place | BriefcaseSession, event_id: str, state: str) -> set[str]:
+        """The calculations already applied for ``event_id:state`` here."""
+        place = place_of(target)
+        place.check(self.tables.tables, self.tables.key_column, write=False)
+        locks = self.tables.locks
+        conds = [locks.c[k] == v for k, v in place.key_values().items()]
+        rows = place.conn.execute(
+            select(locks.c.calculation).where(*conds, locks.c.event_id == event_id, locks.c.state == state)
+        )
+        return set(rows.scalars())
