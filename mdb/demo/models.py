@@ -16,12 +16,15 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from mdb.briefcase import BriefcaseType
 from mdb.gdid import GDID
 from mdb.sqltypes import GDIDType
+from mdb.stats import EventLog, SumFold, event_log_models
 
 __all__ = [
     "AccountAuthorizationHistory",
     "Address",
     "Balance",
     "DemoBase",
+    "LEDGER",
+    "LEDGER_TABLES",
     "Order",
     "OrderLineItem",
     "PayAccount",
@@ -134,8 +137,17 @@ class Balance(DemoBase):
     __table_args__ = (ForeignKeyConstraint(["user_id"], ["users.user_id"]),)
 
 
+# The user's ledger as an event log (mdb.stats): money movements are appended, never updated;
+# balances are read as the latest snapshot + the events after it (docs/hot-data.md).
+LEDGER_TABLES, LEDGER_MODELS = event_log_models(DemoBase, "ledger_events", key_column="user_id")
+
+
 class UserBriefcase(BriefcaseType):
     area = "user"
     key = "user_id"
     root = User
-    children = (PayAccount, AccountAuthorizationHistory, Address, Order, OrderLineItem, Transaction, Balance)
+    children = (PayAccount, AccountAuthorizationHistory, Address, Order, OrderLineItem, Transaction, Balance, *LEDGER_MODELS)
+
+
+LEDGER = EventLog(LEDGER_TABLES, SumFold(("amount_cents",)))
+"""Stream ``ledger`` of each user: events ``transaction`` with payload {"amount_cents": n}."""

@@ -16,12 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from mdb.central.indexes import CentralIndex, strip_casefold
-from mdb.demo.models import Address, Order, OrderLineItem, Transaction, User, UserBriefcase
+from mdb.demo.models import LEDGER, Address, Order, OrderLineItem, Transaction, User, UserBriefcase
 from mdb.gdid import GDID
 from mdb.repository import Repository
+from mdb.stats import run_snapshots
+
+LEDGER_STREAM = "ledger"
 
 __all__ = [
     "EmailIndex",
@@ -132,12 +135,18 @@ class LedgerRepository(Repository):
     scope = "user"
 
     def record_transaction(self, user_id: GDID, amount_cents: int, memo: str = "") -> GDID:
+        """The Transaction row and its ledger event, in one transaction (the event id is the row's id)."""
         transaction_id = self.new_id("transaction")
         with self.briefcase(UserBriefcase, user_id) as s:
             s.add(Transaction(transaction_id=transaction_id, amount_cents=amount_cents, memo=memo))
+            LEDGER.append(s, LEDGER_STREAM, transaction_id, "transaction", {"amount_cents": amount_cents})
         return transaction_id
 
     def read_balance(self, user_id: GDID) -> int:
-        """The sum of the user's transactions in cents (an event-log balance will replace this)."""
+        """The balance in cents: the ledger's latest snapshot + the events after it."""
         with self.briefcase(UserBriefcase, user_id, readonly=True) as s:
-            return int(s.scalar(select(func.coalesce(func.sum(Transaction.amount_cents), 0))) or 0)
+            return int(LEDGER.read(s, LEDGER_STREAM).state["amount_cents"])
+
+    def snapshot_balances(self) -> int:
+        """One snapshot pass over every user's ledger (what `mdb snapshot MAP user` runs); events folded."""
+        return sum(r.folded for r in run_snapshots(self.store, LEDGER, UserBriefcase.area, stream=LEDGER_STREAM))
