@@ -17,6 +17,7 @@ from sqlalchemy.exc import DBAPIError
 
 from mdb.dberrors import describe
 from mdb.errors import MdbError
+from mdb.mongo.clients import is_mongo_url
 from mdb.router import Router, ShardLayout
 from mdb.store import Store
 from mdb.system_tables import load_system_tables, shard_layout
@@ -104,6 +105,19 @@ def server_tables(
     return roles, tables
 
 
+def _apply_mongo(store: Store, router: Router, server: str, layouts: list[ShardLayout], report: ShardReport) -> None:
+    """A MongoDB server: collections, indexes and stamps through :mod:`mdb.mongo.schema`."""
+    from mdb.mongo.schema import apply_mongo_server  # late: pymongo is an optional dependency
+
+    try:
+        apply_mongo_server(store.mongo, router, server, layouts, report)
+    except Exception as exc:
+        translated = store.mongo.translate(server, exc)
+        if translated is None:
+            raise
+        report.error = str(translated)
+
+
 def apply_schema(store: Store) -> list[ShardReport]:
     pmap = store.map
     router = Router(pmap)  # layouts only: relocations do not matter here
@@ -113,6 +127,10 @@ def apply_schema(store: Store) -> list[ShardReport]:
     reports = []
     for server in pmap.servers:
         report = ShardReport(server, store.engines.masked_url(server))
+        if is_mongo_url(pmap.servers[server].primary):
+            _apply_mongo(store, router, server, layouts.get(server, []), report)
+            reports.append(report)
+            continue
         report.roles, tables = server_tables(store, router, server, layouts.get(server, []))
         try:
             with store.transaction(server) as conn:

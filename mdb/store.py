@@ -108,9 +108,22 @@ class Store:
         """A map newer than ``current`` that `mdb map apply` recorded in CENTRAL, if any."""
         from mdb.map_edit import load_applied_map  # late: map_edit builds on mdb.schema, which imports this module
 
+        if self._central_on_mongo(Router(current)):
+            return None  # map history (mdb_maps) is kept on SQL CENTRAL servers only
         return load_applied_map(self, current)
 
+    @staticmethod
+    def _central_on_mongo(router: Router) -> bool:
+        """True when the CENTRAL servers are MongoDB servers (their directory lives in :mod:`mdb.mongo`)."""
+        from mdb.mongo.clients import is_mongo_url
+
+        return any(is_mongo_url(router.map.servers[s].primary) for s in router.central_servers())
+
     def _load_relocations(self, router: Router) -> dict[tuple[str, GDID], str]:
+        if self._central_on_mongo(router):
+            from mdb.mongo.central import load_relocations_mongo
+
+            return load_relocations_mongo(self.mongo, router)
         connections: list[Connection] = []
         server = "?"
         try:
@@ -239,8 +252,26 @@ class Store:
             session.info[_INFO_KEY] = BriefcaseContext(btype, gdid, placement, readonly)
             return session, conn
 
+    # -- document briefcases on MongoDB servers ----------------------------------------------
+
+    @property
+    def mongo(self) -> Any:
+        """The MongoDB side of this Store (:class:`mdb.mongo.MongoStore`), created on first use."""
+        mongo = getattr(self, "_mongo", None)
+        if mongo is None:
+            from mdb.mongo.store import MongoStore  # late: pymongo is an optional dependency
+
+            mongo = self._mongo = MongoStore(self)
+        return mongo
+
+    def documents(self, dtype: Any, gdid: GDID | str, *, readonly: bool = False) -> Any:
+        """A document briefcase context on a MongoDB shard (:meth:`mdb.mongo.MongoStore.documents`)."""
+        return self.mongo.documents(dtype, gdid, readonly=readonly)
+
     def close(self) -> None:
         self.engines.dispose()
+        if getattr(self, "_mongo", None) is not None:
+            self._mongo.close()
 
     def __enter__(self) -> Store:
         return self

@@ -7,6 +7,7 @@ from mdb.cli import idgen_cmd as _idgen_cmd  # noqa: F401
 from mdb.cli import moves_cmd as _moves_cmd  # noqa: F401
 from mdb.cli import central_cmd as _central_cmd  # noqa: F401
 from mdb.cli import demo as _demo  # noqa: F401
+from mdb.cli import mongo_cmd as _mongo_cmd  # noqa: F401
 from mdb.cli import stats_cmd as _stats_cmd  # noqa: F401
 from mdb.cli.app import app, main
 
