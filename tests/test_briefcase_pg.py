@@ -21,6 +21,8 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase, Session
 
 from mdb.demo.models import (
+    LEDGER,
+    LEDGER_TABLES,
     AccountAuthorizationHistory,
     Address,
     Balance,
@@ -78,8 +80,13 @@ def child_id() -> GDID:
     return GDID(0, 1, next(_counter))
 
 
+# What fill_briefcase leaves in each table: one row, but the ledger's snapshot table holds the
+# stream's head row (snapshot 0) and the snapshot that folded the one event.
+ROWS_PER_BRIEFCASE = {t.name: 1 for t in UserBriefcase.tables} | {LEDGER_TABLES.snapshots.name: 2}
+
+
 def fill_briefcase(session: Session, gdid: GDID, tag: str = "") -> None:
-    """One row in every table of the user briefcase; children leave the key for the session to fill."""
+    """Rows in every table of the user briefcase; children leave the key for the session to fill."""
     user = User(user_id=gdid, email=f"{gdid}{tag}@example.com", name=f"user {gdid}{tag}")
     account = PayAccount(account_id=child_id(), kind="card", masked_number="**** 4242")
     order = Order(order_id=child_id(), total_cents=1250)
@@ -94,6 +101,9 @@ def fill_briefcase(session: Session, gdid: GDID, tag: str = "") -> None:
             Balance(balance_id=child_id(), currency="USD", amount_cents=100),
         ]
     )
+    session.flush()
+    assert LEDGER.append(session, "ledger", child_id(), "transaction", {"amount_cents": -1250})
+    assert LEDGER.snapshot(session, "ledger").folded == 1
 
 
 def rows_on_every_shard(store: Store, gdid: GDID) -> dict[str, dict[str, int]]:
@@ -127,7 +137,7 @@ def test_every_row_lands_on_the_routed_shard_and_nowhere_else(store: Store) -> N
     assert sorted(expected.values()) == USER_SERVERS  # the ids really cover every shard
     for gdid, server in expected.items():
         counts = rows_on_every_shard(store, gdid)
-        assert counts[server] == {t.name: 1 for t in UserBriefcase.tables}, (gdid, counts)
+        assert counts[server] == ROWS_PER_BRIEFCASE, (gdid, counts)
         assert holders(counts) == {server}
         assert store.router.locate("user", gdid).server == server
 
@@ -139,7 +149,7 @@ def test_key_is_filled_in_for_new_rows(store: Store) -> None:
     with store.briefcase(UserBriefcase, gdid, readonly=True) as session:
         for model in UserBriefcase.models:
             keys = session.scalars(select(model.user_id)).all()
-            assert keys == [gdid], model.__name__
+            assert keys == [gdid] * ROWS_PER_BRIEFCASE[model.__table__.name], model.__name__
 
 
 def test_reads_see_only_their_briefcase(store: Store) -> None:
@@ -150,8 +160,8 @@ def test_reads_see_only_their_briefcase(store: Store) -> None:
     assert store.router.locate("user", mine).server == store.router.locate("user", neighbour).server == "u1"
     with store.briefcase(UserBriefcase, mine, readonly=True) as session:
         for model in UserBriefcase.models:
-            assert session.scalars(select(model.user_id)).all() == [mine], model.__name__
-            assert session.execute(select(func.count()).select_from(model)).scalar_one() == 1, model.__name__
+            assert session.scalars(select(model.user_id)).all() == [mine] * ROWS_PER_BRIEFCASE[model.__table__.name], model.__name__
+            assert session.execute(select(func.count()).select_from(model)).scalar_one() == ROWS_PER_BRIEFCASE[model.__table__.name], model.__name__
         assert session.get(User, neighbour) is None
         user = session.get(User, mine)
         assert user is not None and [o.user_id for o in user.orders] == [mine]
