@@ -217,3 +217,20 @@ def test_lookup_cli(map_path: Path) -> None:
     assert code == 1 and "none" in out
     code, out = cli("central", "lookup", str(map_path), "no_such_index", "x")
     assert code != 0
+
+
+def test_check_skips_indexes_of_areas_the_map_lacks(map_path: Path) -> None:
+    """A process may hold index declarations of other maps (here: area 'elsewhere')."""
+    from mdb.central.indexes import CentralIndex, exact
+
+    class ElsewhereIndex(CentralIndex):
+        name = "elsewhere_key"
+        area = "elsewhere"
+        normalize = exact
+
+    code, out = cli("central", "check", str(map_path), "--grace", "0", "--json")
+    assert code == 0, out
+    assert json.loads(out)["ok"]
+    code, out = cli("central", "check", str(map_path), "--index", "elsewhere_key")
+    assert code == 2
+    assert "'elsewhere_key' points at area 'elsewhere'" in out

@@ -46,10 +46,24 @@ def _open(map_path: str, models: list[str] | None) -> Store:
     return Store(pmap, types=registered_types(), map_path=map_path)
 
 
-def _indexes(names: list[str] | None) -> list[type[CentralIndex]]:
-    indexes = [index_by_name(n) for n in names] if names else registered_indexes()
+def _indexes(store: Store, names: list[str] | None) -> list[type[CentralIndex]]:
+    """The named indexes, or every declared index whose area this map has.
+
+    A process may have imported index declarations for other maps (other applications' models,
+    a Mongo area); by default those are not this map's business. Naming one explicitly whose
+    area the map lacks is an error, not a silent skip.
+    """
+    areas = store.map.areas
+    if names:
+        indexes = [index_by_name(n) for n in names]
+        for idx in indexes:
+            if idx.area not in areas:
+                fail(f"CENTRAL index {idx.name!r} points at area {idx.area!r}, which map {store.map_path} does not have")
+        return indexes
+    indexes = [idx for idx in registered_indexes() if idx.area in areas]
     if not indexes:
-        fail("no CENTRAL index is declared: list the module that declares them under models: in the map, or pass --models")
+        fail("no CENTRAL index of this map's areas is declared: list the module that declares them under models: "
+             "in the map, or pass --models")
     return indexes
 
 
@@ -107,7 +121,7 @@ def check_cmd(map_path: MapArg, models: ModelsOpt = None, index: IndexOpt = None
     """Count (and with --json list) dangling, stale, unfinished, missing and conflicting keys. Exit 1 if any."""
     store = _open(map_path, models)
     try:
-        report = check(store.central, _indexes(index), grace=grace)
+        report = check(store.central, _indexes(store, index), grace=grace)
     finally:
         store.close()
     if as_json:
@@ -124,7 +138,7 @@ def repair_cmd(map_path: MapArg, models: ModelsOpt = None, index: IndexOpt = Non
     """Fix what check finds: finish or delete pending entries, delete stale ones, re-add missing keys."""
     store = _open(map_path, models)
     try:
-        result = repair(store.central, _indexes(index), grace=grace)
+        result = repair(store.central, _indexes(store, index), grace=grace)
     finally:
         store.close()
     after = result.after
