@@ -7,6 +7,13 @@ with?" (area, partition start and end, shard index, shard count). On PostgreSQL 
 prelude sent with BEGIN in one simple-protocol string (see ``mdb.engines``), after a shared
 advisory lock on the briefcase, so a move's exclusive lock makes new sessions wait and the
 check, a later statement with a fresh snapshot, then sees the fence the move committed.
+
+Write sessions also take a SHARED advisory lock on their partition (:func:`partition_lock_key_sql`)
+and read the partition's freeze marker (a state row ``frozen`` under the zero GDID, which is
+never a briefcase): a reshard's final phase takes that key EXCLUSIVE on each old shard, which
+waits for in-flight writers, and commits the marker, which turns new writers away with a
+retryable :class:`BriefcaseMovingError` until the new map is in place (see docs/moves.md).
+Read-only sessions ignore the marker: reads cannot strand a briefcase.
 """
 
 from __future__ import annotations
@@ -16,9 +23,12 @@ from typing import Any
 from mdb.errors import BriefcaseMovingError, StaleRouteError
 from mdb.gdid import GDID
 from mdb.router import Placement
-from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT
+from mdb.system_tables import STATE_FROZEN, STATE_GONE, STATE_INCOMING, STATE_RESIDENT
 
-__all__ = ["check_ownership", "lock_key_sql", "ownership_prelude"]
+__all__ = ["FREEZE_GDID", "check_ownership", "lock_key_sql", "ownership_prelude", "partition_lock_key_sql"]
+
+FREEZE_GDID = GDID(0, 0, 0)
+"""The state-row key of a partition freeze marker: the zero GDID is never a briefcase."""
 
 
 def _blob(backend: str, gdid: GDID) -> str:
@@ -33,17 +43,37 @@ def lock_key_sql(area: str, gdid: GDID) -> str:
     return f"hashtextextended('{area}:{gdid.hex}', 0)"
 
 
+def partition_lock_key_sql(area: str, partition_start: GDID) -> str:
+    """SQL for a partition's advisory lock key (PostgreSQL); a reshard's freeze locks it EXCLUSIVE.
+
+    ``#`` cannot occur in an area name, so this never equals a briefcase key's text.
+    """
+    return f"hashtextextended('{area}#partition:{partition_start.hex}', 0)"
+
+
 def ownership_prelude(backend: str, placement: Placement, lock: bool) -> list[str]:
     """Statements to run right after BEGIN; the last one returns the row :func:`check_ownership` reads."""
     area = placement.area
     statements = []
     if lock and backend == "postgresql":
-        statements.append(f"SELECT pg_advisory_xact_lock_shared({lock_key_sql(area, placement.gdid)})")
+        statements.append(
+            f"SELECT pg_advisory_xact_lock_shared({partition_lock_key_sql(area, placement.partition_start)}), "
+            f"pg_advisory_xact_lock_shared({lock_key_sql(area, placement.gdid)})"
+        )
+    frozen = "NULL"
+    freeze_join = ""
+    if lock:  # write sessions only (SQLite: BEGIN IMMEDIATE already serializes them with the freeze)
+        frozen = "f.move_id"
+        freeze_join = (
+            f"LEFT JOIN mdb_briefcase_state AS f ON f.area = '{area}' AND f.gdid = {_blob(backend, FREEZE_GDID)} "
+            f"AND f.state = '{STATE_FROZEN}' AND f.peer = '{placement.partition_start}' "
+        )
     statements.append(
-        "SELECT l.partition_start, l.partition_end, l.shard_index, l.shard_count, s.state, s.peer "
+        f"SELECT l.partition_start, l.partition_end, l.shard_index, l.shard_count, s.state, s.peer, {frozen} "
         "FROM (SELECT 1 AS one) AS x "
         f"LEFT JOIN mdb_shard_layout AS l ON l.area = '{area}' "
-        f"LEFT JOIN mdb_briefcase_state AS s ON s.area = '{area}' AND s.gdid = {_blob(backend, placement.gdid)}"
+        f"LEFT JOIN mdb_briefcase_state AS s ON s.area = '{area}' AND s.gdid = {_blob(backend, placement.gdid)} "
+        + freeze_join
     )
     return statements
 
@@ -56,12 +86,15 @@ def check_ownership(rows: list[tuple[Any, ...]] | None, placement: Placement, ma
     """Raise a retryable error unless the shard confirms it holds the briefcase as routed."""
     if not rows:
         raise RuntimeError("the ownership check returned no row; the BEGIN prelude did not run")
-    start, end, index, count, state, peer = rows[0]
+    start, end, index, count, state, peer, *rest = rows[0]
+    frozen_by = rest[0] if rest else None
     what = f"briefcase {placement.area}/{placement.gdid} on server {placement.server!r}"
     if state == STATE_GONE:
         raise StaleRouteError(f"{what}: fenced, it moved to server {peer!r}")
     if state == STATE_INCOMING:
         raise BriefcaseMovingError(f"{what}: a move into this server is not finished yet")
+    if frozen_by is not None:
+        raise BriefcaseMovingError(f"{what}: partition {placement.partition_start} is frozen for writes by reshard {frozen_by}")
     if placement.relocated:
         if state != STATE_RESIDENT:
             raise StaleRouteError(f"{what}: the relocation directory points here but the server holds no resident record")

@@ -19,6 +19,7 @@ from mdb.sqltypes import GDIDType
 
 __all__ = [
     "CENTRAL_TABLE_MODULES",
+    "STATE_FROZEN",
     "STATE_GONE",
     "STATE_INCOMING",
     "STATE_RESIDENT",
@@ -53,6 +54,8 @@ STATE_INCOMING: Final = "incoming"
 """A copy is being made here by move ``move_id``; not authoritative until the move finalizes."""
 STATE_RESIDENT: Final = "resident"
 """The briefcase lives here although the map's default shard is another one (a relocation)."""
+STATE_FROZEN: Final = "frozen"
+"""Under the zero GDID, ``peer`` = a partition start: write sessions of that partition wait (a reshard's final phase)."""
 
 briefcase_state = Table(
     "mdb_briefcase_state",

@@ -20,6 +20,7 @@ from movehelp import Cluster, create_user, locations, make_cluster, run_cli, sna
 from mdb.demo.models import User, UserBriefcase
 from mdb.gdid import GDID
 from mdb.moves.faults import FAULT_POINTS
+from mdb.moves.freeze import frozen_by
 from mdb.moves.journal import Journal
 from mdb.store import Store
 
@@ -120,9 +121,13 @@ RESHARD_POINTS = [
     ("reshard.after_prechecks", {}),
     ("reshard.after_first_move", {}),
     ("reshard.after_moves", {}),
+    ("reshard.during_freeze", {}),
+    ("reshard.after_freeze", {}),
+    ("reshard.after_final_moves", {}),
     ("reshard.before_map_apply", {}),
     ("reshard.after_map_apply", {}),
     ("reshard.after_map_file", {}),
+    ("reshard.after_unfreeze", {}),
     ("reshard.after_clear_relocations", {}),
     ("reshard.after_resident_cleanup", {}),
 ]
@@ -146,5 +151,7 @@ def test_sigkill_at_every_reshard_step_then_resume(cluster: Cluster) -> None:
             store.refresh()
             assert [list(p[2]) for p in store.router.partitions("user")] == [shards], point
             assert not store.router.relocations, point
+            for server in ["u1", "u2"]:  # the old shards of both lists: no freeze is left behind
+                assert frozen_by(store, "user", GDID(0, 0, 0), server) is None, (point, server)
             for g, server in placed.items():
                 assert server == shards[g.sharding_value % len(shards)], (point, g)

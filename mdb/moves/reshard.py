@@ -9,10 +9,13 @@ hold the data:
    move protocol: until the new map exists the target is a relocation ('resident' row +
    relocation entry), so old-map and new-map processes alike find it; the old shard keeps a
    fence that redirects anyone who still goes there. Then sweep again for briefcases created
-   meanwhile, until a pass finds none;
-3. apply the new map version (``apply_map`` re-stamps every shard under a lock and records
-   the map in CENTRAL; a process meeting a new stamp refreshes) and write it to the map file;
-4. only now clear the partition's relocations (they point at what is now the default shard)
+   meanwhile, up to MAX_SWEEPS passes or until a pass finds none;
+3. freeze the partition's writes on its old shards (:mod:`mdb.moves.freeze`): no briefcase of
+   it can be created or written there any more, so one final sweep moves every straggler;
+4. apply the new map version (``apply_map`` re-stamps every shard under a lock and records
+   the map in CENTRAL; a process meeting a new stamp refreshes), write it to the map file,
+   then unfreeze: writers that waited retry and are routed by the new map;
+5. only now clear the partition's relocations (they point at what is now the default shard)
    and delete the 'resident' rows that default routing has made redundant. A process with the
    old map and a stale relocation cache meets a missing 'resident' row or a new stamp,
    refreshes, and gets the new map.
@@ -36,6 +39,7 @@ from sqlalchemy import and_, delete, select
 from mdb.errors import MdbError, RoutingError
 from mdb.gdid import GDID
 from mdb.moves.faults import fault_point
+from mdb.moves.freeze import freeze_partition, unfreeze_partition
 from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.plan import PlannedMove, ReshardPlan, find_partition, plan_reshard
 from mdb.moves.protocol import DEFAULT_MAX_PAUSE, MoveAbortedError, area_tables, check_target_schema, move_briefcase
@@ -200,6 +204,30 @@ def _move_all(store: Any, journal: Journal, entry: JournalEntry, moves: list[Pla
             future.result()
 
 
+def _sweep(
+    store: Any, journal: Journal, entry: JournalEntry, tables: list[Any], plan: ReshardPlan, sweeps: int,
+    parallel: int, max_pause: float, progress: ReshardProgress | None, counters: dict[str, Any],
+) -> tuple[ReshardPlan, int]:
+    """Move the plan's briefcases and re-plan (briefcases created meanwhile), up to ``sweeps`` passes.
+
+    Stops early when a pass finds no fewer briefcases than the one before: the application
+    creates them as fast as they move, so more online passes would not shrink what the frozen
+    final pass has to move, only make the reshard longer.
+    """
+    moved = 0
+    for _ in range(sweeps):
+        if not plan.moves:
+            break
+        _move_all(store, journal, entry, plan.moves, parallel, max_pause, progress, counters)
+        moved += len(plan.moves)
+        store.refresh()
+        before = len(plan.moves)
+        plan = plan_reshard(store, tables, entry.area, plan.partition_start, plan.new_shards)
+        if len(plan.moves) >= before:
+            break
+    return plan, moved
+
+
 def continue_reshard(
     store: Any,
     journal: Journal,
@@ -208,16 +236,25 @@ def continue_reshard(
     progress: ReshardProgress | None = None,
     first_plan: ReshardPlan | None = None,
 ) -> ReshardOutcome:
-    """Run (or resume) a journaled reshard from its recorded step to the end."""
+    """Run (or resume) a journaled reshard from its recorded step to the end.
+
+    Steps: plan, prechecks, moves (online sweeps), freeze, final_moves, map_apply, unfreeze,
+    cleanup. Resumed anywhere from ``freeze`` to ``map_apply`` it freezes again (idempotent),
+    sweeps, applies the map unless it already is, and unfreezes: it always finishes forward.
+    """
     params = entry.params
     area, start = entry.area, GDID.parse(params["partition_start"])
     new_shards: list[str] = list(params["new_shards"])
+    old_shards: list[str] = list(params["old_shards"])
     map_path: str | None = params.get("map_path")
     max_pause = float(params.get("max_pause", DEFAULT_MAX_PAUSE))
+    parallel = int(params.get("parallel", 1))
     tables = area_tables(store, area)
     plan = first_plan
+    report = plan
     moved = 0
     store.refresh()
+    counters: dict[str, Any] = {"briefcases": entry.briefcases_done, "rows": entry.rows_done, "tables": dict(entry.tables)}
     if entry.step in ("plan", "prechecks", "moves"):
         if plan is None:
             plan = plan_reshard(store, tables, area, start, new_shards)
@@ -229,39 +266,88 @@ def continue_reshard(
         _prechecks(store, plan, tables, map_path, dry_run=True)
         fault_point("reshard.after_prechecks")
         journal.step(entry.move_id, "moves")
-        counters: dict[str, Any] = {"briefcases": entry.briefcases_done, "rows": entry.rows_done, "tables": dict(entry.tables)}
         if progress is not None:
             progress.phase("moves")
             progress.planned(entry.briefcases_total, entry.rows_total)
-        for sweep in range(MAX_SWEEPS):
-            if not plan.moves:
-                break
-            _move_all(store, journal, entry, plan.moves, int(params.get("parallel", 1)), max_pause, progress, counters)
-            moved += len(plan.moves)
-            store.refresh()
-            plan = plan_reshard(store, tables, area, start, new_shards)  # briefcases created meanwhile
-        else:
-            raise MdbError(f"reshard {entry.move_id}: new briefcases kept appearing after {MAX_SWEEPS} sweeps; run `mdb moves resume MAP` again")
+        # Online sweeps: the application keeps writing; briefcases created meanwhile are picked
+        # up by the next pass. Whatever is left after MAX_SWEEPS is moved under the freeze.
+        plan, n = _sweep(store, journal, entry, tables, plan, MAX_SWEEPS, parallel, max_pause, progress, counters)
+        moved += n
         fault_point("reshard.after_moves")
-        plan = report
-        entry.step = "map_apply"
-        journal.step(entry.move_id, "map_apply")
-    if plan is None:
-        plan = ReshardPlan(area, start, None, list(params["old_shards"]), new_shards)
-    if entry.step == "map_apply":
+        entry.step = "freeze"
+        journal.step(entry.move_id, "freeze")
+    if entry.step in ("freeze", "final_moves", "map_apply"):
+        moved += _frozen_phase(store, journal, entry, tables, old_shards, map_path, parallel, max_pause, progress, counters)
+        entry.step = "unfreeze"
+    if entry.step == "unfreeze":
         if progress is not None:
-            progress.phase("map apply")
-        version = _apply_new_map(store, journal, entry, map_path)
+            progress.phase("unfreeze")
+        unfreeze_partition(store, area, start, old_shards)
+        fault_point("reshard.after_unfreeze")
         entry.step = "cleanup"
-        journal.step(entry.move_id, "cleanup", params={**params, "map_version": version})
-        params["map_version"] = version
+        journal.step(entry.move_id, "cleanup")
+    if report is None:
+        report = ReshardPlan(area, start, None, old_shards, new_shards)
     if entry.step == "cleanup":
         if progress is not None:
             progress.phase("cleanup")
         _cleanup(store, area, start)
     journal.finish(entry.move_id, DONE)
     store.refresh()
-    return ReshardOutcome(entry.move_id, plan, params.get("map_version"), moved)
+    final = journal.get(entry.move_id)
+    return ReshardOutcome(entry.move_id, report, None if final is None else final.params.get("map_version"), moved)
+
+
+def _frozen_phase(
+    store: Any, journal: Journal, entry: JournalEntry, tables: list[Any], old_shards: list[str], map_path: str | None,
+    parallel: int, max_pause: float, progress: ReshardProgress | None, counters: dict[str, Any],
+) -> int:
+    """Freeze the partition on its old shards, move the stragglers, apply the new map.
+
+    With the freeze in place no briefcase of the partition can be created or written on an old
+    shard, so one sweep finds every straggler and the next one must find none. On an error
+    the partition is unfrozen (the old map is still authoritative, or the new map is fully in
+    place) and the error raised; the journal stays at its step, so resume freezes again.
+    """
+    area, start, new_shards = entry.area, GDID.parse(entry.params["partition_start"]), list(entry.params["new_shards"])
+    if progress is not None:
+        progress.phase("freeze")
+    freeze_partition(store, area, start, old_shards, entry.move_id)
+    fault_point("reshard.after_freeze")
+    try:
+        moved = 0
+        if entry.step in ("freeze", "final_moves"):
+            journal.step(entry.move_id, "final_moves")
+            entry.step = "final_moves"
+            if progress is not None:
+                progress.phase("final moves")
+            store.refresh()
+            plan = plan_reshard(store, tables, area, start, new_shards)
+            plan, moved = _sweep(store, journal, entry, tables, plan, 1, parallel, max_pause, progress, counters)
+            if plan.moves:
+                raise MdbError(
+                    f"reshard {entry.move_id}: {len(plan.moves)} briefcase(s) of the frozen partition appeared after the "
+                    f"final sweep (e.g. {plan.moves[0].gdid} on {plan.moves[0].source!r}): something writes without the "
+                    "ownership check; nothing was applied"
+                )
+            fault_point("reshard.after_final_moves")
+            entry.step = "map_apply"
+            journal.step(entry.move_id, "map_apply")
+        if progress is not None:
+            progress.phase("map apply")
+        version = _apply_new_map(store, journal, entry, map_path)
+        entry.params["map_version"] = version
+        journal.step(entry.move_id, "unfreeze", params=entry.params)
+    except BaseException as exc:  # an error or Ctrl-C: let the application write again, then report
+        try:
+            unfreeze_partition(store, area, start, old_shards)
+        except Exception as again:
+            raise MdbError(
+                f"reshard {entry.move_id} failed ({exc!r}) and unfreezing partition {start} also failed ({again}): "
+                "writes of that partition wait until `mdb moves resume MAP` finishes the reshard"
+            ) from exc
+        raise
+    return moved
 
 
 def _apply_new_map(store: Any, journal: Journal, entry: JournalEntry, map_path: str | None) -> int:
