@@ -199,3 +199,25 @@ def test_snapshot_plus_tail_equals_replay_for_any_schedule(store: Store, ops: li
                 CENTRAL_LOG.append(place, stream, GDID(0, 6, next(_ids)), "vote", {"amount": op})
                 expected = {"events": expected["events"] + 1, "amount": expected["amount"] + op}
             assert CENTRAL_LOG.read(place, stream).state == CENTRAL_LOG.replay(place, stream) == expected
+
+
+def test_demo_balances_come_from_the_ledger_event_log(tmp_path: Path, tmp_sqlite_urls) -> None:
+    from mdb.demo.models import LEDGER, User, UserBriefcase
+    from mdb.demo.repositories import LedgerRepository
+
+    c, u1 = tmp_sqlite_urls(2)
+    path = write_map(tmp_path / "demo", {"c": c, "u1": u1}, central=["c"], partitions=[("0:0:0", ["u1"])])
+    with Store.from_yaml(path, types=[UserBriefcase]) as demo:
+        assert all(r.ok for r in apply_schema(demo))
+        with demo.briefcase(UserBriefcase, ALICE) as s:
+            s.add(User(user_id=ALICE, email="a@example.org", name="A"))
+        ledger = LedgerRepository(demo)
+        ledger.record_transaction(ALICE, 5000)
+        ledger.record_transaction(ALICE, -1234)
+        assert ledger.read_balance(ALICE) == 3766
+        assert ledger.snapshot_balances() == 2
+        ledger.record_transaction(ALICE, 10)
+        with demo.briefcase(UserBriefcase, ALICE, readonly=True) as s:
+            read = LEDGER.read(s, "ledger")
+            assert (read.snapshot_seq, read.tail_events, read.state["amount_cents"]) == (1, 1, 3776)
+        assert ledger.read_balance(ALICE) == 3776
