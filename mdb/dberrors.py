@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from sqlalchemy.exc import DBAPIError
 
 from mdb.errors import MdbError, SchemaError, ServerUnavailableError
 from mdb.urls import mask_secrets
 
-__all__ = ["describe", "translate"]
+__all__ = ["describe", "translate", "translated"]
 
 _MISSING_TABLE = ("does not exist", "no such table", "UndefinedTable")
 _UNREACHABLE = (
@@ -45,3 +48,19 @@ def translate(server: str, exc: BaseException) -> MdbError | None:
     if any(s.lower() in lowered for s in _MISSING_TABLE) or type(exc.orig).__name__ == "UndefinedTable":
         return SchemaError(f"server {server!r}: {detail} (run `mdb schema apply MAP`)")
     return None
+
+
+@contextmanager
+def translated(server: str) -> Iterator[None]:
+    """Re-raise a driver error from the block as the mdb error :func:`translate` gives, if any.
+
+    The one way mdb turns "connection refused" or "no such table" into an error that names the
+    server and hides the URL; anything else (the caller's own errors) passes through unchanged.
+    """
+    try:
+        yield
+    except DBAPIError as exc:
+        mapped = translate(server, exc)
+        if mapped is not None:
+            raise mapped from None
+        raise

@@ -37,7 +37,6 @@ from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.sql.schema import Table
 from sqlalchemy.sql.selectable import Alias, Join, Select
 
-from mdb import dberrors
 from mdb.errors import MdbError, QueryError
 from mdb.gdid import GDID, MAX_AUTHORITY, MAX_COUNTER, MAX_ERA
 from mdb.router import Router
@@ -311,23 +310,8 @@ def _limits(statement: Select[Any]) -> tuple[int | None, int]:
 
 
 def _run(store: Store, server: str, statement: Select[Any], readonly: bool) -> list[Row[Any]]:
-    conn = store.connect(server, readonly)
-    try:
-        with conn.begin():
-            session = Session(bind=conn, expire_on_commit=False)
-            try:
-                return list(session.execute(statement).all())
-            finally:
-                session.close()
-    except MdbError:
-        raise
-    except Exception as exc:
-        translated = dberrors.translate(server, exc)
-        if translated is not None:
-            raise translated from None
-        raise
-    finally:
-        conn.close()
+    with store.transaction(server, readonly) as conn, Session(bind=conn, expire_on_commit=False) as session:
+        return list(session.execute(statement).all())
 
 
 def _dedupe_by_url(store: Store, servers: list[str], readonly: bool) -> list[str]:

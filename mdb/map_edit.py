@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +27,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 
 from mdb import dberrors
+from mdb.dberrors import translated
 from mdb.errors import MapEditError, MdbError
 from mdb.gdid import GDID
 from mdb.partition_map import AreaSpec, PartitionMap, RangeSetSpec, parse_map
@@ -376,7 +376,7 @@ def _issued_high_water(store: Store, scopes: Mapping[str, str]) -> dict[str, int
     by_scope: dict[str, str] = {scopes.get(area, area): area for area in store.router.area_names()}
     out: dict[str, int] = {}
     for server in store.router.central_servers():
-        with _translated(server), store.transaction(server) as conn:
+        with translated(server), store.transaction(server) as conn:
             if not sa_inspect(conn).has_table(sequences.name):
                 continue
             rows = conn.execute(
@@ -417,7 +417,7 @@ def high_water_marks(store: Store, *, margin: int = 0, scopes: Mapping[str, str]
         if area in best:
             best[area] = max(best[area], gdid.sharding_value)
     for server, areas in per_server.items():
-        with _translated(server):
+        with translated(server):
             conn = store.connect(server, readonly=False)
             try:
                 existing = set(sa_inspect(conn).get_table_names())
@@ -433,19 +433,6 @@ def high_water_marks(store: Store, *, margin: int = 0, scopes: Mapping[str, str]
         if area in best:
             best[area] = max(best[area], v)
     return {area: _gdid_v(min(v + margin, _MAX_V)) for area, v in best.items()}
-
-
-@contextmanager
-def _translated(server: str) -> Iterator[None]:
-    try:
-        yield
-    except MdbError:
-        raise
-    except Exception as exc:
-        translated = dberrors.translate(server, exc)
-        if translated is not None:
-            raise translated from None
-        raise
 
 
 # -- the applied-map history in CENTRAL ---------------------------------------------------------
@@ -471,7 +458,7 @@ def _newest_applied(store: Store, pmap: PartitionMap, newer_than: int = 0) -> Ap
         .order_by(maps_table.c.version.desc())
         .limit(1)
     )
-    with _translated(server):
+    with translated(server):
         conn = store.connect(server)
         try:
             try:
@@ -500,7 +487,7 @@ def load_applied_map(store: Store, current: PartitionMap) -> PartitionMap | None
 def applied_maps(store: Store) -> list[tuple[int, datetime | None]]:
     """(version, applied_at) of every map recorded in CENTRAL, oldest first."""
     server = _maps_server(store.map)
-    with _translated(server), store.transaction(server) as conn:
+    with translated(server), store.transaction(server) as conn:
         if not sa_inspect(conn).has_table(maps_table.name):
             return []
         return [(v, t) for v, t in conn.execute(select(maps_table.c.version, maps_table.c.applied_at).order_by(maps_table.c.version))]
@@ -747,7 +734,7 @@ def apply_map(
         # 1. reach every server, read live stamps
         live: dict[str, dict[str, ShardLayout]] = {}
         for server in new_map.servers:
-            with _translated(server), target.transaction(server) as conn:
+            with translated(server), target.transaction(server) as conn:
                 live[server] = _read_stamps(conn)
         areas = set(new_router.area_names())
 
@@ -760,7 +747,7 @@ def apply_map(
                 continue
             all_layouts = [l for s, l in new_router.layouts() if s == server]
             _, tables = server_tables(store, new_router, server, all_layouts)
-            with _translated(server), target.transaction(server) as conn:
+            with translated(server), target.transaction(server) as conn:
                 report.prepared[server] = create_tables(conn, tables)
 
         plan_add: list[tuple[str, str, ShardLayout]] = []
@@ -781,13 +768,13 @@ def apply_map(
         try:
             # 3. new stamps: nobody routes here yet
             for server, area, layout in plan_add:
-                with _translated(server), target.transaction(server) as conn:
+                with translated(server), target.transaction(server) as conn:
                     _write_stamp(conn, server, area, layout, new_map.version)
                 undo.append((server, area, None))
                 report.stamps.append(StampChange(server, area, "added", None, _fmt_layout(layout)))
             # 4./5. changed and removed stamps, each under the shard's layout lock
             for server, area, current, layout in plan_change:
-                with _translated(server), target.transaction(server) as conn:
+                with translated(server), target.transaction(server) as conn:
                     _lock_layout(conn, lock_timeout)
                     _shrink_check(store, conn, server, area, current, layout)
                     _write_stamp(conn, server, area, layout, new_map.version)
@@ -804,7 +791,7 @@ def apply_map(
 
         # 6. publish
         server = _maps_server(new_map)
-        with _translated(server), target.transaction(server) as conn:
+        with translated(server), target.transaction(server) as conn:
             create_tables(conn, [maps_table])
             conn.execute(insert(maps_table).values(version=new_map.version, yaml=text))
         report.recorded_on = server
@@ -818,7 +805,7 @@ def _undo(target: Store, undo: list[tuple[str, str, ShardLayout | None]], versio
     problems = []
     for server, area, previous in reversed(undo):
         try:
-            with _translated(server), target.transaction(server) as conn:
+            with translated(server), target.transaction(server) as conn:
                 _lock_layout(conn, lock_timeout)
                 _write_stamp(conn, server, area, previous, version)
         except Exception as exc:  # reported to the operator in the MapEditError, never dropped

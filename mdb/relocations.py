@@ -29,13 +29,12 @@ relocations = Table(
 )
 
 
-def load_relocations(connections: list[Connection]) -> Mapping[tuple[str, GDID], str]:
-    """Read the directory from every CENTRAL shard (connections in a transaction each)."""
-    out: dict[tuple[str, GDID], str] = {}
-    for conn in connections:
-        for area, gdid, server in conn.execute(select(relocations.c.area, relocations.c.gdid, relocations.c.server)):
-            out[(area, gdid)] = server
-    return out
+def load_relocations(conn: Connection) -> Mapping[tuple[str, GDID], str]:
+    """The directory entries on one CENTRAL shard: (area, gdid) -> server."""
+    return {
+        (area, gdid): server
+        for area, gdid, server in conn.execute(select(relocations.c.area, relocations.c.gdid, relocations.c.server))
+    }
 
 
 def set_relocation(conn: Connection, area: str, gdid: GDID, server: str) -> None:

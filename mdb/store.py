@@ -19,9 +19,9 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.engine import Connection
 
-from mdb import dberrors
 from mdb.briefcase import BriefcaseType, registered_types, types_by_area
 from mdb.central.service import Central
+from mdb.dberrors import translated
 from mdb.engines import BEGIN_PRELUDE, BEGIN_RESULT, EngineRegistry
 from mdb.errors import BriefcaseMovingError, RetryableError, RoutingError
 from mdb.fanout import FanOutResult, fan_out
@@ -124,20 +124,11 @@ class Store:
             from mdb.mongo.central import load_relocations_mongo
 
             return load_relocations_mongo(self.mongo, router)
-        connections: list[Connection] = []
-        server = "?"
-        try:
-            for server in router.central_servers():
-                connections.append(self.connect(server))
-            return dict(load_relocations(connections))
-        except Exception as exc:
-            translated = dberrors.translate(server, exc)
-            if translated is not None:
-                raise translated from None
-            raise
-        finally:
-            for conn in connections:
-                conn.close()
+        out: dict[tuple[str, GDID], str] = {}
+        for server in router.central_servers():
+            with self.transaction(server) as conn:
+                out.update(load_relocations(conn))
+        return out
 
     def types_of(self, area: str) -> list[type[BriefcaseType]]:
         return self.types_by_area.get(area, [])
@@ -149,26 +140,16 @@ class Store:
 
     def connect(self, server: str, readonly: bool = False) -> Connection:
         """A pooled connection to a server, with driver errors turned into mdb errors."""
-        try:
+        with translated(server):
             return self.engines.engine(server, readonly).connect()
-        except Exception as exc:
-            translated = dberrors.translate(server, exc)
-            if translated is not None:
-                raise translated from None
-            raise
 
     @contextmanager
     def transaction(self, server: str, readonly: bool = False) -> Iterator[Connection]:
         """A Core connection in one transaction on ``server`` (commit on success)."""
         conn = self.connect(server, readonly)
         try:
-            with conn.begin():
+            with translated(server), conn.begin():
                 yield conn
-        except Exception as exc:
-            translated = dberrors.translate(server, exc)
-            if translated is not None:
-                raise translated from None
-            raise
         finally:
             conn.close()
 
@@ -202,15 +183,13 @@ class Store:
         session, conn = self._open(btype, gid, readonly)
         server = session.placement.server
         try:
-            yield session
-            session.flush()
-            conn.commit()
-        except Exception as exc:
+            with translated(server):
+                yield session
+                session.flush()
+                conn.commit()
+        except BaseException:
             if conn.in_transaction():
                 conn.rollback()
-            translated = dberrors.translate(server, exc)
-            if translated is not None:
-                raise translated from exc
             raise
         finally:
             session.close()
@@ -227,7 +206,8 @@ class Store:
             backend = conn.dialect.name
             conn.info[BEGIN_PRELUDE] = ownership_prelude(backend, placement, lock=not readonly)
             try:
-                conn.begin()
+                with translated(placement.server):
+                    conn.begin()
                 check_ownership(conn.info.pop(BEGIN_RESULT, None), placement, router.version)
             except RetryableError as exc:
                 conn.close()
@@ -242,11 +222,8 @@ class Store:
                         raise
                 self.refresh()
                 continue
-            except Exception as exc:
+            except BaseException:
                 conn.close()
-                translated = dberrors.translate(placement.server, exc)
-                if translated is not None:
-                    raise translated from None
                 raise
             session = BriefcaseSession(bind=conn, join_transaction_mode="rollback_only", expire_on_commit=False)
             session.info[_INFO_KEY] = BriefcaseContext(btype, gdid, placement, readonly)
