@@ -23,7 +23,9 @@ from mdb.urls import mask_secrets
 
 __all__ = ["app", "console", "err_console", "emit_json", "fail", "main", "map_app", "open_map"]
 
-console = Console(highlight=False)
+# Piped into a file or a pager, rich would squeeze tables into 80 columns and cut GDIDs and
+# emails short; a wide fixed width keeps every cell whole there (a terminal keeps its own width).
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, highlight=False)
 
 
