@@ -93,8 +93,12 @@ def test_briefcases_created_during_a_reshard_end_up_once_on_the_new_shard(
         for g in SEED:
             create_user(store, g, orders=1, lines=1)
     stop = tmp_path / "stop"
-    proc = subprocess.Popen([sys.executable, "-c", CREATOR, str(cluster.path), str(stop)],
-                            cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # stdout is read line by line by one thread only; stderr goes to a file (communicate() would
+    # read stdout too and steal parts of lines from the reader).
+    errors = tmp_path / "creator.stderr"
+    with errors.open("w") as err_file:
+        proc = subprocess.Popen([sys.executable, "-c", CREATOR, str(cluster.path), str(stop)],
+                                cwd=str(ROOT), stdout=subprocess.PIPE, stderr=err_file, text=True)
     lines: list[str] = []
     assert proc.stdout is not None
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")))  # type: ignore[union-attr]
@@ -105,7 +109,7 @@ def test_briefcases_created_during_a_reshard_end_up_once_on_the_new_shard(
 
     try:
         while created() < 10:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert proc.poll() is None, errors.read_text()
             threading.Event().wait(0.01)
         progress = _Progress(created)
         with cluster.store() as admin:
@@ -114,13 +118,13 @@ def test_briefcases_created_during_a_reshard_end_up_once_on_the_new_shard(
         assert progress.final_moves, "the final (frozen) sweep moved no straggler: the window was not exercised"
         after = created()
         while created() < after + 5:  # writes go on after the unfreeze, under the new map
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert proc.poll() is None, errors.read_text()
             threading.Event().wait(0.01)
     finally:
         stop.touch()
-        _, err = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
         reader.join()
-    assert proc.returncode == 0, err
+    assert proc.returncode == 0, errors.read_text()
 
     made = [GDID.parse(line.split()[1]) for line in lines if line.startswith("C ")]
     writes = {int(line.split()[2]): GDID.parse(line.split()[1]) for line in lines if line.startswith("T ")}
