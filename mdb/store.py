@@ -10,7 +10,6 @@ never a wrong write.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,13 +22,14 @@ from mdb.briefcase import BriefcaseType, registered_types, types_by_area
 from mdb.central.service import Central
 from mdb.dberrors import translated
 from mdb.engines import BEGIN_PRELUDE, BEGIN_RESULT, EngineRegistry
-from mdb.errors import BriefcaseMovingError, RetryableError, RoutingError
+from mdb.errors import RetryableError, RoutingError
 from mdb.fanout import FanOutResult, fan_out
 from mdb.gdid import GDID
 from mdb.idgen import GdidGenerator, generator_for
 from mdb.ownership import check_ownership, ownership_prelude
 from mdb.partition_map import PartitionMap, load_map
 from mdb.relocations import load_relocations
+from mdb.retry import SessionRetry
 from mdb.router import Router
 from mdb.session import _INFO_KEY, BriefcaseContext, BriefcaseSession
 
@@ -196,9 +196,7 @@ class Store:
             conn.close()
 
     def _open(self, btype: type[BriefcaseType], gdid: GDID, readonly: bool) -> tuple[BriefcaseSession, Connection]:
-        stale_retries = 0
-        deadline = time.monotonic() + self.move_wait_seconds
-        delay = 0.01
+        retry = SessionRetry(self.move_wait_seconds, self.max_stale_retries)
         while True:
             router = self.router
             placement = router.locate(btype.area, gdid)
@@ -211,15 +209,7 @@ class Store:
                 check_ownership(conn.info.pop(BEGIN_RESULT, None), placement, router.version)
             except RetryableError as exc:
                 conn.close()
-                if isinstance(exc, BriefcaseMovingError):
-                    if time.monotonic() + delay > deadline:
-                        raise
-                    time.sleep(delay)
-                    delay = min(delay * 2, 0.5)
-                else:
-                    stale_retries += 1
-                    if stale_retries > self.max_stale_retries:
-                        raise
+                retry.wait_or_raise(exc)
                 self.refresh()
                 continue
             except BaseException:

@@ -13,7 +13,6 @@ Readonly contexts read the map's replica URL, or the primary's URL with ``second
 from __future__ import annotations
 
 import heapq
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from mdb.errors import BriefcaseMovingError, MdbError, QueryError, RetryableError, RoutingError
+from mdb.errors import MdbError, QueryError, RetryableError, RoutingError
 from mdb.fanout import ShardFailure, fan_out_servers
 from mdb.gdid import GDID
 from mdb.mongo.clients import ClientFactory, MongoClients
@@ -29,6 +28,7 @@ from mdb.mongo.collection import BriefcaseCollection, _decode
 from mdb.mongo.shardmeta import check_guard, excluded_gdids, ownership_rows
 from mdb.mongo.types import DocumentBriefcaseType, document_types_by_area, encode, registered_document_types
 from mdb.ownership import check_ownership
+from mdb.retry import SessionRetry
 from mdb.router import Placement
 
 if TYPE_CHECKING:
@@ -169,9 +169,7 @@ class MongoStore:
             ctx.session.end_session()
 
     def _open(self, dtype: type[DocumentBriefcaseType], gdid: GDID, readonly: bool) -> DocumentBriefcase:
-        stale_retries = 0
-        deadline = time.monotonic() + self.store.move_wait_seconds
-        delay = 0.01
+        retry = SessionRetry(self.store.move_wait_seconds, self.store.max_stale_retries)
         while True:
             router = self.store.router
             placement = router.locate(dtype.area, gdid)
@@ -191,15 +189,7 @@ class MongoStore:
                 check_ownership(ownership_rows(db, placement, txn), placement, router.version)
             except RetryableError as exc:
                 session.end_session()
-                if isinstance(exc, BriefcaseMovingError):
-                    if time.monotonic() + delay > deadline:
-                        raise
-                    time.sleep(delay)
-                    delay = min(delay * 2, 0.5)
-                else:
-                    stale_retries += 1
-                    if stale_retries > self.store.max_stale_retries:
-                        raise
+                retry.wait_or_raise(exc)
                 self.store.refresh()
                 continue
             except Exception as exc:
