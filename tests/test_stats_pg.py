@@ -153,6 +153,41 @@ def test_each_calculation_applied_exactly_once_under_concurrent_redelivery(map_p
         assert locks == len(bc_events)
 
 
+
+def test_simultaneous_first_deliveries_never_raise(store: Store) -> None:
+    """Threads released together deliver the same events: one applies each, none gets an error.
+
+    The lock row is unique twice over (primary key on the derived lock id, and the natural
+    triple); simultaneous inserts can collide on either index, so a conflict target naming
+    only one of them let the other raise a UniqueViolation.
+    """
+    threads, rounds = 6, 25
+    barrier = threading.Barrier(threads)
+    applied: list[tuple[int, bool]] = []
+    lock = threading.Lock()
+
+    def deliver() -> None:
+        try:
+            for r in range(rounds):
+                barrier.wait(30)
+                with central(store, f"race{r}") as place:
+                    ok = CENTRAL_LOCK.apply(place, f"race{r}", "active", "overall", lambda _p: None)
+                with lock:
+                    applied.append((r, ok))
+        except BaseException:
+            barrier.abort()  # the others stop at once instead of waiting for this thread
+            raise
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        futures = [pool.submit(deliver) for _ in range(threads)]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), None)
+    if first is not None:
+        raise first
+    assert sorted(r for r, ok in applied if ok) == list(range(rounds))
+    assert len(applied) == threads * rounds
+
+
 # -- 3. event log + snapshots ----------------------------------------------------------------------
 
 

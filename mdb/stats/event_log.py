@@ -193,7 +193,7 @@ class EventLog:
             dialect_insert(place, snaps)
             .values(**keys, snapshot_id=_snapshot_id(stream, 0), stream=stream, seq=0,
                     state=self.fold.initial(), events=0, total_events=0)
-            .on_conflict_do_nothing(index_elements=[*keys, "stream", "seq"])
+            .on_conflict_do_nothing()  # unique by primary key (derived id) and by (stream, seq): either may conflict
         )
         snap_conds = self._conds(place, snaps, stream)
         conn.execute(select(snaps.c.seq).where(*snap_conds, snaps.c.seq == 0).with_for_update()).one()

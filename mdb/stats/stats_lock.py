@@ -4,7 +4,7 @@ An event (a staking transaction becoming ``active``, later ``unbonded``) may be 
 times, concurrently. For each calculation it feeds (``overall``, ``per_provider``, ...) the
 lock records that the calculation was applied for ``{event id}:{state}``, and it does so IN
 THE SAME TRANSACTION as the calculation's effect: one row per (event id, state, calculation),
-inserted with ``ON CONFLICT DO NOTHING RETURNING``; a returned row says this delivery is
+inserted with ``ON CONFLICT DO NOTHING RETURNING`` (no conflict target: any unique index); a returned row says this delivery is
 the first. A concurrent duplicate waits on the unique index until the first commits (then sees
 the conflict and skips) or rolls back (then it applies). New calculation kinds are new rows,
 so old records never need rewriting.
@@ -67,7 +67,10 @@ class StatsLock:
                 state=state,
                 calculation=calculation,
             )
-            .on_conflict_do_nothing(index_elements=[*place.key_values(), "event_id", "state", "calculation"])
+            # No conflict target: the row is unique both by its primary key (lock_id is derived
+            # from the triple) and by the triple; a concurrent duplicate may hit either index
+            # first, and a targeted ON CONFLICT would raise on the other one.
+            .on_conflict_do_nothing()
             .returning(locks.c.lock_id)
         )
         with place.conn.begin_nested():
