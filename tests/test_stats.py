@@ -62,7 +62,8 @@ def test_counter_adds_several_values_in_slots_and_reads_the_sum(store: Store) ->
     with store.briefcase(StakerBriefcase, ALICE, readonly=True) as s:
         assert BC_COUNTERS.read(s, "stake") == {"total_value_locked": 395, "staker_count": 40}
         slots = BC_COUNTERS.slot_rows(s, "stake")
-        assert set(slots) <= {0, 1, 2, 3} and len(slots) > 1
+        assert set(slots) == {0, 1, 2, 3}  # K rows, created with K
+        assert sum(1 for v in slots.values() if v["staker_count"]) > 1  # the writes did spread
         assert BC_COUNTERS.read(s, "never-written") == {"total_value_locked": 0, "staker_count": 0}
 
 

@@ -68,6 +68,7 @@ class Counters:
             )
         if slots > current:
             place.conn.execute(update(cfg).where(*where).values(slots=slots, updated_at=func.current_timestamp()))
+        self._create_slot_rows(place, counter, max(slots, current))
         self._remember(place, counter, slots)
         return slots
 
@@ -127,6 +128,23 @@ class Counters:
         place.check_routed(counter)
         return place
 
+    def _create_slot_rows(self, place: Place, counter: str, slots: int) -> None:
+        """Create the zero rows of slots 0..K-1 together with K, so increments only ever update.
+
+        Why: a slot row is unique by its derived primary key and by (counter, slot). If two
+        first increments of one slot both inserted, the loser could collide on the index the
+        upsert does not target and raise. Created here with ON CONFLICT DO NOTHING (any unique
+        index), the rows exist before any increment can race on them.
+        """
+        place.conn.execute(
+            dialect_insert(place, self.tables.rows)
+            .values([
+                {**place.key_values(), "row_id": _row_id(counter, n), "counter": counter, "slot": n}
+                for n in range(slots)
+            ])
+            .on_conflict_do_nothing()
+        )
+
     def _where(self, place: Place, table: Any, counter: str) -> list[Any]:
         conds = [table.c[k] == v for k, v in place.key_values().items()]
         return [*conds, table.c.counter == counter]
@@ -152,6 +170,7 @@ class Counters:
                 .on_conflict_do_nothing()
             )
             k = place.conn.execute(query).scalar_one()
+            self._create_slot_rows(place, counter, int(k))
         slots = self.default_slots if k is None else int(k)
         if k is not None:
             self._remember(place, counter, slots)
