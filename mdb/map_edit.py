@@ -376,7 +376,7 @@ def _issued_high_water(store: Store, scopes: Mapping[str, str]) -> dict[str, int
     by_scope: dict[str, str] = {scopes.get(area, area): area for area in store.router.area_names()}
     out: dict[str, int] = {}
     for server in store.router.central_servers():
-        with translated(server), store.transaction(server) as conn:
+        with store.transaction(server) as conn:
             if not sa_inspect(conn).has_table(sequences.name):
                 continue
             rows = conn.execute(
@@ -487,7 +487,7 @@ def load_applied_map(store: Store, current: PartitionMap) -> PartitionMap | None
 def applied_maps(store: Store) -> list[tuple[int, datetime | None]]:
     """(version, applied_at) of every map recorded in CENTRAL, oldest first."""
     server = _maps_server(store.map)
-    with translated(server), store.transaction(server) as conn:
+    with store.transaction(server) as conn:
         if not sa_inspect(conn).has_table(maps_table.name):
             return []
         return [(v, t) for v, t in conn.execute(select(maps_table.c.version, maps_table.c.applied_at).order_by(maps_table.c.version))]
@@ -734,7 +734,7 @@ def apply_map(
         # 1. reach every server, read live stamps
         live: dict[str, dict[str, ShardLayout]] = {}
         for server in new_map.servers:
-            with translated(server), target.transaction(server) as conn:
+            with target.transaction(server) as conn:
                 live[server] = _read_stamps(conn)
         areas = set(new_router.area_names())
 
@@ -747,7 +747,7 @@ def apply_map(
                 continue
             all_layouts = [l for s, l in new_router.layouts() if s == server]
             _, tables = server_tables(store, new_router, server, all_layouts)
-            with translated(server), target.transaction(server) as conn:
+            with target.transaction(server) as conn:
                 report.prepared[server] = create_tables(conn, tables)
 
         plan_add: list[tuple[str, str, ShardLayout]] = []
@@ -768,13 +768,13 @@ def apply_map(
         try:
             # 3. new stamps: nobody routes here yet
             for server, area, layout in plan_add:
-                with translated(server), target.transaction(server) as conn:
+                with target.transaction(server) as conn:
                     _write_stamp(conn, server, area, layout, new_map.version)
                 undo.append((server, area, None))
                 report.stamps.append(StampChange(server, area, "added", None, _fmt_layout(layout)))
             # 4./5. changed and removed stamps, each under the shard's layout lock
             for server, area, current, layout in plan_change:
-                with translated(server), target.transaction(server) as conn:
+                with target.transaction(server) as conn:
                     _lock_layout(conn, lock_timeout)
                     _shrink_check(store, conn, server, area, current, layout)
                     _write_stamp(conn, server, area, layout, new_map.version)
@@ -791,7 +791,7 @@ def apply_map(
 
         # 6. publish
         server = _maps_server(new_map)
-        with translated(server), target.transaction(server) as conn:
+        with target.transaction(server) as conn:
             create_tables(conn, [maps_table])
             conn.execute(insert(maps_table).values(version=new_map.version, yaml=text))
         report.recorded_on = server
@@ -805,7 +805,7 @@ def _undo(target: Store, undo: list[tuple[str, str, ShardLayout | None]], versio
     problems = []
     for server, area, previous in reversed(undo):
         try:
-            with translated(server), target.transaction(server) as conn:
+            with target.transaction(server) as conn:
                 _lock_layout(conn, lock_timeout)
                 _write_stamp(conn, server, area, previous, version)
         except Exception as exc:  # reported to the operator in the MapEditError, never dropped

@@ -77,6 +77,35 @@ def _run_concurrently(thread_jobs: list[Callable[[], Any]], process_jobs: list[t
         return [f.result() for f in futures]
 
 
+def _in_lockstep(threads: int, rounds: int, step: Callable[[int], Any]) -> list[tuple[int, Any]]:
+    """Run ``step(r)`` in ``threads`` threads, all released together for each round r.
+
+    Returns (round, result) of every call; raises the first real error (a failing thread
+    aborts the barrier so the others stop at once instead of waiting for it).
+    """
+    barrier = threading.Barrier(threads)
+    done: list[tuple[int, Any]] = []
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            for r in range(rounds):
+                barrier.wait(30)
+                result = step(r)
+                with lock:
+                    done.append((r, result))
+        except BaseException:
+            barrier.abort()
+            raise
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        futures = [pool.submit(run) for _ in range(threads)]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    return done
+
+
 # -- 1. sharded counters -------------------------------------------------------------------------
 
 
@@ -119,29 +148,16 @@ def test_simultaneous_first_increments_of_a_new_counter_never_raise(store: Store
     creates the K rows, so increments only update.
     """
     threads, rounds = 8, 80
-    barrier = threading.Barrier(threads)
     counters = Counters(CENTRAL_COUNTERS.tables)
     for r in range(rounds):
         with central(store, f"fresh{r}") as place:
             counters.configure(place, f"fresh{r}", 1)  # every writer on the one slot
 
-    def increment() -> None:
-        try:
-            for r in range(rounds):
-                barrier.wait(30)
-                with central(store, f"fresh{r}") as place:
-                    counters.add(place, f"fresh{r}", total_value_locked=1)
-        except BaseException:
-            barrier.abort()  # the others stop at once instead of waiting for this thread
-            raise
+    def increment(r: int) -> None:
+        with central(store, f"fresh{r}") as place:
+            counters.add(place, f"fresh{r}", total_value_locked=1)
 
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        futures = [pool.submit(increment) for _ in range(threads)]
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), None)
-    if first is not None:
-        raise first
-    assert not errors
+    _in_lockstep(threads, rounds, increment)
     for r in range(rounds):
         with central(store, f"fresh{r}") as place:
             assert counters.read(place, f"fresh{r}")["total_value_locked"] == threads
@@ -199,28 +215,12 @@ def test_simultaneous_first_deliveries_never_raise(store: Store) -> None:
     only one of them let the other raise a UniqueViolation.
     """
     threads, rounds = 6, 25
-    barrier = threading.Barrier(threads)
-    applied: list[tuple[int, bool]] = []
-    lock = threading.Lock()
 
-    def deliver() -> None:
-        try:
-            for r in range(rounds):
-                barrier.wait(30)
-                with central(store, f"race{r}") as place:
-                    ok = CENTRAL_LOCK.apply(place, f"race{r}", "active", "overall", lambda _p: None)
-                with lock:
-                    applied.append((r, ok))
-        except BaseException:
-            barrier.abort()  # the others stop at once instead of waiting for this thread
-            raise
+    def deliver(r: int) -> bool:
+        with central(store, f"race{r}") as place:
+            return CENTRAL_LOCK.apply(place, f"race{r}", "active", "overall", lambda _p: None)
 
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        futures = [pool.submit(deliver) for _ in range(threads)]
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), None)
-    if first is not None:
-        raise first
+    applied = _in_lockstep(threads, rounds, deliver)
     assert sorted(r for r, ok in applied if ok) == list(range(rounds))
     assert len(applied) == threads * rounds
 

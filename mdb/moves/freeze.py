@@ -20,7 +20,6 @@ from typing import Any
 from sqlalchemy import and_, delete, insert, select
 
 from mdb.gdid import GDID
-from mdb.dberrors import translated
 from mdb.moves.faults import fault_point
 from mdb.ownership import FREEZE_GDID, partition_lock_key_sql
 from mdb.system_tables import STATE_FROZEN, briefcase_state
@@ -42,7 +41,7 @@ def freeze_partition(
 ) -> None:
     """Stop writes of partition ``start`` on ``servers``, waiting for the writers already in; idempotent."""
     for n, server in enumerate(servers):
-        with translated(server), store.transaction(server) as conn:
+        with store.transaction(server) as conn:
             if conn.dialect.name == "postgresql":
                 conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{max(1, int(lock_wait * 1000))}ms'")
                 conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({partition_lock_key_sql(area, start)})")
@@ -58,12 +57,12 @@ def unfreeze_partition(store: Any, area: str, start: GDID, servers: Iterable[str
     """Let writes of partition ``start`` through again on ``servers``; idempotent. Returns markers removed."""
     removed = 0
     for server in servers:
-        with translated(server), store.transaction(server) as conn:
+        with store.transaction(server) as conn:
             removed += conn.execute(delete(briefcase_state).where(_marker(area, start))).rowcount
     return removed
 
 
 def frozen_by(store: Any, area: str, start: GDID, server: str) -> str | None:
     """The reshard id whose freeze of partition ``start`` is on ``server``, if any."""
-    with translated(server), store.transaction(server) as conn:
+    with store.transaction(server) as conn:
         return conn.execute(select(briefcase_state.c.move_id).where(_marker(area, start))).scalar_one_or_none()

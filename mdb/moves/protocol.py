@@ -121,7 +121,6 @@ def area_tables(store: Any, area: str) -> list[AreaTable]:
     return out
 
 
-
 def _state(conn: Connection, area: str, gdid: GDID) -> dict[str, Any] | None:
     row = conn.execute(
         select(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid)
@@ -216,7 +215,7 @@ def precheck(store: Any, area: str, gdid: GDID, source: str, target: str, tables
     what = f"move of {area}/{gdid} from {source!r} to {target!r}"
     if target not in store.map.servers:
         raise RoutingError(f"{what}: unknown server {target!r} (known: {', '.join(store.map.servers)})")
-    with translated(target), store.transaction(target) as conn:
+    with store.transaction(target) as conn:
         check_target_schema(conn, target, tables, what)
         state = _state(conn, area, gdid)
         if state is not None and state["state"] != STATE_GONE:
@@ -227,7 +226,7 @@ def precheck(store: Any, area: str, gdid: GDID, source: str, target: str, tables
             n = conn.execute(select(func.count()).select_from(at.table).where(at.table.c[at.key] == gdid)).scalar_one()
             if n:
                 raise MdbError(f"{what}: server {target!r} already holds {n} row(s) of the briefcase in {at.name!r}; nothing moved")
-    with translated(source), store.transaction(source, readonly=False) as conn:
+    with store.transaction(source, readonly=False) as conn:
         src_state = _state(conn, area, gdid)
         if src_state is not None and src_state["state"] in (STATE_GONE, STATE_INCOMING):
             raise MdbError(f"{what}: the source records the briefcase as {src_state['state']!r}; run `mdb where` / `mdb moves resume`")
@@ -238,7 +237,7 @@ def precheck(store: Any, area: str, gdid: GDID, source: str, target: str, tables
 
 def discard_target(store: Any, target: str, area: str, gdid: GDID, tables: list[AreaTable], move_id: str, previous: dict[str, Any] | None) -> int:
     """Delete this move's copy on the target and restore the state row it replaced; idempotent."""
-    with translated(target), store.transaction(target) as conn:
+    with store.transaction(target) as conn:
         state = _state(conn, area, gdid)
         if state is None or state["state"] != STATE_INCOMING or state["move_id"] != move_id:
             return 0  # the copy was never committed (copy and incoming row commit together)
@@ -259,14 +258,14 @@ def finalize(store: Any, journal: Journal, entry: JournalEntry) -> None:
     default = router.default_placement(area, gdid).server
     central = router.locate_central(gdid).server
     journal.step(entry.move_id, "relocation")
-    with translated(central), store.transaction(central) as conn:
+    with store.transaction(central) as conn:
         if target == default:
             clear_relocation(conn, area, gdid)
         else:
             set_relocation(conn, area, gdid, target)
     fault_point("move.after_relocation")
     journal.step(entry.move_id, "target_state")
-    with translated(target), store.transaction(target) as conn:
+    with store.transaction(target) as conn:
         state = _state(conn, area, gdid)
         if state is not None and state["state"] == STATE_INCOMING and state["move_id"] == entry.move_id:
             if target == default:
@@ -326,7 +325,7 @@ def move_briefcase(
     if source == target:
         return MoveResult(None, area, gdid, source, target, "already-there")
     store.engines.spec(target)  # unknown server -> RoutingError naming the known ones
-    with translated(source), store.transaction(source) as conn:
+    with store.transaction(source) as conn:
         sizes = measure(conn, tables, gdid)
     if dry_run:
         precheck(store, area, gdid, source, target, tables, "dry-run")
@@ -351,7 +350,7 @@ def move_briefcase(
     precopied = total >= precopy_rows
     if precopied:
         journal.step(move_id, "precopy", params=params)
-        with translated(target), store.transaction(source) as src, store.transaction(target) as dst:
+        with store.transaction(source) as src, store.transaction(target) as dst:
             _set_state(dst, area, gdid, STATE_INCOMING, source, move_id)
             copy_rows(src, dst, tables, gdid, on_table=on_table)
         fault_point("move.after_precopy")
@@ -372,7 +371,7 @@ def move_briefcase(
             if (src_state is not None and src_state["state"] in (STATE_GONE, STATE_INCOMING)) or not _root_exists(src, tables, gdid):
                 raise abort("under the lock the source no longer holds the briefcase (another move?)")
             journal.step(move_id, "copy")
-            with translated(target), store.transaction(target) as dst:
+            with store.transaction(target) as dst:
                 if precopied:
                     state = _state(dst, area, gdid)
                     if state is None or state["move_id"] != move_id:
@@ -393,7 +392,7 @@ def move_briefcase(
                     copy_rows(src, dst, tables, gdid, on_table=table_done)
             fault_point("move.after_copy_commit")
             journal.step(move_id, "verify")
-            with translated(target), store.transaction(target) as dst:
+            with store.transaction(target) as dst:
                 method = verify.method_for(src, dst)
                 src_sums = verify.table_sums(src, tables, gdid, method)
                 dst_sums = verify.table_sums(dst, tables, gdid, method)

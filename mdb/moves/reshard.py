@@ -294,8 +294,7 @@ def continue_reshard(
         _cleanup(store, area, start)
     journal.finish(entry.move_id, DONE)
     store.refresh()
-    final = journal.get(entry.move_id)
-    return ReshardOutcome(entry.move_id, report, None if final is None else final.params.get("map_version"), moved)
+    return ReshardOutcome(entry.move_id, report, params.get("map_version"), moved)  # set by _frozen_phase or journaled
 
 
 def _frozen_phase(
