@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool
@@ -23,7 +25,7 @@ from mdb.errors import RoutingError
 from mdb.partition_map import PartitionMap, ServerSpec
 from mdb.urls import mask_url
 
-__all__ = ["BEGIN_PRELUDE", "BEGIN_RESULT", "EngineRegistry", "sqlalchemy_url"]
+__all__ = ["BEGIN_PRELUDE", "BEGIN_RESULT", "EngineRegistry", "Prelude", "sqlalchemy_url"]
 
 log = logging.getLogger("mdb.engines")
 
@@ -60,9 +62,25 @@ def _sqlite_setup(dbapi_connection: Any, _record: Any) -> None:
 
 
 BEGIN_PRELUDE = "mdb.begin_prelude"
-"""``Connection.info`` key: SQL statements (literals inlined) to run right after BEGIN."""
+"""``Connection.info`` key: a :class:`Prelude` to run right after BEGIN."""
 BEGIN_RESULT = "mdb.begin_result"
 """``Connection.info`` key where the rows of the prelude's last statement are left."""
+_PREPARED = "mdb.prepared"
+"""DBAPI-connection ``info`` key: names of the server-side prepared statements made on it."""
+
+
+@dataclass(frozen=True)
+class Prelude:
+    """Statements (literals inlined) to run right after BEGIN, in the same round trip.
+
+    ``prepare`` maps the names of server-side prepared statements the statements ``EXECUTE``
+    to their definitions, ``(argument types) AS query`` (PostgreSQL only). Each is prepared once per pooled connection, on
+    first use and outside any transaction, so a session pays for parsing and planning only
+    once per connection instead of once per BEGIN.
+    """
+
+    statements: tuple[str, ...]
+    prepare: Mapping[str, str] = field(default_factory=dict)
 
 
 def _last_rows(cursor: Any) -> list[tuple[Any, ...]] | None:
@@ -74,27 +92,54 @@ def _last_rows(cursor: Any) -> list[tuple[Any, ...]] | None:
             return rows
 
 
+def _pg_prepare(fairy: Any, prepare: Mapping[str, str], *, recheck: bool = False) -> None:
+    # PREPARE is not transactional and fails as a whole, so each one runs on its own (in
+    # autocommit, before BEGIN) and is recorded only once it exists on the server. ``recheck``
+    # (after one went missing) asks the server which of them still exist.
+    done: set[str] = fairy.info.setdefault(_PREPARED, set())
+    with fairy.driver_connection.cursor() as cursor:
+        if recheck:
+            cursor.execute("SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)", (list(prepare),))
+            done.difference_update(prepare)
+            done.update(name for (name,) in cursor.fetchall())
+        for name, definition in prepare.items():
+            if name not in done:
+                cursor.execute(f"PREPARE {name} {definition}")
+                done.add(name)
+
+
 def _pg_begin(conn: Any) -> None:
     # The engine runs in driver autocommit mode and every transaction starts here, so that a
     # prelude (the briefcase ownership check) travels with BEGIN in ONE round trip: psycopg
     # sends a parameterless multi-statement string with the simple query protocol.
-    prelude: list[str] | None = conn.info.pop(BEGIN_PRELUDE, None)
-    if not prelude:
+    prelude: Prelude | None = conn.info.pop(BEGIN_PRELUDE, None)
+    if prelude is None:
         conn.exec_driver_sql("BEGIN")
         return
-    with conn.connection.driver_connection.cursor() as cursor:
-        cursor.execute("; ".join(["BEGIN", *prelude]))
+    fairy = conn.connection
+    if not fairy.info.get(_PREPARED, set()).issuperset(prelude.prepare):
+        _pg_prepare(fairy, prelude.prepare)
+    text = "; ".join(["BEGIN", *prelude.statements])
+    with fairy.driver_connection.cursor() as cursor:
+        try:
+            cursor.execute(text)
+        except psycopg.errors.InvalidSqlStatementName:
+            # Someone dropped our prepared statements (DEALLOCATE ALL, DISCARD ALL, a pooler
+            # that swapped the server session): prepare them again, once.
+            cursor.execute("ROLLBACK")
+            _pg_prepare(fairy, prelude.prepare, recheck=True)
+            cursor.execute(text)
         conn.info[BEGIN_RESULT] = _last_rows(cursor)
 
 
 def _sqlite_begin(conn: Any, begin: str) -> None:
     conn.exec_driver_sql(begin)
-    prelude: list[str] | None = conn.info.pop(BEGIN_PRELUDE, None)
-    if prelude:
+    prelude: Prelude | None = conn.info.pop(BEGIN_PRELUDE, None)
+    if prelude is not None:
         cursor = conn.connection.driver_connection.cursor()
         try:
             rows = None
-            for statement in prelude:
+            for statement in prelude.statements:
                 cursor.execute(statement)
                 rows = cursor.fetchall() if cursor.description is not None else rows
             conn.info[BEGIN_RESULT] = rows
@@ -140,6 +185,7 @@ class EngineRegistry:
     def __init__(self, servers: Mapping[str, ServerSpec]) -> None:
         self._servers: dict[str, ServerSpec] = dict(servers)
         self._engines: dict[tuple[str, bool], Engine] = {}
+        self._by_server: dict[tuple[str, bool], Engine] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -174,27 +220,29 @@ class EngineRegistry:
 
     def engine(self, server: str, readonly: bool = False) -> Engine:
         """The pooled engine of a server; ``readonly`` picks the replica when the map has one."""
+        engine = self._by_server.get((server, readonly))
+        if engine is not None:
+            return engine  # the per-session fast path: no URL parsing
         spec = self.spec(server)
         url = spec.replica if readonly and spec.replica else spec.primary
         # SQLite readers get their own engine (deferred BEGIN, no write lock); PostgreSQL readers
         # without a replica share the primary's pool.
         separate_reader = spec.replica is not None or self.is_sqlite(server)
         key = (url, readonly and separate_reader)
-        engine = self._engines.get(key)
-        if engine is not None:
-            return engine
         with self._lock:
             engine = self._engines.get(key)
             if engine is None:
                 engine = _create(url, readonly=key[1])
                 self._engines[key] = engine
                 log.debug("created engine for server %s at %s", server, mask_url(url))
+            self._by_server[(server, readonly)] = engine
         return engine
 
     def update(self, servers: Mapping[str, ServerSpec]) -> None:
         """Adopt a new server list; engines of URLs no longer used are disposed."""
         with self._lock:
             self._servers = dict(servers)
+            self._by_server.clear()
             live = {s.primary for s in self._servers.values()} | {
                 s.replica for s in self._servers.values() if s.replica
             }
@@ -206,3 +254,4 @@ class EngineRegistry:
             for engine in self._engines.values():
                 engine.dispose()
             self._engines.clear()
+            self._by_server.clear()

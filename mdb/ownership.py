@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mdb.engines import Prelude
 from mdb.errors import BriefcaseMovingError, StaleRouteError
 from mdb.gdid import GDID
 from mdb.router import Placement
@@ -35,47 +36,86 @@ def _blob(backend: str, gdid: GDID) -> str:
     return f"'\\x{gdid.hex}'::bytea" if backend == "postgresql" else f"X'{gdid.hex}'"
 
 
+def _lock_key(area: str, gdid: GDID) -> str:
+    return f"{area}:{gdid.hex}"
+
+
+def _partition_lock_key(area: str, partition_start: GDID) -> str:
+    # ``#`` cannot occur in an area name, so this never equals a briefcase key's text.
+    return f"{area}#partition:{partition_start.hex}"
+
+
 def lock_key_sql(area: str, gdid: GDID) -> str:
     """SQL for the briefcase's advisory lock key (PostgreSQL); moves lock the same key.
 
     Area names are restricted by the map to a safe alphabet, so inlining them is safe.
     """
-    return f"hashtextextended('{area}:{gdid.hex}', 0)"
+    return f"hashtextextended('{_lock_key(area, gdid)}', 0)"
 
 
 def partition_lock_key_sql(area: str, partition_start: GDID) -> str:
-    """SQL for a partition's advisory lock key (PostgreSQL); a reshard's freeze locks it EXCLUSIVE.
+    """SQL for a partition's advisory lock key (PostgreSQL); a reshard's freeze locks it EXCLUSIVE."""
+    return f"hashtextextended('{_partition_lock_key(area, partition_start)}', 0)"
 
-    ``#`` cannot occur in an area name, so this never equals a briefcase key's text.
+
+def _check_sql(area: str, gdid: str, frozen_peer: str | None, freeze_gdid: str) -> str:
+    """The check query; the arguments are SQL (literals or ``$n`` parameters).
+
+    ``frozen_peer`` is None for read sessions: they ignore the freeze marker.
     """
-    return f"hashtextextended('{area}#partition:{partition_start.hex}', 0)"
-
-
-def ownership_prelude(backend: str, placement: Placement, lock: bool) -> list[str]:
-    """Statements to run right after BEGIN; the last one returns the row :func:`check_ownership` reads."""
-    area = placement.area
-    statements = []
-    if lock and backend == "postgresql":
-        statements.append(
-            f"SELECT pg_advisory_xact_lock_shared({partition_lock_key_sql(area, placement.partition_start)}), "
-            f"pg_advisory_xact_lock_shared({lock_key_sql(area, placement.gdid)})"
-        )
-    frozen = "NULL"
-    freeze_join = ""
-    if lock:  # write sessions only (SQLite: BEGIN IMMEDIATE already serializes them with the freeze)
+    frozen, freeze_join = "NULL", ""
+    if frozen_peer is not None:
         frozen = "f.move_id"
         freeze_join = (
-            f"LEFT JOIN mdb_briefcase_state AS f ON f.area = '{area}' AND f.gdid = {_blob(backend, FREEZE_GDID)} "
-            f"AND f.state = '{STATE_FROZEN}' AND f.peer = '{placement.partition_start}' "
+            f" LEFT JOIN mdb_briefcase_state AS f ON f.area = {area} AND f.gdid = {freeze_gdid} "
+            f"AND f.state = '{STATE_FROZEN}' AND f.peer = {frozen_peer}"
         )
-    statements.append(
+    return (
         f"SELECT l.partition_start, l.partition_end, l.shard_index, l.shard_count, s.state, s.peer, {frozen} "
         "FROM (SELECT 1 AS one) AS x "
-        f"LEFT JOIN mdb_shard_layout AS l ON l.area = '{area}' "
-        f"LEFT JOIN mdb_briefcase_state AS s ON s.area = '{area}' AND s.gdid = {_blob(backend, placement.gdid)} "
-        + freeze_join
+        f"LEFT JOIN mdb_shard_layout AS l ON l.area = {area} "
+        f"LEFT JOIN mdb_briefcase_state AS s ON s.area = {area} AND s.gdid = {gdid}" + freeze_join
     )
-    return statements
+
+
+_PG_FREEZE = _blob("postgresql", FREEZE_GDID)
+PG_PREPARED: dict[str, str] = {
+    "mdb_ownership_lock": "(text, text) AS SELECT pg_advisory_xact_lock_shared(hashtextextended($1, 0)), "
+    "pg_advisory_xact_lock_shared(hashtextextended($2, 0))",
+    "mdb_ownership_read": "(text, bytea) AS " + _check_sql("$1", "$2", None, _PG_FREEZE),
+    "mdb_ownership_write": "(text, bytea, text) AS " + _check_sql("$1", "$2", "$3", _PG_FREEZE),
+}
+"""The check as server-side prepared statements (name -> ``(argument types) AS query``).
+
+Parsing and planning the check per session cost more than the whole BEGIN round trip; prepared
+once per pooled connection, a session only sends ``EXECUTE`` with its literals.
+"""
+
+
+def ownership_prelude(backend: str, placement: Placement, lock: bool) -> Prelude:
+    """Statements to run right after BEGIN; the last one returns the row :func:`check_ownership` reads.
+
+    ``lock`` (write sessions): take the partition's and the briefcase's advisory keys SHARED
+    first, and read the partition's freeze marker. The lock is its own statement, before the
+    check, so that the check's snapshot is taken after any wait for a move's exclusive lock.
+    """
+    area, start = placement.area, placement.partition_start
+    if backend == "postgresql":
+        statements = []
+        if lock:
+            statements.append(
+                f"EXECUTE mdb_ownership_lock('{_partition_lock_key(area, start)}', '{_lock_key(area, placement.gdid)}')"
+            )
+        gdid = _blob(backend, placement.gdid)
+        statements.append(
+            f"EXECUTE mdb_ownership_write('{area}', {gdid}, '{start}')" if lock else f"EXECUTE mdb_ownership_read('{area}', {gdid})"
+        )
+        return Prelude(tuple(statements), PG_PREPARED)
+    # SQLite: in-process, nothing to save by preparing; BEGIN IMMEDIATE already serializes
+    # write sessions with a reshard's freeze.
+    return Prelude((
+        _check_sql(f"'{area}'", _blob(backend, placement.gdid), f"'{start}'" if lock else None, _blob(backend, FREEZE_GDID)),
+    ))
 
 
 def _gdid(value: Any) -> GDID | None:

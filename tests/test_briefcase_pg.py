@@ -16,9 +16,16 @@ from typing import Any
 
 import pytest
 from mapfiles import write_map
-from sqlalchemy import func, select, text, update
+from sqlalchemy import delete, func, select, text, true, update
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import DeclarativeBase, Session
+from sqlalchemy.orm import (
+    DeclarativeBase,
+    Session,
+    aliased,
+    joinedload,
+    selectinload,
+    subqueryload,
+)
 
 from mdb.demo.models import (
     LEDGER,
@@ -169,6 +176,40 @@ def test_reads_see_only_their_briefcase(store: Store) -> None:
         assert len(joined) == 1
         # Raw SQL is the escape hatch: it is not filtered (documented in docs/briefcases.md).
         assert session.execute(text("SELECT count(*) FROM users")).scalar_one() == 2
+
+
+def test_confinement_covers_aliases_joins_subqueries_eager_loads_and_bulk_deletes(store: Store) -> None:
+    """Every way the ORM can reach a table of the type is filtered, and the cached compiled form
+    of a statement carries each session's own GDID (it is a bound parameter, not a literal)."""
+    mine, neighbour = GDID(0, 0, 40), GDID(0, 0, 42)  # both on u1
+    for gdid in (mine, neighbour):
+        with store.briefcase(UserBriefcase, gdid) as session:
+            fill_briefcase(session, gdid)
+    orders = aliased(Order)
+    statements = {
+        "aliased": select(orders.user_id),
+        "cross join": select(Order.user_id).join(OrderLineItem, true()),
+        "subquery": select(func.count()).select_from(select(Order).subquery()),
+        "exists": select(User.user_id).where(select(Order.order_id).where(Order.user_id != User.user_id).exists()),
+        "union": select(Address.user_id).union_all(select(Transaction.user_id)),
+    }
+    for gdid in (mine, neighbour):  # the same statement objects: the second run hits the compiled cache
+        with store.briefcase(UserBriefcase, gdid, readonly=True) as session:
+            assert session.scalars(statements["aliased"]).all() == [gdid]
+            assert session.scalars(statements["cross join"]).all() == [gdid]
+            assert session.scalar(statements["subquery"]) == 1
+            assert session.scalars(statements["exists"]).all() == []  # the neighbour's order is invisible
+            assert session.scalars(statements["union"]).all() == [gdid, gdid]
+            for loader in (selectinload, joinedload, subqueryload):
+                user = session.scalars(
+                    select(User).options(loader(User.orders).options(loader(Order.line_items))).execution_options(populate_existing=True)
+                ).unique().one()
+                assert user.user_id == gdid and {o.user_id for o in user.orders} == {gdid}, loader.__name__
+                assert {li.user_id for o in user.orders for li in o.line_items} == {gdid}, loader.__name__
+    with store.briefcase(UserBriefcase, mine) as session:
+        assert session.execute(delete(Address)).rowcount == 1
+    with store.briefcase(UserBriefcase, neighbour, readonly=True) as session:
+        assert session.scalars(select(Address.user_id)).all() == [neighbour]
 
 
 def test_cross_briefcase_writes_are_refused_and_nothing_is_written(store: Store) -> None:
@@ -416,3 +457,39 @@ def test_ownership_check_costs_no_extra_round_trip(pg_databases: Callable[[int],
             assert trips(briefcase_read) == plain  # the check rode along with BEGIN
     finally:
         proxy.close()
+
+
+def test_the_check_is_prepared_once_per_connection_and_prepared_again_when_lost(pg_store: Store) -> None:
+    """The check runs as server-side prepared statements, made once per pooled connection.
+
+    ``prepare_time`` in ``pg_prepared_statements`` does not change between two sessions on the
+    same connection (not prepared again); after the statements are dropped behind mdb's back
+    (as DISCARD/DEALLOCATE or a pooler swapping the server session would), the next session
+    prepares them again and still runs its check instead of failing.
+    """
+    gdid = GDID(0, 0, 2)  # u1
+    with pg_store.briefcase(UserBriefcase, gdid) as session:
+        fill_briefcase(session, gdid)
+
+    def prepared(readonly: bool) -> tuple[int, dict[str, Any]]:
+        with pg_store.briefcase(UserBriefcase, gdid, readonly=readonly) as session:
+            assert session.scalars(select(User)).one().user_id == gdid
+            pid = session.execute(text("SELECT pg_backend_pid()")).scalar_one()
+            rows = session.execute(
+                text("SELECT name, prepare_time FROM pg_prepared_statements WHERE name LIKE 'mdb_ownership_%'")
+            ).all()
+            return pid, dict(rows)  # type: ignore[arg-type]
+
+    pid, first = prepared(readonly=False)
+    assert set(first) == {"mdb_ownership_lock", "mdb_ownership_read", "mdb_ownership_write"}
+    again_pid, again = prepared(readonly=True)
+    assert again_pid == pid, "sequential sessions should reuse the one pooled connection"
+    assert again == first  # same prepare_time: not prepared a second time
+
+    with pg_store.briefcase(UserBriefcase, gdid) as session:
+        session.execute(text("DEALLOCATE mdb_ownership_write"))
+        session.execute(text("DEALLOCATE mdb_ownership_read"))
+    after_pid, after = prepared(readonly=False)
+    assert after_pid == pid
+    assert set(after) == set(first)
+    assert after["mdb_ownership_write"] > first["mdb_ownership_write"]
