@@ -66,7 +66,8 @@ BEGIN_PRELUDE = "mdb.begin_prelude"
 BEGIN_RESULT = "mdb.begin_result"
 """``Connection.info`` key where the rows of the prelude's last statement are left."""
 _PREPARED = "mdb.prepared"
-"""DBAPI-connection ``info`` key: names of the server-side prepared statements made on it."""
+"""DBAPI-connection ``info`` key: the names of our prepared statements known to exist on it, or
+None when that is unknown (a PREPARE failed half-way, or they went missing)."""
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,9 @@ class Prelude:
     """Statements (literals inlined) to run right after BEGIN, in the same round trip.
 
     ``prepare`` maps the names of server-side prepared statements the statements ``EXECUTE``
-    to their definitions, ``(argument types) AS query`` (PostgreSQL only). Each is prepared once per pooled connection, on
-    first use and outside any transaction, so a session pays for parsing and planning only
-    once per connection instead of once per BEGIN.
+    to their definitions, ``(argument types) AS query`` (PostgreSQL only). They are prepared
+    once per pooled connection, on first use and outside any transaction, so a session pays
+    for parsing and planning the prelude once per connection instead of once per BEGIN.
     """
 
     statements: tuple[str, ...]
@@ -92,20 +93,27 @@ def _last_rows(cursor: Any) -> list[tuple[Any, ...]] | None:
             return rows
 
 
-def _pg_prepare(fairy: Any, prepare: Mapping[str, str], *, recheck: bool = False) -> None:
-    # PREPARE is not transactional and fails as a whole, so each one runs on its own (in
-    # autocommit, before BEGIN) and is recorded only once it exists on the server. ``recheck``
-    # (after one went missing) asks the server which of them still exist.
-    done: set[str] = fairy.info.setdefault(_PREPARED, set())
+def _pg_prepare(fairy: Any, prepare: Mapping[str, str]) -> None:
+    """Prepare the statements this connection lacks, in one round trip before BEGIN.
+
+    PREPARE is not transactional: of several in one string, those before a failure stay. So
+    after a failure, or when statements went missing, the next call first asks the server
+    which ones exist instead of trusting the record.
+    """
+    known: set[str] | None = fairy.info.get(_PREPARED, set())  # absent: a new connection
     with fairy.driver_connection.cursor() as cursor:
-        if recheck:
-            cursor.execute("SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)", (list(prepare),))
-            done.difference_update(prepare)
-            done.update(name for (name,) in cursor.fetchall())
-        for name, definition in prepare.items():
-            if name not in done:
-                cursor.execute(f"PREPARE {name} {definition}")
-                done.add(name)
+        try:
+            if known is None:
+                cursor.execute("SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)", (list(prepare),))
+                known = {name for (name,) in cursor.fetchall()}
+            missing = [name for name in prepare if name not in known]
+            if missing:
+                cursor.execute("; ".join(f"PREPARE {name} {prepare[name]}" for name in missing))
+                known.update(missing)
+        except BaseException:
+            fairy.info[_PREPARED] = None
+            raise
+    fairy.info[_PREPARED] = known
 
 
 def _pg_begin(conn: Any) -> None:
@@ -117,17 +125,20 @@ def _pg_begin(conn: Any) -> None:
         conn.exec_driver_sql("BEGIN")
         return
     fairy = conn.connection
-    if not fairy.info.get(_PREPARED, set()).issuperset(prelude.prepare):
+    known = fairy.info.get(_PREPARED)
+    if known is None or not known.issuperset(prelude.prepare):
         _pg_prepare(fairy, prelude.prepare)
     text = "; ".join(["BEGIN", *prelude.statements])
     with fairy.driver_connection.cursor() as cursor:
         try:
             cursor.execute(text)
         except psycopg.errors.InvalidSqlStatementName:
-            # Someone dropped our prepared statements (DEALLOCATE ALL, DISCARD ALL, a pooler
-            # that swapped the server session): prepare them again, once.
+            # Our statements were dropped behind our back. psycopg itself does it: a ROLLBACK
+            # on a connection where it auto-prepared statements sends DEALLOCATE ALL. So do
+            # DISCARD ALL and a pooler that swaps server sessions. Prepare them again, once.
             cursor.execute("ROLLBACK")
-            _pg_prepare(fairy, prelude.prepare, recheck=True)
+            fairy.info[_PREPARED] = None
+            _pg_prepare(fairy, prelude.prepare)
             cursor.execute(text)
         conn.info[BEGIN_RESULT] = _last_rows(cursor)
 

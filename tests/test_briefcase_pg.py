@@ -493,3 +493,15 @@ def test_the_check_is_prepared_once_per_connection_and_prepared_again_when_lost(
     assert after_pid == pid
     assert set(after) == set(first)
     assert after["mdb_ownership_write"] > first["mdb_ownership_write"]
+
+    # psycopg itself drops them: rolling back on a connection where it auto-prepared a query
+    # (the same SELECT, more than prepare_threshold times) makes it send DEALLOCATE ALL.
+    for _ in range(7):
+        prepared(readonly=True)
+    with pytest.raises(ZeroDivisionError), pg_store.briefcase(UserBriefcase, gdid) as session:
+        session.scalars(select(User)).one()
+        1 / 0  # noqa: B018
+    last_pid, last = prepared(readonly=False)
+    assert last_pid == pid
+    assert set(last) == set(first)
+    assert last["mdb_ownership_read"] > after["mdb_ownership_read"]
