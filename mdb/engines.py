@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import pq
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool
@@ -85,12 +86,14 @@ class Prelude:
 
 
 def _last_rows(cursor: Any) -> list[tuple[Any, ...]] | None:
-    rows = None
-    while True:
-        if cursor.description is not None:
-            rows = cursor.fetchall()
-        if not cursor.nextset():
-            return rows
+    """Rows of the last result of a multi-statement string (psycopg), skipping the others.
+
+    Checks the result status instead of ``description``, which builds column objects.
+    """
+    while cursor.nextset():
+        pass
+    result = cursor.pgresult
+    return cursor.fetchall() if result is not None and result.status == pq.ExecStatus.TUPLES_OK else None
 
 
 def _pg_prepare(fairy: Any, prepare: Mapping[str, str]) -> None:

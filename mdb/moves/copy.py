@@ -19,7 +19,7 @@ from sqlalchemy.engine import Connection
 
 from mdb.gdid import GDID
 
-__all__ = ["AreaTable", "copy_rows", "delete_briefcase", "delete_keys", "is_postgres", "measure", "select_keys"]
+__all__ = ["AreaTable", "copy_rows", "delete_briefcase", "delete_keys", "delete_rows", "is_postgres", "measure", "select_keys"]
 
 BATCH = 2000
 
@@ -114,12 +114,17 @@ def delete_keys(conn: Connection, at: AreaTable, gdid: GDID, keys: Sequence[tupl
         conn.execute(delete(at.table).where(at.table.c[at.key] == gdid, pk.in_(list(keys[i : i + 500]))))
 
 
+def delete_rows(conn: Connection, tables: Sequence[AreaTable], gdid: GDID) -> dict[str, int]:
+    """Delete every row of the briefcase, children first; returns rows deleted per table.
+
+    Per table, so the commit point can check that it deletes exactly the rows it verified.
+    """
+    return {at.name: conn.execute(delete(at.table).where(at.table.c[at.key] == gdid)).rowcount for at in reversed(tables)}
+
+
 def delete_briefcase(conn: Connection, tables: Sequence[AreaTable], gdid: GDID) -> int:
     """Delete every row of the briefcase, children first; returns the number of rows deleted."""
-    deleted = 0
-    for at in reversed(tables):
-        deleted += conn.execute(delete(at.table).where(at.table.c[at.key] == gdid)).rowcount
-    return deleted
+    return sum(delete_rows(conn, tables, gdid).values())
 
 
 def measure(conn: Connection, tables: Sequence[AreaTable], gdid: GDID) -> dict[str, tuple[int, int]]:

@@ -26,11 +26,13 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import delete, func, insert, inspect as sa_inspect, select
+from sqlalchemy import delete, func, insert, select
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import OperationalError
 
@@ -39,12 +41,25 @@ from mdb.dberrors import translated
 from mdb.errors import MdbError, RoutingError, SchemaError
 from mdb.gdid import GDID
 from mdb.moves import verify
-from mdb.moves.copy import AreaTable, copy_rows, delete_briefcase, delete_keys, measure, select_keys
+from mdb.moves.copy import (
+    AreaTable,
+    copy_rows,
+    delete_briefcase,
+    delete_keys,
+    delete_rows,
+    measure,
+    select_keys,
+)
 from mdb.moves.faults import fault_point
 from mdb.moves.journal import ABORTED, DONE, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.ownership import lock_key_sql
 from mdb.relocations import clear_relocation, set_relocation
-from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
+from mdb.system_tables import (
+    STATE_GONE,
+    STATE_INCOMING,
+    STATE_RESIDENT,
+    briefcase_state,
+)
 
 __all__ = [
     "MoveAbortedError",
@@ -293,6 +308,35 @@ def _resync(src: Connection, dst: Connection, tables: list[AreaTable], gdid: GDI
     return changed
 
 
+def _table_sums_on(store: Any, server: str, tables: list[AreaTable], gdid: GDID, method: verify.Method) -> dict[str, verify.TableSum]:
+    """Checksums of the briefcase on ``server``'s primary, in a read transaction of their own."""
+    with store.transaction(server) as conn:
+        return verify.table_sums(conn, tables, gdid, method)
+
+
+def _mismatches(
+    store: Any, src: Connection, target: str, tables: list[AreaTable], gdid: GDID, method: verify.Method,
+    bad: list[str], src_sums: dict[str, verify.TableSum], dst_sums: dict[str, verify.TableSum],
+) -> list[str]:
+    """Every differing key of every table whose checksums differ (for the abort message)."""
+    out: list[str] = []
+    with store.transaction(target) as dst:
+        for name in bad:
+            at = next(t for t in tables if t.name == name)
+            only_src, only_dst, different = verify.differing_keys(
+                verify.row_digests(src, at, gdid, method), verify.row_digests(dst, at, gdid, method)
+            )
+            src_rows = src_sums[name].rows if name in src_sums else 0
+            dst_rows = dst_sums[name].rows if name in dst_sums else 0
+            out.append(
+                f"{name}: source {src_rows} rows, target {dst_rows} rows; "
+                f"missing on target: {[verify.describe_key(k) for k in only_src]}; "
+                f"extra on target: {[verify.describe_key(k) for k in only_dst]}; "
+                f"different: {[verify.describe_key(k) for k in different]}"
+            )
+    return out
+
+
 # -- the move ------------------------------------------------------------------------------------
 
 
@@ -365,18 +409,26 @@ def move_briefcase(
         return MoveAbortedError(f"move {move_id} of {area}/{gdid} aborted, {source!r} is still authoritative: {detail}", move_id, mismatches)
 
     try:
-        with locked_source(store, source, area, gdid, lock_wait=lock_wait, max_pause=max_pause) as (src, locked_at):
+        with locked_source(store, source, area, gdid, lock_wait=lock_wait, max_pause=max_pause) as (src, locked_at), \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="mdb-move-verify") as pool:
             fault_point("move.after_lock")
             src_state = _state(src, area, gdid)
             if (src_state is not None and src_state["state"] in (STATE_GONE, STATE_INCOMING)) or not _root_exists(src, tables, gdid):
                 raise abort("under the lock the source no longer holds the briefcase (another move?)")
             journal.step(move_id, "copy")
             with store.transaction(target) as dst:
+                method = verify.method_for(src, dst)
+                # From the lock on, no session can change the briefcase on the source, so its
+                # checksums (a query of their own, not the copy's stream) are computed on a
+                # second connection while the copy runs: the source is mostly idle meanwhile,
+                # the copy being bound by the target's inserts. SQL method only: the Python
+                # method is CPU-bound in this process and SQLite prefers one connection.
+                src_job = pool.submit(_table_sums_on, store, source, tables, gdid, method) if method == "sql" else None
                 if precopied:
                     state = _state(dst, area, gdid)
                     if state is None or state["move_id"] != move_id:
                         raise abort("the pre-copy on the target vanished")
-                    changed = _resync(src, dst, tables, gdid, verify.method_for(src, dst))
+                    changed = _resync(src, dst, tables, gdid, method)
                     log.info("move %s: re-synced %d changed row(s) under the lock", move_id, sum(changed.values()))
                 else:
                     _set_state(dst, area, gdid, STATE_INCOMING, source, move_id)
@@ -392,25 +444,27 @@ def move_briefcase(
                     copy_rows(src, dst, tables, gdid, on_table=table_done)
             fault_point("move.after_copy_commit")
             journal.step(move_id, "verify")
-            with store.transaction(target) as dst:
-                method = verify.method_for(src, dst)
+            if src_job is None:
                 src_sums = verify.table_sums(src, tables, gdid, method)
-                dst_sums = verify.table_sums(dst, tables, gdid, method)
-                bad = verify.compare(src_sums, dst_sums)
-                mismatches: list[str] = []
-                for name in bad:
-                    at = next(t for t in tables if t.name == name)
-                    only_src, only_dst, different = verify.differing_keys(
-                        verify.row_digests(src, at, gdid, method), verify.row_digests(dst, at, gdid, method)
-                    )
-                    mismatches.append(
-                        f"{name}: source {src_sums[name].rows} rows, target {dst_sums[name].rows} rows; "
-                        f"missing on target: {[verify.describe_key(k) for k in only_src]}; "
-                        f"extra on target: {[verify.describe_key(k) for k in only_dst]}; "
-                        f"different: {[verify.describe_key(k) for k in different]}"
-                    )
-            if mismatches:
-                raise abort("verification failed", mismatches)
+                dst_sums = _table_sums_on(store, target, tables, gdid, method)
+            else:
+                dst_job = pool.submit(_table_sums_on, store, target, tables, gdid, method)
+            # While the target computes its checksums, the locked source transaction writes the
+            # fence and deletes the rows behind a savepoint: none of it is visible to anyone, and
+            # it is rolled back unless verification passes (the commit below is the commit point).
+            cut = src.begin_nested()
+            _set_state(src, area, gdid, STATE_GONE, target, move_id)
+            deleted = delete_rows(src, tables, gdid)
+            if src_job is not None:
+                src_sums, dst_sums = src_job.result(), dst_job.result()
+            bad = verify.compare(src_sums, dst_sums)
+            # The delete must remove exactly the rows that were verified; anything else means
+            # something wrote to the briefcase past its lock, and deleting would lose that write.
+            wrong = [f"{name}: the commit point would delete {deleted.get(name, 0)} row(s), {total_.rows} were verified"
+                     for name, total_ in src_sums.items() if deleted.get(name, 0) != total_.rows]
+            if bad or wrong:
+                cut.rollback()  # the source rows are back (still under the lock) for the report
+                raise abort("verification failed", _mismatches(store, src, target, tables, gdid, method, bad, src_sums, dst_sums) + wrong)
             fault_point("move.after_verify")
             held = time.monotonic() - locked_at
             if held > max_pause:
@@ -418,8 +472,7 @@ def move_briefcase(
                 fault_point("move.pause_abort.after_source_rollback")
                 raise abort(f"the write lock was held {held:.2f}s, over --max-pause {max_pause:.2f}s")
             journal.step(move_id, "commit_point", tables={n: [s.rows, s.rows] for n, s in src_sums.items()}, rows_done=total)
-            _set_state(src, area, gdid, STATE_GONE, target, move_id)
-            delete_briefcase(src, tables, gdid)
+            cut.commit()
             fault_point("move.before_commit_point")
             src.commit()
             pause = time.monotonic() - locked_at
