@@ -4,7 +4,8 @@ A process routes with the map and relocations it has cached; that cache may be s
 session asks the shard itself, inside the session's own transaction: "is this briefcase still
 here?" (no fence, no unfinished incoming copy) and "do you own it under the layout I routed
 with?" (area, partition start and end, shard index, shard count). On PostgreSQL the check is a
-prelude sent with BEGIN in one simple-protocol string (see ``mdb.engines``), after a shared
+prelude sent with BEGIN in one simple-protocol string (see ``mdb.engines``), as ``EXECUTE`` of
+statements prepared once per pooled connection (:data:`PG_PREPARED`), after a shared
 advisory lock on the briefcase, so a move's exclusive lock makes new sessions wait and the
 check, a later statement with a fresh snapshot, then sees the fence the move committed.
 
