@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from mongohelp import MongoEnv
 from sqlalchemy.engine import make_url
 
 from mdb.testing.postgres import PostgresCluster, PostgresServer, postgres_unavailable_reason
@@ -187,3 +188,13 @@ def tmp_sqlite_urls(tmp_path: Path) -> Callable[[int], list[str]]:
         return urls
 
     return make
+
+
+@pytest.fixture
+def mongo_env(tmp_path: Path) -> Iterator[MongoEnv]:
+    """A MongoDB test environment: the in-process fake, or ``MDB_TEST_MONGO_URI`` (tests/mongohelp.py)."""
+    env = MongoEnv.create(tmp_path)
+    try:
+        yield env
+    finally:
+        env.drop()

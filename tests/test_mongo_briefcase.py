@@ -5,13 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
+from mongohelp import MongoEnv, UserDocs
 
 from mdb import GDID, CrossBriefcaseError, SchemaError, StaleRouteError
 from mdb.errors import BriefcaseMovingError
 from mdb.mongo import DocumentBriefcaseType, MongoIndex
 from mdb.mongo.shardmeta import GUARD, LAYOUT, STATE, set_guard, state_id
 from mdb.system_tables import STATE_GONE, STATE_INCOMING
-from test_mongo_support import MongoEnv, UserDocs, mongo_env  # noqa: F401
 
 BOTH = pytest.mark.parametrize("transactions", [True, False], ids=["txn", "no-txn"])
 

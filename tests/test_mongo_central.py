@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from mongohelp import MongoEnv, UserDocs
 
 from mdb import GDID, DuplicateKeyError, Store
 from mdb.central.indexes import CentralIndex, exact, strip_casefold
@@ -11,7 +12,6 @@ from mdb.mongo.central import INDEX, MongoCentral, set_relocation_mongo
 from mdb.mongo.shardmeta import STATE, state_id
 from mdb.router import Router
 from mdb.system_tables import STATE_GONE, STATE_RESIDENT
-from test_mongo_support import MongoEnv, UserDocs, mongo_env  # noqa: F401
 
 
 class DocEmail(CentralIndex):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from mongohelp import REAL_URI
 from typer.testing import CliRunner
 
 from mdb import Store
@@ -13,7 +14,6 @@ from mdb.errors import ServerUnavailableError
 from mdb.mongo import MongoStore
 from mdb.mongo.clients import MongoClients, database_name, is_mongo_url
 from mdb.partition_map import parse_map
-from test_mongo_support import REAL_URI
 
 
 def test_demo_documents_runs_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,11 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from mongohelp import MongoEnv, UserDocs
 
 from mdb import GDID
 from mdb.errors import RetryableError, StatsError
 from mdb.mongo.hot import COUNTERS, MongoCounter, MongoStatsLock
-from test_mongo_support import MongoEnv, UserDocs, mongo_env  # noqa: F401
 
 BOTH = pytest.mark.parametrize("transactions", [True, False], ids=["txn", "no-txn"])
 UID = GDID(0, 0, 5)

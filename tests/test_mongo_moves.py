@@ -17,7 +17,7 @@ from mdb.mongo import MongoStore, moves
 from mdb.mongo.hot import MongoCounter, MongoStatsLock
 from mdb.mongo.moves import HOOK_POINTS, MoveVerificationError, checksums, move_documents, resume_mongo_moves
 from mdb.mongo.shardmeta import STATE, state_id
-from test_mongo_support import MongoEnv, UserDocs, mongo_env  # noqa: F401
+from mongohelp import MongoEnv, UserDocs
 
 UID = GDID(0, 0, 4)  # v mod 3 = 1 -> m2
 COUNTER = MongoCounter("logins", slots=2)
