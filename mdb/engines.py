@@ -22,8 +22,8 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool
 
-from mdb.errors import RoutingError
 from mdb.partition_map import PartitionMap, ServerSpec
+from mdb.servers import ServerDirectory
 from mdb.urls import mask_url
 
 __all__ = ["BEGIN_PRELUDE", "BEGIN_RESULT", "EngineRegistry", "Prelude", "sqlalchemy_url"]
@@ -188,7 +188,7 @@ def _create(url: str, readonly: bool) -> Engine:
     return create_engine(parsed)
 
 
-class EngineRegistry:
+class EngineRegistry(ServerDirectory):
     """Lazily created engines for the servers of a map; replaced servers keep their engines.
 
     One engine per distinct URL: two server names with the same URL share a pool. Changing a
@@ -197,7 +197,7 @@ class EngineRegistry:
     """
 
     def __init__(self, servers: Mapping[str, ServerSpec]) -> None:
-        self._servers: dict[str, ServerSpec] = dict(servers)
+        super().__init__(servers)
         self._engines: dict[tuple[str, bool], Engine] = {}
         self._by_server: dict[tuple[str, bool], Engine] = {}
         self._lock = threading.Lock()
@@ -212,16 +212,6 @@ class EngineRegistry:
     @property
     def server_names(self) -> list[str]:
         return list(self._servers)
-
-    def spec(self, server: str) -> ServerSpec:
-        try:
-            return self._servers[server]
-        except KeyError:
-            raise RoutingError(f"unknown server {server!r} (known: {', '.join(sorted(self._servers))})") from None
-
-    def masked_url(self, server: str, readonly: bool = False) -> str:
-        spec = self.spec(server)
-        return mask_url(spec.replica if readonly and spec.replica else spec.primary)
 
     def has_replica(self, server: str) -> bool:
         return self.spec(server).replica is not None
@@ -238,7 +228,7 @@ class EngineRegistry:
         if engine is not None:
             return engine  # the per-session fast path: no URL parsing
         spec = self.spec(server)
-        url = spec.replica if readonly and spec.replica else spec.primary
+        url = self.url(server, readonly)
         # SQLite readers get their own engine (deferred BEGIN, no write lock); PostgreSQL readers
         # without a replica share the primary's pool.
         separate_reader = spec.replica is not None or self.is_sqlite(server)
@@ -255,11 +245,8 @@ class EngineRegistry:
     def update(self, servers: Mapping[str, ServerSpec]) -> None:
         """Adopt a new server list; engines of URLs no longer used are disposed."""
         with self._lock:
-            self._servers = dict(servers)
+            live = self._adopt(servers)
             self._by_server.clear()
-            live = {s.primary for s in self._servers.values()} | {
-                s.replica for s in self._servers.values() if s.replica
-            }
             for key in [k for k in self._engines if k[0] not in live]:
                 self._engines.pop(key).dispose()
 

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from mdb.errors import RoutingError, ServerUnavailableError
 from mdb.partition_map import PartitionMap, ServerSpec
+from mdb.servers import ServerDirectory
 from mdb.urls import mask_secrets, mask_url
 
 __all__ = [
@@ -72,13 +73,13 @@ def supports_transactions(client: Any) -> bool:
     return bool(hello.get("setName")) or hello.get("msg") == "isdbgrid"
 
 
-class MongoClients:
+class MongoClients(ServerDirectory):
     """Lazily created clients for the MongoDB servers of a map (the EngineRegistry of documents)."""
 
     def __init__(
         self, servers: Mapping[str, ServerSpec], factory: ClientFactory | None = None, *, transactions: bool | None = None
     ) -> None:
-        self._servers = dict(servers)
+        super().__init__(servers)
         self.factory: ClientFactory = factory or pymongo_factory
         self.force_transactions = transactions
         """None: ask each server; False: never use transactions (e.g. to measure or test that path)."""
@@ -96,21 +97,11 @@ class MongoClients:
     def is_mongo(self, server: str) -> bool:
         return is_mongo_url(self.spec(server).primary)
 
-    def spec(self, server: str) -> ServerSpec:
-        try:
-            return self._servers[server]
-        except KeyError:
-            raise RoutingError(f"unknown server {server!r} (known: {', '.join(sorted(self._servers))})") from None
-
-    def masked_url(self, server: str, readonly: bool = False) -> str:
-        spec = self.spec(server)
-        return mask_url(spec.replica if readonly and spec.replica else spec.primary)
-
     def client(self, server: str, readonly: bool = False) -> Any:
         spec = self.spec(server)
         if not is_mongo_url(spec.primary):
             raise RoutingError(f"server {server!r} is not a MongoDB server ({mask_url(spec.primary)})")
-        url = spec.replica if readonly and spec.replica else spec.primary
+        url = self.url(server, readonly)
         secondary = readonly and spec.replica is None
         key = (url, secondary)
         client = self._clients.get(key)
@@ -161,8 +152,7 @@ class MongoClients:
 
     def update(self, servers: Mapping[str, ServerSpec]) -> None:
         with self._lock:
-            self._servers = dict(servers)
-            live = {s.primary for s in self._servers.values()} | {s.replica for s in self._servers.values() if s.replica}
+            live = self._adopt(servers)
             for key in [k for k in self._clients if k[0] not in live]:
                 self._clients.pop(key).close()
 
