@@ -10,9 +10,14 @@ Order of a move, each step journaled before it is taken (``mdb.moves.journal``):
    :func:`mdb.ownership.lock_key_sql`, which every session takes SHARED; SQLite: BEGIN
    IMMEDIATE). New sessions of the briefcase wait from here: the only pause;
 4. copy (or re-sync after a pre-copy) to the target, committed there with the ``incoming`` row;
-5. verify: counts and checksums per table computed separately on both sides;
-6. commit point: in the locked source transaction, write the fence and delete the rows; the
-   transaction is rolled back instead when the lock was held longer than ``max_pause``;
+5. verify: counts and checksums per table computed separately on both sides, each by a query
+   of its own on that server (never from the copy's stream). Between PostgreSQL servers the
+   source's run on a second source connection while the copy runs (the lock keeps the
+   briefcase still there), the target's after its commit;
+6. commit point: in the locked source transaction, write the fence and delete the rows (behind
+   a savepoint, while the target computes its checksums), then commit only if the checksums
+   match and the delete removed exactly the verified number of rows per table; otherwise, or
+   when the lock was held longer than ``max_pause``, it is rolled back;
 7. finalize: relocation directory in CENTRAL, then the target's ``incoming`` row becomes
    ``resident`` (or disappears on the briefcase's default server), journal ``done``.
 
@@ -314,6 +319,13 @@ def _table_sums_on(store: Any, server: str, tables: list[AreaTable], gdid: GDID,
         return verify.table_sums(conn, tables, gdid, method)
 
 
+def _source_side(store: Any, source: str, tables: list[AreaTable], gdid: GDID, method: verify.Method) -> tuple[dict[str, verify.TableSum], dict[str, int]]:
+    """The locked source's checksums and bytes per table, on a connection of its own (beside the copy)."""
+    with store.transaction(source) as conn:
+        sizes = measure(conn, tables, gdid)
+        return verify.table_sums(conn, tables, gdid, method), {name: nbytes for name, (_, nbytes) in sizes.items()}
+
+
 def _mismatches(
     store: Any, src: Connection, target: str, tables: list[AreaTable], gdid: GDID, method: verify.Method,
     bad: list[str], src_sums: dict[str, verify.TableSum], dst_sums: dict[str, verify.TableSum],
@@ -370,7 +382,7 @@ def move_briefcase(
         return MoveResult(None, area, gdid, source, target, "already-there")
     store.engines.spec(target)  # unknown server -> RoutingError naming the known ones
     with store.transaction(source) as conn:
-        sizes = measure(conn, tables, gdid)
+        sizes = measure(conn, tables, gdid, with_bytes=dry_run)  # a move measures bytes under the lock
     if dry_run:
         precheck(store, area, gdid, source, target, tables, "dry-run")
         return MoveResult(None, area, gdid, source, target, "dry-run", sizes)
@@ -423,7 +435,7 @@ def move_briefcase(
                 # second connection while the copy runs: the source is mostly idle meanwhile,
                 # the copy being bound by the target's inserts. SQL method only: the Python
                 # method is CPU-bound in this process and SQLite prefers one connection.
-                src_job = pool.submit(_table_sums_on, store, source, tables, gdid, method) if method == "sql" else None
+                src_job = pool.submit(_source_side, store, source, tables, gdid, method) if method == "sql" else None
                 if precopied:
                     state = _state(dst, area, gdid)
                     if state is None or state["move_id"] != move_id:
@@ -446,9 +458,11 @@ def move_briefcase(
             journal.step(move_id, "verify")
             if src_job is None:
                 src_sums = verify.table_sums(src, tables, gdid, method)
+                nbytes = {name: b for name, (_, b) in measure(src, tables, gdid).items()}
                 dst_sums = _table_sums_on(store, target, tables, gdid, method)
             else:
                 dst_job = pool.submit(_table_sums_on, store, target, tables, gdid, method)
+                src_sums, nbytes = src_job.result()  # done before the copy, as a rule
             # While the target computes its checksums, the locked source transaction writes the
             # fence and deletes the rows behind a savepoint: none of it is visible to anyone, and
             # it is rolled back unless verification passes (the commit below is the commit point).
@@ -456,12 +470,12 @@ def move_briefcase(
             _set_state(src, area, gdid, STATE_GONE, target, move_id)
             deleted = delete_rows(src, tables, gdid)
             if src_job is not None:
-                src_sums, dst_sums = src_job.result(), dst_job.result()
+                dst_sums = dst_job.result()
             bad = verify.compare(src_sums, dst_sums)
             # The delete must remove exactly the rows that were verified; anything else means
             # something wrote to the briefcase past its lock, and deleting would lose that write.
-            wrong = [f"{name}: the commit point would delete {deleted.get(name, 0)} row(s), {total_.rows} were verified"
-                     for name, total_ in src_sums.items() if deleted.get(name, 0) != total_.rows]
+            wrong = [f"{name}: the commit point would delete {deleted.get(name, 0)} row(s), {summed.rows} were verified"
+                     for name, summed in src_sums.items() if deleted.get(name, 0) != summed.rows]
             if bad or wrong:
                 cut.rollback()  # the source rows are back (still under the lock) for the report
                 raise abort("verification failed", _mismatches(store, src, target, tables, gdid, method, bad, src_sums, dst_sums) + wrong)
@@ -471,7 +485,8 @@ def move_briefcase(
                 src.rollback()
                 fault_point("move.pause_abort.after_source_rollback")
                 raise abort(f"the write lock was held {held:.2f}s, over --max-pause {max_pause:.2f}s")
-            journal.step(move_id, "commit_point", tables={n: [s.rows, s.rows] for n, s in src_sums.items()}, rows_done=total)
+            moved = {name: s.rows for name, s in src_sums.items()}
+            journal.step(move_id, "commit_point", tables={n: [r, r] for n, r in moved.items()}, rows_done=sum(moved.values()))
             cut.commit()
             fault_point("move.before_commit_point")
             src.commit()
@@ -489,4 +504,4 @@ def move_briefcase(
     finalize(store, journal, entry)
     if refresh:
         store.refresh()
-    return MoveResult(move_id, area, gdid, source, target, DONE, sizes, pause, precopied)
+    return MoveResult(move_id, area, gdid, source, target, DONE, {n: (r, nbytes.get(n, 0)) for n, r in moved.items()}, pause, precopied)
