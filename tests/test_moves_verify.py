@@ -24,7 +24,7 @@ from sqlalchemy.engine import Connection
 
 from mdb.demo.models import OrderLineItem
 from mdb.gdid import GDID
-from mdb.moves import MoveAbortedError, move_briefcase, protocol
+from mdb.moves import MoveAbortedError, move_briefcase, protocol, verify
 from mdb.moves.journal import ABORTED, Journal
 from mdb.system_tables import briefcase_state
 
@@ -92,8 +92,17 @@ def _assert_source_authoritative(cluster: Cluster, before: dict[str, Any]) -> No
         assert [e.status for e in entries] == [ABORTED]
 
 
+@pytest.fixture(params=["whole", "ranges"])
+def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """'ranges': every table of 2 rows or more is checksummed in key ranges on two connections
+    (normally only large ones are); the altered row is the first of the second range."""
+    if request.param == "ranges":
+        monkeypatch.setattr(verify, "SPLIT_ROWS", 2)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("kind", sorted(TAMPER))
-def test_a_copy_that_dropped_altered_or_added_a_row_is_caught(cluster: Cluster, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_copy_that_dropped_altered_or_added_a_row_is_caught(cluster: Cluster, split: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     real_copy = protocol.copy_rows
     tampered: list[GDID] = []
 
@@ -116,7 +125,7 @@ def test_a_copy_that_dropped_altered_or_added_a_row_is_caught(cluster: Cluster, 
     _assert_source_authoritative(cluster, before)
 
 
-def test_a_write_past_the_lock_is_not_deleted_uncopied(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_write_past_the_lock_is_not_deleted_uncopied(cluster: Cluster, split: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Something writes to the source without the briefcase lock after the checksums were taken
     (the move deletes only after both sides' checksums exist): the commit point's delete would
     remove a row that was never copied, so the move aborts."""

@@ -14,7 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from psycopg import sql
-from sqlalchemy import Table, delete, func, insert, literal_column, select, tuple_
+from sqlalchemy import (
+    Table,
+    delete,
+    func,
+    insert,
+    literal_column,
+    select,
+    tuple_,
+    union_all,
+)
 from sqlalchemy.engine import Connection
 
 from mdb.gdid import GDID
@@ -53,7 +62,7 @@ def _pg_literal(gdid: GDID) -> sql.Composable:
     return sql.SQL("'\\x{}'::bytea").format(sql.SQL(gdid.hex))
 
 
-def _pg_copy(src: Connection, dst: Connection, at: AreaTable, gdid: GDID) -> int:
+def _pg_copy(src: Connection, dst: Connection, at: AreaTable, gdid: GDID, on_streamed: Callable[[], None] | None = None) -> int:
     cols = sql.SQL(", ").join(sql.Identifier(c) for c in at.columns)
     out_stmt = sql.SQL("COPY (SELECT {cols} FROM {table} WHERE {key} = {gdid}) TO STDOUT (FORMAT BINARY)").format(
         cols=cols, table=sql.Identifier(at.name), key=sql.Identifier(at.key), gdid=_pg_literal(gdid)
@@ -73,6 +82,8 @@ def _pg_copy(src: Connection, dst: Connection, at: AreaTable, gdid: GDID) -> int
                     block = bytearray()
             if block:
                 into.write(block)
+            if on_streamed is not None:
+                on_streamed()  # the source is done; the target is still inserting and checking
         return int(dcur.rowcount)
 
 
@@ -97,12 +108,23 @@ def copy_rows(
     gdid: GDID,
     *,
     on_table: Callable[[str, int], None] | None = None,
+    on_streamed: Callable[[str], None] | None = None,
 ) -> dict[str, int]:
-    """Copy every row of the briefcase, table by table (parents first); returns rows per table."""
+    """Copy every row of the briefcase, table by table (parents first); returns rows per table.
+
+    ``on_streamed(table)`` is called once the source has sent a table's last row, while the
+    target may still be busy with it (its inserts, index entries and foreign-key checks).
+    """
     both_pg = is_postgres(src) and is_postgres(dst)
     counts: dict[str, int] = {}
     for at in tables:
-        counts[at.name] = _pg_copy(src, dst, at, gdid) if both_pg else _generic_copy(src, dst, at, gdid)
+        if both_pg:
+            streamed = None if on_streamed is None else (lambda name=at.name: on_streamed(name))
+            counts[at.name] = _pg_copy(src, dst, at, gdid, streamed)
+        else:
+            counts[at.name] = _generic_copy(src, dst, at, gdid)
+            if on_streamed is not None:
+                on_streamed(at.name)
         if on_table is not None:
             on_table(at.name, counts[at.name])
     return counts
@@ -140,10 +162,11 @@ def measure(conn: Connection, tables: Sequence[AreaTable], gdid: GDID, *, with_b
     """table -> (rows, bytes) of the briefcase on this server, counted exactly (for --dry-run and plans).
 
     ``with_bytes=False`` counts rows only (bytes 0): summing row sizes reads every row and costs
-    a move several times the count, so a move measures bytes beside its copy instead.
+    a move several times the count, so a move measures bytes beside its copy instead. One
+    statement for all tables: one round trip.
     """
-    out: dict[str, tuple[int, int]] = {}
-    for at in tables:
+    selects = []
+    for i, at in enumerate(tables):
         t = at.table
         if not with_bytes:
             size: Any = literal_column("0")
@@ -151,6 +174,6 @@ def measure(conn: Connection, tables: Sequence[AreaTable], gdid: GDID, *, with_b
             size = func.coalesce(func.sum(func.pg_column_size(literal_column(f'"{t.name}".*'))), 0)
         else:
             size = func.coalesce(func.sum(sum((func.coalesce(func.length(c), 0) for c in t.columns), start=literal_column("0"))), 0)
-        rows, nbytes = conn.execute(select(func.count(), size).select_from(t).where(t.c[at.key] == gdid)).one()
-        out[at.name] = (int(rows), int(nbytes))
-    return out
+        selects.append(select(literal_column(str(i)), func.count(), size).select_from(t).where(t.c[at.key] == gdid))
+    rows = {int(i): (int(n), int(b)) for i, n, b in conn.execute(union_all(*selects)).all()} if selects else {}
+    return {at.name: rows[i] for i, at in enumerate(tables)}

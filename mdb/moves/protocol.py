@@ -31,7 +31,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +83,8 @@ log = logging.getLogger("mdb.moves")
 DEFAULT_MAX_PAUSE = 5.0
 DEFAULT_LOCK_WAIT = 30.0
 PRECOPY_ROWS = int(os.environ.get("MDB_PRECOPY_ROWS", "20000"))
+VERIFY_WAYS = 2
+"""Connections per side that compute a move's checksums at once (large tables in key ranges)."""
 """Briefcases with at least this many rows are pre-copied outside the lock, then re-synced under it."""
 
 
@@ -212,7 +214,8 @@ def locked_source(store: Any, server: str, area: str, gdid: GDID, *, lock_wait: 
 def check_target_schema(conn: Connection, target: str, tables: list[AreaTable], what: str) -> None:
     """The target has every table of the area with the model's columns, and mdb's shard tables."""
     inspector = sa_inspect(conn)
-    existing = {t: {c["name"] for c in inspector.get_columns(t)} for t in inspector.get_table_names()}
+    # Two catalog queries for every table at once (a move's prechecks are part of its time).
+    existing = {name: {c["name"] for c in cols} for (_, name), cols in inspector.get_multi_columns().items()}
     for at in tables:
         if at.name not in existing:
             raise SchemaError(f"{what}: server {target!r} has no table {at.name!r} (run `mdb schema apply MAP`)")
@@ -242,10 +245,9 @@ def precheck(store: Any, area: str, gdid: GDID, source: str, target: str, tables
             if state["state"] == STATE_INCOMING:
                 raise MdbError(f"{what}: move {state['move_id']!r} into {target!r} is unfinished (run `mdb moves resume MAP`)")
             raise MdbError(f"{what}: server {target!r} already records the briefcase as {state['state']!r}")
-        for at in tables:
-            n = conn.execute(select(func.count()).select_from(at.table).where(at.table.c[at.key] == gdid)).scalar_one()
+        for name, (n, _) in measure(conn, tables, gdid, with_bytes=False).items():
             if n:
-                raise MdbError(f"{what}: server {target!r} already holds {n} row(s) of the briefcase in {at.name!r}; nothing moved")
+                raise MdbError(f"{what}: server {target!r} already holds {n} row(s) of the briefcase in {name!r}; nothing moved")
     with store.transaction(source, readonly=False) as conn:
         src_state = _state(conn, area, gdid)
         if src_state is not None and src_state["state"] in (STATE_GONE, STATE_INCOMING):
@@ -319,11 +321,24 @@ def _table_sums_on(store: Any, server: str, tables: list[AreaTable], gdid: GDID,
         return verify.table_sums(conn, tables, gdid, method)
 
 
-def _source_side(store: Any, source: str, tables: list[AreaTable], gdid: GDID, method: verify.Method) -> tuple[dict[str, verify.TableSum], dict[str, int]]:
-    """The locked source's checksums and bytes per table, on a connection of its own (beside the copy)."""
+SourceSide = tuple[list[verify.Part], list[verify.TableSum], dict[str, int]]
+
+
+def _source_side(store: Any, source: str, tables: list[AreaTable], gdid: GDID) -> SourceSide:
+    """The locked source's checksum parts, their sums and the bytes per table (SQL method).
+
+    On a connection of its own, beside the copy. Large tables are cut into VERIFY_WAYS key
+    ranges so that the target can sum them on as many connections at once.
+    """
     with store.transaction(source) as conn:
         sizes = measure(conn, tables, gdid)
-        return verify.table_sums(conn, tables, gdid, method), {name: nbytes for name, (_, nbytes) in sizes.items()}
+        parts = verify.plan_parts(conn, tables, gdid, {name: rows for name, (rows, _) in sizes.items()}, VERIFY_WAYS)
+        return parts, verify.part_sums(conn, parts, gdid), {name: nbytes for name, (_, nbytes) in sizes.items()}
+
+
+def _part_sums_on(store: Any, server: str, parts: list[verify.Part], gdid: GDID) -> list[verify.TableSum]:
+    with store.transaction(server) as conn:
+        return verify.part_sums(conn, parts, gdid)
 
 
 def _mismatches(
@@ -422,20 +437,31 @@ def move_briefcase(
 
     try:
         with locked_source(store, source, area, gdid, lock_wait=lock_wait, max_pause=max_pause) as (src, locked_at), \
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="mdb-move-verify") as pool:
+                ThreadPoolExecutor(max_workers=VERIFY_WAYS, thread_name_prefix="mdb-move-verify") as pool:
             fault_point("move.after_lock")
             src_state = _state(src, area, gdid)
             if (src_state is not None and src_state["state"] in (STATE_GONE, STATE_INCOMING)) or not _root_exists(src, tables, gdid):
                 raise abort("under the lock the source no longer holds the briefcase (another move?)")
             journal.step(move_id, "copy")
-            with store.transaction(target) as dst:
-                method = verify.method_for(src, dst)
+            src_job: Future[SourceSide] | None = None
+
+            def start_source_side() -> None:
                 # From the lock on, no session can change the briefcase on the source, so its
                 # checksums (a query of their own, not the copy's stream) are computed on a
-                # second connection while the copy runs: the source is mostly idle meanwhile,
-                # the copy being bound by the target's inserts. SQL method only: the Python
-                # method is CPU-bound in this process and SQLite prefers one connection.
-                src_job = pool.submit(_source_side, store, source, tables, gdid, method) if method == "sql" else None
+                # second connection while the copy runs. For a large briefcase, started when
+                # the source has sent its largest table: the target is then busy for a while
+                # with that table's inserts and foreign-key checks while the source and this
+                # process are idle. SQL method only: the Python method is CPU-bound in this
+                # process, and SQLite wants one connection.
+                nonlocal src_job
+                if src_job is None and method == "sql":
+                    src_job = pool.submit(_source_side, store, source, tables, gdid)
+
+            largest = max(sizes, key=lambda name: sizes[name][0])
+            with store.transaction(target) as dst:
+                method = verify.method_for(src, dst)
+                if precopied or sizes[largest][0] < verify.SPLIT_ROWS:
+                    start_source_side()
                 if precopied:
                     state = _state(dst, area, gdid)
                     if state is None or state["move_id"] != move_id:
@@ -453,7 +479,9 @@ def move_briefcase(
                         if on_table is not None:
                             on_table(name, rows)
 
-                    copy_rows(src, dst, tables, gdid, on_table=table_done)
+                    copy_rows(src, dst, tables, gdid, on_table=table_done,
+                              on_streamed=lambda name: start_source_side() if name == largest else None)
+                    start_source_side()
             fault_point("move.after_copy_commit")
             journal.step(move_id, "verify")
             if src_job is None:
@@ -461,8 +489,10 @@ def move_briefcase(
                 nbytes = {name: b for name, (_, b) in measure(src, tables, gdid).items()}
                 dst_sums = _table_sums_on(store, target, tables, gdid, method)
             else:
-                dst_job = pool.submit(_table_sums_on, store, target, tables, gdid, method)
-                src_sums, nbytes = src_job.result()  # done before the copy, as a rule
+                parts, src_part_sums, nbytes = src_job.result()  # done before the copy, as a rule
+                src_sums = verify.combine(parts, src_part_sums)
+                groups = verify.spread(parts, VERIFY_WAYS)
+                dst_jobs = [pool.submit(_part_sums_on, store, target, [parts[i] for i in group], gdid) for group in groups]
             # While the target computes its checksums, the locked source transaction writes the
             # fence and deletes the rows behind a savepoint: none of it is visible to anyone, and
             # it is rolled back unless verification passes (the commit below is the commit point).
@@ -470,7 +500,10 @@ def move_briefcase(
             _set_state(src, area, gdid, STATE_GONE, target, move_id)
             deleted = delete_rows(src, tables, gdid)
             if src_job is not None:
-                dst_sums = dst_job.result()
+                dst_part_sums: dict[int, verify.TableSum] = {}
+                for group, job in zip(groups, dst_jobs, strict=True):
+                    dst_part_sums.update(zip(group, job.result(), strict=True))
+                dst_sums = verify.combine(parts, [dst_part_sums[i] for i in range(len(parts))])
             bad = verify.compare(src_sums, dst_sums)
             # The delete must remove exactly the rows that were verified; anything else means
             # something wrote to the briefcase past its lock, and deleting would lose that write.

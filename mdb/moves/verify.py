@@ -13,17 +13,20 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import date, datetime, timezone
+from datetime import UTC, date, datetime
 from decimal import Decimal
 from typing import Any, Literal
 
-from sqlalchemy import literal_column, select, text
+from sqlalchemy import BindParameter, bindparam, literal_column, select, text
 from sqlalchemy.engine import Connection
 
 from mdb.gdid import GDID
 from mdb.moves.copy import AreaTable, is_postgres
 
-__all__ = ["Method", "TableSum", "compare", "describe_key", "differing_keys", "method_for", "row_digests", "table_sums"]
+__all__ = [
+    "SPLIT_ROWS", "Method", "Part", "TableSum", "combine", "compare", "describe_key", "differing_keys", "method_for",
+    "part_sums", "plan_parts", "row_digests", "spread", "table_sums",
+]
 
 Method = Literal["sql", "python"]
 
@@ -61,7 +64,7 @@ def _canon(value: Any) -> str:
         return "F" + repr(value)
     if isinstance(value, datetime):
         if value.tzinfo is not None:
-            value = value.astimezone(timezone.utc).replace(tzinfo=None)
+            value = value.astimezone(UTC).replace(tzinfo=None)
         return "T" + value.isoformat()
     if isinstance(value, date):
         return "d" + value.isoformat()
@@ -84,21 +87,112 @@ def _order(at: AreaTable) -> str:
     return ", ".join(f'"{c}"' for c in at.pk)
 
 
+@dataclass(frozen=True)
+class Part:
+    """Rows of one table to checksum: the whole table, or a primary-key range ``[lo, hi)``.
+
+    Both sides checksum the same parts, so a part's count and digest compare like a table's;
+    a large table is cut into ranges only so that they can be summed on several connections
+    of the target at once. ``rows`` is the expected row count (for spreading the work).
+    """
+
+    table: AreaTable
+    lo: tuple[Any, ...] | None = None
+    hi: tuple[Any, ...] | None = None
+    rows: int = 0
+
+
+SPLIT_ROWS = 50_000
+"""A table with at least this many rows is checksummed in ranges (see :func:`plan_parts`)."""
+
+
+def plan_parts(conn: Connection, tables: Sequence[AreaTable], gdid: GDID, rows: dict[str, int], ways: int) -> list[Part]:
+    """Every table as one part, or, from SPLIT_ROWS rows on, ``ways`` primary-key ranges of about equal size.
+
+    The range bounds are keys read on this server (the locked source); any keys would do, the
+    other side uses the same ones.
+    """
+    parts: list[Part] = []
+    for at in tables:
+        n = rows.get(at.name, 0)
+        if ways < 2 or n < SPLIT_ROWS:
+            parts.append(Part(at, rows=n))
+            continue
+        pk = [at.table.c[c] for c in at.pk]
+        query = select(*pk).where(at.table.c[at.key] == gdid).order_by(*pk).limit(1)
+        bounds = [tuple(conn.execute(query.offset(n * i // ways)).one()) for i in range(1, ways)]
+        edges: list[tuple[Any, ...] | None] = [None, *bounds, None]
+        parts.extend(Part(at, edges[i], edges[i + 1], n // ways) for i in range(ways))
+    return parts
+
+
+def spread(parts: Sequence[Part], ways: int) -> list[list[int]]:
+    """Indexes of ``parts`` in groups of about equal rows, one group per connection.
+
+    ``ways`` groups when some table was cut into ranges, else one: small tables are cheaper
+    to sum in one statement than to spread over connections.
+    """
+    if all(p.lo is None and p.hi is None for p in parts):
+        ways = 1
+    groups: list[list[int]] = [[] for _ in range(max(1, ways))]
+    load = [0] * len(groups)
+    for i in sorted(range(len(parts)), key=lambda i: -parts[i].rows):
+        g = load.index(min(load))
+        groups[g].append(i)
+        load[g] += parts[i].rows + 1
+    return [sorted(g) for g in groups if g]
+
+
+def _sql_part(i: int, part: Part, gdid: GDID) -> tuple[str, list[BindParameter[Any]]]:
+    """The SELECT of (i, count, checksum) of one part, with its bound parameters (named p{i}_*)."""
+    at = part.table
+    where = [f'"{at.key}" = :p{i}_g']
+    params: list[BindParameter[Any]] = [bindparam(f"p{i}_g", bytes(gdid))]
+    cols = ", ".join(f'"{c}"' for c in at.pk)
+    for name, op, bound in (("lo", ">=", part.lo), ("hi", "<", part.hi)):
+        if bound is not None:
+            names = [f"p{i}_{name}{k}" for k in range(len(bound))]
+            where.append(f"({cols}) {op} ({', '.join(':' + n for n in names)})")
+            params += [bindparam(n, v, type_=at.table.c[c].type) for n, v, c in zip(names, bound, at.pk, strict=True)]
+    query = (
+        f"SELECT {i}, count(*), coalesce(md5(string_agg({_sql_row_expr(at)}, '' ORDER BY {_order(at)})), '') "
+        f'FROM "{at.name}" WHERE {" AND ".join(where)}'
+    )
+    return query, params
+
+
+def part_sums(conn: Connection, parts: Sequence[Part], gdid: GDID) -> list[TableSum]:
+    """(row count, checksum) of each part on this server, in SQL (PostgreSQL; the caller's transaction).
+
+    One statement for all parts (one round trip: most briefcases are small, and a move's
+    pause is mostly round trips then).
+    """
+    if not parts:
+        return []
+    _pin_pg_output(conn)
+    queries, params = zip(*(_sql_part(i, part, gdid) for i, part in enumerate(parts)), strict=True)
+    rows = conn.execute(text(" UNION ALL ".join(queries)).bindparams(*(p for ps in params for p in ps))).all()
+    by_index = {int(r[0]): TableSum(int(r[1]), str(r[2])) for r in rows}
+    return [by_index[i] for i in range(len(parts))]
+
+
+def combine(parts: Sequence[Part], sums: Sequence[TableSum]) -> dict[str, TableSum]:
+    """table -> TableSum from its parts' sums, given in :func:`plan_parts` order (rows added, digests joined)."""
+    by_table: dict[str, list[TableSum]] = {}
+    for part, summed in zip(parts, sums, strict=True):
+        by_table.setdefault(part.table.name, []).append(summed)
+    return {
+        name: TableSum(sum(s.rows for s in pieces), pieces[0].digest if len(pieces) == 1 else ".".join(s.digest for s in pieces))
+        for name, pieces in by_table.items()
+    }
+
+
 def table_sums(conn: Connection, tables: Sequence[AreaTable], gdid: GDID, method: Method) -> dict[str, TableSum]:
     """table -> (row count, checksum) of the briefcase on this server (the caller's transaction)."""
     out: dict[str, TableSum] = {}
     if method == "sql":
-        _pin_pg_output(conn)
-        for at in tables:
-            row = conn.execute(
-                text(
-                    f"SELECT count(*), coalesce(md5(string_agg({_sql_row_expr(at)}, '' ORDER BY {_order(at)})), '') "
-                    f'FROM "{at.name}" WHERE "{at.key}" = :g'
-                ),
-                {"g": bytes(gdid)},
-            ).one()
-            out[at.name] = TableSum(int(row[0]), str(row[1]))
-        return out
+        parts = [Part(at) for at in tables]
+        return combine(parts, part_sums(conn, parts, gdid))
     for at in tables:
         digest = hashlib.md5(usedforsecurity=False)
         count = 0
