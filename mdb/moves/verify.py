@@ -5,7 +5,10 @@ copy that dropped, duplicated or altered a row is caught. Both sides use the sam
 between two PostgreSQL servers it runs in SQL (``md5`` over the text form of each row, in
 primary-key order, with the session's output settings pinned so both servers print values
 alike); otherwise rows are fetched through SQLAlchemy and hashed in Python over a canonical,
-type-tagged encoding (so SQLite and PostgreSQL agree on the same values).
+type-tagged encoding (so SQLite and PostgreSQL agree on the same values). In SQL a large table
+may be summed as primary-key ranges (:class:`Part`), the same ranges on both sides, so that
+the target can sum them on several connections at once; the ranges change where the work is
+done, not what is compared (every row, by count and md5 of its text, in key order).
 """
 
 from __future__ import annotations
