@@ -13,6 +13,7 @@ SQLite (checksums in Python).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -160,8 +161,17 @@ def test_a_write_past_the_lock_is_not_deleted_uncopied(pg_source_cluster: Cluste
             assert _briefcase_rows(conn) == 0
 
 
-def test_a_tampered_precopy_is_repaired_under_the_lock(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pre-copy runs outside the lock; whatever differs afterwards is re-synced and verified."""
+@pytest.mark.parametrize("blocks", ["whole", "blocks"])
+def test_a_tampered_precopy_is_repaired_under_the_lock(
+    cluster: Cluster, blocks: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The pre-copy runs outside the lock; whatever differs afterwards is re-synced and verified.
+
+    'blocks': the re-sync compares key ranges of 2 rows first (normally 5,000), so it fetches
+    rows only of the ranges that differ; either way exactly the 3 differing rows are redone.
+    """
+    if blocks == "blocks":
+        monkeypatch.setattr(protocol, "RESYNC_BLOCK", 2)
     real_copy = protocol.copy_rows
 
     def bad_precopy(src: Connection, dst: Connection, *args: Any, **kwargs: Any) -> dict[str, int]:
@@ -171,6 +181,7 @@ def test_a_tampered_precopy_is_repaired_under_the_lock(cluster: Cluster, monkeyp
         return counts
 
     monkeypatch.setattr(protocol, "copy_rows", bad_precopy)
+    caplog.set_level(logging.INFO, logger="mdb.moves")
     with cluster.store() as store:
         before = snapshot(store, SERVERS)
         result = move_briefcase(store, "user", USER, "u2", precopy_rows=1)
@@ -180,3 +191,38 @@ def test_a_tampered_precopy_is_repaired_under_the_lock(cluster: Cluster, monkeyp
             assert _briefcase_rows(conn) == 6
         with store.transaction("u1") as conn:
             assert _briefcase_rows(conn) == 0
+    assert any("re-synced 3 changed row(s)" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("blocks", ["whole", "blocks"])
+def test_writes_between_the_precopy_and_the_lock_are_resynced(
+    cluster: Cluster, blocks: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The application changes the source after the pre-copy (before the lock): an added, an
+    altered and a deleted row all arrive, and nothing else is redone."""
+    if blocks == "blocks":
+        monkeypatch.setattr(protocol, "RESYNC_BLOCK", 2)
+    real_fault_point = protocol.fault_point
+
+    def writes_after_the_precopy(name: str) -> None:
+        if name == "move.after_precopy":  # the pre-copy is committed, the lock not yet taken
+            with cluster.store() as app, app.transaction("u1") as conn:
+                for tamper in TAMPER.values():
+                    tamper(conn)
+        real_fault_point(name)
+
+    monkeypatch.setattr(protocol, "fault_point", writes_after_the_precopy)
+    caplog.set_level(logging.INFO, logger="mdb.moves")
+    with cluster.store() as store:
+        result = move_briefcase(store, "user", USER, "u2", precopy_rows=1)
+        assert result.precopied and result.status == "done"
+        with store.transaction("u2") as conn:
+            lines = {r.line_id: r.quantity for r in conn.execute(select(LINES).where(LINES.c.user_id == USER))}
+        with store.transaction("u1") as conn:
+            assert _briefcase_rows(conn) == 0
+    expected = {_line(USER, o, i): i + 1 for o in range(2) for i in range(3)}
+    del expected[_line(USER, 0, 1)]
+    expected[_line(USER, 1, 0)] = 999
+    expected[GDID(0, 3, 99)] = 1
+    assert lines == expected
+    assert any("re-synced 3 changed row(s)" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]

@@ -20,7 +20,15 @@ from datetime import UTC, date, datetime
 from decimal import Decimal
 from typing import Any, Literal
 
-from sqlalchemy import BindParameter, bindparam, literal_column, select, text
+from sqlalchemy import (
+    BindParameter,
+    bindparam,
+    func,
+    literal_column,
+    select,
+    text,
+    tuple_,
+)
 from sqlalchemy.engine import Connection
 
 from mdb.gdid import GDID
@@ -109,24 +117,38 @@ SPLIT_ROWS = 50_000
 """A table with at least this many rows is checksummed in ranges (see :func:`plan_parts`)."""
 
 
-def plan_parts(conn: Connection, tables: Sequence[AreaTable], gdid: GDID, rows: dict[str, int], ways: int) -> list[Part]:
-    """Every table as one part, or, from SPLIT_ROWS rows on, ``ways`` primary-key ranges of about equal size.
+def plan_parts(
+    conn: Connection, tables: Sequence[AreaTable], gdid: GDID, rows: dict[str, int], ways: int, *, block: int | None = None,
+) -> list[Part]:
+    """Every table as one part, or cut into primary-key ranges of about equal size.
 
-    The range bounds are keys read on this server (the locked source); any keys would do, the
-    other side uses the same ones.
+    Without ``block``: tables of SPLIT_ROWS rows or more in ``ways`` ranges (to sum them on
+    ``ways`` connections). With ``block``: every table of more than ``block`` rows in ranges of
+    about ``block`` rows (a re-sync compares ranges, then fetches rows only of those that
+    differ). The bounds are keys read on this server (the locked source), one pass per table;
+    any keys would do, the other side uses the same ones.
     """
     parts: list[Part] = []
     for at in tables:
         n = rows.get(at.name, 0)
-        if ways < 2 or n < SPLIT_ROWS:
-            parts.append(Part(at, rows=n))
-            continue
-        pk = [at.table.c[c] for c in at.pk]
-        query = select(*pk).where(at.table.c[at.key] == gdid).order_by(*pk).limit(1)
-        bounds = [tuple(conn.execute(query.offset(n * i // ways)).one()) for i in range(1, ways)]
+        if block is not None:
+            every = block if n > block else 0
+        else:
+            every = -(-n // ways) if ways > 1 and n >= SPLIT_ROWS else 0
+        bounds = _bounds(conn, at, gdid, every) if every else []
         edges: list[tuple[Any, ...] | None] = [None, *bounds, None]
-        parts.extend(Part(at, edges[i], edges[i + 1], n // ways) for i in range(ways))
+        size = n // (len(edges) - 1)
+        parts.extend(Part(at, edges[i], edges[i + 1], size) for i in range(len(edges) - 1))
     return parts
+
+
+def _bounds(conn: Connection, at: AreaTable, gdid: GDID, every: int) -> list[tuple[Any, ...]]:
+    """The primary keys of rows number every+1, 2*every+1, ... in key order (one index scan)."""
+    pk = [at.table.c[c] for c in at.pk]
+    numbered = select(*pk, func.row_number().over(order_by=pk).label("mdb_rn")).where(at.table.c[at.key] == gdid).subquery()
+    rn = numbered.c.mdb_rn
+    query = select(*(numbered.c[c] for c in at.pk)).where(rn > 1, (rn - 1) % every == 0).order_by(rn)
+    return [tuple(r) for r in conn.execute(query)]
 
 
 def spread(parts: Sequence[Part], ways: int) -> list[list[int]]:
@@ -209,17 +231,24 @@ def table_sums(conn: Connection, tables: Sequence[AreaTable], gdid: GDID, method
     return out
 
 
-def row_digests(conn: Connection, at: AreaTable, gdid: GDID, method: Method) -> dict[tuple[Any, ...], str]:
-    """primary key -> row checksum, for finding which rows differ (mismatch reports, re-sync)."""
+def row_digests(conn: Connection, at: AreaTable, gdid: GDID, method: Method, part: Part | None = None) -> dict[tuple[Any, ...], str]:
+    """primary key -> row checksum, for finding which rows differ (mismatch reports, re-sync).
+
+    ``part``: only the rows of that key range (its table must be ``at``).
+    """
     pk_cols = [at.table.c[c] for c in at.pk]
+    where = [at.table.c[at.key] == gdid]
+    if part is not None:
+        key = tuple_(*pk_cols)
+        if part.lo is not None:
+            where.append(key >= tuple_(*(bindparam(None, v, type_=c.type) for v, c in zip(part.lo, pk_cols, strict=True))))
+        if part.hi is not None:
+            where.append(key < tuple_(*(bindparam(None, v, type_=c.type) for v, c in zip(part.hi, pk_cols, strict=True))))
     if method == "sql":
         _pin_pg_output(conn)
-        result = conn.execute(
-            select(*pk_cols, literal_column(_sql_row_expr(at)))
-            .select_from(at.table).where(at.table.c[at.key] == gdid)
-        )
+        result = conn.execute(select(*pk_cols, literal_column(_sql_row_expr(at))).select_from(at.table).where(*where))
         return {tuple(r[:-1]): str(r[-1]) for r in result}
-    result = conn.execute(select(at.table).where(at.table.c[at.key] == gdid))
+    result = conn.execute(select(at.table).where(*where))
     index = [at.columns.index(c) for c in at.pk]
     return {tuple(r[i] for i in index): _row_hash(r) for r in result}
 
