@@ -14,16 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from psycopg import sql
-from sqlalchemy import (
-    Table,
-    delete,
-    func,
-    insert,
-    literal_column,
-    select,
-    tuple_,
-    union_all,
-)
+from sqlalchemy import Table, delete, func, insert, literal_column, select, tuple_, union_all
 from sqlalchemy.engine import Connection
 
 from mdb.gdid import GDID

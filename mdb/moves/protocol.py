@@ -46,25 +46,12 @@ from mdb.dberrors import translated
 from mdb.errors import MdbError, RoutingError, SchemaError
 from mdb.gdid import GDID
 from mdb.moves import verify
-from mdb.moves.copy import (
-    AreaTable,
-    copy_rows,
-    delete_briefcase,
-    delete_keys,
-    delete_rows,
-    measure,
-    select_keys,
-)
+from mdb.moves.copy import AreaTable, copy_rows, delete_briefcase, delete_keys, delete_rows, measure, select_keys
 from mdb.moves.faults import fault_point
 from mdb.moves.journal import ABORTED, DONE, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.ownership import lock_key_sql
 from mdb.relocations import clear_relocation, set_relocation
-from mdb.system_tables import (
-    STATE_GONE,
-    STATE_INCOMING,
-    STATE_RESIDENT,
-    briefcase_state,
-)
+from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
 
 __all__ = [
     "MoveAbortedError",
@@ -83,9 +70,9 @@ log = logging.getLogger("mdb.moves")
 DEFAULT_MAX_PAUSE = 5.0
 DEFAULT_LOCK_WAIT = 30.0
 PRECOPY_ROWS = int(os.environ.get("MDB_PRECOPY_ROWS", "20000"))
+"""Briefcases with at least this many rows are pre-copied outside the lock, then re-synced under it."""
 VERIFY_WAYS = 2
 """Connections per side that compute a move's checksums at once (large tables in key ranges)."""
-"""Briefcases with at least this many rows are pre-copied outside the lock, then re-synced under it."""
 
 
 class MoveAbortedError(MdbError):

@@ -20,15 +20,7 @@ from datetime import UTC, date, datetime
 from decimal import Decimal
 from typing import Any, Literal
 
-from sqlalchemy import (
-    BindParameter,
-    bindparam,
-    func,
-    literal_column,
-    select,
-    text,
-    tuple_,
-)
+from sqlalchemy import BindParameter, bindparam, func, literal_column, select, text, tuple_
 from sqlalchemy.engine import Connection
 
 from mdb.gdid import GDID
