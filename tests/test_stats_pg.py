@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from mapfiles import write_map
-from sqlalchemy import func, select
+from sqlalchemy import delete, event, func, select
 from test_stats_support import (
     BC_COUNTER_TABLES,
     BC_COUNTERS,
@@ -161,6 +161,48 @@ def test_simultaneous_first_increments_of_a_new_counter_never_raise(store: Store
     for r in range(rounds):
         with central(store, f"fresh{r}") as place:
             assert counters.read(place, f"fresh{r}")["total_value_locked"] == threads
+
+
+def test_an_increment_is_one_update_of_its_slot_row_never_an_insert(store: Store) -> None:
+    """The slot rows exist from ``configure``; an increment only UPDATEs one of them.
+
+    Why it matters: a slot row is unique twice, by its derived primary key and by (counter,
+    slot). ``INSERT .. ON CONFLICT (counter, slot) DO UPDATE`` pre-checks only that arbiter
+    index; under contention the pre-check can miss a row between two versions and the insert
+    then raises ``UniqueViolation`` on the primary key (CI saw it with 8 writers on K = 1; raw
+    psycopg, 16 writers x 1,000 upserts on one row, raised 5-16 times per run). An UPDATE waits
+    on the row lock and re-reads the row, so it cannot raise that way.
+    """
+    with central(store, "shape") as place:
+        CENTRAL_COUNTERS.configure(place, "shape", 4)
+    for _ in range(8):
+        with central(store, "shape") as place:
+            sent: list[str] = []
+
+            def record(_conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
+                sent.append(statement)
+
+            event.listen(place.conn, "before_cursor_execute", record)
+            CENTRAL_COUNTERS.add(place, "shape", total_value_locked=5, staker_count=1)
+            event.remove(place.conn, "before_cursor_execute", record)
+            assert len(sent) == 1 and sent[0].lstrip().upper().startswith("UPDATE"), sent
+    with central(store, "shape") as place:
+        assert CENTRAL_COUNTERS.read(place, "shape") == {"total_value_locked": 40, "staker_count": 8}
+
+
+def test_an_increment_recreates_missing_slot_rows(store: Store) -> None:
+    """Slot rows missing under a persisted K (data from before K created them, or rows deleted
+    by hand) are created at zero on the next increment, which then lands."""
+    rows = CENTRAL_COUNTERS.tables.rows
+    with central(store, "gone") as place:
+        CENTRAL_COUNTERS.configure(place, "gone", 3)
+        place.conn.execute(delete(rows).where(rows.c.counter == "gone"))
+    counters = Counters(CENTRAL_COUNTERS.tables)  # a fresh process: K read from the config row
+    with central(store, "gone") as place:
+        counters.add(place, "gone", total_value_locked=7, staker_count=1)
+    with central(store, "gone") as place:
+        assert counters.read(place, "gone") == {"total_value_locked": 7, "staker_count": 1}
+        assert sorted(counters.slot_rows(place, "gone")) == [0, 1, 2]
 
 
 def test_k_shrink_is_refused_on_postgres(store: Store) -> None:

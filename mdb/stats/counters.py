@@ -2,10 +2,18 @@
 
 A counter ``C`` is stored as up to K slot rows ``C:0 .. C:K-1`` of a counter family (see
 :func:`mdb.stats.tables.counter_tables`); every row holds all the family's named values. An
-increment picks a slot at random and adds every given value in ONE upsert statement
-(``INSERT .. ON CONFLICT (counter, slot) DO UPDATE SET v = t.v + excluded.v``), so two
-concurrent writers only wait for each other when they pick the same slot (probability 1/K). A
-read sums the counter's rows: K rows, the price paid for the spread.
+increment picks a slot at random and adds every given value in ONE statement
+(``UPDATE .. SET v = v + :delta WHERE counter = :c AND slot = :n``) on a slot row created at
+zero together with K, so two concurrent writers only wait for each other when they pick the
+same slot (probability 1/K). A read sums the counter's rows: K rows, the price paid for the
+spread.
+
+Why an UPDATE and not an upsert: a slot row is unique twice, by its derived primary key and by
+``(counter, slot)``. PostgreSQL's ``ON CONFLICT (counter, slot) DO UPDATE`` pre-checks only its
+arbiter index, and that pre-check can miss a row that a concurrent writer is updating to a new
+version (CI saw it: ``UniqueViolation`` on ``pk_…`` under 16 writers on K = 1); the insert it
+then attempts raises on the primary key, which is not an arbiter. An UPDATE waits on the row
+lock and re-reads the row, so it never raises under contention.
 
 K is persisted per counter (``{family}_config``) and may grow but never shrink: slot rows
 n >= K already hold part of the total, and a shrunk K would orphan them (no writer would add
@@ -91,14 +99,18 @@ class Counters:
         k = cached if cached is not None else self._load_slots(place, counter, persist=True)
         slot = self._random.randrange(k)
         rows = self.tables.rows
-        stmt = dialect_insert(place, rows).values(
-            **place.key_values(), row_id=_row_id(counter, slot), counter=counter, slot=slot, **deltas
+        stmt = (
+            update(rows)
+            .where(*self._where(place, rows, counter), rows.c.slot == slot)
+            .values({name: rows.c[name] + amount for name, amount in deltas.items()})
         )
-        target_cols = [*place.key_values(), "counter", "slot"]
-        stmt = stmt.on_conflict_do_update(
-            index_elements=target_cols, set_={name: rows.c[name] + stmt.excluded[name] for name in deltas}
-        )
-        place.conn.execute(stmt)
+        if place.conn.execute(stmt).rowcount == 1:
+            return slot
+        # The slot row is missing: a counter configured before slot rows were created with K,
+        # or rows deleted by hand. Create the K rows (conflict-free) and add once more.
+        self._create_slot_rows(place, counter, k)
+        if place.conn.execute(stmt).rowcount != 1:
+            raise StatsError(f"counter {counter!r} in {place.where}: slot row {slot} could not be created")
         return slot
 
     def read(self, target: Place | BriefcaseSession, counter: str) -> dict[str, int]:
@@ -131,10 +143,8 @@ class Counters:
     def _create_slot_rows(self, place: Place, counter: str, slots: int) -> None:
         """Create the zero rows of slots 0..K-1 together with K, so increments only ever update.
 
-        Why: a slot row is unique by its derived primary key and by (counter, slot). If two
-        first increments of one slot both inserted, the loser could collide on the index the
-        upsert does not target and raise. Created here with ON CONFLICT DO NOTHING (any unique
-        index), the rows exist before any increment can race on them.
+        ON CONFLICT DO NOTHING with no target covers both unique indexes (primary key and
+        (counter, slot)), so creators racing here never raise.
         """
         place.conn.execute(
             dialect_insert(place, self.tables.rows)

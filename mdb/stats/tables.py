@@ -13,11 +13,10 @@ Each pattern's tables come in two shapes built by one factory:
 Row ids that are not application GDIDs (a counter slot, a snapshot, a lock record) are
 *derived* GDIDs (:func:`derived_gdid`): a hash of the row's natural key, so the primary key
 stays a GDID, nothing auto-increments and a row keeps its id when its briefcase moves. The
-natural key also has a unique constraint, which is what the counter upsert targets: a hash
-collision could only ever raise, never merge two rows. Two unique indexes mean a conflict
-clause with a target covers only one of them; see :mod:`mdb.stats.counters` (slot rows are
-created with K, so increments never insert concurrently) and the target-less ``DO NOTHING``
-of the stats lock and snapshots.
+natural key also has a unique constraint: a hash collision could only ever raise, never merge
+two rows. Two unique indexes mean a conflict clause with a target covers only one of them; see
+:mod:`mdb.stats.counters` (slot rows are created with K and increments only UPDATE them) and
+the target-less ``DO NOTHING`` of the stats lock and snapshots.
 """
 
 from __future__ import annotations
