@@ -146,6 +146,13 @@ def test_central_shard(key: str) -> None:
     assert (data["shard_index"], data["shard_count"], data["server"]) == (0, 1, "central-a")
 
 
+def test_keys_that_look_like_emoji_codes_print_as_given() -> None:
+    """rich turns ``:fire:`` into an emoji unless the console is told not to."""
+    result = runner.invoke(app, ["central-shard", str(EXAMPLE), "tag:fire:1"])
+    assert result.exit_code == 0, result.stdout
+    assert "tag:fire:1" in result.stdout and "\N{FIRE}" not in result.stdout
+
+
 def test_central_shard_several_shards(tmp_path: Path) -> None:
     path = tmp_path / "c3.yaml"
     path.write_text(
@@ -214,6 +221,7 @@ def assert_one_error_line(err: str) -> str:
         (["route", str(EXAMPLE), "orders", "0:0:1"], "'orders'"),
         (["route", str(EXAMPLE), "central", "0:0:1", "--json"], "central"),
         (["route", str(EXAMPLE), "user", "0:0:0"], "0:0:0"),
+        (["route", str(EXAMPLE), "user", "12:x:5"], "'12:x:5'"),  # not rich's emoji code :x:
     ],
 )
 def test_bad_input_via_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], needle: str) -> None:

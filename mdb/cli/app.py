@@ -25,8 +25,10 @@ __all__ = ["app", "console", "err_console", "emit_json", "fail", "main", "map_ap
 
 # Piped into a file or a pager, rich would squeeze tables into 80 columns and cut GDIDs and
 # emails short; a wide fixed width keeps every cell whole there (a terminal keeps its own width).
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-err_console = Console(stderr=True, highlight=False)
+# emoji=False: rich would print the GDID "12:x:5" as "12❌5" and a key "tag:fire:1" as
+# "tag🔥1"; ``markup=False`` does not turn emoji codes off, only this does.
+console = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True, highlight=False, emoji=False)
 
 
 class DefaultCommandGroup(TyperGroup):
