@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -171,7 +172,12 @@ def test_cli_move_dry_run_where_status_and_move_back(cluster: Cluster) -> None:
     assert where["routed_to"] == target and where["holders"] == {target: 5} and where["relocation"] == target
     assert where["states"][home]["state"] == "gone" and where["consistent"]
     status = json.loads(run_cli(["moves", "status", str(cluster.path), "--json"]).stdout)
-    assert status["in_flight"] == [] and status["recent"][0]["status"] == "done"
+    done = status["recent"][0]
+    assert status["in_flight"] == [] and done["status"] == "done"
+    assert (done["briefcases_done"], done["briefcases_total"]) == (1, 1) and done["rows_done"] == done["rows_total"] == 5
+    time.sleep(1.1)  # a finished move's rate is over its own run time, not until now
+    again = json.loads(run_cli(["moves", "status", str(cluster.path), "--json"]).stdout)["recent"][0]
+    assert again["move_id"] == done["move_id"] and again["rows_per_second"] == done["rows_per_second"]
     back = run_cli(["move", str(cluster.path), "user", str(g), "--to", home])  # the rollback of a move
     assert back.returncode == 0, back.stderr
     where = json.loads(run_cli(["where", str(cluster.path), "user", str(g), "--json"]).stdout)

@@ -282,7 +282,7 @@ def finalize(store: Any, journal: Journal, entry: JournalEntry) -> None:
             else:
                 _set_state(conn, area, gdid, STATE_RESIDENT, entry.source, entry.move_id)
     fault_point("move.after_target_state")
-    journal.finish(entry.move_id, DONE)
+    journal.finish(entry.move_id, DONE, briefcases_done=1)
 
 
 def _resync(src: Connection, dst: Connection, tables: list[AreaTable], gdid: GDID, method: verify.Method) -> dict[str, int]:

@@ -15,7 +15,7 @@ from sqlalchemy import func, inspect as sa_inspect, select
 
 from mdb.errors import MdbError
 from mdb.gdid import GDID
-from mdb.moves.journal import Journal, JournalEntry
+from mdb.moves.journal import RUNNING, Journal, JournalEntry
 from mdb.moves.protocol import _state, area_tables
 from mdb.relocations import relocations
 
@@ -91,13 +91,17 @@ class MoveStatus:
         return {**self.entry.to_json(), "rows_per_second": self.rate_rows, "briefcases_per_second": self.rate_briefcases, "eta_seconds": self.eta_seconds}
 
 
+def _utc(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+
+
 def _status(entry: JournalEntry, now: datetime) -> MoveStatus:
-    started = entry.started_at
-    if started is None:
+    """Rates over the move's own run time: until now while it runs, until its last journal
+    update once it ended (a finished move's rate must not fall as time passes)."""
+    if entry.started_at is None:
         return MoveStatus(entry, None, None, None)
-    if started.tzinfo is None:
-        started = started.replace(tzinfo=timezone.utc)
-    elapsed = max((now - started).total_seconds(), 1e-6)
+    end = now if entry.status == RUNNING or entry.updated_at is None else _utc(entry.updated_at)
+    elapsed = max((end - _utc(entry.started_at)).total_seconds(), 1e-6)
     rate_rows = entry.rows_done / elapsed if entry.rows_done else None
     rate_bc = entry.briefcases_done / elapsed if entry.briefcases_done else None
     eta = None
