@@ -12,9 +12,10 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,9 @@ from mdb.demo.models import Transaction, User, UserBriefcase
 from mdb.errors import RetryableError
 from mdb.gdid import GDID
 from mdb.moves import move_briefcase
+from mdb.moves.journal import JournalEntry
 from mdb.moves.reshard import reshard
+from mdb.moves.status import status_of
 
 SERVERS = ["u1", "u2", "x"]
 USERS = [GDID(0, 0, i) for i in range(1, 9)]
@@ -175,15 +178,24 @@ def test_cli_move_dry_run_where_status_and_move_back(cluster: Cluster) -> None:
     done = status["recent"][0]
     assert status["in_flight"] == [] and done["status"] == "done"
     assert (done["briefcases_done"], done["briefcases_total"]) == (1, 1) and done["rows_done"] == done["rows_total"] == 5
-    time.sleep(1.1)  # a finished move's rate is over its own run time, not until now
-    again = json.loads(run_cli(["moves", "status", str(cluster.path), "--json"]).stdout)["recent"][0]
-    assert again["move_id"] == done["move_id"] and again["rows_per_second"] == done["rows_per_second"]
     back = run_cli(["move", str(cluster.path), "user", str(g), "--to", home])  # the rollback of a move
     assert back.returncode == 0, back.stderr
     where = json.loads(run_cli(["where", str(cluster.path), "user", str(g), "--json"]).stdout)
     assert where["routed_to"] == home and where["relocation"] is None and where["holders"] == {home: 5}
     bad = run_cli(["move", str(cluster.path), "user", str(g), "--to", "nope"])
     assert bad.returncode == 2 and "unknown server 'nope'" in bad.stderr
+
+
+def test_status_rates_are_over_the_moves_own_run_time() -> None:
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    running = JournalEntry("m1", "move", "user", "copy", "running", rows_total=300, rows_done=100, started_at=t0, updated_at=t0)
+    status = status_of(running, t0 + timedelta(seconds=10))
+    assert (status.rate_rows, status.eta_seconds) == (10.0, 20.0)
+    done = replace(running, step="done", status="done", rows_done=300, updated_at=t0 + timedelta(seconds=3))
+    for later in (1, 3600):  # a finished move's rate does not fall as time passes
+        assert status_of(done, t0 + timedelta(seconds=later)).rate_rows == 100.0
+    instant = replace(done, updated_at=t0)  # SQLite timestamps have whole seconds
+    assert status_of(instant, t0 + timedelta(seconds=5)).rate_rows is None
 
 
 def locations_of(cluster: Cluster, g: GDID) -> list[str]:

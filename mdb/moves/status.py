@@ -19,7 +19,7 @@ from mdb.moves.journal import RUNNING, Journal, JournalEntry
 from mdb.moves.protocol import _state, area_tables
 from mdb.relocations import relocations
 
-__all__ = ["BriefcaseWhere", "MoveStatus", "move_status", "where"]
+__all__ = ["BriefcaseWhere", "MoveStatus", "move_status", "status_of", "where"]
 
 
 @dataclass
@@ -95,13 +95,15 @@ def _utc(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
 
 
-def _status(entry: JournalEntry, now: datetime) -> MoveStatus:
+def status_of(entry: JournalEntry, now: datetime) -> MoveStatus:
     """Rates over the move's own run time: until now while it runs, until its last journal
     update once it ended (a finished move's rate must not fall as time passes)."""
     if entry.started_at is None:
         return MoveStatus(entry, None, None, None)
     end = now if entry.status == RUNNING or entry.updated_at is None else _utc(entry.updated_at)
-    elapsed = max((end - _utc(entry.started_at)).total_seconds(), 1e-6)
+    elapsed = (end - _utc(entry.started_at)).total_seconds()
+    if elapsed <= 0:  # SQLite's CURRENT_TIMESTAMP has whole seconds: a quick move took "0 s"
+        return MoveStatus(entry, None, None, None)
     rate_rows = entry.rows_done / elapsed if entry.rows_done else None
     rate_bc = entry.briefcases_done / elapsed if entry.briefcases_done else None
     eta = None
@@ -116,6 +118,6 @@ def move_status(store: Any, *, recent: int = 10) -> tuple[list[MoveStatus], list
     """(in flight, recently finished) journal entries with rate and ETA computed from exact counts."""
     journal = Journal(store)
     now = datetime.now(timezone.utc)
-    running = [_status(e, now) for e in journal.entries(unfinished=True)]
-    finished = [_status(e, now) for e in journal.entries(limit=recent + len(running)) if e.status != "running"][:recent]
+    running = [status_of(e, now) for e in journal.entries(unfinished=True)]
+    finished = [status_of(e, now) for e in journal.entries(limit=recent + len(running)) if e.status != "running"][:recent]
     return running, finished
