@@ -3,7 +3,7 @@
 A GDID is ``era`` (u32), ``authority`` (0..15) and ``counter`` (0..2^60-1). The authority and
 counter pack into one 64-bit *raw id* (``authority << 60 | counter``); the 12-byte form is the
 big-endian era followed by the big-endian raw id, so byte order equals GDID order and a
-database index on the bytes sorts like the ids. The formats are fixed by DESIGN.md because
+database index on the bytes sorts like the ids. The formats are fixed by docs/design.md because
 tests outside the project check them.
 """
 
@@ -210,7 +210,7 @@ class GDID:
 
     @classmethod
     def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
-        """Accept a GDID, its text or hex form; serialize to the text form (DESIGN.md)."""
+        """Accept a GDID, its text or hex form; serialize to the text form (docs/design.md)."""
         from pydantic_core import core_schema
 
         def coerce(value: Any) -> GDID:

@@ -1,4 +1,4 @@
-"""Safe partition map edits (DESIGN.md invariant 4): diff, high-water marks, apply, history.
+"""Safe partition map edits (docs/design.md invariant 4): diff, high-water marks, apply, history.
 
 A map edit must never re-route data that exists. What exists is bounded per area by its
 **high-water mark**: the highest GDID stored in the area (or issued for it). An edit is safe

@@ -1,4 +1,4 @@
-"""The ownership check every briefcase session runs on its shard (DESIGN.md invariant 2).
+"""The ownership check every briefcase session runs on its shard (docs/design.md invariant 2).
 
 A process routes with the map and relocations it has cached; that cache may be stale. So the
 session asks the shard itself, inside the session's own transaction: "is this briefcase still

@@ -3,7 +3,7 @@
 Kept in CENTRAL, one row per relocated briefcase, sharded over the CENTRAL shards by the
 GDID's 12 bytes like any CENTRAL key. Stores load the whole directory into their router and
 reload it when a session meets a fence; correctness never depends on that copy being fresh,
-because every session checks ownership on the shard itself (DESIGN.md invariant 2).
+because every session checks ownership on the shard itself (docs/design.md invariant 2).
 """
 
 from __future__ import annotations

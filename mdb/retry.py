@@ -1,4 +1,4 @@
-"""How a Store reacts when a shard refuses a briefcase session (DESIGN.md invariant 2).
+"""How a Store reacts when a shard refuses a briefcase session (docs/design.md invariant 2).
 
 Two kinds of refusal, two reactions. ``StaleRouteError``: this process routed with an old map
 or relocation cache; refresh and try again, a few times at most (more would mean the refresh

@@ -1,7 +1,7 @@
 """GDID and key routing: pure functions of a partition map (and a relocation directory).
 
 The router never does I/O. It answers "which shard, which server" for a GDID in an area
-(range set -> partition -> ``v mod shard count``, DESIGN.md "Routing") and for a CENTRAL key
+(range set -> partition -> ``v mod shard count``, docs/design.md "Routing") and for a CENTRAL key
 (FNV-1a-64 of the key bytes). Lookups bisect precomputed start lists, so an area with tens of
 thousands of partitions routes in O(log n). The same router serves the application, the
 schema tool and the move tools: there is no second copy of these rules.
@@ -25,7 +25,7 @@ _MASK64 = 2**64 - 1
 
 
 def fnv1a_64(data: bytes) -> int:
-    """FNV-1a, 64-bit: the CENTRAL sharding hash fixed by DESIGN.md."""
+    """FNV-1a, 64-bit: the CENTRAL sharding hash fixed by docs/design.md."""
     h = FNV_OFFSET_BASIS
     for byte in data:
         h = ((h ^ byte) * FNV_PRIME) & _MASK64

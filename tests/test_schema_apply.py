@@ -7,6 +7,9 @@ checked for leaks.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,8 @@ from mdb.engines import sqlalchemy_url
 from mdb.partition_map import load_map
 from mdb.router import Router
 from mdb.system_tables import shard_layout
+
+MDB = Path(sys.executable).parent / "mdb"
 
 SECRET = "Tr0ub4dor-schema-7c1"
 BRIEFCASE_TABLES = {"users", "pay_accounts", "account_authorization_history", "addresses", "orders",
@@ -134,3 +139,33 @@ def test_models_option_and_a_bad_module(tmp_path: Path, tmp_sqlite_urls: Any) ->
     assert BRIEFCASE_TABLES <= set(json.loads(result.stdout)["shards"][1]["created"])
     bad = run(str(path), "--models", "no_such_pkg.models")
     assert bad.exit_code == 2 and "cannot import models module 'no_such_pkg.models'" in bad.stderr
+
+
+def test_the_console_script_imports_models_from_the_folder_it_runs_in(tmp_path: Path) -> None:
+    """A map's ``models: [tourapp.models]`` is found in the current folder, as with ``python -m``
+    (a console script does not put the current folder on the import path by itself)."""
+    package = tmp_path / "tourapp"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "models.py").write_text(
+        "from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column\n"
+        "from mdb import GDID, GDIDType, BriefcaseType\n"
+        "class Base(DeclarativeBase):\n"
+        "    type_annotation_map = {GDID: GDIDType}\n"
+        "class Member(Base):\n"
+        "    __tablename__ = 'tour_members'\n"
+        "    member_id: Mapped[GDID] = mapped_column(primary_key=True)\n"
+        "class MemberBriefcase(BriefcaseType):\n"
+        "    area, key, root, children = 'member', 'member_id', Member, ()\n"
+    )
+    (tmp_path / "map.yaml").write_text(
+        yaml.safe_dump({
+            "version": 1, "models": ["tourapp.models"],
+            "servers": {"c": {"primary": "sqlite:///data/c.db"}, "m": {"primary": "sqlite:///data/m.db"}},
+            "areas": {"central": {"kind": "central", "shards": ["c"]}, "member": {"partitions": [{"start": "0:0:0", "shards": ["m"]}]}},
+        })
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([str(MDB), "schema", "apply", "map.yaml"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "tour_members" in inspect(create_engine(f"sqlite:///{tmp_path / 'data' / 'm.db'}")).get_table_names()

@@ -1,4 +1,4 @@
-"""Atomic entity creation by ordered writes (DESIGN.md invariant 5).
+"""Atomic entity creation by ordered writes (docs/design.md invariant 5).
 
 The briefcase and its CENTRAL entries live on different servers, so no single transaction
 covers both. Creation therefore writes in an order where every crash point leaves a state the

@@ -10,7 +10,7 @@ that every process agrees on its name, its normalization and its uniqueness:
         normalize = strip_casefold
         root_column = "email"
 
-Normalization is always explicit (DESIGN.md: never implicit): the normalized key is what is
+Normalization is always explicit (docs/design.md: never implicit): the normalized key is what is
 stored, hashed for the CENTRAL shard (FNV-1a-64 of its UTF-8 bytes) and compared. The
 ``root_column`` names the column of the briefcase root that carries the key; it is the source
 of truth the cache and ``mdb central check`` confirm entries against.

@@ -5,7 +5,7 @@ Every entry is a row of ``mdb_central_index`` on the CENTRAL shard that
 ``pending`` (a creation or rename in flight, or one that crashed). A pending entry is only
 believed after the briefcase root confirms it; a reader that finds it confirmed finishes it
 (marks it live), one that finds it unconfirmed and older than the grace period deletes it. That
-rule, with the write order of :mod:`mdb.central.creation`, is what keeps DESIGN.md invariant 5.
+rule, with the write order of :mod:`mdb.central.creation`, is what keeps docs/design.md invariant 5.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ others are still done, and the exit code (1) tells scripts that the run is incom
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Annotated
 
 import typer
@@ -28,7 +30,14 @@ app.add_typer(schema_app, name="schema")
 
 
 def import_models(modules: list[str]) -> None:
-    """Import the modules that declare briefcase types, so they register; a bad name fails clearly."""
+    """Import the modules that declare briefcase types, so they register; a bad name fails clearly.
+
+    The current folder is on the import path, as it is for ``python -m``: an application run
+    from its own folder names ``myapp.models`` and it is found without setting PYTHONPATH (a
+    console script, unlike ``python``, does not put the current folder there).
+    """
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     for module in dict.fromkeys(modules):
         try:
             importlib.import_module(module)

@@ -1,4 +1,4 @@
-"""Moving briefcases between servers online, and re-sharding partitions (DESIGN.md invariant 3).
+"""Moving briefcases between servers online, and re-sharding partitions (docs/design.md invariant 3).
 
 :func:`move_briefcase` moves one briefcase; :func:`reshard` moves every briefcase of a
 partition whose shard changes under a new shard list, then applies the new map;

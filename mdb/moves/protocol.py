@@ -1,4 +1,4 @@
-"""Moving one briefcase online (DESIGN.md invariant 3).
+"""Moving one briefcase online (docs/design.md invariant 3).
 
 Order of a move, each step journaled before it is taken (``mdb.moves.journal``):
 
