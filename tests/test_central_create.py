@@ -1,4 +1,4 @@
-"""Atomic entity creation (DESIGN.md invariant 5): many processes, and SIGKILL at every step.
+"""Atomic entity creation (docs/design.md invariant 5): many processes, and SIGKILL at every step.
 
 Real processes ('spawn'), real databases (SQLite files and PostgreSQL servers), no mocks: the
 crash is the creating process killing itself with SIGKILL at a named step

@@ -1,4 +1,4 @@
-"""GDID value type: the formats fixed by DESIGN.md, ordering, errors, pydantic and SQL storage."""
+"""GDID value type: the formats fixed by docs/design.md, ordering, errors, pydantic and SQL storage."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ spaces = st.text(alphabet=" \t", max_size=3)
 
 
 def reference_bytes(era: int, authority: int, counter: int) -> bytes:
-    """DESIGN.md: 12 bytes, big-endian era then big-endian raw id (authority << 60 | counter)."""
+    """docs/design.md: 12 bytes, big-endian era then big-endian raw id (authority << 60 | counter)."""
     return era.to_bytes(4, "big") + (authority << 60 | counter).to_bytes(8, "big")
 
 

@@ -1,4 +1,4 @@
-"""Map edit safety (DESIGN.md invariant 4), pure part: ``diff_maps`` against the router itself.
+"""Map edit safety (docs/design.md invariant 4), pure part: ``diff_maps`` against the router itself.
 
 The property tests generate a map and random edits of it, then compare ``Router`` placements
 of GDIDs at and below the high-water mark (boundaries included) before and after: an edit the

@@ -1,4 +1,4 @@
-"""A move can crash anywhere (DESIGN.md invariant 3): SIGKILL at every named step, then resume.
+"""A move can crash anywhere (docs/design.md invariant 3): SIGKILL at every named step, then resume.
 
 Each case runs the real ``mdb move`` / ``mdb reshard`` in a child process with
 ``MDB_FAULT_POINT`` naming a point in the protocol; the child kills itself there with SIGKILL.

@@ -1,4 +1,4 @@
-"""A reshard while another process keeps CREATING briefcases in the partition (DESIGN.md 1-2).
+"""A reshard while another process keeps CREATING briefcases in the partition (docs/design.md 1-2).
 
 Without the freeze of the reshard's final phase, a briefcase created on an old shard after the
 last sweep and before the new map is stamped would stay there while the new map routes it

@@ -1,4 +1,4 @@
-"""Router: placement by the rules of DESIGN.md, checked by hand and against a brute-force reference."""
+"""Router: placement by the rules of docs/design.md, checked by hand and against a brute-force reference."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def ref_fnv1a_64(data: bytes) -> int:
     return h
 
 
-# -- the DESIGN.md example, by hand ------------------------------------------------------------------------
+# -- the docs/design.md example, by hand ------------------------------------------------------------------------
 
 # (area, gdid, range set, partition start, partition end, shard index, shard count, server)
 EXAMPLE_CASES = [

@@ -1,4 +1,4 @@
-"""A stale router cannot lose data (DESIGN.md invariant 2).
+"""A stale router cannot lose data (docs/design.md invariant 2).
 
 A Store caches the map and the relocation directory. These tests make that cache wrong on
 purpose (an older map version, a re-stamped shard, a briefcase that moved away, a move in

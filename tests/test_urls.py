@@ -1,4 +1,4 @@
-"""Masking of secrets in connection URLs (DESIGN.md invariant 6: secrets stay secret)."""
+"""Masking of secrets in connection URLs (docs/design.md invariant 6: secrets stay secret)."""
 
 from __future__ import annotations
 
