@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from sqlalchemy import Column, Identity, Integer, Sequence as SqlSequence, Table, inspect as sa_inspect
+from sqlalchemy.exc import NoInspectionAvailable
 
 from mdb.errors import SchemaError
 from mdb.sqltypes import GDIDType
@@ -50,7 +51,7 @@ class BriefcaseType:
         for model in models:
             try:
                 mapper = sa_inspect(model)
-            except Exception:
+            except NoInspectionAvailable:
                 raise SchemaError(f"briefcase type {name}: {model!r} is not a SQLAlchemy mapped class") from None
             table = mapper.local_table
             if not isinstance(table, Table):

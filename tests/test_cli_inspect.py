@@ -243,7 +243,7 @@ def test_broken_map_via_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
 
 
 def test_missing_map_via_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, out, err = run_main(monkeypatch, capsys, "map", "check", str(tmp_path / "nope.yaml"))
+    code, _out, err = run_main(monkeypatch, capsys, "map", "check", str(tmp_path / "nope.yaml"))
     assert code == 2
     assert str(tmp_path / "nope.yaml") in assert_one_error_line(err)
 

@@ -263,7 +263,7 @@ def test_text_limits_are_inclusive() -> None:
     assert (g.era, g.authority, g.counter) == (MAX_ERA, 15, MAX_COUNTER)
     assert g.hex == "f" * 24
     assert_refused(f"{MAX_ERA + 1}:0:0")
-    assert_refused(f"0:16:0")
+    assert_refused("0:16:0")
     assert_refused(f"0:0:{MAX_COUNTER + 1}")
 
 

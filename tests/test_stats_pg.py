@@ -17,9 +17,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from mapfiles import write_map
 from sqlalchemy import delete, event, func, select
 from test_stats_support import (
-    BC_COUNTER_TABLES,
     BC_COUNTERS,
-    BC_LOCK,
     BC_LOCK_TABLES,
     BC_LOG,
     BC_LOG_TABLES,
