@@ -120,7 +120,7 @@ def _from_condition(key: ColumnElement[Any], start: GDID) -> ColumnElement[bool]
     """
     if start.counter == 0:
         return key >= GDID(start.era, 0, 0)
-    ranges = [key.between(GDID(start.era, a, start.counter), GDID(start.era, a, MAX_COUNTER)) for a in range(MAX_AUTHORITY + 1)]
+    ranges: list[ColumnElement[bool]] = [key.between(GDID(start.era, a, start.counter), GDID(start.era, a, MAX_COUNTER)) for a in range(MAX_AUTHORITY + 1)]
     if start.era < MAX_ERA:
         ranges.append(key >= GDID(start.era + 1, 0, 0))
     return or_(*ranges)
@@ -265,7 +265,7 @@ def _shard_order_by(orders: list[_Order], backend: str) -> list[ColumnElement[An
     The merge compares Python values, and Python orders str by code point: PostgreSQL's
     ``COLLATE "C"`` is that order (UTF-8 bytes), SQLite's default BINARY collation already is.
     """
-    terms = []
+    terms: list[ColumnElement[Any]] = []
     for o in orders:
         expr = o.sql
         if backend == "postgresql" and _is_string(expr):
@@ -550,7 +550,8 @@ def _aggregate(
             _average(*value) if spec.kind == "avg" else (value or 0) if spec.kind == "count" else value
             for spec, value in zip(specs, acc)
         ))
-    rows = list(IteratorResult(SimpleResultMetaData(names), iter(tuples)).all())
+    merged: IteratorResult[Any] = IteratorResult(SimpleResultMetaData(names), iter(tuples))  # rows of any shape
+    rows = list(merged.all())
     if orders:
         rows.sort(key=lambda row: _SortKey(row, orders))
     return rows[offset: None if limit is None else offset + limit], failed

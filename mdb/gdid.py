@@ -10,6 +10,7 @@ tests outside the project check them.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from itertools import repeat
 from typing import Any, ClassVar, Final
 
@@ -227,7 +228,7 @@ class GDID:
         )
 
 
-GDID.ZERO = GDID(0, 0, 0)  # type: ignore[attr-defined]
+GDID.ZERO = GDID(0, 0, 0)
 
 
 # -- trusted construction (for the generator's hot path) ---------------------------------------
@@ -236,9 +237,11 @@ GDID.ZERO = GDID(0, 0, 0)  # type: ignore[attr-defined]
 # Writing the slots through their descriptors bypasses the immutability guard in __setattr__,
 # and map() over C callables builds a whole run without a Python-level loop.
 
+# The slot descriptors are read from the class __dict__: mypy sees ``GDID._era`` as the
+# instance attribute (an int), not the member descriptor that Python puts there for a slot.
 _new_object = object.__new__
-_set_era = GDID._era.__set__  # type: ignore[attr-defined]
-_set_raw = GDID._raw.__set__  # type: ignore[attr-defined]
+_set_era: Callable[[GDID, int], None] = vars(GDID)["_era"].__set__
+_set_raw: Callable[[GDID, int], None] = vars(GDID)["_raw"].__set__
 
 
 def _trusted(era: int, raw_id: int) -> GDID:

@@ -159,7 +159,7 @@ def authority_from_env() -> int:
 # -- the sequence table -------------------------------------------------------------------------
 
 
-def _upsert(dialect: str):  # type: ignore[no-untyped-def]
+def _upsert(dialect: str) -> Callable[[Table], postgresql.Insert | sqlite.Insert]:
     if dialect == "postgresql":
         return postgresql.insert
     if dialect == "sqlite":
@@ -177,7 +177,7 @@ def reserve_block(conn: Connection, scope: str, sequence: str, size: int) -> Blo
     _check_block_size(size)
     t = sequences
     fits = t.c.next_counter + size <= MAX_COUNTER  # the position after the block is a valid counter
-    stmt = _upsert(conn.dialect.name)(t).values(
+    insert_new = _upsert(conn.dialect.name)(t).values(
         scope=scope,
         sequence=sequence,
         era=0,
@@ -186,7 +186,7 @@ def reserve_block(conn: Connection, scope: str, sequence: str, size: int) -> Blo
         block_start=1,
         block_end=size,
     )
-    stmt = stmt.on_conflict_do_update(
+    stmt = insert_new.on_conflict_do_update(
         index_elements=[t.c.scope, t.c.sequence],
         set_={
             # Every right-hand side reads the row as it was before this statement.

@@ -773,14 +773,14 @@ def apply_map(
                 undo.append((server, area, None))
                 report.stamps.append(StampChange(server, area, "added", None, _fmt_layout(layout)))
             # 4./5. changed and removed stamps, each under the shard's layout lock
-            for server, area, current, layout in plan_change:
+            for server, area, current, new_layout in plan_change:
                 with target.transaction(server) as conn:
                     _lock_layout(conn, lock_timeout)
-                    _shrink_check(store, conn, server, area, current, layout)
-                    _write_stamp(conn, server, area, layout, new_map.version)
+                    _shrink_check(store, conn, server, area, current, new_layout)
+                    _write_stamp(conn, server, area, new_layout, new_map.version)
                 undo.append((server, area, current))
-                action: Literal["changed", "removed"] = "changed" if layout is not None else "removed"
-                report.stamps.append(StampChange(server, area, action, _fmt_layout(current), _fmt_layout(layout)))
+                action: Literal["changed", "removed"] = "changed" if new_layout is not None else "removed"
+                report.stamps.append(StampChange(server, area, action, _fmt_layout(current), _fmt_layout(new_layout)))
         except Exception as exc:
             problems = _undo(target, undo, old_map.version, lock_timeout)
             detail = str(exc) if isinstance(exc, MdbError) else f"{type(exc).__name__}: {dberrors.describe(exc)}"

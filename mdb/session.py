@@ -109,7 +109,7 @@ class BriefcaseSession(Session):
 
     @property
     def briefcase(self) -> BriefcaseContext:
-        return self.info[_INFO_KEY]  # type: ignore[no-any-return]
+        return self.info[_INFO_KEY]
 
     @property
     def gdid(self) -> GDID:
@@ -127,7 +127,9 @@ def _confine_statements(state: ORMExecuteState) -> None:
         return
     if ctx.readonly and not state.is_select:
         raise MdbError(f"briefcase {ctx.btype.area}/{ctx.gdid}: a readonly session cannot update or delete")
-    state.statement = state.statement.options(_criteria(ctx.btype))
+    # A class is hashable, but mypy checks type[X] against Hashable with the instance's __hash__
+    # (python/mypy#11470), so it rejects this call into the functools.cache wrapper.
+    state.statement = state.statement.options(_criteria(ctx.btype))  # type: ignore[arg-type]
     state.parameters = _with_key(state.parameters, ctx.gdid)
 
 

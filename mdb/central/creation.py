@@ -84,6 +84,11 @@ def _resolve_keys(
         if raw is None:
             if idx.root_column is None:
                 raise SchemaError(f"CENTRAL index {idx.name!r} has no root_column: pass its key explicitly")
+            if carried is None:
+                # a ValueError like key_of's for a bad key (it got this None before), naming the empty column
+                raise ValueError(
+                    f"the new {btype.__name__} root has no {idx.root_column} for index {idx.name!r}: set it or pass the key explicitly"
+                )
             raw = carried
         nkey = idx.key_of(raw)
         if idx.root_column is not None and (carried is None or idx.key_of(carried) != nkey):

@@ -123,7 +123,7 @@ class CentralIndex:
                 )
         fn = cls.__dict__.get("normalize")
         if isinstance(fn, FunctionType):
-            cls.normalize = staticmethod(fn)  # type: ignore[assignment]
+            cls.normalize = staticmethod(fn)
         if not callable(cls.normalize):
             raise SchemaError(f"CENTRAL index {label}: normalize must be a function str -> str")
         if not isinstance(cls.name, str) or not cls.name or len(cls.name) > 63:

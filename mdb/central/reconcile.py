@@ -154,8 +154,14 @@ def check(central: Central, indexes: Iterable[type[CentralIndex]], *, grace: flo
     for row in entries:
         idx = by_name[row.index_name]
         root = roots_by_type[central.briefcase_type(idx)].get(row.gdid)
-        carried = None if root is None or idx.root_column is None else _normalized(idx, root[idx.root_column])
-        ok = root is not None and (idx.root_column is None or carried == row.key)
+        carried_raw: Any = None  # the root column's value, read once for the check and the report
+        if root is None:
+            ok = False
+        elif idx.root_column is None:
+            ok = True
+        else:
+            carried_raw = root[idx.root_column]
+            ok = _normalized(idx, carried_raw) == row.key
         indexed.add((row.index_name, row.key, row.gdid))
         if ok:
             valid.setdefault((row.index_name, row.key), set()).add(row.gdid)
@@ -166,7 +172,7 @@ def check(central: Central, indexes: Iterable[type[CentralIndex]], *, grace: flo
         if root is None:
             kind, detail = "dangling", "the briefcase does not exist"
         else:
-            kind, detail = "stale", f"the briefcase root carries {idx.root_column}={root[idx.root_column]!r}"
+            kind, detail = "stale", f"the briefcase root carries {idx.root_column}={carried_raw!r}"
         problem = Problem(kind, row.index_name, row.key, row.gdid, row.state, detail)
         if row.state == STATE_PENDING and now - row.created_at <= grace:
             report.in_progress.append(problem)

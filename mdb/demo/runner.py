@@ -163,7 +163,8 @@ def run_demo(store: Store, n_users: int, *, progress: Console | None = None) -> 
             "orders": len(orders.list_orders(gdid)),
             "balance_cents": ledger.read_balance(gdid),
         })
-    probe = [v["email"] for v in report.reads if v["email"]][:3]
+    emails = [v["email"] for v in report.reads]
+    probe = [e for e in emails if isinstance(e, str) and e][:3]  # None where the user was not found
     probe = [*(f" {e.upper()}" for e in probe), *probe, f"nobody@{DOMAIN}", f"nobody@{DOMAIN}"]
     for email in probe:
         t = time.perf_counter()

@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
+from mdb.errors import MapError
 from mdb.gdid import GDID
 from mdb.mongo.fake import FakeMongo
 from mdb.mongo.hot import MongoCounter, MongoStatsLock
 from mdb.mongo.moves import checksums, move_documents
 from mdb.mongo.store import MongoStore
 from mdb.mongo.types import DocumentBriefcaseType, MongoIndex
+from mdb.urls import mask_url
 
 __all__ = ["CustomerDocs", "DocumentDemoReport", "run_document_demo", "write_document_map"]
 
@@ -93,10 +96,16 @@ def run_document_demo(folder: Path, mongo_uri: str | None, customers: int = 30, 
     from mdb.schema import apply_schema
     from mdb.store import Store
 
+    if mongo_uri:
+        host = urlsplit(mongo_uri).hostname
+        if host is None:  # e.g. "mongodb:///db": say so before writing a map nothing can reach
+            raise MapError(f"MongoDB URI {mask_url(mongo_uri)} names no host")
+        backend = "MongoDB at " + host
+    else:
+        backend = "in-process fake MongoDB (mongomock-ng): no MongoDB URI configured"
     rnd = random.Random(seed)
     map_path = write_document_map(folder, mongo_uri)
     fake = None if mongo_uri else FakeMongo()
-    backend = "MongoDB at " + urlsplit(mongo_uri).hostname if mongo_uri else "in-process fake MongoDB (mongomock-ng): no MongoDB URI configured"
     report = DocumentDemoReport(backend, map_path)
 
     def open_store() -> Store:
@@ -118,7 +127,7 @@ def run_document_demo(folder: Path, mongo_uri: str | None, customers: int = 30, 
             cid = ids.next()
             with store.documents(CustomerDocs, cid) as bc:
                 bc.root.insert_one({"email": f"customer{n}@example.com", "name": f"Customer {n}"})
-                orders = [
+                orders: list[dict[str, Any]] = [
                     {"_id": order_ids.next(), "number": i, "total": rnd.randint(5, 500), "status": rnd.choice(["open", "paid"])}
                     for i in range(rnd.randint(1, 5))
                 ]
@@ -134,7 +143,7 @@ def run_document_demo(folder: Path, mongo_uri: str | None, customers: int = 30, 
                     report.deliveries += 1
                     with store.documents(CustomerDocs, cid) as bc:
                         if PAYMENTS.apply(bc, f"pay-{order['_id'].hex}", "settled", "spent",
-                                          lambda b, t=order["total"]: SPENT.add(b, amount=t, payments=1)):
+                                          partial(SPENT.add, amount=order["total"], payments=1)):
                             report.applied += 1
                             if cid not in paying:
                                 paying.append(cid)

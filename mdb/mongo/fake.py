@@ -38,15 +38,18 @@ class FakeMongo:
         return f"FakeMongo(servers={len(self._servers)}, transactions={self.transactions})"
 
     def __call__(self, url: str, **options: Any) -> FakeClient:
+        # store is a submodule: ``import mongomock_ng`` alone does not promise to load it
         import mongomock_ng
+        from mongomock_ng.store import ServerStore
 
         parts = urlsplit(url.strip())
         key = f"{parts.hostname or ''}:{parts.port or ''}/{parts.path.lstrip('/')}"
         with self._lock:
             if key not in self._servers:
-                self._servers[key] = (mongomock_ng.store.ServerStore(), threading.RLock())
+                self._servers[key] = (ServerStore(), threading.RLock())
             store, lock = self._servers[key]
-        client = mongomock_ng.MongoClient(_store=store)
+        # mongomock-ng's stubs present its client as pymongo's MongoClient, generic in the document type
+        client: mongomock_ng.MongoClient[dict[str, Any]] = mongomock_ng.MongoClient(_store=store)
         return FakeClient(client, lock, self.transactions)
 
 

@@ -112,7 +112,7 @@ class MongoStore:
     ) -> MongoStore:
         """Give ``store`` its MongoStore (``store.mongo``) built with this client factory."""
         mongo = cls(store, client_factory=client_factory, types=types, transactions=transactions)
-        store._mongo = mongo  # type: ignore[attr-defined]
+        store._mongo = mongo
         return mongo
 
     def __repr__(self) -> str:

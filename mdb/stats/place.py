@@ -126,9 +126,11 @@ def dialect_insert(place: Place, table: Table) -> Any:
     """INSERT with ON CONFLICT support for the place's backend (PostgreSQL or SQLite)."""
     name = place.conn.dialect.name
     if name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    elif name == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert
-    else:
-        raise MdbError(f"hot-data tables need PostgreSQL or SQLite (ON CONFLICT), not {name!r}")
-    return insert(table)
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        return pg_insert(table)
+    if name == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        return sqlite_insert(table)
+    raise MdbError(f"hot-data tables need PostgreSQL or SQLite (ON CONFLICT), not {name!r}")

@@ -36,7 +36,7 @@ from types import TracebackType
 from typing import Any
 
 import psycopg
-import testing.postgresql  # type: ignore[import-untyped]
+import testing.postgresql
 from psycopg import sql
 
 __all__ = [
@@ -207,7 +207,7 @@ def _template_data_dir(bindir: Path, user: pwd.struct_passwd | None) -> Path:
 # -- servers -----------------------------------------------------------------------------------
 
 
-class _Postgresql(testing.postgresql.Postgresql):  # type: ignore[misc]
+class _Postgresql(testing.postgresql.Postgresql):
     """testing.postgresql's server, launched through a command prefix (``setpriv`` as root)."""
 
     def __init__(self, prefix: list[str], **settings: Any) -> None:
