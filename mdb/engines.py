@@ -3,8 +3,9 @@
 Engines know nothing of GDIDs or areas; they only turn the map's server names into pooled
 connections. SQLite files get WAL and a busy timeout (so concurrent writers wait instead of
 failing), PostgreSQL URLs are forced onto psycopg 3. On both, mdb issues BEGIN itself (driver
-autocommit mode plus the dialect's ``do_begin``) so that a transaction can carry a prelude, the briefcase
-ownership check, without an extra round trip. URLs are masked in every repr and error.
+autocommit mode plus the dialect's ``do_begin``) so that a transaction can carry a prelude,
+the briefcase ownership check, without an extra round trip. URLs are masked in every repr and
+error.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ spread.
 Why an UPDATE and not an upsert: a slot row is unique twice, by its derived primary key and by
 ``(counter, slot)``. PostgreSQL's ``ON CONFLICT (counter, slot) DO UPDATE`` pre-checks only its
 arbiter index, and that pre-check can miss a row that a concurrent writer is updating to a new
-version (CI saw it: ``UniqueViolation`` on ``pk_…`` under 16 writers on K = 1); the insert it
+version (CI saw it: ``UniqueViolation`` on ``pk_…`` with 8 writers on K = 1); the insert it
 then attempts raises on the primary key, which is not an arbiter. An UPDATE waits on the row
 lock and re-reads the row, so it never raises under contention.
 
