@@ -74,7 +74,7 @@ None when that is unknown (a PREPARE failed half-way, or they went missing)."""
 
 @dataclass(frozen=True)
 class Prelude:
-    """Statements (literals inlined) to run right after BEGIN, in the same round trip.
+    """Statements to run right after BEGIN, in the same round trip.
 
     ``prepare`` maps the names of server-side prepared statements the statements ``EXECUTE``
     to their definitions, ``(argument types) AS query`` (PostgreSQL only). They are prepared
@@ -84,6 +84,9 @@ class Prelude:
 
     statements: tuple[str, ...]
     prepare: Mapping[str, str] = field(default_factory=dict)
+    params: Mapping[str, Any] = field(default_factory=dict)
+    """Named parameters of the statements (SQLite only: a PostgreSQL prelude travels as one
+    simple-protocol string, which takes none, so its values are inlined)."""
 
 
 def _last_rows(cursor: Any) -> list[tuple[Any, ...]] | None:
@@ -154,7 +157,7 @@ def _sqlite_begin(fairy: Any, begin: str) -> None:
         if prelude is not None:
             rows = None
             for statement in prelude.statements:
-                cursor.execute(statement)
+                cursor.execute(statement, prelude.params)
                 rows = cursor.fetchall() if cursor.description is not None else rows
             fairy.info[BEGIN_RESULT] = rows
     finally:

