@@ -171,6 +171,11 @@ def _locate(text: str, source: str) -> tuple[_Located, list[tuple[Path_, str]]]:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source
         problem = getattr(exc, "problem", None) or str(exc)
+        # The parser notices a missing bracket or quote only at the next token, often a line
+        # later; the construct it was reading when it failed points at the real culprit.
+        context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and context_mark is not None and (mark is None or context_mark.line != mark.line):
+            problem += f" ({context} at line {context_mark.line + 1}, column {context_mark.column + 1})"
         raise MapError(f"{where}: invalid YAML: {problem}") from None
     if node is None:
         raise MapError(f"{source}: the map is empty")

@@ -590,6 +590,15 @@ def test_invalid_yaml(tmp_path: Path, text: str) -> None:
     expect_map_error(tmp_path, text, r"invalid YAML")
 
 
+def test_an_unclosed_bracket_is_traced_to_the_line_that_opened_it(tmp_path: Path) -> None:
+    """The parser notices a missing ``}`` only at the next line; the message also names the
+    line where the flow mapping started, where the fix goes."""
+    path = tmp_path / "unclosed.yaml"
+    path.write_text('version: 1\nservers:\n  a: {primary: "sqlite:///a.db"\n  b: {primary: "sqlite:///b.db"}\n')
+    with pytest.raises(MapError, match=re.escape(f"{path}:4: invalid YAML") + r".*flow mapping at line 3, column 6"):
+        load_map(path)
+
+
 def test_empty_file(tmp_path: Path) -> None:
     path = tmp_path / "empty.yaml"
     path.write_text("# nothing\n")
