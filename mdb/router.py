@@ -146,7 +146,7 @@ class Router:
             if area == self._map.central_area:
                 raise RoutingError(f"area {area!r} is the CENTRAL area: route its keys with locate_central") from None
             known = ", ".join(self._areas) or "none"
-            raise RoutingError(f"unknown area {area!r} (map version {self.version} has: {known})") from None
+            raise RoutingError(f"unknown area {area!r} (map version {self.version} in {self._map.source} has: {known})") from None
 
     def default_placement(self, area: str, gdid: GDID) -> Placement:
         """Where the map puts ``gdid``, ignoring relocations."""

@@ -218,7 +218,7 @@ def assert_one_error_line(err: str) -> str:
         (["gdid", "0:16:0", "--json"], "'0:16:0'"),
         (["gdid", "zz"], "'zz'"),
         (["route", str(EXAMPLE), "user", "0:0:+1"], "'0:0:+1'"),
-        (["route", str(EXAMPLE), "orders", "0:0:1"], "'orders'"),
+        (["route", str(EXAMPLE), "orders", "0:0:1"], f"unknown area 'orders' (map version 3 in {EXAMPLE} has: user, archive)"),
         (["route", str(EXAMPLE), "central", "0:0:1", "--json"], "central"),
         (["route", str(EXAMPLE), "user", "0:0:0"], "0:0:0"),
         (["route", str(EXAMPLE), "user", "12:x:5"], "'12:x:5'"),  # not rich's emoji code :x:

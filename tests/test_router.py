@@ -115,6 +115,7 @@ def test_unknown_area(example: Router) -> None:
     with pytest.raises(RoutingError, match="'orders'") as info:
         example.locate("orders", g("0:0:1"))
     assert isinstance(info.value, LookupError) and isinstance(info.value, MdbError)
+    assert "example.yaml has: user, archive" in str(info.value)  # the map it looked in, and its areas
 
 
 def test_central_is_not_a_partitioned_area(example: Router) -> None:
