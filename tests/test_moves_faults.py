@@ -115,6 +115,29 @@ def test_sigkill_while_resuming_a_rollback(cluster: Cluster) -> None:
     _check(cluster, before, placed)
 
 
+def test_a_briefcase_with_an_interrupted_move_is_not_moved_again_until_resume(cluster: Cluster) -> None:
+    """The killed move left a copy on its target and a journal row that resume acts on; a second
+    move beside them would leave resume reasoning about the wrong source."""
+    with cluster.store() as store:
+        before = snapshot(store, SERVERS)
+    placed = _check(cluster, before)
+    g = USERS[1]
+    first, second = (s for s in SERVERS if s != placed[g])
+    run = run_cli(["move", str(cluster.path), "user", str(g), "--to", first], env={"MDB_FAULT_POINT": "move.after_copy_commit"})
+    assert run.returncode == -signal.SIGKILL
+    for args in (["--to", second], ["--to", second, "--dry-run"]):
+        refused = run_cli(["move", str(cluster.path), "user", str(g), *args])
+        assert refused.returncode == 2 and "unfinished moves" in refused.stderr and "mdb moves resume" in refused.stderr, refused.stderr
+    other = USERS[2]  # another briefcase of the same partition is not held up
+    moved = run_cli(["move", str(cluster.path), "user", str(other), "--to", next(s for s in SERVERS if s != placed[other])])
+    assert moved.returncode == 0, moved.stderr
+    _resume(cluster)
+    placed = _check(cluster, before)
+    again = run_cli(["move", str(cluster.path), "user", str(g), "--to", second])
+    assert again.returncode == 0, again.stderr
+    _check(cluster, before, {**placed, g: second})
+
+
 RESHARD_POINTS = [
     ("reshard.after_journal_start", {}),
     ("reshard.after_plan", {}),

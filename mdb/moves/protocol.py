@@ -52,11 +52,13 @@ from mdb.moves.journal import ABORTED, DONE, RUNNING, Journal, JournalEntry, new
 from mdb.ownership import lock_key_sql
 from mdb.relocations import clear_relocation, set_relocation
 from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
+from mdb.urls import mask_secrets
 
 __all__ = [
     "MoveAbortedError",
     "MoveResult",
     "area_tables",
+    "check_max_pause",
     "check_target_schema",
     "discard_target",
     "finalize",
@@ -415,6 +417,31 @@ def _mismatches(
 # -- the move ------------------------------------------------------------------------------------
 
 
+def check_max_pause(max_pause: float) -> None:
+    """A negative bound is a typo, not "no pause allowed" (that is 0: every cutover aborts)."""
+    if not max_pause >= 0:  # also refuses NaN
+        raise MdbError(f"max pause must be at least 0 seconds, got {max_pause!r}")
+
+
+def _refuse_if_busy(store: Any, journal: Journal, area: str, gdid: GDID) -> None:
+    """Refuse a move of a briefcase that an unfinished move or reshard may still touch.
+
+    An interrupted move leaves a copy on its target and a journal row that resume acts on; a
+    second move started beside it would leave resume reasoning about the wrong source. A
+    reshard plans its partition's briefcases up front; a move of one of them would race it.
+    """
+    partition = store.router.default_placement(area, gdid).partition_start
+    busy = [
+        e.move_id for e in journal.entries(unfinished=True)
+        if e.area == area and (e.gdid == gdid or (e.kind == "reshard" and e.params.get("partition_start") == str(partition)))
+    ]
+    if busy:
+        raise MdbError(
+            f"briefcase {area}/{gdid} has unfinished moves or a reshard of its partition ({', '.join(busy)}): "
+            "run `mdb moves resume MAP` first"
+        )
+
+
 def move_briefcase(
     store: Any,
     area: str,
@@ -436,6 +463,7 @@ def move_briefcase(
     Raises :class:`MoveAbortedError` (source still authoritative, target copy removed) when
     verification fails or the pause would exceed ``max_pause``.
     """
+    check_max_pause(max_pause)
     if refresh:
         store.refresh()
     tables = area_tables(store, area)
@@ -444,12 +472,14 @@ def move_briefcase(
     if source == target:
         return MoveResult(None, area, gdid, source, target, "already-there")
     store.engines.spec(target)  # unknown server -> RoutingError naming the known ones
+    journal = journal or Journal(store)
+    if reshard_id is None:
+        _refuse_if_busy(store, journal, area, gdid)
     with store.transaction(source) as conn:
         sizes = measure(conn, tables, gdid, with_bytes=dry_run)  # a move measures bytes under the lock
     if dry_run:
         precheck(store, area, gdid, source, target, tables, "dry-run")
         return MoveResult(None, area, gdid, source, target, "dry-run", sizes)
-    journal = journal or Journal(store)
     move_id = new_move_id("move")
     total = sum(r for r, _ in sizes.values())
     journal.start(JournalEntry(
@@ -587,10 +617,13 @@ def move_briefcase(
             pause = time.monotonic() - locked_at
     except MoveAbortedError:
         raise
-    except BaseException:
+    except BaseException as exc:
         # Anything else (a server going away, a bug): the source transaction was rolled back by
-        # locked_source, so the source is authoritative; resume discards the target copy.
-        log.exception("move %s of %s/%s failed before finishing; run `mdb moves resume`", move_id, area, gdid)
+        # locked_source, so the source is authoritative; resume discards the target copy. The
+        # error itself propagates (the CLI prints it; a bug keeps its traceback there), so this
+        # line only adds what to do next.
+        log.error("move %s of %s/%s failed before its commit point (%s: %s); the source is authoritative, "
+                  "run `mdb moves resume` to discard the partial copy", move_id, area, gdid, type(exc).__name__, mask_secrets(str(exc)))
         raise
     fault_point("move.after_commit_point")
     entry = journal.get(move_id)

@@ -42,7 +42,7 @@ from mdb.moves.faults import fault_point
 from mdb.moves.freeze import freeze_partition, unfreeze_partition
 from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.plan import PlannedMove, ReshardPlan, find_partition, plan_reshard
-from mdb.moves.protocol import DEFAULT_MAX_PAUSE, MoveAbortedError, area_tables, check_target_schema, move_briefcase
+from mdb.moves.protocol import DEFAULT_MAX_PAUSE, MoveAbortedError, area_tables, check_max_pause, check_target_schema, move_briefcase
 from mdb.partition_map import PartitionMap, parse_map
 from mdb.relocations import clear_relocation
 from mdb.system_tables import STATE_RESIDENT, briefcase_state
@@ -113,6 +113,7 @@ def reshard(
     progress: ReshardProgress | None = None,
 ) -> ReshardOutcome:
     """Re-shard partition ``start`` of ``area`` onto ``new_shards``; see the module docstring."""
+    check_max_pause(max_pause)
     store.refresh()
     _validate(store, area, start, new_shards)
     tables = area_tables(store, area)
