@@ -23,7 +23,7 @@ from movehelp import ROOT, Cluster, add_transaction, create_user, locations, mak
 from sqlalchemy import func, select
 
 from mdb.demo.models import Transaction, User, UserBriefcase
-from mdb.errors import RetryableError
+from mdb.errors import MdbError, RetryableError
 from mdb.gdid import GDID
 from mdb.moves import move_briefcase
 from mdb.moves.journal import JournalEntry
@@ -184,6 +184,14 @@ def test_cli_move_dry_run_where_status_and_move_back(cluster: Cluster) -> None:
     assert where["routed_to"] == home and where["relocation"] is None and where["holders"] == {home: 5}
     bad = run_cli(["move", str(cluster.path), "user", str(g), "--to", "nope"])
     assert bad.returncode == 2 and "unknown server 'nope'" in bad.stderr
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+def test_a_negative_max_pause_is_refused_before_anything_runs(bad: float) -> None:
+    with pytest.raises(MdbError, match="max pause must be at least 0 seconds"):
+        move_briefcase(None, "user", GDID(0, 0, 1), "x", max_pause=bad)  # no Store needed: refused first
+    with pytest.raises(MdbError, match="max pause must be at least 0 seconds"):
+        reshard(None, "user", GDID(0, 0, 0), ["a", "b"], max_pause=bad)
 
 
 def test_status_rates_are_over_the_moves_own_run_time() -> None:

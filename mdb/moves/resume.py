@@ -79,6 +79,7 @@ def resume_all(store: Any, *, retry: bool = False, progress: Any = None) -> list
 
     for entry in unfinished:
         if entry.kind == "reshard":
+            interrupted_at = entry.step  # continue_reshard moves the entry on as it goes
             continue_reshard(store, journal, entry, progress=progress)
-            outcomes.append(ResumeOutcome(entry.move_id, "reshard", "reshard completed", f"was at step {entry.step!r}"))
+            outcomes.append(ResumeOutcome(entry.move_id, "reshard", "reshard completed", f"was at step {interrupted_at!r}"))
     return outcomes
