@@ -63,9 +63,10 @@ def _check(cluster: Cluster, before: dict, where_expected: dict[GDID, str] | Non
     return out
 
 
-def _resume(cluster: Cluster, env: dict[str, str] | None = None) -> None:
+def _resume(cluster: Cluster, env: dict[str, str] | None = None) -> str:
     done = run_cli(["moves", "resume", str(cluster.path)], env=env)
     assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 @pytest.fixture
@@ -167,7 +168,10 @@ def test_sigkill_at_every_reshard_step_then_resume(cluster: Cluster) -> None:
         run = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", ",".join(shards)],
                       env={"MDB_FAULT_POINT": point, **env})
         assert run.returncode == -signal.SIGKILL, f"{point}: {run.returncode} {run.stdout} {run.stderr}"
-        _resume(cluster)
+        with cluster.store() as store:
+            interrupted = [e.step for e in Journal(store).entries(unfinished=True) if e.kind == "reshard"]
+        report = _resume(cluster)
+        assert len(interrupted) == 1 and f"was at step {interrupted[0]!r}" in report, (point, interrupted, report)
         placed = _check(cluster, before)
         # The reshard finished: every briefcase sits on its shard under the new list, by default routing.
         with Store.from_yaml(cluster.path, types=[UserBriefcase]) as store:
