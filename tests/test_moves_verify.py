@@ -226,3 +226,29 @@ def test_writes_between_the_precopy_and_the_lock_are_resynced(
     expected[GDID(0, 3, 99)] = 1
     assert lines == expected
     assert any("re-synced 3 changed row(s)" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_a_statement_that_would_outlast_max_pause_is_cancelled_and_the_move_aborted(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--max-pause bounds the pause (PostgreSQL): every statement under the lock gets the time
+    left as its ``statement_timeout``. A target that takes 30 s over the copy (here a sleep in the
+    target transaction) is cancelled at the bound instead of being waited for, and the move is
+    aborted with the source authoritative."""
+    cluster = _cluster(request, tmp_path, "postgres")
+    real_copy = protocol.copy_rows
+    finished: list[bool] = []
+
+    def slow_target(src: Connection, dst: Connection, *args: Any, **kwargs: Any) -> dict[str, int]:
+        counts = real_copy(src, dst, *args, **kwargs)
+        dst.exec_driver_sql("SELECT pg_sleep(30)")
+        finished.append(True)
+        return counts
+
+    monkeypatch.setattr(protocol, "copy_rows", slow_target)
+    with cluster.store() as store:
+        before = snapshot(store, SERVERS)
+        with pytest.raises(MoveAbortedError, match=r"cancelled at --max-pause 0\.50s \(canceling statement due to statement timeout\)"):
+            move_briefcase(store, "user", USER, "u2", precopy_rows=10**9, max_pause=0.5)
+    assert finished == [], "the slow statement ran to its end instead of being cancelled at the bound"
+    _assert_source_authoritative(cluster, before)

@@ -58,7 +58,7 @@ def move_cmd(
     gdid: Annotated[str, typer.Argument(help="briefcase GDID (text or hex)")],
     to: Annotated[str, typer.Option("--to", metavar="SERVER", help="server to move the briefcase to")],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would move; change nothing.")] = False,
-    max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Roll back, instead of committing, a cutover that blocked the briefcase's writes longer than this (checked at the commit point).", min=0.0)] = DEFAULT_MAX_PAUSE,
+    max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Abort a cutover that would block the briefcase's writes longer (PostgreSQL cancels it at the bound).", min=0.0)] = DEFAULT_MAX_PAUSE,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Move one briefcase (every table of every briefcase type of AREA) to SERVER, online."""
@@ -204,7 +204,7 @@ def reshard_cmd(
     shards: Annotated[str, typer.Option("--shards", metavar="A,B,C", help="the partition's new shard list")],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
     parallel: Annotated[int, typer.Option("--parallel", min=1, max=64, help="Moves in flight at once.")] = 1,
-    max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Per briefcase: roll back a cutover that blocked writes longer than this.", min=0.0)] = DEFAULT_MAX_PAUSE,
+    max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Per briefcase: abort a cutover that would block its writes longer.", min=0.0)] = DEFAULT_MAX_PAUSE,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Move every briefcase of a partition whose shard changes under SHARDS, then write the new map."""

@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from psycopg import errors as pg_errors
 from sqlalchemy import delete, func, insert, select
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Connection
@@ -370,7 +371,26 @@ def _table_sums_on(store: Any, server: str, tables: list[AreaTable], gdid: GDID,
 SourceSide = tuple[list[verify.Part], list[verify.TableSum], dict[str, int]]
 
 
-def _source_side(store: Any, source: str, tables: list[AreaTable], gdid: GDID, *, checksums: bool = True) -> SourceSide:
+def _bound_statements(conn: Connection, deadline: float) -> None:
+    """PostgreSQL: cancel any later statement of this transaction that runs past ``deadline``
+    (``time.monotonic()``) with ``statement_timeout``, set to the time left.
+
+    This is what makes ``--max-pause`` bound the pause instead of only refusing, at the
+    commit point, a cutover that already took too long: every statement run under the lock
+    (copy, checksums on their own connections, fence and delete) is given the time left when
+    its phase starts, and a cancelled one aborts the move (source authoritative). SQLite has
+    no statement timeout; there the checks between phases and at the commit point remain.
+    """
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {max(1, int((deadline - time.monotonic()) * 1000))}")
+
+
+def _cancelled(exc: BaseException) -> bool:
+    """Was this a statement PostgreSQL cancelled (``statement_timeout``, or an operator's cancel)?"""
+    return isinstance(getattr(exc, "orig", exc), pg_errors.QueryCanceled)
+
+
+def _source_side(store: Any, source: str, tables: list[AreaTable], gdid: GDID, deadline: float, *, checksums: bool = True) -> SourceSide:
     """The locked source's checksum parts, their sums and the bytes per table (SQL method).
 
     On a connection of its own, beside the copy. Large tables are cut into VERIFY_WAYS key
@@ -378,6 +398,7 @@ def _source_side(store: Any, source: str, tables: list[AreaTable], gdid: GDID, *
     ``checksums`` only the bytes (a re-sync has taken the source's sums already).
     """
     with store.transaction(source) as conn:
+        _bound_statements(conn, deadline)
         sizes = measure(conn, tables, gdid)
         nbytes = {name: b for name, (_, b) in sizes.items()}
         if not checksums:
@@ -386,8 +407,10 @@ def _source_side(store: Any, source: str, tables: list[AreaTable], gdid: GDID, *
         return parts, verify.part_sums(conn, parts, gdid), nbytes
 
 
-def _part_sums_on(store: Any, server: str, parts: list[verify.Part], gdid: GDID) -> list[verify.TableSum]:
+def _part_sums_on(store: Any, server: str, parts: list[verify.Part], gdid: GDID, deadline: float | None = None) -> list[verify.TableSum]:
     with store.transaction(server) as conn:
+        if deadline is not None:
+            _bound_statements(conn, deadline)
         return verify.part_sums(conn, parts, gdid)
 
 
@@ -522,6 +545,8 @@ def move_briefcase(
         with locked_source(store, source, area, gdid, lock_wait=lock_wait, max_pause=max_pause) as (src, locked_at), \
                 ThreadPoolExecutor(max_workers=VERIFY_WAYS, thread_name_prefix="mdb-move-verify") as pool:
             fault_point("move.after_lock")
+            deadline = locked_at + max_pause
+            _bound_statements(src, deadline)
             src_state = _state(src, area, gdid)
             if (src_state is not None and src_state["state"] in (STATE_GONE, STATE_INCOMING)) or not _root_exists(src, tables, gdid):
                 raise abort("under the lock the source no longer holds the briefcase (another move?)")
@@ -539,10 +564,11 @@ def move_briefcase(
                 # process, and SQLite wants one connection.
                 nonlocal src_job
                 if src_job is None and method == "sql":
-                    src_job = pool.submit(_source_side, store, source, tables, gdid, checksums=checksums)
+                    src_job = pool.submit(_source_side, store, source, tables, gdid, deadline, checksums=checksums)
 
             largest = max(sizes, key=lambda name: sizes[name][0])
             with store.transaction(target) as dst:
+                _bound_statements(dst, deadline)
                 method = verify.method_for(src, dst)
                 if precopied or sizes[largest][0] < verify.SPLIT_ROWS:
                     start_source_side(checksums=precopy_sums is None)  # a re-sync by ranges sums the source
@@ -571,6 +597,10 @@ def move_briefcase(
                               on_streamed=lambda name: start_source_side() if name == largest else None)
                     start_source_side()
             fault_point("move.after_copy_commit")
+            if time.monotonic() > deadline:  # no use verifying a cutover that may not commit
+                src.rollback()
+                fault_point("move.pause_abort.after_source_rollback")
+                raise abort(f"the copy alone held the write lock {time.monotonic() - locked_at:.2f}s, over --max-pause {max_pause:.2f}s")
             journal.step(move_id, "verify")
             if src_job is None:
                 src_sums = verify.table_sums(src, tables, gdid, method)
@@ -582,10 +612,11 @@ def move_briefcase(
                     parts, src_part_sums = resynced  # taken under the lock before the re-sync copied
                 src_sums = verify.combine(parts, src_part_sums)
                 groups = verify.spread(parts, VERIFY_WAYS)
-                dst_jobs = [pool.submit(_part_sums_on, store, target, [parts[i] for i in group], gdid) for group in groups]
+                dst_jobs = [pool.submit(_part_sums_on, store, target, [parts[i] for i in group], gdid, deadline) for group in groups]
             # While the target computes its checksums, the locked source transaction writes the
             # fence and deletes the rows behind a savepoint: none of it is visible to anyone, and
             # it is rolled back unless verification passes (the commit below is the commit point).
+            _bound_statements(src, deadline)  # the time left, for the fence and the delete
             cut = src.begin_nested()
             _set_state(src, area, gdid, STATE_GONE, target, move_id)
             deleted = delete_rows(src, tables, gdid)
@@ -602,6 +633,8 @@ def move_briefcase(
             wrong += [f"{at.name}: not verified on the target" for at in tables if at.name not in dst_sums]
             if bad or wrong:
                 cut.rollback()  # the source rows are back (still under the lock) for the report
+                if src.dialect.name == "postgresql":
+                    src.exec_driver_sql("SET LOCAL statement_timeout = 0")  # the report may take its time
                 raise abort("verification failed", _mismatches(store, src, target, tables, gdid, method, bad, src_sums, dst_sums) + wrong)
             fault_point("move.after_verify")
             held = time.monotonic() - locked_at
@@ -618,6 +651,12 @@ def move_briefcase(
     except MoveAbortedError:
         raise
     except BaseException as exc:
+        if _cancelled(exc):
+            # A statement under the lock ran past --max-pause (or an operator cancelled it): the
+            # source transaction was rolled back when the lock was let go, so abort like any
+            # cutover over its pause (the committed target copy, if any, is discarded).
+            fault_point("move.pause_abort.after_source_rollback")
+            raise abort(f"a statement under the write lock was cancelled at --max-pause {max_pause:.2f}s ({dberrors.describe(exc)})") from None
         # Anything else (a server going away, a bug): the source transaction was rolled back by
         # locked_source, so the source is authoritative; resume discards the target copy. The
         # error itself propagates (the CLI prints it; a bug keeps its traceback there), so this
