@@ -13,6 +13,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from movehelp import Cluster, create_user, locations, make_cluster, run_cli, snapshot
@@ -182,3 +183,30 @@ def test_sigkill_at_every_reshard_step_then_resume(cluster: Cluster) -> None:
                 assert frozen_by(store, "user", GDID(0, 0, 0), server) is None, (point, server)
             for g, server in placed.items():
                 assert server == shards[g.sharding_value % len(shards)], (point, g)
+
+
+def test_resume_resolves_what_it_can_while_a_target_is_down(pg_databases: Callable[[int], list[str]], pg_server_factory: Callable[[], Any], tmp_path: Path) -> None:
+    """Two interrupted moves, one to a server that is now down: resume rolls the other back,
+    reports the stuck one as failed and exits 1; once the server is back, resume finishes."""
+    down = pg_server_factory()
+    urls = {**dict(zip(["c", "u1", "u2"], pg_databases(3))), "x": down.create_database()}
+    cluster = make_cluster(urls, tmp_path, [("0:0:0", ["u1", "u2"])])
+    with cluster.store() as store:
+        for g in USERS:
+            create_user(store, g)
+        before = snapshot(store, SERVERS)
+        home = {g: store.router.locate("user", g).server for g in USERS[:2]}
+    to_x, to_other = USERS[0], USERS[1]
+    other_target = next(s for s in ("u1", "u2") if s != home[to_other])
+    for g, target in ((to_x, "x"), (to_other, other_target)):
+        run = run_cli(["move", str(cluster.path), "user", str(g), "--to", target], env={"MDB_FAULT_POINT": "move.after_copy_commit"})
+        assert run.returncode == -signal.SIGKILL, run.stderr
+    down.stop()
+    partial = run_cli(["moves", "resume", str(cluster.path)])
+    assert partial.returncode == 1, (partial.stdout, partial.stderr)
+    assert "failed: server 'x' is unavailable" in partial.stdout and "rolled back" in partial.stdout, partial.stdout
+    with cluster.store() as store:
+        assert [e.gdid for e in Journal(store).entries(unfinished=True)] == [to_x]  # the other one is resolved
+    down.start()
+    _resume(cluster)
+    _check(cluster, before, None)

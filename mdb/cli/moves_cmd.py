@@ -20,7 +20,7 @@ from mdb.cli.app import app, console, emit_json, fail, open_map
 from mdb.cli.schema_cmd import import_models
 from mdb.gdid import GDID
 from mdb.moves.protocol import DEFAULT_MAX_PAUSE, MoveAbortedError, move_briefcase
-from mdb.moves.resume import resume_all
+from mdb.moves.resume import FAILED, resume_all
 from mdb.moves.status import move_status, where
 from mdb.store import Store
 
@@ -189,11 +189,13 @@ def resume_cmd(
         outcomes = resume_all(store, retry=retry)
     if as_json:
         emit_json([o.to_json() for o in outcomes])
-        return
-    if not outcomes:
-        console.print("nothing to resume", markup=False)
-    for o in outcomes:
-        console.print(f"{o.move_id} ({o.kind}): {o.action}: {o.detail}", markup=False)
+    else:
+        if not outcomes:
+            console.print("nothing to resume", markup=False)
+        for o in outcomes:
+            console.print(f"{o.move_id} ({o.kind}): {o.action}: {o.detail}", markup=False)
+    if any(o.action == FAILED for o in outcomes):
+        raise typer.Exit(1)  # like `schema apply`: the rest was done, the run is incomplete
 
 
 @app.command("reshard")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mdb.errors import ServerUnavailableError
 from mdb.moves.faults import fault_point
 from mdb.moves.journal import ROLLED_BACK, Journal, JournalEntry
 from mdb.moves.protocol import (
@@ -28,14 +29,17 @@ from mdb.moves.protocol import (
 )
 from mdb.system_tables import STATE_GONE
 
-__all__ = ["ResumeOutcome", "resolve_move", "resume_all"]
+__all__ = ["FAILED", "ResumeOutcome", "resolve_move", "resume_all"]
+
+FAILED = "failed"
+"""The action of an entry resume could not resolve because a server it needs is unavailable."""
 
 
 @dataclass
 class ResumeOutcome:
     move_id: str
     kind: str
-    action: str  # finalized | rolled back | retried | reshard completed
+    action: str  # finalized | rolled back | retried | reshard completed | failed
     detail: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -71,15 +75,30 @@ def resume_all(store: Any, *, retry: bool = False, progress: Any = None) -> list
     journal = Journal(store)
     outcomes: list[ResumeOutcome] = []
     unfinished = journal.entries(unfinished=True)
+    stuck: set[str] = set()  # reshards with a move that could not be resolved
     for entry in unfinished:
         if entry.kind == "move":
-            outcomes.append(resolve_move(store, journal, entry, retry=retry))
+            try:
+                outcomes.append(resolve_move(store, journal, entry, retry=retry))
+            except ServerUnavailableError as exc:
+                # One server down must not hold up the moves that do not need it; this one is
+                # left exactly as it was, and resolved by the next resume.
+                outcomes.append(ResumeOutcome(entry.move_id, "move", FAILED, f"{exc}; left as it was, run resume again once it is back"))
+                if entry.reshard_id is not None:
+                    stuck.add(entry.reshard_id)
     store.refresh()
     from mdb.moves.reshard import continue_reshard
 
     for entry in unfinished:
         if entry.kind == "reshard":
+            if entry.move_id in stuck:
+                outcomes.append(ResumeOutcome(entry.move_id, "reshard", FAILED, "one of its moves could not be resolved (above); left as it was"))
+                continue
             interrupted_at = entry.step  # continue_reshard moves the entry on as it goes
-            continue_reshard(store, journal, entry, progress=progress)
+            try:
+                continue_reshard(store, journal, entry, progress=progress)
+            except ServerUnavailableError as exc:
+                outcomes.append(ResumeOutcome(entry.move_id, "reshard", FAILED, f"{exc}; was at step {interrupted_at!r}, run resume again once it is back"))
+                continue
             outcomes.append(ResumeOutcome(entry.move_id, "reshard", "reshard completed", f"was at step {interrupted_at!r}"))
     return outcomes
