@@ -124,6 +124,9 @@ def where_cmd(
     console.print(f"{area}/{found.gdid}: routed to {found.routed_to} (default {found.default_server}, relocation: {found.relocation or '-'})", markup=False)
     for server, rows in found.holders.items():
         console.print(f"  {server}: holds {rows} row(s)", markup=False)
+    if not found.holders:
+        unasked = f" (not asked: {', '.join(found.unreachable)} unreachable)" if found.unreachable else ""
+        console.print(f"  no server holds any row of this briefcase{unasked}", markup=False)
     for server, state in found.states.items():
         console.print(f"  {server}: state {state['state']} peer {state['peer']} move {state['move_id']}", markup=False)
     for server, problem in found.unreachable.items():
