@@ -382,7 +382,8 @@ def _bound_statements(conn: Connection, deadline: float) -> None:
     no statement timeout; there the checks between phases and at the commit point remain.
     """
     if conn.dialect.name == "postgresql":
-        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {max(1, int((deadline - time.monotonic()) * 1000))}")
+        left_ms = min(max(1, int((deadline - time.monotonic()) * 1000)), 2**31 - 1)  # the setting is an int4 of ms
+        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {left_ms}")
 
 
 def _cancelled(exc: BaseException) -> bool:
