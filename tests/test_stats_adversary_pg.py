@@ -1,9 +1,13 @@
 """Hot-data counters under an adversary on real PostgreSQL (issue 18): two increments of one
 counter in one transaction never deadlock, the deadlocks the application can still make are a
-retryable mdb error, and a K raise reaches a live writer within ``max_k_age``."""
+retryable mdb error, a K raise reaches a live writer within ``max_k_age``, and exactly-once
+holds with SIGKILLed workers, late redeliveries and K raised mid-run."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,12 +16,15 @@ from typing import Any
 
 import pytest
 from mapfiles import write_map
+from sqlalchemy import func, select
 from test_stats_support import (
     BC_COUNTERS,
+    BC_LOCK_TABLES,
     CENTRAL_COUNTERS,
     CENTRAL_LOCK,
     StakerBriefcase,
     create_staker,
+    deliver_spreading,
     open_store,
 )
 
@@ -28,15 +35,22 @@ from mdb.stats import Counters, central
 from mdb.store import Store
 
 USER = GDID(0, 0, 3)
+SPAWN = multiprocessing.get_context("spawn")
 
 
 @pytest.fixture
-def store(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Iterator[Store]:
+def map_path(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Path:
     c, u1 = pg_databases(2)
     path = write_map(tmp_path, {"c": c, "u1": u1}, central=["c"], partitions=[("0:0:0", ["u1"])])
     with open_store(path) as s:
         assert all(r.ok for r in apply_schema(s))
         create_staker(s, USER)
+    return path
+
+
+@pytest.fixture
+def store(map_path: Path) -> Iterator[Store]:
+    with open_store(map_path) as s:
         yield s
 
 
@@ -162,3 +176,53 @@ def test_bad_names_are_refused_before_postgresql_sees_them(store: Store) -> None
             CENTRAL_LOCK.apply(place, "tx\x00", "active", "overall", lambda _p: None)
         with pytest.raises(StatsError, match=r"counter id .*control character '\\x00'"):
             CENTRAL_COUNTERS.read(place, "tv\x00l")
+
+
+@pytest.mark.slow
+def test_exactly_once_and_exact_totals_with_killed_workers_redeliveries_and_k_raises(map_path: Path, store: Store) -> None:
+    """Three processes deliver the same events (in different orders) through the stats lock
+    into one counter; two are SIGKILLed mid-run, replacements deliver everything again late,
+    and K is raised 1 -> 4 -> 16 -> 64 meanwhile. Every event is applied exactly once and the
+    totals are exact."""
+    events = [(f"kill{i:04d}", 1 + i % 7) for i in range(240)]
+    with store.briefcase(StakerBriefcase, USER) as s:
+        BC_COUNTERS.configure(s, "kill", 1)
+    locks = BC_LOCK_TABLES.locks
+
+    def applied() -> int:
+        with store.briefcase(StakerBriefcase, USER, readonly=True) as s:
+            return s.connection().execute(select(func.count()).select_from(locks).where(locks.c.event_id.like("kill%"))).scalar_one()
+
+    def wait_for(n: int) -> None:
+        deadline = time.monotonic() + 120
+        while applied() < n:
+            assert time.monotonic() < deadline, f"no progress past {applied()} of {n} applied events"
+            time.sleep(0.02)
+
+    def raise_k(k: int) -> None:
+        with store.briefcase(StakerBriefcase, USER) as s:
+            BC_COUNTERS.configure(s, "kill", k)
+
+    def start(order: list[tuple[str, int]]) -> Any:
+        proc = SPAWN.Process(target=deliver_spreading, args=(str(map_path), str(USER), order, 0.2))
+        proc.start()
+        return proc
+
+    workers = [start(events[w * 80:] + events[:w * 80]) for w in range(3)]
+    killed = []
+    for victim, progress, k in ((0, 30, 4), (1, 90, 16)):
+        wait_for(progress)
+        assert workers[victim].is_alive(), "the worker finished before it could be killed"
+        os.kill(workers[victim].pid, signal.SIGKILL)
+        killed.append(workers[victim])
+        raise_k(k)
+    late = [start(list(reversed(events))), start(events)]
+    raise_k(64)
+    for proc in [*workers, *late]:
+        proc.join(300)
+    assert [p.exitcode for p in killed] == [-signal.SIGKILL, -signal.SIGKILL]
+    assert [p.exitcode for p in workers if p not in killed] + [p.exitcode for p in late] == [0, 0, 0]
+    assert applied() == len(events)
+    with store.briefcase(StakerBriefcase, USER, readonly=True) as s:
+        assert BC_COUNTERS.read(s, "kill") == {"total_value_locked": sum(a for _e, a in events), "staker_count": len(events)}
+        assert BC_COUNTERS.slots(s, "kill") == 64 and set(BC_COUNTERS.slot_rows(s, "kill")) == set(range(64))
