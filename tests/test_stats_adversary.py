@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from mapfiles import write_map
-from sqlalchemy import insert, select
+from sqlalchemy import delete, insert, select
 from test_stats_support import (
     BC_COUNTERS,
     BC_LOCK,
@@ -161,6 +161,26 @@ def test_a_snapshot_pass_isolates_a_stream_it_cannot_fold_and_folds_the_others(s
             BC_LOG.read(s, "ledger")
         unmarked = s.connection().execute(select(BC_LOG_TABLES.events.c.snapshot_seq)).scalars().all()
         assert set(unmarked) == {None}  # the failed pass rolled back: nothing claimed, nothing lost
+
+
+def test_a_failed_fold_leaves_no_markers_even_when_the_caller_commits(store: Store) -> None:
+    """Claim, fold and snapshot are one savepoint: before, a caller that caught the fold's
+    error and committed kept the claim markers without their snapshot, and the next pass (which
+    claims only unmarked events) dropped those events from every state."""
+    with store.briefcase(StakerBriefcase, ALICE) as s:
+        BC_LOG.append(s, "ledger", GDID(0, 5, 30), "deposit", {"amount": 6})
+    _poison(store, ALICE, GDID(0, 5, 31))
+    with store.briefcase(StakerBriefcase, ALICE) as s:
+        with pytest.raises(FoldError, match="0:5:31"):
+            BC_LOG.snapshot(s, "ledger")
+        # the caller goes on and commits
+    events = BC_LOG_TABLES.events
+    with store.briefcase(StakerBriefcase, ALICE) as s:
+        assert set(s.connection().execute(select(events.c.snapshot_seq)).scalars()) == {None}
+        s.connection().execute(delete(events).where(events.c.event_id == GDID(0, 5, 31)))  # the operator's fix
+    assert [(r.seq, r.folded) for r in run_snapshots(store, BC_LOG, "user")] == [(1, 1)]
+    with store.briefcase(StakerBriefcase, ALICE, readonly=True) as s:
+        assert BC_LOG.read(s, "ledger").state == BC_LOG.replay(s, "ledger") == {"events": 1, "amount": 6}
 
 
 def test_mdb_snapshot_reports_the_stream_it_cannot_fold_by_briefcase_and_exits_1(

@@ -244,23 +244,27 @@ class EventLog:
         seq, state = self._latest(conn, snap_conds)
         total = conn.execute(select(snaps.c.total_events).where(*snap_conds, snaps.c.seq == seq)).scalar_one()
         new_seq = seq + 1
-        claimed = conn.execute(
-            update(ev)
-            .where(*self._conds(place, ev, stream), ev.c.snapshot_seq.is_(None))
-            .values(snapshot_seq=new_seq)
-            .returning(ev.c.event_id, ev.c.kind, ev.c.payload)
-        ).all()
-        key = place.key
-        if not claimed:
-            return SnapshotResult(stream, key, seq, 0, place.server)
-        for event in sorted(claimed, key=lambda r: r[0]):
-            state = self._apply(state, *event, where=place.where, stream=stream, server=place.server, seq=seq)
-        conn.execute(
-            dialect_insert(place, snaps).values(
-                **keys, snapshot_id=_snapshot_id(stream, new_seq), stream=stream, seq=new_seq,
-                state=state, events=len(claimed), total_events=int(total) + len(claimed),
+        # Claim, fold and write in one savepoint: if the fold fails, the claim is undone even
+        # when the caller catches the error and commits. Markers without their snapshot would
+        # be skipped by the next pass (it claims only unmarked events): lost from every state.
+        with conn.begin_nested():
+            claimed = conn.execute(
+                update(ev)
+                .where(*self._conds(place, ev, stream), ev.c.snapshot_seq.is_(None))
+                .values(snapshot_seq=new_seq)
+                .returning(ev.c.event_id, ev.c.kind, ev.c.payload)
+            ).all()
+            key = place.key
+            if not claimed:
+                return SnapshotResult(stream, key, seq, 0, place.server)
+            for event in sorted(claimed, key=lambda r: r[0]):
+                state = self._apply(state, *event, where=place.where, stream=stream, server=place.server, seq=seq)
+            conn.execute(
+                dialect_insert(place, snaps).values(
+                    **keys, snapshot_id=_snapshot_id(stream, new_seq), stream=stream, seq=new_seq,
+                    state=state, events=len(claimed), total_events=int(total) + len(claimed),
+                )
             )
-        )
         return SnapshotResult(stream, key, new_seq, len(claimed), place.server)
 
     def pending_streams(self, conn: Connection, stream: str | None = None) -> list[tuple[GDID | None, str]]:
