@@ -96,9 +96,7 @@ def _print_results(where: str, done: list[tuple[EventLog, SnapshotResult]], fail
     console.print(table)
     written = sum(1 for _, r in done if r.folded)
     console.print(f"{written} snapshots written, {sum(r.folded for _, r in done)} events folded", markup=False)
-    for log, r in failed:
-        owner = "CENTRAL" if r.key is None else f"briefcase {r.key}"
-        console.print(f"error: stream {r.stream!r} of {log.name!r} ({owner}, server {r.server!r}) could not be folded: {r.error}",
-                      markup=False, soft_wrap=True)
+    for _log, r in failed:  # the error names the log, stream, briefcase (or CENTRAL) and event
+        console.print(f"error: server {r.server!r}: {r.error}", markup=False, soft_wrap=True)
     if failed:
-        console.print(f"{len(failed)} streams could not be folded (left as they were)", markup=False)
+        console.print(f"{len(failed)} streams could not be folded (left as they were; the others were folded)", markup=False)
