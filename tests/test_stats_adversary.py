@@ -163,6 +163,21 @@ def test_a_snapshot_pass_isolates_a_stream_it_cannot_fold_and_folds_the_others(s
         assert set(unmarked) == {None}  # the failed pass rolled back: nothing claimed, nothing lost
 
 
+def test_a_pass_isolates_a_stream_whose_name_cannot_be_written_any_more(store: Store) -> None:
+    """A stream named with a control character (only the old code could store one) cannot get a
+    snapshot row now; the pass reports it and still folds the other CENTRAL streams."""
+    with central(store, "good") as place:
+        CENTRAL_LOG.append(place, "good", GDID(0, 6, 1), "vote", {"amount": 2})
+    legacy = "bad\x1fstream"
+    with central(store, legacy) as place:
+        place.conn.execute(insert(CENTRAL_LOG.tables.events).values(
+            event_id=GDID(0, 6, 2), stream=legacy, kind="vote", payload={"amount": 1}))
+    results = {r.stream: r for r in run_snapshots(store, CENTRAL_LOG, "central")}
+    assert (results["good"].seq, results["good"].folded, results["good"].error) == (1, 1, None)
+    assert results[legacy].folded == 0 and "control character" in (results[legacy].error or "")
+    assert results[legacy].server == store.router.locate_central(legacy).server
+
+
 def test_a_failed_fold_leaves_no_markers_even_when_the_caller_commits(store: Store) -> None:
     """Claim, fold and snapshot are one savepoint: before, a caller that caught the fold's
     error and committed kept the claim markers without their snapshot, and the next pass (which

@@ -38,7 +38,7 @@ the fold refuses (data from before this check, or a fold changed since) raise
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -114,7 +114,7 @@ class SnapshotResult:
     stream: str
     key: GDID | None
     seq: int
-    """The stream's latest snapshot number after this run."""
+    """The stream's latest snapshot number after this run (-1: it failed before its snapshots were read)."""
     folded: int
     """Events folded by this run (0: nothing new, no snapshot written, or the stream failed)."""
     server: str = ""
@@ -365,37 +365,55 @@ def run_snapshots(store: Store, log: EventLog, where: str, *, stream: str | None
     waits for a move), a CENTRAL stream on the shard its key routes to. Safe to run on a
     schedule, next to writers and next to another pass.
 
-    A stream with an event the fold cannot take is isolated: its transaction rolls back
-    (nothing claimed), its result carries the ``error``, and the pass goes on with the other
-    streams, so one bad event does not stop the snapshots of a whole area.
+    A stream that cannot be snapshotted (an event the fold cannot take, a derived-id clash on
+    its snapshot rows, a name stored before names were checked) is isolated: its transaction
+    rolls back (nothing claimed), its result carries the ``error``, and the pass goes on with
+    the other streams, so one bad stream does not stop the snapshots of a whole area.
     """
     results: list[SnapshotResult] = []
     if where == "central":
         if log.tables.key_column is not None:
             raise StatsError(f"event log {log.name!r} lives in briefcases (key {log.tables.key_column!r}), not on CENTRAL")
-        pending: dict[str, None] = {}
+        pending: dict[str, str] = {}
         for server in store.router.central_servers():
             with store.transaction(server) as conn:
-                pending.update(dict.fromkeys(s for _k, s in log.pending_streams(conn, stream)))
-        for name in pending:
-            try:
+                pending.update(dict.fromkeys((s for _k, s in log.pending_streams(conn, stream)), server))
+        for name, server in pending.items():
+
+            def central_pass(name: str = name) -> SnapshotResult:
                 with central(store, name) as place:
-                    results.append(log.snapshot(place, name))
-            except FoldError as exc:
-                results.append(SnapshotResult(name, None, exc.seq, 0, exc.server, error=str(exc)))
+                    return log.snapshot(place, name)
+
+            results.append(_isolated(name, None, server, central_pass))
         return results
     if log.tables.key_column is None:
         raise StatsError(f"event log {log.name!r} is a CENTRAL log: run it with 'central', not area {where!r}")
     btype = log._briefcase_type(store, where)
-    todo: dict[tuple[GDID | None, str], None] = {}
+    todo: dict[tuple[GDID | None, str], str] = {}
     for server in fan_out_servers(store.router, where):
         with store.transaction(server) as conn:
-            todo.update(dict.fromkeys(log.pending_streams(conn, stream)))
-    for key, name in todo:
+            todo.update(dict.fromkeys(log.pending_streams(conn, stream), server))
+    for (key, name), server in todo.items():
         assert key is not None
-        try:
+
+        def briefcase_pass(key: GDID = key, name: str = name) -> SnapshotResult:
             with store.briefcase(btype, key) as session:
-                results.append(log.snapshot(session, name))
-        except FoldError as exc:
-            results.append(SnapshotResult(name, key, exc.seq, 0, exc.server, error=str(exc)))
+                return log.snapshot(session, name)
+
+        results.append(_isolated(name, key, server, briefcase_pass))
     return results
+
+
+def _isolated(stream: str, key: GDID | None, server: str, run: Callable[[], SnapshotResult]) -> SnapshotResult:
+    """``run()``'s result, or a failed result when the stream cannot be snapshotted.
+
+    ``run`` opens and closes its own transaction, so when it raises, that transaction has
+    rolled back before the failure is recorded. Other errors (a server down, a move that does
+    not finish) are not the stream's fault and end the pass.
+    """
+    try:
+        return run()
+    except FoldError as exc:
+        return SnapshotResult(stream, key, exc.seq, 0, exc.server, error=str(exc))
+    except StatsError as exc:
+        return SnapshotResult(stream, key, -1, 0, server, error=str(exc))
