@@ -160,6 +160,6 @@ def insert_once(place: Place, table: Table, id_column: str, values: Mapping[str,
         key = ", ".join(f"{column}={values[column]!r}" for column in natural)
         raise StatsError(
             f"{place.where}: derived id {values[id_column]} of {table.name!r} row ({key}) is already used by another row "
-            "(a derived-id clash); refusing to treat it as already applied"
+            "(a derived-id clash); refusing to treat it as already there"
         )
     return False
