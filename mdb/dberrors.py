@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 from sqlalchemy.exc import DBAPIError
 
-from mdb.errors import MdbError, SchemaError, ServerUnavailableError
+from mdb.errors import MdbError, SchemaError, ServerUnavailableError, TransactionConflictError
 from mdb.urls import mask_secrets
 
 __all__ = ["describe", "translate", "translated"]
@@ -28,6 +28,9 @@ _UNREACHABLE = (
     "consuming input failed",
     "connection timeout",
 )
+# PostgreSQL aborts one transaction of a deadlock (40P01) or a serialization conflict (40001);
+# the transaction did nothing, so it is retryable as a whole.
+_CONFLICT_SQLSTATES = ("40P01", "40001")
 
 
 def describe(exc: BaseException) -> str:
@@ -47,6 +50,8 @@ def translate(server: str, exc: BaseException) -> MdbError | None:
         return ServerUnavailableError(server, detail)
     if any(s.lower() in lowered for s in _MISSING_TABLE) or type(exc.orig).__name__ == "UndefinedTable":
         return SchemaError(f"server {server!r}: {detail} (run `mdb schema apply MAP`)")
+    if getattr(exc.orig, "sqlstate", None) in _CONFLICT_SQLSTATES:
+        return TransactionConflictError(server, detail)
     return None
 
 

@@ -75,3 +75,23 @@ class BriefcaseMovingError(RetryableError):
 
 class StatsError(MdbError, ValueError):
     """A hot-data pattern asked to do something that would lose or double-count data (e.g. shrink K)."""
+
+
+class FoldError(StatsError):
+    """An event of a hot-data stream cannot be folded; names the stream, its briefcase and the event."""
+
+    def __init__(self, message: str, *, stream: str, server: str, seq: int) -> None:
+        super().__init__(message)
+        self.stream = stream
+        self.server = server
+        self.seq = seq
+        """The stream's latest snapshot number (the fold started from it)."""
+
+
+class TransactionConflictError(RetryableError):
+    """The database aborted the transaction to resolve a conflict (a deadlock, a serialization
+    failure); nothing of it was committed, so re-running the whole transaction is safe."""
+
+    def __init__(self, server: str, detail: str) -> None:
+        super().__init__(f"server {server!r}: transaction aborted by a conflict, retry the whole transaction: {detail}")
+        self.server = server

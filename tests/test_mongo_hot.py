@@ -127,3 +127,23 @@ def test_bad_arguments_are_refused(mongo_env: MongoEnv) -> None:
             MongoCounter("x").add(bc, n=1.5)
         with pytest.raises(StatsError, match="state"):
             MongoStatsLock().apply(bc, "e", "", "c", lambda b: None)
+
+
+def test_bad_names_k_and_deltas_are_value_errors_naming_the_argument(mongo_env: MongoEnv) -> None:
+    """Issue 18 on the MongoDB side: K given as True was taken as 1, a delta past 64 bits reached
+    the driver, a control character went into an ``_id`` and a non-string event id hit len()."""
+    store = mongo_env.store(1)
+    with pytest.raises(StatsError, match=r"slots .* got True"):
+        MongoCounter("x", slots=True)
+    with pytest.raises(StatsError, match=r"counter name .*control character"):
+        MongoCounter("vis\x00its")
+    with store.documents(UserDocs, UID) as bc:
+        with pytest.raises(StatsError, match=r"value 'n' .* 64-bit"):
+            MongoCounter("x").add(bc, n=2**63)
+        with pytest.raises(StatsError, match=r"event id .*control character"):
+            MongoStatsLock().apply(bc, "tx\x1f1", "active", "overall", lambda b: None)
+        with pytest.raises(StatsError, match=r"event id must be a string, got int"):
+            MongoStatsLock().apply(bc, 5, "active", "overall", lambda b: None)  # type: ignore[arg-type]
+        with pytest.raises(StatsError, match=r"state .*':'"):
+            MongoStatsLock().apply(bc, "tx", "act:ive", "overall", lambda b: None)
+        assert MongoCounter("x").read(bc) == {}

@@ -12,6 +12,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from mdb import briefcase as _briefcase_module
 from mdb.briefcase import BriefcaseType
+from mdb.errors import RetryableError
 from mdb.gdid import GDID
 from mdb.sqltypes import GDIDType
 from mdb.stats import Counters, EventLog, StatsLock, SumFold, central, counter_models, event_log_models, stats_lock_models
@@ -142,3 +143,24 @@ def append_events(map_path: str, gdid: str, ids: Sequence[int], amount: int) -> 
         for i in ids:
             with store.briefcase(StakerBriefcase, gdid) as s:
                 BC_LOG.append(s, "ledger", GDID(0, 5, i), "deposit", {"amount": amount})
+
+
+def deliver_spreading(map_path: str, gdid: str, events: Sequence[tuple[str, int]], max_k_age: float) -> int:
+    """Deliver each (event id, amount) once to counter ``kill`` through the stats lock, with a
+    Counters that re-reads K every ``max_k_age`` s; re-runs a transaction on a RetryableError."""
+    counters = Counters(BC_COUNTER_TABLES, max_k_age=max_k_age)
+    applied = 0
+    with open_store(map_path) as store:
+        for event_id, amount in events:
+            for attempt in range(50):
+                try:
+                    with store.briefcase(StakerBriefcase, gdid) as s:
+                        applied += BC_LOCK.apply(
+                            s, event_id, "active", "overall",
+                            lambda p, amount=amount: counters.add(p, "kill", total_value_locked=amount, staker_count=1),
+                        )
+                    break
+                except RetryableError:
+                    if attempt == 49:
+                        raise
+    return applied

@@ -4,7 +4,9 @@ Event logs (and their folds) are application code: the command imports the map's
 modules (and ``--models``), where they are declared, then folds every stream that has events
 no snapshot has folded yet. It is safe on a schedule, next to the writers, and next to another
 run of itself (see docs/hot-data.md): jobs on one stream take turns on its head row, and an
-event whose transaction commits late is folded by a later pass, never skipped.
+event whose transaction commits late is folded by a later pass, never skipped. A stream with an
+event its fold cannot take is reported by stream and briefcase while all the others are folded;
+the run then exits 1 (problems found).
 """
 
 from __future__ import annotations
@@ -65,22 +67,36 @@ def snapshot(
             results += [(log, r) for r in run_snapshots(store, log, where, stream=stream)]
     finally:
         store.close()
+    done = [(log, r) for log, r in results if r.error is None]
+    failed = [(log, r) for log, r in results if r.error is not None]
     if as_json:
         emit_json({
             "target": where,
-            "snapshots": [
-                {"log": log.name, "stream": r.stream, "key": None if r.key is None else str(r.key), "server": r.server,
-                 "seq": r.seq, "folded": r.folded}
-                for log, r in results
-            ],
-            "events_folded": sum(r.folded for _, r in results),
+            "snapshots": [_as_json(log, r) for log, r in done],
+            "events_folded": sum(r.folded for _, r in done),
+            "failed": [{**_as_json(log, r), "error": r.error} for log, r in failed],
         })
-        return
+    else:
+        _print_results(where, done, failed)
+    if failed:
+        raise typer.Exit(1)  # the other streams were folded; these need their events fixed
+
+
+def _as_json(log: EventLog, r: SnapshotResult) -> dict[str, object]:
+    return {"log": log.name, "stream": r.stream, "key": None if r.key is None else str(r.key), "server": r.server,
+            "seq": r.seq, "folded": r.folded}
+
+
+def _print_results(where: str, done: list[tuple[EventLog, SnapshotResult]], failed: list[tuple[EventLog, SnapshotResult]]) -> None:
     table = Table(title=f"snapshot pass over {where}")
     for column in ("log", "stream", "briefcase", "server", "snapshot", "events folded"):
         table.add_column(column, justify="right" if column in ("snapshot", "events folded") else "left")
-    for log, r in results:
+    for log, r in done:
         table.add_row(escape(log.name), escape(r.stream), "-" if r.key is None else str(r.key), escape(r.server), str(r.seq), str(r.folded))
     console.print(table)
-    written = sum(1 for _, r in results if r.folded)
-    console.print(f"{written} snapshots written, {sum(r.folded for _, r in results)} events folded", markup=False)
+    written = sum(1 for _, r in done if r.folded)
+    console.print(f"{written} snapshots written, {sum(r.folded for _, r in done)} events folded", markup=False)
+    for _log, r in failed:  # the error names the log, stream, briefcase (or CENTRAL) and event
+        console.print(f"error: server {r.server!r}: {r.error}", markup=False, soft_wrap=True)
+    if failed:
+        console.print(f"{len(failed)} streams could not be folded (left as they were; the others were folded)", markup=False)

@@ -16,6 +16,19 @@ session: on a transactional server their writes commit or abort with the context
   skips). Without transactions each write commits alone: the lock is written with
   ``done: false`` and marked done after the effect, so a crash between the two is visible in
   :meth:`MongoStatsLock.unfinished` (at-most-once, never twice).
+
+The ``_id`` texts are not hashed, so two keys can only share one if the text is ambiguous. It
+is not: the GDID hex is always 24 characters, a slot is digits, and state and calculation may
+not contain ``:``, so splitting off the prefix and then from the right recovers every part (an
+event id or counter name may contain ``:``). Names are checked as on SQL (no control
+characters; :func:`mdb.stats.tables.check_name`), K is an int, deltas fit 64 bits.
+
+Differences from the SQL counters, on purpose: K is not persisted but given per process
+(``MongoCounter(name, slots=K)``) and a read sums every slot document there is, so a new K
+takes effect as each process starts with it and no total is ever orphaned. MongoDB does not
+make a transaction wait for a document another one is writing (the second write aborts with a
+transient error, which :meth:`mdb.mongo.MongoStore.documents` raises as a RetryableError), so
+two increments of one counter in one transaction cannot deadlock.
 """
 
 from __future__ import annotations
@@ -27,12 +40,14 @@ from typing import Any, Final
 
 from mdb.errors import StatsError
 from mdb.mongo.store import DocumentBriefcase
+from mdb.stats.tables import LABEL_LENGTH, NAME_LENGTH, check_name
 
 __all__ = ["COUNTERS", "STATS_LOCK", "MongoCounter", "MongoStatsLock"]
 
 COUNTERS: Final = "mdb_counters"
 STATS_LOCK: Final = "mdb_stats_lock"
 MAX_SLOTS: Final = 4096
+_INT64: Final = range(-(2**63), 2**63)
 
 
 def _session(bc: DocumentBriefcase) -> Any:
@@ -48,10 +63,9 @@ class MongoCounter:
     """One named counter of every briefcase of a document type, spread over ``slots`` documents."""
 
     def __init__(self, name: str, *, slots: int = 8) -> None:
-        if not isinstance(name, str) or not name or len(name) > 64:
-            raise StatsError(f"counter name must be a non-empty string of at most 64 characters, got {name!r}")
-        if not 1 <= slots <= MAX_SLOTS:
-            raise StatsError(f"counter {name!r}: slots must be between 1 and {MAX_SLOTS}, got {slots}")
+        check_name("counter name", name, LABEL_LENGTH)
+        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+            raise StatsError(f"counter {name!r}: slots must be an integer between 1 and {MAX_SLOTS}, got {slots!r}")
         self.name = name
         self.slots = slots
 
@@ -66,6 +80,9 @@ class MongoCounter:
         bad = [k for k in deltas if k.startswith(("$", "_")) or "." in k or k in (bc.dtype.key, "counter", "slot")]
         if bad:
             raise StatsError(f"counter {self.name!r}: value names {bad} are reserved or not plain field names")
+        for k, v in deltas.items():
+            if v not in _INT64:
+                raise StatsError(f"counter {self.name!r}: value {k!r} = {v} is outside the 64-bit integer range")
         slot = random.randrange(self.slots)
         key = bytes(bc.gdid)
         bc.db[COUNTERS].update_one(
@@ -92,9 +109,7 @@ class MongoStatsLock:
     ) -> bool:
         """Run ``effect(bc)`` unless ``calculation`` was already applied for ``event_id:state``; True if this call did."""
         _writable(bc, "stats lock")
-        for what, value, limit in (("event id", event_id, 200), ("state", state, 64), ("calculation", calculation, 64)):
-            if not isinstance(value, str) or not value or len(value) > limit or ":" in value and what != "event id":
-                raise StatsError(f"stats lock: {what} must be a non-empty string of at most {limit} characters (no ':' in state/calculation), got {value!r}")
+        _check_lock_names(event_id, state, calculation, write=True)
         lock_id = f"{bc.gdid.hex}:{event_id}:{state}:{calculation}"
         session = _session(bc)
         result = bc.db[STATS_LOCK].update_one(
@@ -115,6 +130,7 @@ class MongoStatsLock:
         return True
 
     def applied(self, bc: DocumentBriefcase, event_id: str, state: str) -> set[str]:
+        _check_lock_names(event_id, state, None, write=False)
         docs = bc.db[STATS_LOCK].find({bc.dtype.key: bytes(bc.gdid), "event_id": event_id, "state": state}, session=_session(bc))
         return {d["calculation"] for d in docs}
 
@@ -122,3 +138,13 @@ class MongoStatsLock:
         """Locks taken without transactions whose effect may not have run (a crash between the two)."""
         docs = bc.db[STATS_LOCK].find({bc.dtype.key: bytes(bc.gdid), "done": False}, session=_session(bc))
         return sorted(d["_id"].split(":", 1)[1] for d in docs)
+
+
+def _check_lock_names(event_id: object, state: object, calculation: object | None, *, write: bool) -> None:
+    """The lock's key parts by name; state and calculation without ':' so the ``_id`` stays unambiguous."""
+    check_name("stats lock: event id", event_id, NAME_LENGTH, write=write)
+    parts = [("state", state), *([("calculation", calculation)] if calculation is not None else [])]
+    for what, value in parts:
+        check_name(f"stats lock: {what}", value, LABEL_LENGTH, write=write)
+        if ":" in str(value):
+            raise StatsError(f"stats lock: {what} {value!r} may not contain ':' (it separates the parts of the lock's _id)")

@@ -26,23 +26,31 @@ write to an event after its append; payloads are never changed.
 Folds run in Python (:class:`Fold`). The log's canonical order is fold order: by snapshot, and
 within a snapshot (and in the tail) by event id. A fold whose result does not depend on order
 (sums, counts, min/max) gives the same state however appends and snapshots interleave.
+
+**A payload is checked against the fold when it is appended**, because an event the fold
+cannot take would otherwise stop every later read and snapshot of its stream: the payload must
+be a JSON object and the fold must accept it on its initial state. Events already stored that
+the fold refuses (data from before this check, or a fold changed since) raise
+:class:`~mdb.errors.FoldError` naming the stream, briefcase and event; a snapshot pass
+(:func:`run_snapshots`) reports such a stream and goes on with the others.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.engine import Connection
 
-from mdb.errors import RoutingError, SchemaError, StatsError
+from mdb.errors import FoldError, RoutingError, SchemaError, StatsError
 from mdb.fanout import fan_out_servers
 from mdb.gdid import GDID
 from mdb.session import BriefcaseSession
-from mdb.stats.place import Place, central, dialect_insert, place_of
-from mdb.stats.tables import EventLogTables, derived_gdid
+from mdb.stats.place import Place, central, dialect_insert, insert_once, place_of
+from mdb.stats.tables import LABEL_LENGTH, NAME_LENGTH, EventLogTables, check_name, derived_gdid
 from mdb.system_tables import STATE_INCOMING, briefcase_state
 
 if TYPE_CHECKING:
@@ -85,7 +93,9 @@ class SumFold:
         for f in self.fields:
             value = payload.get(f, 0)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise StatsError(f"SumFold: payload field {f!r} must be an integer, got {value!r} (event kind {kind!r})")
+                raise StatsError(
+                    f"SumFold: payload field {f!r} must be an integer (int), got {type(value).__name__} {value!r} (event kind {kind!r})"
+                )
             out[f] += value
         return out
 
@@ -104,10 +114,12 @@ class SnapshotResult:
     stream: str
     key: GDID | None
     seq: int
-    """The stream's latest snapshot number after this run."""
+    """The stream's latest snapshot number after this run (-1: it failed before its snapshots were read)."""
     folded: int
-    """Events folded by this run (0: nothing new, no snapshot written)."""
+    """Events folded by this run (0: nothing new, no snapshot written, or the stream failed)."""
     server: str = ""
+    error: str | None = None
+    """Why the stream could not be folded (its pass rolled back, nothing claimed); None when it was."""
 
 
 _REGISTRY: dict[str, EventLog] = {}
@@ -139,17 +151,52 @@ class EventLog:
         """Append one event; False when an event with this id is already in the log (a redelivery)."""
         if not isinstance(event_id, GDID):
             raise StatsError(f"event id must be a GDID (from store.gdids(...)), got {event_id!r}")
-        if not kind or len(kind) > 64:
-            raise StatsError(f"event kind must be 1..64 characters, got {kind!r}")
+        check_name("event kind", kind, LABEL_LENGTH)
         place = self._place(target, stream, write=True)
+        document = self._checked_payload(stream, event_id, kind, payload)
         ev = self.tables.events
         stmt = (
             dialect_insert(place, ev)
-            .values(**place.key_values(), event_id=event_id, stream=stream, kind=kind, payload=dict(payload))
+            .values(**place.key_values(), event_id=event_id, stream=stream, kind=kind, payload=document)
             .on_conflict_do_nothing(index_elements=[*place.key_values(), "event_id"])
             .returning(ev.c.event_id)
         )
         return place.conn.execute(stmt).first() is not None
+
+    def _checked_payload(self, stream: str, event_id: GDID, kind: str, payload: Mapping[str, Any]) -> State:
+        """The payload as the log stores and reads it back, if the fold accepts it.
+
+        Checked at append because a payload the fold refuses would otherwise surface only at
+        the next read or snapshot pass, and from then on every read of the stream would fail.
+        The payload goes through JSON (what the column hands back: a tuple becomes a list; NaN
+        is not JSON) and is folded onto the fold's initial state; whatever the fold raises
+        refuses the append.
+        """
+        where = f"event log {self.name!r}, stream {stream!r}, event {event_id}"
+        if not isinstance(payload, Mapping):
+            raise StatsError(f"{where}: payload must be a mapping (a JSON object), got {type(payload).__name__}")
+        try:
+            document: State = json.loads(json.dumps(dict(payload), allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            raise StatsError(f"{where}: payload {payload!r} is not JSON: {exc}") from exc
+        try:
+            self.fold.apply(self.fold.initial(), kind, document)
+        except Exception as exc:  # the fold is application code: anything it raises refuses the event
+            raise StatsError(f"{where}: payload refused by the fold {self.fold!r}: {exc}") from exc
+        return document
+
+    def _apply(
+        self, state: State, event_id: GDID, kind: str, payload: Mapping[str, Any], *, where: str, stream: str, server: str, seq: int
+    ) -> State:
+        """``state`` with one stored event folded in, or a FoldError naming the stream and the event."""
+        try:
+            return self.fold.apply(state, kind, payload)
+        except Exception as exc:  # the fold is application code: anything it raises means "cannot fold"
+            raise FoldError(
+                f"{where}: stream {stream!r} of event log {self.name!r}: event {event_id} (kind {kind!r}) "
+                f"cannot be folded by {self.fold!r}: {exc}",
+                stream=stream, server=server, seq=seq,
+            ) from exc
 
     # -- readers ------------------------------------------------------------------------------------
 
@@ -159,12 +206,12 @@ class EventLog:
         seq, state = self._latest(place.conn, self._conds(place, self.tables.snapshots, stream))
         ev = self.tables.events
         tail = place.conn.execute(
-            select(ev.c.kind, ev.c.payload)
+            select(ev.c.event_id, ev.c.kind, ev.c.payload)
             .where(*self._conds(place, ev, stream), or_(ev.c.snapshot_seq.is_(None), ev.c.snapshot_seq > seq))
             .order_by(ev.c.event_id)
         ).all()
-        for kind, payload in tail:
-            state = self.fold.apply(state, kind, payload)
+        for event in tail:
+            state = self._apply(state, *event, where=place.where, stream=stream, server=place.server, seq=seq)
         return StreamState(state, seq, len(tail))
 
     def replay(self, target: Place | BriefcaseSession, stream: str) -> State:
@@ -172,13 +219,13 @@ class EventLog:
         place = self._place(target, stream, write=False)
         ev = self.tables.events
         rows = place.conn.execute(
-            select(ev.c.kind, ev.c.payload)
+            select(ev.c.event_id, ev.c.kind, ev.c.payload)
             .where(*self._conds(place, ev, stream))
             .order_by(ev.c.snapshot_seq.is_(None), ev.c.snapshot_seq, ev.c.event_id)
         )
         state = self.fold.initial()
-        for kind, payload in rows:
-            state = self.fold.apply(state, kind, payload)
+        for event in rows:
+            state = self._apply(state, *event, where=place.where, stream=stream, server=place.server, seq=0)
         return state
 
     # -- the snapshot job ---------------------------------------------------------------------------
@@ -189,34 +236,35 @@ class EventLog:
         snaps, ev = self.tables.snapshots, self.tables.events
         conn = place.conn
         keys = place.key_values()
-        conn.execute(
-            dialect_insert(place, snaps)
-            .values(**keys, snapshot_id=_snapshot_id(stream, 0), stream=stream, seq=0,
-                    state=self.fold.initial(), events=0, total_events=0)
-            .on_conflict_do_nothing()  # unique by primary key (derived id) and by (stream, seq): either may conflict
-        )
+        head = {"snapshot_id": _snapshot_id(stream, 0), "stream": stream, "seq": 0,
+                "state": self.fold.initial(), "events": 0, "total_events": 0}
+        insert_once(place, snaps, "snapshot_id", head, ("stream", "seq"))
         snap_conds = self._conds(place, snaps, stream)
         conn.execute(select(snaps.c.seq).where(*snap_conds, snaps.c.seq == 0).with_for_update()).one()
         seq, state = self._latest(conn, snap_conds)
         total = conn.execute(select(snaps.c.total_events).where(*snap_conds, snaps.c.seq == seq)).scalar_one()
         new_seq = seq + 1
-        claimed = conn.execute(
-            update(ev)
-            .where(*self._conds(place, ev, stream), ev.c.snapshot_seq.is_(None))
-            .values(snapshot_seq=new_seq)
-            .returning(ev.c.event_id, ev.c.kind, ev.c.payload)
-        ).all()
-        key = place.key
-        if not claimed:
-            return SnapshotResult(stream, key, seq, 0, place.server)
-        for _eid, kind, payload in sorted(claimed, key=lambda r: r[0]):
-            state = self.fold.apply(state, kind, payload)
-        conn.execute(
-            dialect_insert(place, snaps).values(
-                **keys, snapshot_id=_snapshot_id(stream, new_seq), stream=stream, seq=new_seq,
-                state=state, events=len(claimed), total_events=int(total) + len(claimed),
+        # Claim, fold and write in one savepoint: if the fold fails, the claim is undone even
+        # when the caller catches the error and commits. Markers without their snapshot would
+        # be skipped by the next pass (it claims only unmarked events): lost from every state.
+        with conn.begin_nested():
+            claimed = conn.execute(
+                update(ev)
+                .where(*self._conds(place, ev, stream), ev.c.snapshot_seq.is_(None))
+                .values(snapshot_seq=new_seq)
+                .returning(ev.c.event_id, ev.c.kind, ev.c.payload)
+            ).all()
+            key = place.key
+            if not claimed:
+                return SnapshotResult(stream, key, seq, 0, place.server)
+            for event in sorted(claimed, key=lambda r: r[0]):
+                state = self._apply(state, *event, where=place.where, stream=stream, server=place.server, seq=seq)
+            conn.execute(
+                dialect_insert(place, snaps).values(
+                    **keys, snapshot_id=_snapshot_id(stream, new_seq), stream=stream, seq=new_seq,
+                    state=state, events=len(claimed), total_events=int(total) + len(claimed),
+                )
             )
-        )
         return SnapshotResult(stream, key, new_seq, len(claimed), place.server)
 
     def pending_streams(self, conn: Connection, stream: str | None = None) -> list[tuple[GDID | None, str]]:
@@ -263,12 +311,15 @@ class EventLog:
                 for gid, state in conn.execute(select(snaps.c[key], snaps.c.state).where(snaps.c.stream == stream, snaps.c.seq == newest)):
                     states[gid] = state
                 tail = conn.execute(
-                    select(ev.c[key], ev.c.kind, ev.c.payload)
+                    select(ev.c[key], ev.c.event_id, ev.c.kind, ev.c.payload)
                     .where(ev.c.stream == stream, or_(ev.c.snapshot_seq.is_(None), ev.c.snapshot_seq > func.coalesce(latest, -1)))
                     .order_by(ev.c[key], ev.c.event_id)
                 )
-                for gid, kind, payload in tail:
-                    states[gid] = self.fold.apply(states[gid] if gid in states else self.fold.initial(), kind, payload)
+                for gid, event_id, kind, payload in tail:
+                    states[gid] = self._apply(
+                        states[gid] if gid in states else self.fold.initial(), event_id, kind, payload,
+                        where=f"briefcase {area}/{gid}", stream=stream, server=server, seq=-1,
+                    )
             for gid, state in states.items():
                 if gid not in incoming:
                     out[gid] = state
@@ -277,8 +328,7 @@ class EventLog:
     # -- helpers ------------------------------------------------------------------------------------
 
     def _place(self, target: Place | BriefcaseSession, stream: str, *, write: bool) -> Place:
-        if not isinstance(stream, str) or not stream or len(stream) > 200:
-            raise StatsError(f"stream must be 1..200 characters, got {stream!r}")
+        check_name("stream", stream, NAME_LENGTH, write=write)
         place = place_of(target)
         place.check(self.tables.tables, self.tables.key_column, write=write)
         place.check_routed(stream)
@@ -314,28 +364,56 @@ def run_snapshots(store: Store, log: EventLog, where: str, *, stream: str | None
     transaction: a briefcase stream through a briefcase session (routed, ownership-checked,
     waits for a move), a CENTRAL stream on the shard its key routes to. Safe to run on a
     schedule, next to writers and next to another pass.
+
+    A stream that cannot be snapshotted (an event the fold cannot take, a derived-id clash on
+    its snapshot rows, a name stored before names were checked) is isolated: its transaction
+    rolls back (nothing claimed), its result carries the ``error``, and the pass goes on with
+    the other streams, so one bad stream does not stop the snapshots of a whole area.
     """
     results: list[SnapshotResult] = []
     if where == "central":
         if log.tables.key_column is not None:
             raise StatsError(f"event log {log.name!r} lives in briefcases (key {log.tables.key_column!r}), not on CENTRAL")
-        pending: dict[str, None] = {}
+        pending: dict[str, str] = {}
         for server in store.router.central_servers():
             with store.transaction(server) as conn:
-                pending.update(dict.fromkeys(s for _k, s in log.pending_streams(conn, stream)))
-        for name in pending:
-            with central(store, name) as place:
-                results.append(log.snapshot(place, name))
+                pending.update(dict.fromkeys((s for _k, s in log.pending_streams(conn, stream)), server))
+        for name, server in pending.items():
+
+            def central_pass(name: str = name) -> SnapshotResult:
+                with central(store, name) as place:
+                    return log.snapshot(place, name)
+
+            results.append(_isolated(name, None, server, central_pass))
         return results
     if log.tables.key_column is None:
         raise StatsError(f"event log {log.name!r} is a CENTRAL log: run it with 'central', not area {where!r}")
     btype = log._briefcase_type(store, where)
-    todo: dict[tuple[GDID | None, str], None] = {}
+    todo: dict[tuple[GDID | None, str], str] = {}
     for server in fan_out_servers(store.router, where):
         with store.transaction(server) as conn:
-            todo.update(dict.fromkeys(log.pending_streams(conn, stream)))
-    for key, name in todo:
+            todo.update(dict.fromkeys(log.pending_streams(conn, stream), server))
+    for (key, name), server in todo.items():
         assert key is not None
-        with store.briefcase(btype, key) as session:
-            results.append(log.snapshot(session, name))
+
+        def briefcase_pass(key: GDID = key, name: str = name) -> SnapshotResult:
+            with store.briefcase(btype, key) as session:
+                return log.snapshot(session, name)
+
+        results.append(_isolated(name, key, server, briefcase_pass))
     return results
+
+
+def _isolated(stream: str, key: GDID | None, server: str, run: Callable[[], SnapshotResult]) -> SnapshotResult:
+    """``run()``'s result, or a failed result when the stream cannot be snapshotted.
+
+    ``run`` opens and closes its own transaction, so when it raises, that transaction has
+    rolled back before the failure is recorded. Other errors (a server down, a move that does
+    not finish) are not the stream's fault and end the pass.
+    """
+    try:
+        return run()
+    except FoldError as exc:
+        return SnapshotResult(stream, key, exc.seq, 0, exc.server, error=str(exc))
+    except StatsError as exc:
+        return SnapshotResult(stream, key, -1, 0, server, error=str(exc))

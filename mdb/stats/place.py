@@ -15,23 +15,23 @@ from :func:`central`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Table
+from sqlalchemy import Table, select
 from sqlalchemy.engine import Connection
 
 from mdb.briefcase import BriefcaseType
-from mdb.errors import CrossBriefcaseError, MdbError, RoutingError
+from mdb.errors import CrossBriefcaseError, MdbError, RoutingError, StatsError
 from mdb.gdid import GDID
 from mdb.session import BriefcaseSession
 
 if TYPE_CHECKING:
     from mdb.store import Store
 
-__all__ = ["Place", "central", "central_server", "dialect_insert", "place_of"]
+__all__ = ["Place", "central", "central_server", "dialect_insert", "insert_once", "place_of"]
 
 
 @dataclass(frozen=True)
@@ -134,3 +134,32 @@ def dialect_insert(place: Place, table: Table) -> Any:
 
         return sqlite_insert(table)
     raise MdbError(f"hot-data tables need PostgreSQL or SQLite (ON CONFLICT), not {name!r}")
+
+
+def insert_once(place: Place, table: Table, id_column: str, values: Mapping[str, Any], natural: Sequence[str]) -> bool:
+    """Insert a row with a derived id unless its natural key is already there; True if inserted.
+
+    ``ON CONFLICT DO NOTHING`` without a target, because the row is unique twice (derived id
+    and natural key) and a concurrent duplicate may hit either index first. "Nothing
+    inserted" then means "already there" only if a row with this natural key exists: if none
+    does, the derived id is held by a row with ANOTHER natural key (a hash collision, or a row
+    written under an ambiguous encoding), and counting that as "already there" would silently
+    drop this row's effect. That raises instead.
+    """
+    stmt = (
+        dialect_insert(place, table)
+        .values(**place.key_values(), **values)
+        .on_conflict_do_nothing()
+        .returning(table.c[id_column])
+    )
+    if place.conn.execute(stmt).first() is not None:  # RETURNING: rowcount is not reliable on every driver
+        return True
+    conds = [table.c[k] == v for k, v in place.key_values().items()]
+    conds += [table.c[column] == values[column] for column in natural]
+    if place.conn.execute(select(table.c[id_column]).where(*conds)).first() is None:
+        key = ", ".join(f"{column}={values[column]!r}" for column in natural)
+        raise StatsError(
+            f"{place.where}: derived id {values[id_column]} of {table.name!r} row ({key}) is already used by another row "
+            "(a derived-id clash); refusing to treat it as already there"
+        )
+    return False

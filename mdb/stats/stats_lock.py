@@ -5,7 +5,9 @@ times, concurrently. For each calculation it feeds (``overall``, ``per_provider`
 lock records that the calculation was applied for ``{event id}:{state}``, and it does so IN
 THE SAME TRANSACTION as the calculation's effect: one row per (event id, state, calculation),
 inserted with ``ON CONFLICT DO NOTHING RETURNING`` (no conflict target: any unique index); a returned row says this delivery is
-the first. A concurrent duplicate waits on the unique index until the first commits (then sees
+the first. When no row is returned, the record of this very triple must exist; if the derived
+lock id is held by another triple instead, that is an error, never "already applied"
+(:func:`mdb.stats.place.insert_once`). A concurrent duplicate waits on the unique index until the first commits (then sees
 the conflict and skips) or rolls back (then it applies). New calculation kinds are new rows,
 so old records never need rewriting.
 
@@ -22,10 +24,9 @@ from typing import Any
 
 from sqlalchemy import select
 
-from mdb.errors import StatsError
 from mdb.session import BriefcaseSession
-from mdb.stats.place import Place, dialect_insert, place_of
-from mdb.stats.tables import StatsLockTables, derived_gdid
+from mdb.stats.place import Place, insert_once, place_of
+from mdb.stats.tables import LABEL_LENGTH, NAME_LENGTH, StatsLockTables, check_name, derived_gdid
 
 __all__ = ["StatsLock"]
 
@@ -52,35 +53,24 @@ class StatsLock:
         Returns True when this call applied it. The lock row and the effect commit or roll back
         together with the caller's transaction.
         """
-        for what, value in (("event id", event_id), ("state", state), ("calculation", calculation)):
-            if not isinstance(value, str) or not value or len(value) > (200 if what == "event id" else 64):
-                raise StatsError(f"stats lock: {what} must be a non-empty string of bounded length, got {value!r}")
+        _check_names(event_id, state, calculation, write=True)
         place = place_of(target)
         place.check(self.tables.tables, self.tables.key_column, write=True)
-        locks = self.tables.locks
-        stmt = (
-            dialect_insert(place, locks)
-            .values(
-                **place.key_values(),
-                lock_id=derived_gdid("stats-lock", event_id, state, calculation),
-                event_id=event_id,
-                state=state,
-                calculation=calculation,
-            )
-            # No conflict target: the row is unique both by its primary key (lock_id is derived
-            # from the triple) and by the triple; a concurrent duplicate may hit either index
-            # first, and a targeted ON CONFLICT would raise on the other one.
-            .on_conflict_do_nothing()
-            .returning(locks.c.lock_id)
-        )
+        record = {
+            "lock_id": derived_gdid("stats-lock", event_id, state, calculation),
+            "event_id": event_id,
+            "state": state,
+            "calculation": calculation,
+        }
         with place.conn.begin_nested():
-            if place.conn.execute(stmt).first() is None:  # RETURNING: rowcount is not reliable on every driver
+            if not insert_once(place, self.tables.locks, "lock_id", record, ("event_id", "state", "calculation")):
                 return False
             effect(place)
         return True
 
     def applied(self, target: Place | BriefcaseSession, event_id: str, state: str) -> set[str]:
         """The calculations already applied for ``event_id:state`` here."""
+        _check_names(event_id, state, None, write=False)
         place = place_of(target)
         place.check(self.tables.tables, self.tables.key_column, write=False)
         locks = self.tables.locks
@@ -89,3 +79,11 @@ class StatsLock:
             select(locks.c.calculation).where(*conds, locks.c.event_id == event_id, locks.c.state == state)
         )
         return set(rows.scalars())
+
+
+def _check_names(event_id: object, state: object, calculation: object | None, *, write: bool) -> None:
+    """The lock's natural key parts, each checked by name (see :func:`check_name`)."""
+    check_name("stats lock: event id", event_id, NAME_LENGTH, write=write)
+    check_name("stats lock: state", state, LABEL_LENGTH, write=write)
+    if calculation is not None:
+        check_name("stats lock: calculation", calculation, LABEL_LENGTH, write=write)

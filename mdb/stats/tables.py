@@ -13,15 +13,21 @@ Each pattern's tables come in two shapes built by one factory:
 Row ids that are not application GDIDs (a counter slot, a snapshot, a lock record) are
 *derived* GDIDs (:func:`derived_gdid`): a hash of the row's natural key, so the primary key
 stays a GDID, nothing auto-increments and a row keeps its id when its briefcase moves. The
-natural key also has a unique constraint: a hash collision could only ever raise, never merge
-two rows. Two unique indexes mean a conflict clause with a target covers only one of them; see
-:mod:`mdb.stats.counters` (slot rows are created with K and increments only UPDATE them) and
-the target-less ``DO NOTHING`` of the stats lock and snapshots.
+natural key also has a unique constraint. Two unique indexes mean a conflict clause with a
+target covers only one of them; see :mod:`mdb.stats.counters` (slot rows are created with K
+and increments only UPDATE them) and the target-less ``DO NOTHING`` of
+:func:`mdb.stats.place.insert_once`, which also turns a derived-id clash (the id already held
+by a row with another natural key) into an error instead of "already there".
+
+Names that become parts of a derived id (counter ids, streams, event ids, states,
+calculations) are checked by :func:`check_name`: no control characters, so the separator of
+the hash input can never occur inside a part and the derivation is injective.
 """
 
 from __future__ import annotations
 
 import hashlib
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,15 +48,17 @@ from sqlalchemy import (
     text,
 )
 
-from mdb.errors import SchemaError
+from mdb.errors import SchemaError, StatsError
 from mdb.gdid import GDID
 from mdb.sqltypes import GDIDType
 
 __all__ = [
     "DERIVED_AUTHORITY",
+    "ID_SEPARATOR",
     "CounterTables",
     "EventLogTables",
     "StatsLockTables",
+    "check_name",
     "counter_models",
     "counter_tables",
     "derived_gdid",
@@ -64,14 +72,57 @@ DERIVED_AUTHORITY = 15
 """Authority nibble of derived GDIDs: tells them apart from generated ones (never zero)."""
 
 NAME_LENGTH = 200
+"""Longest counter id, stream or event id."""
+LABEL_LENGTH = 64
+"""Longest state, calculation or event kind."""
+
+
+ID_SEPARATOR = "\x1f"
+"""Joins the parts of a derived id's hash input (ASCII unit separator)."""
 
 
 def derived_gdid(*parts: str | int) -> GDID:
-    """A GDID that is a 92-bit hash of ``parts`` (era = 32 bits, counter = 60 bits)."""
-    digest = hashlib.blake2b("\x1f".join(str(p) for p in parts).encode("utf-8"), digest_size=12).digest()
+    """A GDID that is a 92-bit hash of ``parts`` (era = 32 bits, counter = 60 bits).
+
+    The hash input is the parts joined with :data:`ID_SEPARATOR`. Joining is injective only
+    while no part contains the separator: ``("a\\x1fb", "c")`` and ``("a", "b\\x1fc")`` would
+    be one input, one id, and the second key's row would be taken for the first's. So a part
+    holding the separator is refused (the operations refuse every control character earlier,
+    naming the argument: :func:`check_name`). Refusing rather than re-encoding keeps the ids
+    of all existing rows: for the parts accepted, the input is the same bytes as before.
+    """
+    for part in parts:
+        if isinstance(part, bool) or not isinstance(part, (str, int)):
+            raise StatsError(f"derived id: parts must be strings or integers, got {type(part).__name__} {part!r}")
+        if isinstance(part, str) and ID_SEPARATOR in part:
+            raise StatsError(f"derived id: part {part!r} contains the separator U+001F (two keys would share one id)")
+    digest = hashlib.blake2b(ID_SEPARATOR.join(str(p) for p in parts).encode("utf-8"), digest_size=12).digest()
     era = int.from_bytes(digest[:4], "big")
     counter = int.from_bytes(digest[4:], "big") & ((1 << 60) - 1)
     return GDID(era, DERIVED_AUTHORITY, counter)
+
+
+def check_name(what: str, value: object, limit: int, *, write: bool = True) -> str:
+    """``value`` if it can name a hot-data row (counter id, stream, event id, state, ...), else a
+    StatsError naming ``what``.
+
+    A name must be a non-empty string of at most ``limit`` characters. Writes refuse control
+    characters: the unit separator would make two keys share one derived id, a NUL cannot be
+    stored in PostgreSQL text at all, and none belongs in an identifier. Reads
+    (``write=False``) refuse only what no database can hold (NUL, lone surrogates), so rows
+    written before this check, whose names may hold other control characters, stay readable.
+    """
+    if not isinstance(value, str):
+        raise StatsError(f"{what} must be a string, got {type(value).__name__} {value!r}")
+    if not value or len(value) > limit:
+        raise StatsError(f"{what} must be 1..{limit} characters, got {len(value)}: {value[:60]!r}")
+    for char in value:
+        category = unicodedata.category(char)
+        if category == "Cs":
+            raise StatsError(f"{what} {value[:60]!r} contains an unpaired surrogate (U+{ord(char):04X}): not encodable")
+        if char == "\x00" or (write and category == "Cc"):
+            raise StatsError(f"{what} {value[:60]!r} contains the control character {char!r} (U+{ord(char):04X})")
+    return value
 
 
 def _key_columns(key_column: str | None, id_column: str) -> list[Column[Any]]:
@@ -169,8 +220,8 @@ def stats_lock_tables(metadata: MetaData, name: str = "stats_lock", *, key_colum
         metadata,
         *_key_columns(key_column, "lock_id"),
         Column("event_id", String(NAME_LENGTH), nullable=False),
-        Column("state", String(64), nullable=False),
-        Column("calculation", String(64), nullable=False),
+        Column("state", String(LABEL_LENGTH), nullable=False),
+        Column("calculation", String(LABEL_LENGTH), nullable=False),
         Column("applied_at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
         _pk(name, key_column, "lock_id"),
         UniqueConstraint(*_natural(key_column, "event_id", "state", "calculation"), name=f"uq_{name}_record"),
@@ -203,7 +254,7 @@ def event_log_tables(metadata: MetaData, name: str = "event_log", *, key_column:
         metadata,
         *_key_columns(key_column, "event_id"),
         Column("stream", String(NAME_LENGTH), nullable=False),
-        Column("kind", String(64), nullable=False),
+        Column("kind", String(LABEL_LENGTH), nullable=False),
         Column("payload", JSON, nullable=False),
         Column("appended_at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
         # NULL until a snapshot job folds the event into snapshot number ``snapshot_seq``: the
