@@ -13,6 +13,9 @@ from mdb.urls import mask_secrets
 __all__ = ["describe", "translate", "translated"]
 
 _MISSING_TABLE = ("does not exist", "no such table", "UndefinedTable")
+_MISSING_COLUMN = ("no such column", "has no column named")
+"""SQLite's words for a column the table lacks (PostgreSQL's is the UndefinedColumn class): the
+table differs from its model, which ``mdb schema check`` lists in full."""
 _UNREACHABLE = (
     "connection refused",
     "could not connect",
@@ -45,6 +48,8 @@ def translate(server: str, exc: BaseException) -> MdbError | None:
     lowered = str(getattr(exc, "orig", exc)).lower()
     if exc.connection_invalidated or any(s in lowered for s in _UNREACHABLE):
         return ServerUnavailableError(server, detail)
+    if type(exc.orig).__name__ == "UndefinedColumn" or any(s in lowered for s in _MISSING_COLUMN):
+        return SchemaError(f"server {server!r}: {detail} (the table differs from its model: run `mdb schema check MAP`)")
     if any(s.lower() in lowered for s in _MISSING_TABLE) or type(exc.orig).__name__ == "UndefinedTable":
         return SchemaError(f"server {server!r}: {detail} (run `mdb schema apply MAP`)")
     return None

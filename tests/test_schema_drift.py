@@ -180,7 +180,7 @@ def test_check_changes_nothing_and_reports_a_down_server(tmp_path: Path) -> None
     c, u1 = (f"sqlite:///{tmp_path / n}.db" for n in ("c", "u1"))
     from test_schema_apply import write_models_map
 
-    path = write_models_map(tmp_path, {"c": c, "u1": u1, "u2": f"sqlite:///{tmp_path}/no/such/dir/\0x.db"},
+    path = write_models_map(tmp_path, {"c": c, "u1": u1, "u2": f"sqlite:///{tmp_path}"},
                             central=["c"], partitions=[("0:0:0", ["u1"])])
     result = cli("check", str(path), "--json")
     assert result.exit_code == 1, result.stdout
@@ -227,9 +227,13 @@ def test_the_cli_move_across_drift_is_one_error_line_not_a_traceback(tmp_path: P
     with cluster.store() as store:
         create_user(store, gdid)
     ddl(u1, "ALTER TABLE transactions DROP COLUMN memo")
-    done = subprocess.run([str(MDB), "move", str(cluster.path), "user", str(gdid), "--to", "u2"], capture_output=True, text=True)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "Traceback" not in done.stderr and "transactions: column 'memo'" in done.stderr
+    command = [str(MDB), "move", str(cluster.path), "user", str(gdid), "--to", "u2"]
+    for extra in ([], ["--json"]):  # with and without the progress display (which measures first)
+        done = subprocess.run([*command, *extra], capture_output=True, text=True)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "'u1'" in done.stderr and "memo" in done.stderr and "mdb schema check" in done.stderr
+    assert "transactions: column 'memo'" in done.stderr  # the precheck's full list
 
 
 # -- a write into a drifted table ---------------------------------------------------------------
