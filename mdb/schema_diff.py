@@ -194,26 +194,31 @@ def compare_tables(conn: Connection, tables: Sequence[Table], *, known: Collecti
     ``known``, extra tables are not looked for (a move's precheck only cares about its area).
     """
     inspector = sa_inspect(conn)
-    present = set(inspector.get_table_names())
-    out = [Difference(t.name, "missing table", f"table {t.name!r} is missing") for t in tables if t.name not in present]
+    live = _reflect(inspector, [t.name for t in tables])
+    out = [Difference(t.name, "missing table", f"table {t.name!r} is missing") for t in tables if t.name not in live]
     if known:
         wanted = {t.name for t in tables} | set(known)
+        present = set(inspector.get_table_names())
         out += [Difference(n, "extra table", f"table {n!r} is not declared by any model") for n in sorted(present - wanted)]
-    names = [t.name for t in tables if t.name in present]
-    if names:
-        live = _reflect(inspector, names)
-        for table in tables:
-            if table.name in live:
-                out += _compare_table(table, live[table.name], conn.dialect)
+    for table in tables:
+        if table.name in live:
+            out += _compare_table(table, live[table.name], conn.dialect)
     return out
 
 
 def _reflect(inspector: Any, names: list[str]) -> dict[str, dict[str, Any]]:
-    """Columns, primary key, indexes and unique constraints of ``names``: one query each on PostgreSQL."""
+    """Columns, primary key, indexes and unique constraints of those of ``names`` that exist.
+
+    One catalog query each on PostgreSQL, whatever the number of tables; a table without
+    columns in the answer does not exist.
+    """
     def by_name(found: dict[tuple[str | None, str], Any]) -> dict[str, Any]:
         return {name: value for (_, name), value in found.items()}
 
     columns = by_name(inspector.get_multi_columns(filter_names=names))
+    names = [n for n in names if n in columns]
+    if not names:
+        return {}
     pks = by_name(inspector.get_multi_pk_constraint(filter_names=names))
     indexes = by_name(inspector.get_multi_indexes(filter_names=names))
     uniques = by_name(inspector.get_multi_unique_constraints(filter_names=names))
