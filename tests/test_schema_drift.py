@@ -36,6 +36,7 @@ from mdb.engines import sqlalchemy_url
 from mdb.errors import SchemaError
 from mdb.gdid import GDID
 from mdb.moves.protocol import move_briefcase
+from mdb.moves.reshard import reshard
 from mdb.schema_diff import Difference, compare_tables
 from mdb.sqltypes import GDIDType
 
@@ -250,3 +251,22 @@ def test_a_write_into_a_drifted_table_is_a_schema_error_naming_server_and_table(
         add_transaction(store, GDID(0, 0, 11), 1, 5)
     message = str(caught.value)
     assert "'u1'" in message and "transactions" in message and "mdb schema check" in message
+
+
+def test_a_reshard_with_a_drifted_source_is_refused_before_anything_moves(tmp_path: Path) -> None:
+    """A reshard's prechecks only checked that its sources were reachable; a drifted source
+    failed its first move. Now the prechecks (and so the dry run) refuse it, before any move."""
+    c, u1, u2 = (f"sqlite:///{tmp_path / n}.db" for n in ("c", "u1", "u2"))
+    cluster = make_cluster({"c": c, "u1": u1, "u2": u2}, tmp_path, [("0:0:0", ["u1"])])
+    with cluster.store() as store:
+        for n in range(1, 5):
+            create_user(store, GDID(0, 0, n))
+    ddl(u1, "ALTER TABLE transactions DROP COLUMN memo")
+    with cluster.store() as store:
+        for dry_run in (True, False):
+            with pytest.raises(SchemaError, match=r"reshard of user partition 0:0:0: the tables on 'u1' differ"):
+                reshard(store, "user", GDID.ZERO, ["u2"], dry_run=dry_run, map_path=cluster.path)
+    engine = create_engine(sqlalchemy_url(u2))
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM users")).scalar_one() == 0
+    engine.dispose()
