@@ -20,6 +20,7 @@ from sqlalchemy import Table, insert, inspect as sa_inspect, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
+from mdb.briefcase import registered_types
 from mdb.dberrors import describe
 from mdb.errors import MdbError
 from mdb.mongo.clients import is_mongo_url
@@ -114,13 +115,15 @@ def server_tables(
 
 
 def known_tables(store: Store) -> set[str]:
-    """Every table mdb knows of: its own and every registered briefcase type's, in any area.
+    """Every table mdb knows of: its own and every briefcase type's, in any area.
 
     A table on a server outside this set is reported as extra; a table of another area (a spare
-    that became a user shard keeps the tables of every area) is not.
+    that became a user shard keeps the tables of every area) is not, nor one of a type this
+    process declared but did not give the Store.
     """
     shard_md, central_md = load_system_tables()
-    return {*shard_md.tables, *central_md.tables, *(t.name for btype in store.types for t in btype.tables)}
+    types = {*store.types, *registered_types()}
+    return {*shard_md.tables, *central_md.tables, *(t.name for btype in types for t in btype.tables)}
 
 
 def _server_plan(store: Store) -> tuple[Router, dict[str, list[ShardLayout]]]:
@@ -155,7 +158,7 @@ def check_schema(store: Store) -> list[ShardReport]:
         report = ShardReport(server, store.engines.masked_url(server))
         report.roles, tables = server_tables(store, router, server, layouts.get(server, []))
         try:
-            with store.transaction(server, readonly=False) as conn:
+            with store.transaction(server) as conn:
                 report.differences = compare_tables(conn, tables, known=known)
         except (MdbError, DBAPIError) as exc:
             _shard_failed(server, report, exc)

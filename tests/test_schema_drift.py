@@ -26,6 +26,7 @@ from sqlalchemy import (
     Table,
     UniqueConstraint,
     create_engine,
+    func,
     text,
 )
 from typer.testing import CliRunner
@@ -81,6 +82,7 @@ def model_table(metadata: MetaData) -> Table:
         Column("tag", String(10), nullable=False),
         Column("count", BigInteger, nullable=False),
         Index("ix_things_name", "name"),
+        Index("ix_things_lower_tag", func.lower(text("tag"))),  # an expression index: not compared
         UniqueConstraint("tag", name="uq_things_tag"),
     )
 
