@@ -49,7 +49,7 @@ def translate(server: str, exc: BaseException) -> MdbError | None:
     if exc.connection_invalidated or any(s in lowered for s in _UNREACHABLE):
         return ServerUnavailableError(server, detail)
     if type(exc.orig).__name__ == "UndefinedColumn" or any(s in lowered for s in _MISSING_COLUMN):
-        return SchemaError(f"server {server!r}: {detail} (the table differs from its model: run `mdb schema check MAP`)")
+        return SchemaError(f"server {server!r}: {detail} (check the table against its model: `mdb schema check MAP`)")
     if any(s.lower() in lowered for s in _MISSING_TABLE) or type(exc.orig).__name__ == "UndefinedTable":
         return SchemaError(f"server {server!r}: {detail} (run `mdb schema apply MAP`)")
     return None
