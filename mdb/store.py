@@ -161,6 +161,20 @@ class Store:
         finally:
             conn.close()
 
+    def begin(self, server: str, readonly: bool = False) -> Connection:
+        """A pooled connection to ``server`` already in a transaction; the caller ends it and closes.
+
+        For code that cannot use :meth:`transaction` (it inspects a failure before deciding);
+        like it, a connection that died with its server is replaced once.
+        """
+        conn = self.connect(server, readonly)
+        try:
+            with translated(server):
+                return self._begin(conn, server, readonly)
+        except BaseException:
+            conn.close()
+            raise
+
     def _begin(self, conn: Connection, server: str, readonly: bool) -> Connection:
         """BEGIN on ``conn`` (with the prelude set on it), or on a fresh connection if ``conn`` was dead.
 

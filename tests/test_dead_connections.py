@@ -77,3 +77,14 @@ def test_a_server_that_stays_down_is_still_reported(pg_server_factory: Callable[
     with store, pytest.raises(ServerUnavailableError, match="'u1' is unavailable"):
         with store.briefcase(UserBriefcase, GDID(0, 0, 1)):
             pass
+
+
+def test_a_refresh_after_a_restart_runs_on_fresh_connections(
+    pg_server_factory: Callable[[], PostgresServer], tmp_path: Path
+) -> None:
+    """A refresh (after a stale route, or a new map) reads CENTRAL first: its pool is dead too."""
+    store, _ = restarted_store(pg_server_factory, tmp_path)
+    with store:
+        store.refresh()
+        with store.briefcase(UserBriefcase, GDID(0, 0, 1)) as session:
+            assert session.get(User, GDID(0, 0, 1)) is not None
