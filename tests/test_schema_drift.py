@@ -28,6 +28,7 @@ from sqlalchemy import (
     create_engine,
     func,
     text,
+    update,
 )
 from typer.testing import CliRunner
 
@@ -247,12 +248,19 @@ def test_a_write_into_a_drifted_table_is_a_schema_error_naming_server_and_table(
 ) -> None:
     c, u1 = urls(2)
     cluster = make_cluster({"c": c, "u1": u1}, tmp_path, [("0:0:0", ["u1"])])
-    ddl(u1, "ALTER TABLE transactions DROP COLUMN memo")
-    with cluster.store() as store, pytest.raises(SchemaError) as caught:
-        create_user(store, GDID(0, 0, 11))
-        add_transaction(store, GDID(0, 0, 11), 1, 5)
-    message = str(caught.value)
-    assert "'u1'" in message and "transactions" in message and "mdb schema check" in message
+    gdid = GDID(0, 0, 11)
+    with cluster.store() as store:
+        create_user(store, gdid)
+    ddl(u1, "ALTER TABLE transactions DROP COLUMN memo", "ALTER TABLE users DROP COLUMN name")
+    with cluster.store() as store:
+        with pytest.raises(SchemaError) as inserted:
+            add_transaction(store, gdid, 1, 5)
+        with pytest.raises(SchemaError) as updated:  # SQLite's "no such column: name" names no table
+            with store.briefcase(UserBriefcase, gdid) as session:
+                session.execute(update(User).where(User.user_id == gdid).values(name="renamed"))
+    for caught, table in ((inserted, "transactions"), (updated, "users")):
+        message = str(caught.value)
+        assert f"server 'u1', table {table!r}: " in message and "mdb schema check" in message, message
 
 
 def test_a_reshard_with_a_drifted_source_is_refused_before_anything_moves(tmp_path: Path) -> None:
