@@ -30,6 +30,7 @@ from sqlalchemy import (
     text,
     update,
 )
+from test_schema_apply import write_models_map
 from typer.testing import CliRunner
 
 from mdb.cli import app
@@ -143,8 +144,6 @@ def test_a_missing_table_and_a_changed_primary_key(urls: Callable[[int], list[st
 
 
 def write_map(tmp_path: Path, servers: dict[str, str]) -> Path:
-    from test_schema_apply import write_models_map
-
     return write_models_map(tmp_path, servers, central=["c"], partitions=[("0:0:0", ["u1", "u2"])])
 
 
@@ -182,8 +181,6 @@ def test_apply_and_check_report_a_column_the_database_lacks(urls: Callable[[int]
 
 def test_check_changes_nothing_and_reports_a_down_server(tmp_path: Path) -> None:
     c, u1 = (f"sqlite:///{tmp_path / n}.db" for n in ("c", "u1"))
-    from test_schema_apply import write_models_map
-
     path = write_models_map(tmp_path, {"c": c, "u1": u1, "u2": f"sqlite:///{tmp_path}"},
                             central=["c"], partitions=[("0:0:0", ["u1"])])
     result = cli("check", str(path), "--json")
