@@ -6,6 +6,11 @@ failing), PostgreSQL URLs are forced onto psycopg 3. On both, mdb issues BEGIN i
 autocommit mode plus the dialect's ``do_begin``) so that a transaction can carry a prelude,
 the briefcase ownership check, without an extra round trip. URLs are masked in every repr and
 error.
+
+Pool sizes, recycling and the PostgreSQL connect timeout come from the map's ``engine:``
+settings (:class:`mdb.partition_map.EngineSpec`) over the defaults below. The connect timeout
+always has a value: without one, libpq waits for the operating system to give up on a
+powered-off host, which takes minutes, and every command touching that server hangs as long.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool
 
-from mdb.partition_map import PartitionMap, ServerSpec
+from mdb.partition_map import EngineSpec, PartitionMap, ServerSpec
 from mdb.servers import ServerDirectory
 from mdb.urls import mask_url
 
@@ -32,6 +37,8 @@ __all__ = ["BEGIN_PRELUDE", "BEGIN_RESULT", "EngineRegistry", "Prelude", "sqlalc
 log = logging.getLogger("mdb.engines")
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+DEFAULT_ENGINE = EngineSpec(pool_size=10, max_overflow=20, pool_timeout=30.0, connect_timeout=10)
+"""What an engine gets for the settings a map leaves unset (docs/operations.md: the budget)."""
 
 
 def sqlalchemy_url(url: str) -> URL:
@@ -188,18 +195,35 @@ def _begin_with(engine: Engine, begin: Callable[[Any], None]) -> Engine:
     return engine
 
 
-def _create(url: str, readonly: bool) -> Engine:
+def _pool_args(settings: EngineSpec) -> dict[str, Any]:
+    """``create_engine`` keyword arguments of a pooled engine (QueuePool) under ``settings``."""
+    return {
+        "pool_size": settings.pool_size,
+        "max_overflow": settings.max_overflow,
+        "pool_timeout": settings.pool_timeout,
+        "pool_recycle": -1 if settings.pool_recycle is None else settings.pool_recycle,
+    }
+
+
+def _create(url: str, readonly: bool, engine: EngineSpec | None = None) -> Engine:
+    """A new engine for ``url``; ``engine`` is the server's settings from the map (unset: defaults)."""
+    settings = (engine or EngineSpec()).over(DEFAULT_ENGINE)
     parsed = sqlalchemy_url(url)
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database
         if database and database != ":memory:" and not database.startswith("file:"):
             Path(database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(parsed, poolclass=NullPool if database in (None, "", ":memory:") else None)
-        event.listen(engine, "connect", _sqlite_setup)
-        return _begin_with(engine, _sqlite_begin_read if readonly else _sqlite_begin_write)
+        if database in (None, "", ":memory:"):
+            sqlite = create_engine(parsed, poolclass=NullPool)
+        else:
+            sqlite = create_engine(parsed, **_pool_args(settings))
+        event.listen(sqlite, "connect", _sqlite_setup)
+        return _begin_with(sqlite, _sqlite_begin_read if readonly else _sqlite_begin_write)
     if parsed.get_backend_name() == "postgresql":
-        engine = create_engine(parsed, isolation_level="AUTOCOMMIT", pool_size=10, max_overflow=20)
-        return _begin_with(engine, _pg_begin)
+        # A connect_timeout written in the URL is the more specific setting and stays.
+        connect_args = {} if "connect_timeout" in parsed.query else {"connect_timeout": settings.connect_timeout}
+        pg = create_engine(parsed, isolation_level="AUTOCOMMIT", connect_args=connect_args, **_pool_args(settings))
+        return _begin_with(pg, _pg_begin)
     return create_engine(parsed)
 
 
@@ -251,7 +275,7 @@ class EngineRegistry(ServerDirectory):
         with self._lock:
             engine = self._engines.get(key)
             if engine is None:
-                engine = _create(url, readonly=key[1])
+                engine = _create(url, readonly=key[1], engine=spec.engine)
                 self._engines[key] = engine
                 log.debug("created engine for server %s at %s", server, mask_url(url))
             self._by_server[(server, readonly)] = engine

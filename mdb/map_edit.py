@@ -459,7 +459,7 @@ def _newest_applied(store: Store, pmap: PartitionMap, newer_than: int = 0) -> Ap
         .limit(1)
     )
     with translated(server):
-        conn = store.connect(server)
+        conn = store.begin(server)  # not connect(): a connection that died in a restart is replaced
         try:
             try:
                 row = conn.execute(query).first()

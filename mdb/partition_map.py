@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from mdb.errors import MapError
 from mdb.gdid import GDID
@@ -25,6 +25,7 @@ from mdb.urls import mask_url
 
 __all__ = [
     "AreaSpec",
+    "EngineSpec",
     "PartitionMap",
     "PartitionSpec",
     "RangeSetSpec",
@@ -41,14 +42,44 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class EngineSpec(_Strict):
+    """Pool and connect settings of a server's engines; an unset field takes mdb's default.
+
+    Why in the map: the connection budget (processes x servers x (pool_size + max_overflow))
+    must fit every server's ``max_connections``, and a powered-off host must fail a command
+    within ``connect_timeout`` seconds instead of the OS's minutes (docs/operations.md).
+    """
+
+    pool_size: int | None = Field(default=None, ge=1, strict=True)
+    """Connections each process keeps open to the server (default 10)."""
+    max_overflow: int | None = Field(default=None, ge=0, strict=True)
+    """Extra connections a busy process may open beyond ``pool_size`` (default 20)."""
+    pool_timeout: float | None = Field(default=None, gt=0)
+    """Seconds to wait for a free pooled connection before failing (default 30)."""
+    pool_recycle: float | None = Field(default=None, gt=0)
+    """Replace a pooled connection older than this many seconds (default: never)."""
+    connect_timeout: int | None = Field(default=None, ge=1, strict=True)
+    """PostgreSQL: seconds to establish a connection (default 10; libpq counts at least 2)."""
+
+    def over(self, defaults: EngineSpec | None) -> EngineSpec:
+        """These settings, with the fields left unset here taken from ``defaults``."""
+        if defaults is None:
+            return self
+        return defaults.model_copy(update={k: getattr(self, k) for k in self.model_fields_set})
+
+
 class ServerSpec(_Strict):
     primary: str = Field(min_length=1)
     replica: str | None = None
+    engine: EngineSpec | None = None
+    """Pool and connect settings, over the map's ``engine_defaults`` (already merged in when loaded)."""
 
     def __repr_args__(self) -> Iterator[tuple[str, Any]]:
         yield "primary", mask_url(self.primary)
         if self.replica is not None:
             yield "replica", mask_url(self.replica)
+        if self.engine is not None:
+            yield "engine", self.engine
 
     @property
     def masked_primary(self) -> str:
@@ -96,8 +127,19 @@ class PartitionMap(_Strict):
     areas: dict[str, AreaSpec]
     models: tuple[str, ...] = ()
     """Python modules to import so their briefcase types register (used by the CLI)."""
+    engine_defaults: EngineSpec | None = None
+    """Engine settings of every server; a server's own ``engine:`` fields win over them."""
 
     source: str = Field(default="<map>", exclude=True)
+
+    @model_validator(mode="after")
+    def _merge_engine_defaults(self) -> PartitionMap:
+        """Give every server its effective engine settings, so the engines read one place."""
+        if self.engine_defaults is not None:
+            for name, spec in self.servers.items():
+                engine = (spec.engine or EngineSpec()).over(self.engine_defaults)
+                self.servers[name] = spec.model_copy(update={"engine": engine})
+        return self
 
     @property
     def central_area(self) -> str:

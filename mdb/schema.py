@@ -4,6 +4,11 @@
 the others proceed. It stamps a shard's layout only where the shard has none yet for an area;
 changing an existing stamp is a map change and belongs to ``mdb map apply`` (edit safety).
 Servers that no area uses yet are prepared for every area, so they can receive moves.
+
+Creating only what is missing would let an existing table that no longer matches its model
+pass as "ok", and the first write would fail instead. So every run, and ``check_schema``
+without creating anything, compares each server's tables with the models
+(:mod:`mdb.schema_diff`) and reports every difference.
 """
 
 from __future__ import annotations
@@ -15,14 +20,16 @@ from sqlalchemy import Table, insert, inspect as sa_inspect, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
+from mdb.briefcase import registered_types
 from mdb.dberrors import describe
 from mdb.errors import MdbError
 from mdb.mongo.clients import is_mongo_url
 from mdb.router import Router, ShardLayout
+from mdb.schema_diff import Difference, compare_tables
 from mdb.store import Store
 from mdb.system_tables import load_system_tables, shard_layout
 
-__all__ = ["ShardReport", "apply_schema", "create_tables", "server_tables", "stamp_layout"]
+__all__ = ["ShardReport", "apply_schema", "check_schema", "create_tables", "known_tables", "server_tables", "stamp_layout"]
 
 
 @dataclass
@@ -36,11 +43,13 @@ class ShardReport:
     kept: list[str] = field(default_factory=list)
     """Areas already stamped with the same layout (nothing written)."""
     problems: list[str] = field(default_factory=list)
+    differences: list[Difference] = field(default_factory=list)
+    """How the server's tables differ from the models (after this run created what was missing)."""
     error: str | None = None
 
     @property
     def ok(self) -> bool:
-        return self.error is None and not self.problems
+        return self.error is None and not self.problems and not self.differences
 
 
 def _tables_for(store: Store, areas: Iterable[str]) -> list[Table]:
@@ -105,6 +114,58 @@ def server_tables(
     return roles, tables
 
 
+def known_tables(store: Store) -> set[str]:
+    """Every table mdb knows of: its own and every briefcase type's, in any area.
+
+    A table on a server outside this set is reported as extra; a table of another area (a spare
+    that became a user shard keeps the tables of every area) is not, nor one of a type this
+    process declared but did not give the Store.
+    """
+    shard_md, central_md = load_system_tables()
+    types = {*store.types, *registered_types()}
+    return {*shard_md.tables, *central_md.tables, *(t.name for btype in types for t in btype.tables)}
+
+
+def _server_plan(store: Store) -> tuple[Router, dict[str, list[ShardLayout]]]:
+    router = Router(store.map)  # layouts only: relocations do not matter here
+    layouts: dict[str, list[ShardLayout]] = {}
+    for server, layout in router.layouts():
+        layouts.setdefault(server, []).append(layout)
+    return router, layouts
+
+
+def _shard_failed(server: str, report: ShardReport, exc: Exception) -> None:
+    """Record a shard's failure on its report; the others proceed."""
+    if isinstance(exc, MdbError):
+        report.error = str(exc)
+    elif isinstance(exc, DBAPIError):  # e.g. permission denied
+        report.error = f"server {server!r}: {describe(exc)}"
+    else:
+        raise exc
+
+
+def check_schema(store: Store) -> list[ShardReport]:
+    """Compare every SQL server's tables with the models, creating and writing nothing.
+
+    MongoDB servers are left out (their collections have no columns to drift).
+    """
+    router, layouts = _server_plan(store)
+    known = known_tables(store)
+    reports = []
+    for server in store.map.servers:
+        if is_mongo_url(store.map.servers[server].primary):
+            continue
+        report = ShardReport(server, store.engines.masked_url(server))
+        report.roles, tables = server_tables(store, router, server, layouts.get(server, []))
+        try:
+            with store.transaction(server) as conn:
+                report.differences = compare_tables(conn, tables, known=known)
+        except (MdbError, DBAPIError) as exc:
+            _shard_failed(server, report, exc)
+        reports.append(report)
+    return reports
+
+
 def _apply_mongo(store: Store, router: Router, server: str, layouts: list[ShardLayout], report: ShardReport) -> None:
     """A MongoDB server: collections, indexes and stamps through :mod:`mdb.mongo.schema`."""
     from mdb.mongo.schema import apply_mongo_server  # late: pymongo is an optional dependency
@@ -119,11 +180,10 @@ def _apply_mongo(store: Store, router: Router, server: str, layouts: list[ShardL
 
 
 def apply_schema(store: Store) -> list[ShardReport]:
+    """Create what is missing on every server, stamp new layouts, and report every drift."""
     pmap = store.map
-    router = Router(pmap)  # layouts only: relocations do not matter here
-    layouts: dict[str, list[ShardLayout]] = {}
-    for server, layout in router.layouts():
-        layouts.setdefault(server, []).append(layout)
+    router, layouts = _server_plan(store)
+    known = known_tables(store)
     reports = []
     for server in pmap.servers:
         report = ShardReport(server, store.engines.masked_url(server))
@@ -142,9 +202,8 @@ def apply_schema(store: Store) -> list[ShardReport]:
                         report.problems.append(problem)
                     else:
                         (report.kept if layout.area in already else report.stamped).append(layout.area)
-        except MdbError as exc:
-            report.error = str(exc)
-        except DBAPIError as exc:  # e.g. permission denied: this shard's failure, the others proceed
-            report.error = f"server {server!r}: {describe(exc)}"
+                report.differences = compare_tables(conn, tables, known=known)
+        except (MdbError, DBAPIError) as exc:  # this shard's failure, the others proceed
+            _shard_failed(server, report, exc)
         reports.append(report)
     return reports

@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 
 from mdb.briefcase import BriefcaseType, registered_types, types_by_area
 from mdb.central.service import Central
@@ -148,10 +149,59 @@ class Store:
         """A Core connection in one transaction on ``server`` (commit on success)."""
         conn = self.connect(server, readonly)
         try:
-            with translated(server), conn.begin():
-                yield conn
+            with translated(server):
+                conn = self._begin(conn, server, readonly)
+                try:
+                    yield conn
+                    conn.commit()
+                except BaseException:
+                    if conn.in_transaction():
+                        conn.rollback()
+                    raise
         finally:
             conn.close()
+
+    def begin(self, server: str, readonly: bool = False) -> Connection:
+        """A pooled connection to ``server`` already in a transaction; the caller ends it and closes.
+
+        For code that cannot use :meth:`transaction` (it inspects a failure before deciding);
+        like it, a connection that died with its server is replaced once.
+        """
+        conn = self.connect(server, readonly)
+        try:
+            with translated(server):
+                return self._begin(conn, server, readonly)
+        except BaseException:
+            conn.close()
+            raise
+
+    def _begin(self, conn: Connection, server: str, readonly: bool) -> Connection:
+        """BEGIN on ``conn`` (with the prelude set on it), or on a fresh connection if ``conn`` was dead.
+
+        After a server restart every pooled connection is dead, and the first statement on each
+        fails ("terminating connection due to administrator command"). BEGIN and the ownership
+        check are the first statements of every transaction, so nothing has run yet and one
+        more attempt on a new connection is safe. SQLAlchemy invalidated the whole pool with
+        the first failure, so one retry suffices. The normal path costs nothing (no pre-ping).
+        ``conn`` is closed when replaced; the fresh one is closed if it fails too.
+        """
+        prelude = conn.info.get(BEGIN_PRELUDE)
+        try:
+            conn.begin()
+            return conn
+        except DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+        conn.close()
+        fresh = self.engines.engine(server, readonly).connect()
+        try:
+            if prelude is not None:
+                fresh.info[BEGIN_PRELUDE] = prelude
+            fresh.begin()
+        except BaseException:
+            fresh.close()
+            raise
+        return fresh
 
     # -- fan-out reads -----------------------------------------------------------------------
 
@@ -205,7 +255,7 @@ class Store:
             conn.info[BEGIN_PRELUDE] = ownership_prelude(backend, placement, lock=not readonly)
             try:
                 with translated(placement.server):
-                    conn.begin()
+                    conn = self._begin(conn, placement.server, readonly)
                 check_ownership(conn.info.pop(BEGIN_RESULT, None), placement, router.version)
             except RetryableError as exc:
                 conn.close()

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from mdb import EngineRegistry, MdbError, RoutingError, load_map
+from mdb import EngineRegistry, MdbError, RoutingError, load_map, parse_map
 from mdb.engines import SQLITE_BUSY_TIMEOUT_MS, sqlalchemy_url
-from mdb.partition_map import ServerSpec
+from mdb.partition_map import EngineSpec, ServerSpec
 
 SECRET = "Hunter2-secret"
 EXAMPLE = Path(__file__).resolve().parent.parent / "partition_maps" / "example.yaml"
@@ -286,3 +286,111 @@ def test_password_query_arg_still_reaches_the_driver() -> None:
         _, kwargs = url.get_dialect()().create_connect_args(url)
         assert kwargs["password"] == SECRET and kwargs["sslmode"] == "require"
         assert SECRET not in repr(url) and SECRET not in str(url)
+
+
+# -- engine settings from the map ------------------------------------------------------------------
+
+ENGINE_MAP = """
+version: 1
+engine_defaults: {{pool_size: 3, pool_recycle: 600}}
+servers:
+  pg:   {{primary: "postgresql+psycopg://u:{secret}@127.0.0.1:1/db", engine: {{pool_size: 4, max_overflow: 1, pool_timeout: 2.5}}}}
+  lite: {{primary: "sqlite:///{tmp}/lite.db"}}
+  mem:  {{primary: "sqlite://"}}
+areas:
+  central: {{kind: central, shards: [pg]}}
+"""
+
+
+def pool_settings(engine: sa.Engine) -> tuple[int, int, float, float]:
+    pool = engine.pool
+    assert isinstance(pool, sa.pool.QueuePool)
+    return pool.size(), pool._max_overflow, pool.timeout(), pool._recycle
+
+
+def test_map_engine_settings_reach_the_pools(tmp_path: Path) -> None:
+    """A server's ``engine:`` fields win over ``engine_defaults:``, unset ones take mdb's defaults."""
+    pmap = parse_map(ENGINE_MAP.format(secret=SECRET, tmp=tmp_path), "engines.yaml")
+    reg = EngineRegistry.for_map(pmap)
+    try:
+        assert pool_settings(reg.engine("pg")) == (4, 1, 2.5, 600)  # own fields, recycle from the defaults
+        assert pool_settings(reg.engine("lite")) == (3, 20, 30.0, 600)  # defaults, then mdb's
+        assert pool_settings(reg.engine("lite", readonly=True)) == (3, 20, 30.0, 600)
+        assert isinstance(reg.engine("mem").pool, sa.pool.NullPool)  # an in-memory database has no pool to size
+        assert SECRET not in repr(pmap.servers["pg"]) and "pool_size=4" in repr(pmap.servers["pg"])
+    finally:
+        reg.dispose()
+    plain = EngineRegistry({"pg": ServerSpec(primary="postgresql+psycopg://u@127.0.0.1:1/db")})
+    assert pool_settings(plain.engine("pg")) == (10, 20, 30.0, -1)  # no settings at all: mdb's defaults
+    plain.dispose()
+
+
+@pytest.mark.parametrize(
+    ("engine", "message"),
+    [
+        ("{pool_size: 0}", "servers.pg.engine.pool_size: Input should be greater than or equal to 1"),
+        ("{max_overflow: -1}", "servers.pg.engine.max_overflow: Input should be greater than or equal to 0"),
+        ("{pool_timeout: 0}", "servers.pg.engine.pool_timeout: Input should be greater than 0"),
+        ("{connect_timeout: 0}", "servers.pg.engine.connect_timeout: Input should be greater than or equal to 1"),
+        ("{pool_size: many}", "servers.pg.engine.pool_size: Input should be a valid integer"),
+        ("{pool_sise: 3}", "servers.pg.engine.pool_sise: unknown key 'pool_sise'"),
+    ],
+)
+def test_bad_engine_settings_are_map_errors_naming_the_field(engine: str, message: str) -> None:
+    text = f'version: 1\nservers:\n  pg: {{primary: "sqlite://", engine: {engine}}}\nareas:\n  central: {{kind: central, shards: [pg]}}\n'
+    with pytest.raises(MdbError) as caught:
+        parse_map(text, "bad.yaml")
+    assert str(caught.value) == f"bad.yaml:3: {message}"
+
+
+@pytest.mark.postgres
+def test_postgres_connections_carry_a_connect_timeout(pg_url: str) -> None:
+    """mdb's default (10 s) unless the map or the URL says otherwise; the URL is the more specific."""
+    reg = EngineRegistry({
+        "default": ServerSpec(primary=pg_url),
+        "mapped": ServerSpec(primary=pg_url + "?application_name=m", engine=EngineSpec(connect_timeout=4)),
+        "in-url": ServerSpec(primary=pg_url + "?connect_timeout=7", engine=EngineSpec(connect_timeout=4)),
+    })
+    try:
+        for server, expected in (("default", "10"), ("mapped", "4"), ("in-url", "7")):
+            with reg.engine(server).connect() as conn:
+                assert conn.connection.dbapi_connection.info.get_parameters()["connect_timeout"] == expected, server
+    finally:
+        reg.dispose()
+
+
+BLACKHOLE_CHILD = """
+import sys
+from mdb.errors import ServerUnavailableError
+from mdb.partition_map import load_map
+from mdb.store import Store
+store = Store(load_map(sys.argv[1]), types=[])
+try:
+    with store.transaction("dead"):
+        pass
+except ServerUnavailableError as exc:
+    print("unavailable:", exc)
+"""
+
+
+def test_a_host_that_never_answers_fails_within_connect_timeout(tmp_path: Path) -> None:
+    """A listening socket that never answers stands for a powered-off host behind a firewall:
+    without a connect timeout the command would wait for the OS (minutes). The child gets a
+    generous bound; on the old code (no timeout) it is killed there and the test fails."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(16)  # accepted by the kernel, never by anyone: the startup packet gets no reply
+        port = hole.getsockname()[1]
+        (tmp_path / "map.yaml").write_text(
+            f'version: 1\nservers:\n  dead: {{primary: "postgresql+psycopg://mdb:{SECRET}@127.0.0.1:{port}/x", '
+            f"engine: {{connect_timeout: 2}}}}\nareas:\n  central: {{kind: central, shards: [dead]}}\n"
+        )
+        done = subprocess.run([sys.executable, "-c", BLACKHOLE_CHILD, str(tmp_path / "map.yaml")],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("unavailable: server 'dead' is unavailable:") and "timeout" in done.stdout
+    assert SECRET not in done.stdout + done.stderr

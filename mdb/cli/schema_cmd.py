@@ -1,9 +1,11 @@
-"""``mdb schema apply MAP``: create mdb's tables and every briefcase type's tables on every shard.
+"""``mdb schema apply MAP`` and ``mdb schema check MAP``: create, and compare, the tables of every shard.
 
 The briefcase types come from the modules the map lists under ``models:`` (and ``--models``),
 imported before the Store opens, so the command knows the application's tables without the
 application running. Shards are independent: one that is down or refuses is reported, the
-others are still done, and the exit code (1) tells scripts that the run is incomplete.
+others are still done, and the exit code (1) tells scripts that the run is incomplete. Both
+commands report every difference between a shard's tables and the models (schema drift), so
+a model change that was never applied to the databases is seen before a write fails on it.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from rich.table import Table
 
 from mdb.briefcase import registered_types
 from mdb.cli.app import app, console, emit_json, fail, open_map
-from mdb.schema import ShardReport, apply_schema
+from mdb.schema import ShardReport, apply_schema, check_schema
 from mdb.store import Store
 from mdb.urls import mask_secrets
 
 __all__ = ["import_models", "schema_app"]
 
-schema_app = typer.Typer(help="Create mdb's and the briefcase types' tables on every shard.", no_args_is_help=True)
+schema_app = typer.Typer(help="Create, and check for drift, mdb's and the briefcase types' tables on every shard.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
 
 
@@ -48,9 +50,41 @@ def import_models(modules: list[str]) -> None:
 def _status(report: ShardReport) -> str:
     if report.error is not None:
         return f"[red]failed[/red]: {escape(mask_secrets(report.error))}"
+    parts = []
     if report.problems:
-        return f"[yellow]problems[/yellow]: {escape(mask_secrets('; '.join(report.problems)))}"
-    return "[green]ok[/green]"
+        parts.append(f"[yellow]problems[/yellow]: {escape(mask_secrets('; '.join(report.problems)))}")
+    if report.differences:
+        parts.append(f"[yellow]drift[/yellow]: {len(report.differences)} difference(s), listed below")
+    return "; ".join(parts) or "[green]ok[/green]"
+
+
+def _print_drift(reports: list[ShardReport]) -> None:
+    """Every difference, one row each: the table a person fixes the models or the database from."""
+    drifted = [r for r in reports if r.differences]
+    if not drifted:
+        return
+    table = Table(title="schema drift: the tables on the server differ from the models")
+    for column in ("server", "table", "difference", "detail"):
+        table.add_column(column)
+    for r in drifted:
+        for d in r.differences:
+            table.add_row(escape(r.server), escape(d.table), escape(d.kind), escape(d.detail))
+    console.print(table)
+
+
+def _summary(reports: list[ShardReport]) -> None:
+    bad = [r.server for r in reports if not r.ok]
+    if bad:
+        console.print(f"{len(bad)} of {len(reports)} shards not done: {', '.join(bad)}", markup=False)
+    else:
+        console.print(f"all {len(reports)} shards ok", markup=False)
+
+
+def _report_json(r: ShardReport) -> dict[str, object]:
+    return {"server": r.server, "url": r.url, "roles": r.roles, "created": r.created, "stamped": r.stamped,
+            "kept": r.kept, "problems": [mask_secrets(p) for p in r.problems],
+            "differences": [d.to_json() for d in r.differences],
+            "error": None if r.error is None else mask_secrets(r.error), "ok": r.ok}
 
 
 def _print(reports: list[ShardReport], map_version: int) -> None:
@@ -68,11 +102,8 @@ def _print(reports: list[ShardReport], map_version: int) -> None:
             _status(r),
         )
     console.print(table)
-    bad = [r.server for r in reports if not r.ok]
-    if bad:
-        console.print(f"{len(bad)} of {len(reports)} shards not done: {', '.join(bad)}", markup=False)
-    else:
-        console.print(f"all {len(reports)} shards ok", markup=False)
+    _print_drift(reports)
+    _summary(reports)
 
 
 @schema_app.command("apply")
@@ -84,7 +115,7 @@ def schema_apply(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
-    """Create tables on every shard and stamp new shard layouts; idempotent. Exit 1 if a shard failed."""
+    """Create tables on every shard and stamp new shard layouts; idempotent. Exit 1 if a shard failed or drifted."""
     pmap = open_map(map_path)
     import_models([*pmap.models, *(models or [])])
     store = Store(pmap, types=registered_types(), map_path=map_path)
@@ -96,14 +127,53 @@ def schema_apply(
         emit_json({
             "map_version": pmap.version,
             "ok": all(r.ok for r in reports),
-            "shards": [
-                {"server": r.server, "url": r.url, "roles": r.roles, "created": r.created, "stamped": r.stamped,
-                 "kept": r.kept, "problems": [mask_secrets(p) for p in r.problems],
-                 "error": None if r.error is None else mask_secrets(r.error), "ok": r.ok}
-                for r in reports
-            ],
+            "shards": [_report_json(r) for r in reports],
         })
     else:
         _print(reports, pmap.version)
+    if not all(r.ok for r in reports):
+        raise typer.Exit(1)
+
+
+def _print_check(reports: list[ShardReport], map_version: int) -> None:
+    table = Table(title=f"schema check (map version {map_version})")
+    for column in ("server", "url", "roles", "status"):
+        table.add_column(column)
+    for r in reports:
+        table.add_row(escape(r.server), escape(r.url), escape(", ".join(r.roles)), _status(r))
+    console.print(table)
+    _print_drift(reports)
+    bad = [r.server for r in reports if not r.ok]
+    if bad:
+        console.print(f"{len(bad)} of {len(reports)} shards differ from the models or failed: {', '.join(bad)}", markup=False)
+    else:
+        console.print(f"all {len(reports)} shards match the models", markup=False)
+
+
+@schema_app.command("check")
+def schema_check(
+    map_path: Annotated[str, typer.Argument(metavar="MAP", help="partition map YAML")],
+    models: Annotated[
+        list[str] | None,
+        typer.Option("--models", metavar="MODULE", help="also import this module for briefcase types (repeatable)"),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Compare every shard's tables with the models, changing nothing. Exit 1 on drift or a failed shard."""
+    pmap = open_map(map_path)
+    import_models([*pmap.models, *(models or [])])
+    store = Store(pmap, types=registered_types(), map_path=map_path)
+    try:
+        reports = check_schema(store)
+    finally:
+        store.close()
+    if as_json:
+        emit_json({
+            "map_version": pmap.version,
+            "ok": all(r.ok for r in reports),
+            "shards": [{k: v for k, v in _report_json(r).items() if k not in ("created", "stamped", "kept")} for r in reports],
+        })
+    else:
+        _print_check(reports, pmap.version)
     if not all(r.ok for r in reports):
         raise typer.Exit(1)

@@ -2,7 +2,7 @@
 
 Order of a move, each step journaled before it is taken (``mdb.moves.journal``):
 
-1. prechecks: target reachable with the area's tables (matching columns), target holds no row
+1. prechecks: both servers' tables match the models (mdb.schema_diff), target holds no row
    of the briefcase and no state row other than an old fence (a move back), source holds it;
 2. optional pre-copy of a large briefcase outside the lock (committed on the target together
    with an ``incoming`` state row that keeps sessions away from it);
@@ -38,7 +38,6 @@ from typing import Any
 
 from psycopg import errors as pg_errors
 from sqlalchemy import delete, func, insert, select
-from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import OperationalError
 
@@ -52,7 +51,8 @@ from mdb.moves.faults import fault_point
 from mdb.moves.journal import ABORTED, DONE, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.ownership import lock_key_sql
 from mdb.relocations import clear_relocation, set_relocation
-from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
+from mdb.schema_diff import compare_tables, format_differences
+from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state, load_system_tables
 from mdb.urls import mask_secrets
 
 __all__ = [
@@ -202,22 +202,18 @@ def locked_source(store: Any, server: str, area: str, gdid: GDID, *, lock_wait: 
 
 
 def check_target_schema(conn: Connection, target: str, tables: list[AreaTable], what: str) -> None:
-    """The target has every table of the area with the model's columns, and mdb's shard tables."""
-    inspector = sa_inspect(conn)
-    # Two catalog queries for every table at once (a move's prechecks are part of its time).
-    existing = {name: {c["name"] for c in cols} for (_, name), cols in inspector.get_multi_columns().items()}
-    for at in tables:
-        if at.name not in existing:
-            raise SchemaError(f"{what}: server {target!r} has no table {at.name!r} (run `mdb schema apply MAP`)")
-        missing = set(at.columns) - existing[at.name]
-        extra = existing[at.name] - set(at.columns)
-        if missing or extra:
-            raise SchemaError(
-                f"{what}: table {at.name!r} on {target!r} does not match the model "
-                f"(missing columns: {sorted(missing) or '-'}, extra columns: {sorted(extra) or '-'})"
-            )
-    if "mdb_briefcase_state" not in existing:
-        raise SchemaError(f"{what}: server {target!r} has no mdb system tables (run `mdb schema apply MAP`)")
+    """``target`` (either side of a move) has the area's tables and mdb's shard tables as the models say.
+
+    Any difference (:mod:`mdb.schema_diff`) refuses the move before anything is written: a copy
+    between tables that differ fails half-way on a column one side lacks, or loses one.
+    """
+    shard_md, _ = load_system_tables()
+    differences = compare_tables(conn, [at.table for at in tables] + list(shard_md.sorted_tables))
+    if differences:
+        raise SchemaError(
+            f"{what}: the tables on {target!r} differ from the models ({len(differences)} difference(s): "
+            f"{format_differences(differences)}); nothing moved (run `mdb schema check MAP`)"
+        )
 
 
 def precheck(store: Any, area: str, gdid: GDID, source: str, target: str, tables: list[AreaTable], move_id: str) -> dict[str, Any] | None:
@@ -239,6 +235,7 @@ def precheck(store: Any, area: str, gdid: GDID, source: str, target: str, tables
             if n:
                 raise MdbError(f"{what}: server {target!r} already holds {n} row(s) of the briefcase in {name!r}; nothing moved")
     with store.transaction(source, readonly=False) as conn:
+        check_target_schema(conn, source, tables, what)
         src_state = _state(conn, area, gdid)
         if src_state is not None and src_state["state"] in (STATE_GONE, STATE_INCOMING):
             raise MdbError(f"{what}: the source records the briefcase as {src_state['state']!r}; run `mdb where` / `mdb moves resume`")

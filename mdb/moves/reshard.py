@@ -163,8 +163,8 @@ def _prechecks(store: Any, plan: ReshardPlan, tables: list[Any], map_path: str |
         with store.transaction(target) as conn:
             check_target_schema(conn, target, tables, f"reshard of {plan.area} partition {plan.partition_start}")
     for source in dict.fromkeys(m.source for m in plan.moves):
-        with store.transaction(source):
-            pass  # reachable
+        with store.transaction(source) as conn:  # reachable, and matching the models
+            check_target_schema(conn, source, tables, f"reshard of {plan.area} partition {plan.partition_start}")
     text = new_map_text(_store_map_text(store, None if map_path is None else str(map_path)), plan.area, plan.partition_start, plan.new_shards, _next_version(store))
     new_map = parse_map(text, "<new map>")
     apply_map(store, new_map, yaml_text=text, allow_reshard_of=(plan.area, plan.partition_start), dry_run=True)
