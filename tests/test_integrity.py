@@ -49,3 +49,26 @@ def test_the_flush_guard_reads_the_pending_set_once_not_once_per_row(
         with sqlite_store.briefcase(UserBriefcase, user, readonly=True) as session:
             assert session.query(Transaction).count() == n  # the key was filled in for every row
     assert per_flush[300] == per_flush[10], per_flush
+
+
+def test_gdid_text_in_a_gdid_attribute_is_parsed_not_taken_for_another_briefcase(store: Store) -> None:  # noqa: F811
+    """Old code: ``CrossBriefcaseError ... user_id=0:0:8 cannot be written in the session of briefcase user/0:0:8``."""
+    me = GDID(0, 0, 8)
+    with store.briefcase(UserBriefcase, me) as session:
+        user = User(user_id="0:0:8", email="text@example.com", name="text")
+        assert user.user_id == me  # parsed on assignment, not at bind time
+        session.add(user)
+        session.add(Transaction(user_id=" 0:0:8 ", transaction_id="0:1:77", amount_cents=5))
+    with store.briefcase(UserBriefcase, "0:0:8", readonly=True) as session:
+        assert session.get(User, me) is not None
+        assert [t.transaction_id for t in session.query(Transaction)] == [GDID(0, 1, 77)]
+
+
+def test_a_value_that_is_no_gdid_is_refused_as_such(sqlite_store: Store) -> None:  # noqa: F811
+    from mdb.errors import CrossBriefcaseError, GDIDError
+
+    with pytest.raises(GDIDError, match="'user-8'"):
+        User(user_id="user-8", email="x@example.com", name="x")
+    with pytest.raises(CrossBriefcaseError, match="expected a GDID, got int 8"):
+        with sqlite_store.briefcase(UserBriefcase, GDID(0, 0, 8)) as session:
+            session.add(User(user_id=8, email="x@example.com", name="x"))
