@@ -72,3 +72,77 @@ def test_a_value_that_is_no_gdid_is_refused_as_such(sqlite_store: Store) -> None
     with pytest.raises(CrossBriefcaseError, match="expected a GDID, got int 8"):
         with sqlite_store.briefcase(UserBriefcase, GDID(0, 0, 8)) as session:
             session.add(User(user_id=8, email="x@example.com", name="x"))
+
+
+def test_a_primary_key_collision_in_a_briefcase_session_is_a_duplicate_key_error(store: Store) -> None:  # noqa: F811
+    """Old code let the driver's IntegrityError (sqlite3 / psycopg UniqueViolation) through."""
+    from mdb import DuplicateKeyError, DuplicateRowError
+
+    me = GDID(0, 0, 12)
+    with store.briefcase(UserBriefcase, me) as session:
+        session.add(User(user_id=me, email="first@example.com", name="first"))
+    server = store.router.locate("user", me).server
+    with pytest.raises(DuplicateKeyError) as caught:
+        with store.briefcase(UserBriefcase, me) as session:
+            session.add(User(user_id=me, email="second@example.com", name="second"))
+    err = caught.value
+    assert isinstance(err, DuplicateRowError) and (err.server, err.table) == (server, "users")
+    assert f"server {server!r}: table 'users' already has a row with user_id=0:0:12" in str(err)
+    with store.briefcase(UserBriefcase, me, readonly=True) as session:  # nothing of the failed block was kept
+        assert session.get(User, me).email == "first@example.com"  # type: ignore[union-attr]
+
+
+# -- one root-id sequence per type; child ids outside the area's scope (items 2 and 13) ----------
+
+
+def _register(store: Store, email: str) -> GDID:
+    return store.central.create(UserBriefcase, lambda g: User(user_id=g, email=email, name=email), [])
+
+
+def test_the_tour_and_central_create_draw_root_ids_from_one_sequence(store: Store) -> None:  # noqa: F811
+    """Old code: the tour drew from ``user/ids``, ``central.create`` from ``user/UserBriefcase``:
+    both started at 1 and the first registration failed on ``users.user_id``."""
+    def tour(gdid: GDID) -> GDID:
+        with store.briefcase(UserBriefcase, gdid) as session:
+            session.add(User(user_id=gdid, email=f"{gdid}@example.com", name="tour"))
+        return gdid
+
+    toured = [tour(store.gdids("user", "ids").next()) for _ in range(3)]  # the old README tour
+    registered = [_register(store, f"reg{k}@example.com") for k in range(3)]
+    toured.append(tour(store.new_gdid(UserBriefcase)))  # the tour now
+    registered.append(_register(store, "last@example.com"))
+    assert len(set(toured) | set(registered)) == 8
+
+
+def test_a_new_root_sequence_starts_above_the_ids_older_sequences_issued(
+    tmp_path: Path, tmp_sqlite_urls: Callable[[int], list[str]]
+) -> None:
+    """Upgrade: a CENTRAL where ``central.create`` drew from ``user/UserBriefcase`` (and child ids
+    from ``user/address``) must not see those ids again from ``user/ids``."""
+    urls = tmp_sqlite_urls(6)
+    with make_store(tmp_path / "old", urls) as old:
+        legacy_roots = old.gdids("user", "UserBriefcase").take(1500)  # what old central.create used
+        legacy_children = old.gdids("user", "address").take(40)
+    with make_store(tmp_path / "new", urls) as new:
+        first = new.new_gdid(UserBriefcase)
+        assert first > max(legacy_roots) and first > max(legacy_children)
+        from mdb.repository import Repository
+
+        class Users(Repository):
+            scope = "user"
+
+        child = Users(new).new_id("address")
+        assert child > max(legacy_children)
+
+
+def test_child_row_ids_do_not_raise_the_areas_high_water_mark(sqlite_store: Store) -> None:  # noqa: F811
+    """Old code drew Repository ids from scope ``user``: 3,000 line ids put the mark at 0:0:3000
+    with one user, and a partition at 0:0:2000 was refused."""
+    from mdb.demo.repositories import OrderRepository, UserRepository
+    from mdb.map_edit import high_water_marks
+
+    user = UserRepository(sqlite_store).register("hw@example.com", "hw")
+    OrderRepository(sqlite_store).new_ids("order_line", 3000)
+    mark = high_water_marks(sqlite_store)["user"]
+    assert user <= mark < GDID(0, 0, 2000), mark
+
