@@ -105,13 +105,16 @@ def translate(server: str, exc: BaseException) -> MdbError | None:
     """An mdb error for a driver error on ``server``, or None when it is the caller's own error."""
     if not isinstance(exc, DBAPIError):
         return None
+    duplicate = _duplicate(server, exc)  # first: exact (SQLSTATE / prefix), and key values may hold any text
+    if duplicate is not None:
+        return duplicate
     detail = describe(exc)
     lowered = str(getattr(exc, "orig", exc)).lower()
     if exc.connection_invalidated or any(s in lowered for s in _UNREACHABLE):
         return ServerUnavailableError(server, detail)
     if any(s.lower() in lowered for s in _MISSING_TABLE) or type(exc.orig).__name__ == "UndefinedTable":
         return SchemaError(f"server {server!r}: {detail} (run `mdb schema apply MAP`)")
-    return _duplicate(server, exc)
+    return None
 
 
 @contextmanager

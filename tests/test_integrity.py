@@ -90,6 +90,12 @@ def test_a_primary_key_collision_in_a_briefcase_session_is_a_duplicate_key_error
     assert f"server {server!r}: table 'users' already has a row with user_id=0:0:12" in str(err)
     with store.briefcase(UserBriefcase, me, readonly=True) as session:  # nothing of the failed block was kept
         assert session.get(User, me).email == "first@example.com"  # type: ignore[union-attr]
+    # Through central.create with a taken GDID: the same error, and the reserved key is released.
+    from mdb.demo.repositories import EmailIndex
+
+    with pytest.raises(DuplicateRowError, match="table 'users' already has a row with user_id=0:0:12"):
+        store.central.create(UserBriefcase, lambda g: User(user_id=g, email="doesnotexist@example.com", name="x"), [EmailIndex], gdid=me)
+    assert store.central.lookup(EmailIndex, "doesnotexist@example.com") is None
 
 
 # -- one root-id sequence per type; child ids outside the area's scope (items 2 and 13) ----------
