@@ -167,7 +167,12 @@ class Store:
     def gdids(
         self, scope: str, sequence: str, *, authority: int | None = None, block_size: int | None = None
     ) -> GdidGenerator:
-        """This Store's cached generator of a CENTRAL sequence (:func:`mdb.idgen.generator_for`)."""
+        """This Store's cached generator of a CENTRAL sequence (:func:`mdb.idgen.generator_for`).
+
+        The raw API: exactly the sequence named. Briefcase keys come from :meth:`ids` (the
+        type's one root sequence) and child-row ids from :meth:`row_ids`; drawing keys from any
+        other sequence of the area can hand out ids that :meth:`ids` hands out too.
+        """
         return generator_for(self, scope, sequence, authority=authority, block_size=block_size)
 
     def ids(self, btype: type[BriefcaseType]) -> GdidGenerator:
