@@ -10,6 +10,13 @@ because a briefcase must be movable to another server without renumbering anythi
         key = "user_id"
         root = User
         children = (Address, Order, OrderLineItem)
+        id_sequence = "ids"      # the default: root GDIDs come from CENTRAL sequence "user/ids"
+
+Root GDIDs (the briefcase keys) come from ONE CENTRAL sequence per area,
+``{area}/{id_sequence}``, drawn through ``store.ids(Type)`` / ``store.new_gdid(Type)`` (also by
+``central.create`` and ``Repository.new_root_id``); see docs/gdid.md. Every type of an area
+must name the same sequence: briefcases of one area share the GDID space (one lock key, one
+relocation entry per GDID).
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ from typing import Any, ClassVar
 from sqlalchemy import Column, Identity, Integer, Sequence as SqlSequence, Table, inspect as sa_inspect
 from sqlalchemy.exc import NoInspectionAvailable
 
-from mdb.errors import SchemaError
+from mdb.errors import GDIDError, SchemaError
+from mdb.idgen import sequence_key
 from mdb.sqltypes import GDIDType
 
 __all__ = ["BriefcaseType", "registered_types", "types_by_area"]
@@ -35,6 +43,8 @@ class BriefcaseType:
     key: ClassVar[str]
     root: ClassVar[type[Any]]
     children: ClassVar[Sequence[type[Any]]] = ()
+    id_sequence: ClassVar[str] = "ids"
+    """Name of the CENTRAL sequence (scope = the area) that root GDIDs of this type come from."""
 
     # Filled in at declaration.
     models: ClassVar[tuple[type[Any], ...]]
@@ -46,6 +56,10 @@ class BriefcaseType:
         for attr in ("area", "key", "root"):
             if not hasattr(cls, attr):
                 raise SchemaError(f"briefcase type {name} must set {attr!r}")
+        try:
+            sequence_key(cls.area, cls.id_sequence)
+        except GDIDError as exc:
+            raise SchemaError(f"briefcase type {name}: {exc}") from None
         models = (cls.root, *cls.children)
         tables: list[Table] = []
         for model in models:
@@ -104,10 +118,16 @@ def registered_types() -> list[type[BriefcaseType]]:
 
 
 def types_by_area(types: Sequence[type[BriefcaseType]]) -> dict[str, list[type[BriefcaseType]]]:
-    """Group types by area, refusing two types of one area that share a table name."""
+    """Group types by area, refusing two types of one area that share a table name or differ in id sequence."""
     out: dict[str, list[type[BriefcaseType]]] = {}
     for btype in types:
         for other in out.get(btype.area, []):
+            if other.id_sequence != btype.id_sequence:
+                raise SchemaError(
+                    f"briefcase types {other.__name__} and {btype.__name__} of area {btype.area!r} draw root GDIDs "
+                    f"from different sequences ({other.id_sequence!r}, {btype.id_sequence!r}): they share the area's "
+                    "GDID space, so they must share one sequence"
+                )
             shared = {t.name for t in btype.tables} & {t.name for t in other.tables}
             if shared:
                 raise SchemaError(

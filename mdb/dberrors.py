@@ -5,10 +5,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
-from mdb.errors import MdbError, SchemaError, ServerUnavailableError, TransactionConflictError
+from mdb.errors import DuplicateRowError, MdbError, SchemaError, ServerUnavailableError, TransactionConflictError
+from mdb.gdid import GDID
 from mdb.urls import mask_secrets
 
 __all__ = ["describe", "translate", "translated"]
@@ -56,11 +58,77 @@ def describe(exc: BaseException) -> str:
     return mask_secrets(text[0] if text else type(orig).__name__)
 
 
+_PG_UNIQUE = "23505"
+_PG_KEY = re.compile(r"Key \((?P<cols>.*)\)=\((?P<vals>.*)\) already exists")
+_PG_BYTEA_GDID = re.compile(r"^\\x([0-9a-fA-F]{24})$")
+_SQLITE_UNIQUE = "UNIQUE constraint failed: "
+
+
+def _pg_value(text: str) -> str:
+    """A key value as PostgreSQL's detail shows it; a 12-byte bytea is a GDID: show its text form."""
+    m = _PG_BYTEA_GDID.match(text)
+    return str(GDID.from_bytes(bytes.fromhex(m.group(1)))) if m else text
+
+
+def _param_value(value: Any) -> str:
+    if isinstance(value, (bytes, bytearray, memoryview)) and len(value) == 12:
+        return str(GDID.from_bytes(bytes(value)))
+    return str(value)
+
+
+_INSERT_COLUMNS = re.compile(r"^\s*INSERT\s+INTO\s+\S+\s*\((?P<cols>[^)]*)\)\s*VALUES", re.IGNORECASE)
+
+
+def _insert_params(exc: DBAPIError) -> dict[str, Any]:
+    """column -> value of a failed one-row INSERT (named or positional parameters); else empty."""
+    if isinstance(exc.params, dict):
+        return exc.params
+    m = _INSERT_COLUMNS.match(exc.statement or "")
+    if m is None or not isinstance(exc.params, tuple):
+        return {}  # not an INSERT, or executemany: which row collided is unknown
+    cols = [c.strip().strip('"') for c in m.group("cols").split(",")]
+    return dict(zip(cols, exc.params)) if len(cols) == len(exc.params) else {}
+
+
+def _duplicate(server: str, exc: DBAPIError) -> DuplicateRowError | None:
+    """A unique/primary-key violation as a DuplicateRowError naming server, table and key; else None.
+
+    PostgreSQL says the table and ``Key (cols)=(values)``; SQLite only ``table.column`` names, so
+    the values come from the statement's parameters when it inserted one row.
+    """
+    orig = exc.orig
+    if getattr(orig, "sqlstate", None) == _PG_UNIQUE:
+        diag = getattr(orig, "diag", None)
+        table = getattr(diag, "table_name", None)
+        m = _PG_KEY.search(getattr(diag, "message_detail", None) or "")
+        if m is None:
+            return DuplicateRowError(server, table, f"constraint {getattr(diag, 'constraint_name', None)!r}")
+        cols, vals = m.group("cols").split(", "), m.group("vals").split(", ")
+        if len(cols) != len(vals):
+            return DuplicateRowError(server, table, f"({m.group('cols')})=({m.group('vals')})")
+        return DuplicateRowError(server, table, ", ".join(f"{c}={_pg_value(v)}" for c, v in zip(cols, vals)))
+    text = str(orig)
+    if type(orig).__name__ != "IntegrityError" or not text.startswith(_SQLITE_UNIQUE):
+        return None
+    qualified = text[len(_SQLITE_UNIQUE):].split(", ")
+    table = qualified[0].rsplit(".", 1)[0] if "." in qualified[0] else None
+    cols = [q.rsplit(".", 1)[-1] for q in qualified]
+    params = _insert_params(exc)
+    if all(c in params for c in cols):
+        return DuplicateRowError(server, table, ", ".join(f"{c}={_param_value(params[c])}" for c in cols))
+    return DuplicateRowError(server, table, f"key ({', '.join(cols)})")
+
+
 def translate(server: str, exc: BaseException) -> MdbError | None:
     """An mdb error for a driver error on ``server``, or None when it is the caller's own error."""
     if not isinstance(exc, DBAPIError):
         return None
+    duplicate = _duplicate(server, exc)  # first: exact (SQLSTATE / prefix), and key values may hold any text
+    if duplicate is not None:
+        return duplicate
     detail = describe(exc)
+    if getattr(exc.orig, "sqlstate", None) in _CONFLICT_SQLSTATES:  # exact, like the duplicate check
+        return TransactionConflictError(server, detail)
     lowered = str(getattr(exc, "orig", exc)).lower()
     if exc.connection_invalidated or any(s in lowered for s in _UNREACHABLE):
         return ServerUnavailableError(server, detail)
@@ -70,8 +138,6 @@ def translate(server: str, exc: BaseException) -> MdbError | None:
         return SchemaError(f"{where}: {detail} (check the table against its model: `mdb schema check MAP`)")
     if any(s.lower() in lowered for s in _MISSING_TABLE) or type(exc.orig).__name__ == "UndefinedTable":
         return SchemaError(f"server {server!r}: {detail} (run `mdb schema apply MAP`)")
-    if getattr(exc.orig, "sqlstate", None) in _CONFLICT_SQLSTATES:
-        return TransactionConflictError(server, detail)
     return None
 
 

@@ -57,6 +57,23 @@ class DuplicateKeyError(MdbError, ValueError):
         self.holder = holder
 
 
+class DuplicateRowError(DuplicateKeyError):
+    """A write hit a primary key or unique constraint of a table on a server (a row with that key exists).
+
+    A :class:`DuplicateKeyError`, so "this key is taken" is one ``except`` whether the key is a
+    CENTRAL index key or a row's key; the driver's own IntegrityError never reaches the caller.
+    """
+
+    def __init__(self, server: str, table: str | None, key: str) -> None:
+        where = f"table {table!r}" if table else "a table"
+        MdbError.__init__(self, f"server {server!r}: {where} already has a row with {key} (a duplicate primary or unique key)")
+        self.server = server
+        self.table = table
+        self.index = table or ""
+        self.key = key
+        self.holder = None
+
+
 class CrossBriefcaseError(MdbError, ValueError):
     """A session tried to write a row that belongs to another briefcase."""
 

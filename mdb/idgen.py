@@ -26,11 +26,11 @@ import re
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from sqlalchemy import BigInteger, Column, DateTime, String, Table, and_, case, func, or_, select, update
+from sqlalchemy import BigInteger, Column, ColumnElement, DateTime, String, Table, and_, case, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
@@ -63,8 +63,10 @@ __all__ = [
     "generator_for",
     "read_sequence",
     "reserve_block",
+    "row_scope",
     "sequence_key",
     "sequences",
+    "start_above",
 ]
 
 log = logging.getLogger("mdb.idgen")
@@ -247,6 +249,48 @@ def advance_sequence(conn: Connection, scope: str, sequence: str, era: int, next
     state = read_sequence(conn, scope, sequence)
     assert state is not None  # the upsert above created it in this transaction
     return state
+
+
+ROW_SCOPE_SUFFIX: Final = ":rows"
+"""Child-row ids come from scope ``{scope}:rows``: ``:`` cannot occur in an area name (the map's
+name rule), so such a sequence is never counted in an area's high-water mark."""
+
+
+def row_scope(scope: str) -> str:
+    """The scope of child-row id sequences of ``scope`` (an area or a repository's scope)."""
+    _check_name("scope", scope)
+    return scope + ROW_SCOPE_SUFFIX
+
+
+def start_above(
+    store: Store, scope: str, sequence: str, *, scopes: Iterable[str] = (), older: Iterable[tuple[str, str]] = ()
+) -> SequenceState | None:
+    """Move sequence (scope, sequence) past every id that the given sequences issued (never back).
+
+    ``scopes``: every sequence of these scopes; ``older``: these (scope, sequence) pairs. They
+    may live on any CENTRAL shard, so each is asked. This is the upgrade step that lets a new
+    sequence take over from older ones without re-issuing their ids; it is idempotent and cheap
+    (one query per CENTRAL shard, one update). Returns the target's state after, or None when no
+    source sequence exists (nothing to start above).
+    """
+    sequence_key(scope, sequence)
+    scope_list, pairs = list(scopes), list(older)
+    t = sequences
+    conditions: list[ColumnElement[bool]] = [t.c.scope.in_(scope_list)] if scope_list else []
+    conditions += [and_(t.c.scope == s, t.c.sequence == q) for s, q in pairs]
+    if not conditions:
+        return None
+    best: tuple[int, int] | None = None
+    router = Router(store.map)
+    for server in router.central_servers():
+        with store.transaction(server) as conn:
+            for era, next_counter in conn.execute(select(t.c.era, t.c.next_counter).where(or_(*conditions))):
+                best = max(best or (0, 1), (int(era), int(next_counter)))
+    if best is None:
+        return None
+    target = router.locate_central(sequence_key(scope, sequence)).server
+    with store.transaction(target) as conn:
+        return advance_sequence(conn, scope, sequence, *best)
 
 
 # -- the generator ------------------------------------------------------------------------------

@@ -83,6 +83,10 @@ _PG_FREEZE = _pg_bytea(FREEZE_GDID)
 PG_PREPARED: dict[str, str] = {
     "mdb_ownership_lock": "(text, text) AS SELECT pg_advisory_xact_lock_shared(hashtextextended($1, 0)), "
     "pg_advisory_xact_lock_shared(hashtextextended($2, 0))",
+    # An exclusive session (``store.briefcase(..., exclusive=True)``): the briefcase key EXCLUSIVE,
+    # so writers of one briefcase run one after the other; the partition key stays SHARED.
+    "mdb_ownership_lock_x": "(text, text) AS SELECT pg_advisory_xact_lock_shared(hashtextextended($1, 0)), "
+    "pg_advisory_xact_lock(hashtextextended($2, 0))",
     "mdb_ownership_read": "(text, bytea) AS " + _check_sql("$1", "$2", None, _PG_FREEZE),
     "mdb_ownership_write": "(text, bytea, text) AS " + _check_sql("$1", "$2", "$3", _PG_FREEZE),
 }
@@ -97,19 +101,24 @@ _SQLITE_WRITE = _check_sql(":area", ":gdid", ":start", ":freeze")
 """The check on SQLite, with named parameters (a write session's also reads the freeze marker)."""
 
 
-def ownership_prelude(backend: str, placement: Placement, lock: bool) -> Prelude:
+def ownership_prelude(backend: str, placement: Placement, lock: bool, exclusive: bool = False) -> Prelude:
     """Statements to run right after BEGIN; the last one returns the row :func:`check_ownership` reads.
 
     ``lock`` (write sessions): take the partition's and the briefcase's advisory keys SHARED
     first, and read the partition's freeze marker. The lock is its own statement, before the
     check, so that the check's snapshot is taken after any wait for a move's exclusive lock.
+    ``exclusive`` (with ``lock``): take the briefcase's key EXCLUSIVE instead, so exclusive
+    sessions of one briefcase (and a move) run one at a time; the check, a later statement,
+    then reads a snapshot taken after the previous holder committed. On SQLite nothing changes:
+    BEGIN IMMEDIATE already serializes every write transaction of the database file.
     """
     area, start = placement.area, placement.partition_start
     if backend == "postgresql":
         statements = []
         if lock:
+            name = "mdb_ownership_lock_x" if exclusive else "mdb_ownership_lock"
             statements.append(
-                f"EXECUTE mdb_ownership_lock('{_partition_lock_key(area, start)}', '{_lock_key(area, placement.gdid)}')"
+                f"EXECUTE {name}('{_partition_lock_key(area, start)}', '{_lock_key(area, placement.gdid)}')"
             )
         gdid = _pg_bytea(placement.gdid)
         statements.append(

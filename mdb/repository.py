@@ -24,7 +24,7 @@ class Repository:
     """Holds the Store; subclasses add domain methods built on the helpers below."""
 
     scope: str = "app"
-    """GDID sequence scope for :meth:`new_id` (usually the area the repository serves)."""
+    """Scope of the child-row id sequences of :meth:`new_id`: ``{scope}:rows/{sequence}``."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -38,15 +38,24 @@ class Repository:
 
     @contextmanager
     def briefcase(
-        self, btype: type[BriefcaseType], gdid: GDID | str, *, readonly: bool = False
+        self, btype: type[BriefcaseType], gdid: GDID | str, *, readonly: bool = False, exclusive: bool = False
     ) -> Iterator[BriefcaseSession]:
         """A session on one briefcase in one transaction (commit on success, rollback on error)."""
-        with self.store.briefcase(btype, gdid, readonly=readonly) as session:
+        with self.store.briefcase(btype, gdid, readonly=readonly, exclusive=exclusive) as session:
             yield session
 
+    def new_root_id(self, btype: type[BriefcaseType]) -> GDID:
+        """A fresh briefcase key of ``btype``: its root sequence ``{area}/{id_sequence}`` (``store.new_gdid``)."""
+        return self.store.new_gdid(btype)
+
     def new_id(self, sequence: str) -> GDID:
-        """A fresh GDID from the CENTRAL sequence ``{scope}/{sequence}`` (for a row's own key)."""
-        return self.store.gdids(self.scope, sequence).next()
+        """A fresh id for a child row: CENTRAL sequence ``{scope}:rows/{sequence}`` (``store.row_ids``).
+
+        Not for briefcase keys: those come from :meth:`new_root_id`. Child ids live outside the
+        area's scope so they do not raise its high-water mark.
+        """
+        return self.store.row_ids(self.scope, sequence).next()
 
     def new_ids(self, sequence: str, n: int) -> list[GDID]:
-        return self.store.gdids(self.scope, sequence).take(n)
+        """``n`` child-row ids in increasing order, from the same sequence as :meth:`new_id`."""
+        return self.store.row_ids(self.scope, sequence).take(n)

@@ -133,28 +133,56 @@ def _confine_statements(state: ORMExecuteState) -> None:
     state.parameters = _with_key(state.parameters, ctx.gdid)
 
 
+@cache
+def _row_key_attr(btype: type[BriefcaseType], model: type[Any]) -> str | None:
+    """The attribute carrying the briefcase key on ``model``, or None when its table is not in the type."""
+    table = sa_inspect(model).local_table
+    if table.name not in {t.name for t in btype.tables}:
+        return None
+    return _key_attr(model, btype.key)
+
+
+def _confine_row(ctx: BriefcaseContext, obj: Any, is_new: bool) -> None:
+    """Refuse a row that is not of the type or carries another key; give a new row without a key ours."""
+    model = type(obj)
+    attr = _row_key_attr(ctx.btype, model)  # type: ignore[arg-type]  # python/mypy#11470, as above
+    if attr is None:
+        table = sa_inspect(model).local_table
+        raise CrossBriefcaseError(
+            f"{model.__name__} (table {table.name!r}) is not part of briefcase type {ctx.btype.__name__}"
+        )
+    value = getattr(obj, attr)
+    if value is None and is_new:
+        setattr(obj, attr, ctx.gdid)
+    elif not isinstance(value, GDID):
+        # GDID columns parse text when it is assigned (mdb.sqltypes); anything else reaching here
+        # is not a GDID at all, and comparing it with one would report a bogus "other briefcase".
+        raise CrossBriefcaseError(
+            f"{model.__name__}.{attr}: expected a GDID, got {type(value).__name__} {value!r} "
+            f"(in the session of briefcase {ctx.btype.area}/{ctx.gdid})"
+        )
+    elif value != ctx.gdid:
+        raise CrossBriefcaseError(
+            f"{model.__name__} row with {attr}={value} cannot be written in the session of briefcase "
+            f"{ctx.btype.area}/{ctx.gdid}: every row of a briefcase carries its key"
+        )
+
+
 @event.listens_for(BriefcaseSession, "before_flush")
 def _confine_writes(session: Session, _flush: UOWTransaction, _instances: Any) -> None:
+    """Check every pending row once: O(N) per flush.
+
+    ``session.new``, ``.dirty`` and ``.deleted`` each build a new set at every access, so they
+    are read once here; asking ``obj in session.new`` per object made a flush of N new rows
+    quadratic (8,000 rows: 5.4 s against 0.58 s for a plain Session).
+    """
     ctx: BriefcaseContext | None = session.info.get(_INFO_KEY)
     if ctx is None:
         return
-    pending = [*session.new, *session.dirty, *session.deleted]
-    if ctx.readonly and pending:
+    new, dirty, deleted = session.new, session.dirty, session.deleted
+    if ctx.readonly and (new or dirty or deleted):
         raise MdbError(f"briefcase {ctx.btype.area}/{ctx.gdid}: a readonly session cannot write")
-    tables = {t.name for t in ctx.btype.tables}
-    for obj in pending:
-        model = type(obj)
-        table = sa_inspect(model).local_table
-        if table.name not in tables:
-            raise CrossBriefcaseError(
-                f"{model.__name__} (table {table.name!r}) is not part of briefcase type {ctx.btype.__name__}"
-            )
-        attr = _key_attr(model, ctx.btype.key)
-        value = getattr(obj, attr)
-        if value is None and obj in session.new:
-            setattr(obj, attr, ctx.gdid)
-        elif value != ctx.gdid:
-            raise CrossBriefcaseError(
-                f"{model.__name__} row with {attr}={value} cannot be written in the session of briefcase "
-                f"{ctx.btype.area}/{ctx.gdid}: every row of a briefcase carries its key"
-            )
+    for obj in new:
+        _confine_row(ctx, obj, is_new=True)
+    for obj in (*dirty, *deleted):
+        _confine_row(ctx, obj, is_new=False)

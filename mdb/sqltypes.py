@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import LargeBinary
+from sqlalchemy import LargeBinary, event
 from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import Mapper
 from sqlalchemy.types import TypeDecorator
 
 from mdb.gdid import GDID
 
-__all__ = ["GDIDType"]
+__all__ = ["GDIDType", "parse_gdid_text"]
 
 
 class GDIDType(TypeDecorator[GDID]):
@@ -56,3 +57,27 @@ class GDIDType(TypeDecorator[GDID]):
     @property
     def python_type(self) -> type[GDID]:
         return GDID
+
+
+def parse_gdid_text(_target: Any, value: Any, _old: Any, _initiator: Any) -> Any:
+    """Attribute ``set`` listener of every ORM attribute mapped to a GDIDType column.
+
+    The column type parses text on the way to the database, but the attribute used to keep the
+    string, so a row built with ``account_id="0:0:8"`` compared unequal to ``GDID(0, 0, 8)``
+    everywhere in Python (the briefcase guard reported it as another briefcase's row, the
+    identity map keyed it by the string). Parsing on assignment makes the attribute a GDID from
+    the start; bad text raises :class:`~mdb.errors.GDIDError` (a ValueError) quoting it, right
+    where it was assigned.
+    """
+    return GDID.parse(value) if isinstance(value, str) else value
+
+
+@event.listens_for(Mapper, "after_mapper_constructed")
+def _parse_text_on_assignment(mapper: Mapper[Any], class_: type[Any]) -> None:
+    # ``mapper.columns`` (attribute name -> column) is filled at construction; ``column_attrs``
+    # would configure every mapper of the registry now, before related classes exist.
+    for key, column in mapper.columns.items():
+        if isinstance(column.type, GDIDType):
+            attribute = getattr(class_, key)
+            if not event.contains(attribute, "set", parse_gdid_text):
+                event.listen(attribute, "set", parse_gdid_text, retval=True)

@@ -23,10 +23,10 @@ from mdb.briefcase import BriefcaseType, registered_types, types_by_area
 from mdb.central.service import Central
 from mdb.dberrors import translated
 from mdb.engines import BEGIN_PRELUDE, BEGIN_RESULT, EngineRegistry
-from mdb.errors import RetryableError, RoutingError
+from mdb.errors import QueryError, RetryableError, RoutingError
 from mdb.fanout import FanOutResult, fan_out
 from mdb.gdid import GDID
-from mdb.idgen import GdidGenerator, generator_for
+from mdb.idgen import GdidGenerator, generator_for, row_scope, start_above
 from mdb.ownership import check_ownership, ownership_prelude
 from mdb.partition_map import PartitionMap, load_map
 from mdb.relocations import load_relocations
@@ -62,6 +62,9 @@ class Store:
         self.move_wait_seconds = move_wait_seconds
         self._relocations_loaded = False
         self._refresh_lock = threading.Lock()
+        self._taken_over: set[tuple[str, str]] = set()
+        """Sequences this Store has moved past their older sequences (:meth:`ids`, :meth:`row_ids`)."""
+        self._take_over_lock = threading.Lock()
         self.central = Central(self)
         """CENTRAL indexes, cache and atomic creation (:mod:`mdb.central`)."""
 
@@ -214,23 +217,69 @@ class Store:
     def gdids(
         self, scope: str, sequence: str, *, authority: int | None = None, block_size: int | None = None
     ) -> GdidGenerator:
-        """This Store's cached generator of a CENTRAL sequence (:func:`mdb.idgen.generator_for`)."""
+        """This Store's cached generator of a CENTRAL sequence (:func:`mdb.idgen.generator_for`).
+
+        The raw API: exactly the sequence named. Briefcase keys come from :meth:`ids` (the
+        type's one root sequence) and child-row ids from :meth:`row_ids`; drawing keys from any
+        other sequence of the area can hand out ids that :meth:`ids` hands out too.
+        """
         return generator_for(self, scope, sequence, authority=authority, block_size=block_size)
+
+    def ids(self, btype: type[BriefcaseType]) -> GdidGenerator:
+        """The generator of ``btype``'s root GDIDs: CENTRAL sequence ``{area}/{btype.id_sequence}``.
+
+        The one source of briefcase keys (``central.create`` and ``Repository.new_root_id`` draw
+        from it too). On first use per Store the sequence is moved past every other sequence of
+        scope ``{area}``: older mdb versions drew root ids from ``{area}/{TypeName}`` and the
+        README tour from ``{area}/ids``, so a new sequence must not re-issue what those did.
+        """
+        return self._taken_over_generator(btype.area, btype.id_sequence, scopes=[btype.area])
+
+    def new_gdid(self, btype: type[BriefcaseType]) -> GDID:
+        """A fresh root GDID (briefcase key) for ``btype``, from :meth:`ids`."""
+        return self.ids(btype).next()
+
+    def row_ids(self, scope: str | type[BriefcaseType], sequence: str) -> GdidGenerator:
+        """The generator of child-row ids: CENTRAL sequence ``{scope}:rows/{sequence}``.
+
+        ``scope`` is a name or a briefcase type (its area). Child ids stay out of the area's
+        scope so they never raise its high-water mark (docs/partition-map.md). On first use per
+        Store the sequence is moved past ``{scope}/{sequence}``, where older versions of
+        :class:`~mdb.repository.Repository` drew the same ids.
+        """
+        name = scope if isinstance(scope, str) else scope.area
+        return self._taken_over_generator(row_scope(name), sequence, older=[(name, sequence)])
+
+    def _taken_over_generator(
+        self, scope: str, sequence: str, *, scopes: Sequence[str] = (), older: Sequence[tuple[str, str]] = ()
+    ) -> GdidGenerator:
+        key = (scope, sequence)
+        if key not in self._taken_over:
+            with self._take_over_lock:
+                if key not in self._taken_over:
+                    start_above(self, scope, sequence, scopes=scopes, older=older)
+                    self._taken_over.add(key)
+        return self.gdids(scope, sequence)
 
     # -- briefcase sessions ------------------------------------------------------------------
 
     @contextmanager
     def briefcase(
-        self, btype: type[BriefcaseType], gdid: GDID | str, *, readonly: bool = False
+        self, btype: type[BriefcaseType], gdid: GDID | str, *, readonly: bool = False, exclusive: bool = False
     ) -> Iterator[BriefcaseSession]:
         """A Session on the briefcase's shard, in one transaction: commit on success, rollback on error.
 
-        ``readonly`` reads from the server's replica when the map has one.
+        ``readonly`` reads from the server's replica when the map has one. ``exclusive`` makes
+        write sessions of this briefcase that also ask for it run one at a time (the
+        briefcase's advisory lock is taken exclusive, in the round trip of BEGIN), so a
+        read-modify-write in the block cannot lose an update (docs/briefcases.md, "Isolation").
         """
         gid = gdid if isinstance(gdid, GDID) else GDID.parse(gdid)
         if btype not in self.types_of(btype.area):
             raise RoutingError(f"briefcase type {btype.__name__} is not registered with this Store")
-        session, conn = self._open(btype, gid, readonly)
+        if readonly and exclusive:
+            raise QueryError(f"briefcase {btype.area}/{gid}: a session cannot be both readonly and exclusive (exclusive serializes writers)")
+        session, conn = self._open(btype, gid, readonly, exclusive)
         server = session.placement.server
         try:
             with translated(server):
@@ -245,14 +294,16 @@ class Store:
             session.close()
             conn.close()
 
-    def _open(self, btype: type[BriefcaseType], gdid: GDID, readonly: bool) -> tuple[BriefcaseSession, Connection]:
+    def _open(
+        self, btype: type[BriefcaseType], gdid: GDID, readonly: bool, exclusive: bool = False
+    ) -> tuple[BriefcaseSession, Connection]:
         retry = SessionRetry(self.move_wait_seconds, self.max_stale_retries)
         while True:
             router = self.router
             placement = router.locate(btype.area, gdid)
             conn = self.connect(placement.server, readonly)
             backend = conn.dialect.name
-            conn.info[BEGIN_PRELUDE] = ownership_prelude(backend, placement, lock=not readonly)
+            conn.info[BEGIN_PRELUDE] = ownership_prelude(backend, placement, lock=not readonly, exclusive=exclusive)
             try:
                 with translated(placement.server):
                     conn = self._begin(conn, placement.server, readonly)

@@ -171,3 +171,14 @@ def test_types_of_one_area_sharing_a_table_are_refused() -> None:
     # In different areas the same tables are fine (each area has its own servers).
     other_area = type("Elsewhere", (BriefcaseType,), {"area": "decl2", "key": "owner_id", "root": Owner, "children": (Pet,)})
     assert set(types_by_area([first, other_area])) == {"decl", "decl2"}
+
+
+def test_types_of_one_area_must_share_their_root_id_sequence() -> None:
+    """One GDID space per area: a second root sequence would re-issue the first one's ids."""
+    owners = _declare((Pet,), name="OwnerBriefcase")
+    assert owners.id_sequence == "ids"
+    shops = type("ShopBriefcase", (BriefcaseType,), {"area": "decl", "key": "owner_id", "root": Shop, "id_sequence": "shop_ids"})
+    with pytest.raises(SchemaError, match=r"OwnerBriefcase and ShopBriefcase of area 'decl' draw root GDIDs from different sequences"):
+        types_by_area([owners, shops])
+    with pytest.raises(SchemaError, match=r"briefcase type Bad: invalid GDID sequence 'no/slash'"):
+        type("Bad", (BriefcaseType,), {"area": "decl", "key": "owner_id", "root": Shop, "id_sequence": "no/slash"})

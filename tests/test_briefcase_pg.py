@@ -428,8 +428,8 @@ def test_ownership_check_costs_no_extra_round_trip(pg_databases: Callable[[int],
                 fill_briefcase(session, gdid)
             engine = store.engine("u1")
 
-            def briefcase_read() -> None:
-                with store.briefcase(UserBriefcase, gdid) as session:
+            def briefcase_read(exclusive: bool = False) -> None:
+                with store.briefcase(UserBriefcase, gdid, exclusive=exclusive) as session:
                     assert session.scalars(select(User).where(User.user_id == gdid)).one().user_id == gdid
                     session.expunge_all()
 
@@ -455,6 +455,7 @@ def test_ownership_check_costs_no_extra_round_trip(pg_databases: Callable[[int],
             assert plain == 3  # BEGIN, SELECT, COMMIT
             assert trips(lambda: plain_read(extra=True)) == plain + 1  # the counter sees one more
             assert trips(briefcase_read) == plain  # the check rode along with BEGIN
+            assert trips(lambda: briefcase_read(exclusive=True)) == plain  # so does the exclusive lock
     finally:
         proxy.close()
 
@@ -481,7 +482,7 @@ def test_the_check_is_prepared_once_per_connection_and_prepared_again_when_lost(
             return pid, dict(rows)  # type: ignore[arg-type]
 
     pid, first = prepared(readonly=False)
-    assert set(first) == {"mdb_ownership_lock", "mdb_ownership_read", "mdb_ownership_write"}
+    assert set(first) == {"mdb_ownership_lock", "mdb_ownership_lock_x", "mdb_ownership_read", "mdb_ownership_write"}
     again_pid, again = prepared(readonly=True)
     assert again_pid == pid, "sequential sessions should reuse the one pooled connection"
     assert again == first  # same prepare_time: not prepared a second time

@@ -78,3 +78,16 @@ def test_repository_base_helpers(store: Store) -> None:
     assert len(set(repo.new_ids("thing", 5)) | {a, b}) == 7
     assert repo.central is store.central
     assert "Things(Store(" in repr(repo)
+    # The documented sequences (docs/repositories.md): child ids from things:rows/thing, keys from user/ids.
+    from mdb.idgen import read_sequence
+    from mdb.router import Router
+
+    def position(scope: str, sequence: str) -> int | None:
+        server = Router(store.map).locate_central(f"{scope}/{sequence}").server
+        with store.transaction(server) as conn:
+            state = read_sequence(conn, scope, sequence)
+        return None if state is None else state.next_counter
+
+    assert position("things:rows", "thing") is not None and position("things", "thing") is None
+    key = repo.new_root_id(UserBriefcase)
+    assert key.counter < position("user", "ids")  # type: ignore[operator]

@@ -27,11 +27,11 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import insert, select
-from sqlalchemy.exc import IntegrityError
 
 from mdb.briefcase import BriefcaseType
 from mdb.central.indexes import STATE_LIVE, STATE_PENDING, CentralIndex, central_index
 from mdb.central.service import IndexRow
+from mdb.errors import DuplicateRowError
 from mdb.gdid import GDID
 
 if TYPE_CHECKING:
@@ -218,7 +218,7 @@ def repair(central: Central, indexes: Iterable[type[CentralIndex]], *, grace: fl
                         index_name=idx.name, key=problem.key, slot=idx.slot(problem.gdid), gdid=problem.gdid,
                         state=STATE_LIVE, created_at=time.time(),
                     ))
-            except IntegrityError:
+            except DuplicateRowError:
                 result.unresolved.append(problem)
                 continue
             central.cache.invalidate((idx.name, problem.key))

@@ -15,12 +15,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import delete, insert, inspect as sa_inspect, select, update
-from sqlalchemy.exc import IntegrityError
 
 from mdb.briefcase import BriefcaseType
 from mdb.central.cache import CacheStats, CentralCache
 from mdb.central.indexes import STATE_LIVE, STATE_PENDING, CentralIndex, central_index, index_by_name
-from mdb.errors import DuplicateKeyError, RoutingError, SchemaError
+from mdb.errors import DuplicateKeyError, DuplicateRowError, RoutingError, SchemaError
 from mdb.gdid import GDID
 
 if TYPE_CHECKING:
@@ -254,7 +253,7 @@ class Central:
             try:
                 self._insert(idx, nkey, gid, STATE_LIVE)
                 return
-            except IntegrityError:
+            except DuplicateRowError:  # the entry's primary key is taken (mdb.dberrors)
                 rows = self._row(idx, nkey, idx.slot(gid))
                 if not rows:
                     continue  # deleted in between: try again
@@ -337,7 +336,7 @@ class Central:
         for _ in range(3):
             try:
                 return self._insert(idx, nkey, gdid, STATE_PENDING)
-            except IntegrityError:
+            except DuplicateRowError:  # the entry's primary key is taken (mdb.dberrors)
                 rows = self._row(idx, nkey, idx.slot(gdid))
                 if not rows:
                     continue
@@ -350,8 +349,8 @@ class Central:
     # -- creation ----------------------------------------------------------------------------
 
     def next_gdid(self, btype: type[BriefcaseType]) -> GDID:
-        """A new GDID for a briefcase of ``btype``: sequence ``{area}/{type name}`` of the Store's generator."""
-        return self.store.gdids(btype.area, btype.__name__).next()
+        """A new GDID for a briefcase of ``btype``: the type's root sequence (``store.new_gdid``)."""
+        return self.store.new_gdid(btype)
 
     def create(
         self,
