@@ -21,6 +21,7 @@ from mdb.cli import app, main
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "partition_maps" / "example.yaml"
+EXAMPLE_DATA = (REPO / "partition_maps").resolve() / "mdb-data"  # relative SQLite paths: next to the map
 MDB = Path(sys.executable).parent / "mdb"
 SECRET = "Sw0rdfish-9f7c"
 
@@ -104,7 +105,7 @@ def test_route_issue_must_show() -> None:
     assert data["shard_index"] == 2
     assert data["shard_count"] == 3
     assert data["server"] == "user-5"
-    assert data["url"] == "sqlite:///mdb-data/user-5.db"
+    assert data["url"] == f"sqlite:///{EXAMPLE_DATA}/user-5.db"
     assert data["map_version"] == 3
 
 
@@ -118,7 +119,7 @@ def test_route_archive_with_breakpoint() -> None:
 def test_route_table_explains_the_placement() -> None:
     result = runner.invoke(app, ["route", str(EXAMPLE), "user", "0:0:250001"])
     assert result.exit_code == 0
-    for expected in ("user-5", "0:0:250000", "sqlite:///mdb-data/user-5.db"):
+    for expected in ("user-5", "0:0:250000", f"sqlite:///{EXAMPLE_DATA}/user-5.db"):
         assert expected in result.stdout
 
 
@@ -180,7 +181,7 @@ def test_map_show_lists_servers_and_partitions() -> None:
     result = runner.invoke(app, ["map", "show", str(EXAMPLE)], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     out = result.stdout
-    for expected in ("central-a", "user-9", "sqlite:///mdb-data/user-7.db", "0:0:250000", "0:0:100050000", "user-3, user-4, user-5"):
+    for expected in ("central-a", "user-9", f"sqlite:///{EXAMPLE_DATA}/user-7.db", "0:0:250000", "0:0:100050000", "user-3, user-4, user-5"):
         assert expected in out
 
 
