@@ -182,3 +182,13 @@ def test_unknown_high_water_area_is_refused(tmp_path: Path, monkeypatch: pytest.
     assert "--high-water nope=...: map version 1 has no partitioned area 'nope' (it has: user)" in err
     code, out, err = run(monkeypatch, capsys, "map", "diff", str(old), str(new), "--high-water", "user=0:0:1", "--json")
     assert code == 0 and json.loads(out)["ok"], err
+
+
+def test_repr_of_a_store_shows_the_version_it_routes_with(system: tuple[Path, Path, Path]) -> None:
+    from mdb import Store
+
+    v1, _v2, _ = system
+    with Store.from_yaml(v1, types=[]) as store:
+        assert repr(store).startswith(f"Store(map_version=1, map_source='{v1}', refreshed=False,")
+        store.refresh()
+        assert repr(store).startswith("Store(map_version=2, map_source=\"mdb_maps version 2 on server 'c'\", refreshed=True,")
