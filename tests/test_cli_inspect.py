@@ -323,3 +323,21 @@ def test_console_script_signed_gdid_is_one_error_line() -> None:
     proc = run_mdb("gdid", "-1:0:0")
     assert proc.returncode == 2
     assert_one_error_line(proc.stderr)
+
+
+def test_map_show_and_check_json(secret_map: Path) -> None:
+    shown = runner.invoke(app, ["map", "show", str(secret_map), "--json"])
+    assert shown.exit_code == 0 and SECRET not in shown.stdout
+    data = json.loads(shown.stdout)
+    assert data["version"] == 7 and data["central"] == {"area": "central", "shards": ["central-a"]}
+    assert data["servers"]["user-1"]["replica"] == "postgresql+psycopg://ro:***@10.0.0.16/user_1?password=***"
+    assert data["partitions"] == [{"area": "user", "range_set": "0:0:0", "start": "0:0:0", "shards": ["user-1", "user-2"]}]
+    checked = invoke_json("map", "check", str(EXAMPLE), "--json")
+    assert checked == {"map": str(EXAMPLE), "ok": True, "version": 3, "servers": 10, "areas": 3, "partitions": 5}
+
+
+def test_map_check_counts_in_the_singular(tmp_path: Path) -> None:
+    path = tmp_path / "one.yaml"
+    path.write_text('version: 1\nservers:\n  c: {primary: "sqlite:///c.db"}\nareas:\n  central: {kind: central, shards: [c]}\n')
+    result = runner.invoke(app, ["map", "check", str(path)])
+    assert result.exit_code == 0 and "1 server, 1 area, 0 partitions" in result.stdout
