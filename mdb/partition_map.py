@@ -245,7 +245,10 @@ def _yaml_error(exc: yaml.YAMLError, source: str) -> MapError:
 
 
 def _compose(text: str, source: str) -> yaml.Node | None:
-    loader = _BoundedLoader(text, source)
+    try:
+        loader = _BoundedLoader(text, source)  # the reader refuses control characters right here
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc, source) from None
     try:
         return loader.get_single_node()
     except yaml.YAMLError as exc:

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mdb import MapError, Store, load_map
 from mdb.partition_map import MAX_ALIAS_NODES, MAX_DEPTH, MAX_PROBLEMS_LISTED, parse_map
@@ -170,3 +172,19 @@ def test_a_bad_gdid_does_not_claim_the_list_is_empty() -> None:
     with pytest.raises(MapError) as info:
         parse_map(text, "m.yaml")
     assert "invalid GDID '0:x:0'" in str(info.value) and "empty" not in str(info.value)
+
+
+# -- any input: a map or one MapError, nothing else ------------------------------------------------------
+
+YAML_SOUP = st.text(alphabet="[]{}&*!|>-:?,'\"#%@` \n\t\\x01\u00e9\u2028abc019", max_size=200)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.one_of(st.binary(max_size=200), YAML_SOUP.map(lambda t: t.encode("utf-8", "surrogatepass"))))
+def test_any_bytes_load_or_raise_one_map_error(tmp_path: Path, data: bytes) -> None:
+    path = tmp_path / "fuzz.yaml"
+    path.write_bytes(data)
+    try:
+        load_map(path)
+    except MapError as exc:
+        assert "\n" not in str(exc)  # one line, whatever the input
