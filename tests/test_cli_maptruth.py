@@ -192,3 +192,24 @@ def test_repr_of_a_store_shows_the_version_it_routes_with(system: tuple[Path, Pa
         assert repr(store).startswith(f"Store(map_version=1, map_source='{v1}', refreshed=False,")
         store.refresh()
         assert repr(store).startswith("Store(map_version=2, map_source=\"mdb_maps version 2 on server 'c'\", refreshed=True,")
+
+
+def test_route_does_not_wait_for_a_central_that_never_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A CENTRAL behind a firewall that drops packets: the connect hangs until the TCP timeout."""
+    import importlib
+    import threading
+
+    app_module = importlib.import_module("mdb.cli.app")  # `mdb.cli.app` the attribute is the Typer app
+
+    path = tmp_path / "m.yaml"
+    path.write_text(map_text(1, second_partition=False))
+    silent = threading.Event()
+    monkeypatch.setattr(app_module, "CENTRAL_WAIT_SECONDS", 0.2)
+    monkeypatch.setattr(app_module, "_newest_map", lambda pmap, _path: silent.wait(60) and pmap)
+    try:
+        code, out, err = run(monkeypatch, capsys, "route", str(path), "user", "0:0:1", "--json")
+    finally:
+        silent.set()
+    assert code == 0 and json.loads(out)["server"] == "u1"
+    assert "CENTRAL did not answer within 0.2 s" in err and f"using map file {path} v1" in err

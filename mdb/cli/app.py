@@ -247,7 +247,7 @@ def _within(seconds: float, work: Callable[[], T]) -> T:
     worker.start()
     worker.join(seconds)
     if worker.is_alive():
-        raise TimeoutError(f"CENTRAL did not answer within {seconds:.0f} s")
+        raise TimeoutError(f"CENTRAL did not answer within {seconds:g} s")
     if "error" in outcome:
         raise outcome["error"]
     value: T = outcome["value"]
