@@ -30,7 +30,7 @@ from mdb import dberrors
 from mdb.dberrors import translated
 from mdb.errors import MapEditError, MdbError
 from mdb.gdid import GDID
-from mdb.partition_map import AreaSpec, PartitionMap, RangeSetSpec, parse_map, read_map_text, safe_yaml_load
+from mdb.partition_map import AreaSpec, PartitionMap, RangeSetSpec, parse_map, read_map_text, safe_yaml_load, sqlite_file
 from mdb.router import Router, ShardLayout
 from mdb.system_tables import central_metadata, shard_layout
 from mdb.urls import mask_url
@@ -462,13 +462,8 @@ def _no_history_there(pmap: PartitionMap, server: str) -> bool:
 
 def _sqlite_file_missing(pmap: PartitionMap, server: str) -> bool:
     """True when ``server`` is a SQLite file that does not exist: connecting would create it."""
-    from mdb.engines import sqlalchemy_url
-
-    url = sqlalchemy_url(pmap.servers[server].primary)
-    database = url.database
-    if url.get_backend_name() != "sqlite" or not database or database == ":memory:" or database.startswith("file:"):
-        return False
-    return not Path(database).exists()
+    database = sqlite_file(pmap.servers[server].primary)
+    return database is not None and not Path(database).exists()
 
 
 def _newest_applied(store: Store, pmap: PartitionMap, newer_than: int = 0) -> AppliedMap | None:

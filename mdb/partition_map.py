@@ -44,6 +44,7 @@ __all__ = [
     "parse_map",
     "read_map_text",
     "safe_yaml_load",
+    "sqlite_file",
 ]
 
 Path_ = tuple[str | int, ...]
@@ -143,20 +144,29 @@ class PartitionMap(_Strict):
         return self.model_copy(update={"servers": servers, "folder": str(base)})
 
 
-def _rebased_url(url: str, base: Path) -> str:
+def sqlite_file(url: str) -> str | None:
+    """The database file a SQLite URL names, as written; None for other backends, for an
+    in-memory database, a ``file:`` URI, or a URL that does not parse (the loader refuses it)."""
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
     try:
         parsed = make_url(url)
     except ArgumentError:
-        return url  # refused by the loader's URL check; nothing to resolve
+        return None
     database = parsed.database
     if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return database
+
+
+def _rebased_url(url: str, base: Path) -> str:
+    from sqlalchemy.engine import make_url
+
+    database = sqlite_file(url)
+    if database is None or Path(database).is_absolute():
         return url
-    if Path(database).is_absolute():
-        return url
-    return parsed.set(database=str(base / database)).render_as_string(hide_password=False)
+    return make_url(url).set(database=str(base / database)).render_as_string(hide_password=False)
 
 
 def _rebased_server(spec: ServerSpec, base: Path) -> ServerSpec:
