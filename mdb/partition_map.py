@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mdb.errors import MapError
 from mdb.gdid import GDID
-from mdb.urls import mask_url
+from mdb.urls import mask_secrets, mask_url
 
 __all__ = [
     "AreaSpec",
@@ -457,11 +457,7 @@ def _url_problem(url: str) -> str | None:
 
     shown = mask_url(url)
     if is_mongo_url(url):
-        try:
-            import pymongo  # noqa: F401
-        except ImportError:
-            return f"{shown}: a MongoDB server needs pymongo, which is not installed"
-        return None
+        return _mongo_url_problem(url, shown)
     try:
         parsed = sqlalchemy_url(url)
     except (ArgumentError, ValueError):
@@ -480,6 +476,20 @@ def _url_problem(url: str) -> str | None:
         dialect.import_dbapi()
     except ImportError as exc:
         return f"{shown}: cannot load the {dialect.driver!r} driver: {exc}"
+    return None
+
+
+def _mongo_url_problem(url: str, shown: str) -> str | None:
+    try:
+        from pymongo import uri_parser
+    except ImportError:
+        return f"{shown}: a MongoDB server needs pymongo, which is not installed"
+    if url.startswith("mongodb+srv://"):
+        return None  # parsing an SRV URL resolves DNS: too slow and too flaky for a file check
+    try:
+        uri_parser.parse_uri(url)
+    except Exception as exc:  # pymongo raises InvalidURI, ConfigurationError or ValueError; all mean "bad URL"
+        return f"{shown}: not a valid MongoDB URL: {mask_secrets(str(exc))}"
     return None
 
 

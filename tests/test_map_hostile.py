@@ -110,6 +110,8 @@ def test_oversized_file_is_refused_before_parsing(tmp_path: Path) -> None:
         ("mysql://u@h/x", "mdb does not support 'mysql' servers"),
         ("not a url", "'not a url' is not a database URL"),
         ("sqlite+aiosqlite:///x.db", "mdb does not support the 'aiosqlite' driver"),
+        ("mongodb://u:p@", "mongodb://u:***@: not a valid MongoDB URL: Empty host"),
+        ("mongodb://h:99999/x", "not a valid MongoDB URL: Port must be an integer"),
     ],
 )
 def test_unsupported_url_names_server_and_line(tmp_path: Path, url: str, needle: str) -> None:
