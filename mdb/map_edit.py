@@ -30,7 +30,7 @@ from mdb import dberrors
 from mdb.dberrors import translated
 from mdb.errors import MapEditError, MdbError
 from mdb.gdid import GDID
-from mdb.partition_map import AreaSpec, PartitionMap, RangeSetSpec, parse_map
+from mdb.partition_map import AreaSpec, PartitionMap, RangeSetSpec, parse_map, read_map_text, safe_yaml_load, sqlite_file
 from mdb.router import Router, ShardLayout
 from mdb.system_tables import central_metadata, shard_layout
 from mdb.urls import mask_url
@@ -50,6 +50,7 @@ __all__ = [
     "high_water_marks",
     "live_diff",
     "load_applied_map",
+    "newest_applied",
     "maps_table",
 ]
 
@@ -450,8 +451,25 @@ def _maps_server(pmap: PartitionMap) -> str:
     return Router(pmap).locate_central(MAPS_KEY).server
 
 
+def _no_history_there(pmap: PartitionMap, server: str) -> bool:
+    """True when ``server`` cannot hold a map history: a MongoDB CENTRAL (history is kept on
+    SQL CENTRAL servers only), or a SQLite file that does not exist yet (asking would create
+    an empty database file, and its folder, as a side effect of a read-only command)."""
+    from mdb.mongo.clients import is_mongo_url
+
+    return is_mongo_url(pmap.servers[server].primary) or _sqlite_file_missing(pmap, server)
+
+
+def _sqlite_file_missing(pmap: PartitionMap, server: str) -> bool:
+    """True when ``server`` is a SQLite file that does not exist: connecting would create it."""
+    database = sqlite_file(pmap.servers[server].primary)
+    return database is not None and not Path(database).exists()
+
+
 def _newest_applied(store: Store, pmap: PartitionMap, newer_than: int = 0) -> AppliedMap | None:
     server = _maps_server(pmap)
+    if _no_history_there(pmap, server):
+        return None
     query = (
         select(maps_table.c.version, maps_table.c.yaml, maps_table.c.applied_at)
         .where(maps_table.c.version > newer_than)
@@ -481,12 +499,24 @@ def load_applied_map(store: Store, current: PartitionMap) -> PartitionMap | None
     applied = _newest_applied(store, current, newer_than=current.version)
     if applied is None:
         return None
-    return parse_map(applied.yaml, f"mdb_maps version {applied.version} on server {applied.server!r}")
+    return _parse_applied(applied, current)
+
+
+def _parse_applied(applied: AppliedMap, current: PartitionMap) -> PartitionMap:
+    """An applied map's text as a map; relative SQLite paths resolve like ``current``'s did."""
+    return parse_map(applied.yaml, f"mdb_maps version {applied.version} on server {applied.server!r}", folder=current.folder)
+
+
+def newest_applied(store: Store) -> AppliedMap | None:
+    """The newest map ``mdb map apply`` recorded in CENTRAL (version and text as written), if any."""
+    return _newest_applied(store, store.map)
 
 
 def applied_maps(store: Store) -> list[tuple[int, datetime | None]]:
     """(version, applied_at) of every map recorded in CENTRAL, oldest first."""
     server = _maps_server(store.map)
+    if _no_history_there(store.map, server):
+        return []
     with store.transaction(server) as conn:
         if not sa_inspect(conn).has_table(maps_table.name):
             return []
@@ -514,7 +544,7 @@ def _raw_urls(texts: Iterable[str]) -> dict[str, str]:
     """expanded URL -> URL as written (with ``${NAME}``), from the server lists of map texts."""
     out: dict[str, str] = {}
     for text in texts:
-        data = yaml.safe_load(text)
+        data = safe_yaml_load(text)
         servers = data.get("servers") if isinstance(data, dict) else None
         for spec in (servers or {}).values():
             for key in ("primary", "replica"):
@@ -533,10 +563,10 @@ def recordable_yaml(pmap: PartitionMap, yaml_text: str | None, known_texts: Iter
     is refused.
     """
     if yaml_text is not None:
-        check = parse_map(yaml_text, "the map text to record")
+        check = parse_map(yaml_text, "the map text to record", folder=pmap.folder)
         if check.model_dump() != pmap.model_dump():
             raise MapEditError("the YAML text given to record is not the map being applied")
-        data = yaml.safe_load(yaml_text)
+        data = safe_yaml_load(yaml_text)
     else:
         data = yaml.safe_load(pmap.to_yaml())
         raw = _raw_urls(known_texts)
@@ -654,7 +684,7 @@ def _live_diff(
 ) -> tuple[MapDiff, PartitionMap, AppliedMap | None]:
     store.refresh()
     old_applied = _newest_applied(store, store.map)
-    old_map = parse_map(old_applied.yaml, f"mdb_maps version {old_applied.version}") if old_applied else store.map
+    old_map = _parse_applied(old_applied, store.map) if old_applied else store.map
     relocated_to = set(store.router.relocations.values())
     marks = high_water_marks(store, margin=margin)
     diff = diff_maps(old_map, new_map, marks, allow_reshard_of=allow_reshard_of, relocated_to=relocated_to)
@@ -668,7 +698,7 @@ def live_diff(
 
     What ``apply_map`` checks first; never raises for a refused change (see ``MapDiff.ok``).
     """
-    return _live_diff(store, new_map, allow_reshard_of, margin)[0]
+    return _live_diff(store, new_map.resolved_in(store.map.folder), allow_reshard_of, margin)[0]
 
 
 def apply_map(
@@ -707,12 +737,14 @@ def apply_map(
     are empty) and raises MapEditError. A crash between 4 and 6 leaves old processes refused
     (retryably) for the changed ranges, never misrouted; running the apply again finishes it.
     """
+    # A map given as text (a reshard's) has relative SQLite paths; they mean what the Store's do.
+    new_map = new_map.resolved_in(store.map.folder)
     diff, old_map, old_applied = _live_diff(store, new_map, allow_reshard_of, margin)
     report = ApplyReport(old_map.version, new_map.version, diff)
     diff.raise_if_refused()
     known = [old_applied.yaml] if old_applied else []
     if store.map_path is not None and Path(store.map_path).is_file():
-        known.append(Path(store.map_path).read_text(encoding="utf-8"))
+        known.append(read_map_text(store.map_path))
     text = recordable_yaml(new_map, yaml_text, known)
     if dry_run:
         return report

@@ -1,6 +1,13 @@
 """The partition map: versioned YAML describing servers, areas, partitions and range sets.
 
-Loading is two passes. pydantic checks the structure (types, unknown keys, GDID text, empty
+Loading starts with the bytes, because a map file is input mdb does not control: the file is
+read up to :data:`MAX_MAP_BYTES`, decoded as strict UTF-8 (an error names the byte offset), and
+composed by a YAML loader that refuses nesting deeper than :data:`MAX_DEPTH` and aliases that
+would expand past :data:`MAX_ALIAS_NODES` nodes, *before* anything is expanded (a 400-byte
+"billion laughs" file otherwise grows ~9x per level: seven levels took 14 s and 1.3 GB). Every
+one of these ends as one :class:`MapError` line, never a traceback.
+
+Then two passes. pydantic checks the structure (types, unknown keys, GDID text, empty
 lists); then :func:`_semantic_problems` checks what relates one part of the file to another
 (unknown servers, sorted starts, a server used twice in an area). Both passes report a path
 such as ``areas.user.partitions[1].start``, which is mapped back to the YAML line, so every
@@ -11,7 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -21,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from mdb.errors import MapError
 from mdb.gdid import GDID
-from mdb.urls import mask_url
+from mdb.urls import mask_secrets, mask_url
 
 __all__ = [
     "AreaSpec",
@@ -30,8 +37,15 @@ __all__ = [
     "PartitionSpec",
     "RangeSetSpec",
     "ServerSpec",
+    "MAX_ALIAS_NODES",
+    "MAX_DEPTH",
+    "MAX_MAP_BYTES",
+    "MAX_PROBLEMS_LISTED",
     "load_map",
     "parse_map",
+    "read_map_text",
+    "safe_yaml_load",
+    "sqlite_file",
 ]
 
 Path_ = tuple[str | int, ...]
@@ -131,6 +145,8 @@ class PartitionMap(_Strict):
     """Engine settings of every server; a server's own ``engine:`` fields win over them."""
 
     source: str = Field(default="<map>", exclude=True)
+    folder: str | None = Field(default=None, exclude=True)
+    """The folder relative SQLite paths were resolved against (the map file's), None if none was."""
 
     @model_validator(mode="after")
     def _merge_engine_defaults(self) -> PartitionMap:
@@ -155,6 +171,175 @@ class PartitionMap(_Strict):
                 del area["kind"]
         return yaml.safe_dump(data, sort_keys=False)
 
+    def resolved_in(self, folder: str | os.PathLike[str] | None) -> PartitionMap:
+        """This map with relative SQLite paths made absolute under ``folder``.
+
+        A relative SQLite path in a map means "next to the map file", wherever mdb runs from
+        (docs/partition-map.md): ``mdb where /srv/maps/m.yaml`` run from a home folder must
+        open /srv/maps/mdb-data/..., not create an empty ./mdb-data/. A map that already has a
+        folder, or ``folder`` None (a map given as text), is returned as it is.
+        """
+        if folder is None or self.folder is not None:
+            return self
+        base = Path(folder).resolve()
+        servers = {name: _rebased_server(spec, base) for name, spec in self.servers.items()}
+        return self.model_copy(update={"servers": servers, "folder": str(base)})
+
+
+def sqlite_file(url: str) -> str | None:
+    """The database file a SQLite URL names, as written; None for other backends, for an
+    in-memory database, a ``file:`` URI, or a URL that does not parse (the loader refuses it)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return None
+    database = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return database
+
+
+def _rebased_url(url: str, base: Path) -> str:
+    from sqlalchemy.engine import make_url
+
+    database = sqlite_file(url)
+    if database is None or Path(database).is_absolute():
+        return url
+    return make_url(url).set(database=str(base / database)).render_as_string(hide_password=False)
+
+
+def _rebased_server(spec: ServerSpec, base: Path) -> ServerSpec:
+    update = {"primary": _rebased_url(spec.primary, base)}
+    if spec.replica is not None:
+        update["replica"] = _rebased_url(spec.replica, base)
+    return spec.model_copy(update=update)
+
+
+# -- hostile-input limits ------------------------------------------------------------------------
+
+MAX_MAP_BYTES = 8 * 1024 * 1024
+"""A map of 10,000 partitions is ~0.6 MB; anything past this is not a map."""
+MAX_DEPTH = 64
+"""A map nests about 9 levels (areas.user.range_sets[0].partitions[0].shards[0])."""
+MAX_ALIAS_NODES = 10_000
+"""Nodes that aliases may add in all: reuse of a shard list is fine, a billion laughs is not."""
+MAX_PROBLEMS_LISTED = 10
+"""Problems one error message lists before "... and N more" (one line must stay readable)."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with nesting and alias-expansion bounds enforced while composing.
+
+    Composing builds a node graph in which an alias is one shared node; the cost explodes only
+    when something walks the graph as a tree. So this loader keeps each node's expanded size
+    and refuses, at the alias that crosses :data:`MAX_ALIAS_NODES`, before anything walks it.
+    An alias to a node still being composed (a recursive structure) is refused too. The depth
+    bound keeps the recursive composer (and our own walk) far from Python's recursion limit.
+    """
+
+    def __init__(self, text: str, source: str) -> None:
+        super().__init__(text)
+        self._source = source
+        self._depth = 0
+        self._alias_nodes = 0
+        self._sizes: dict[int, int] = {}
+
+    def _refuse(self, line: int, problem: str) -> MapError:
+        return MapError(f"{self._source}:{line}: {problem}")
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        event = self.peek_event()
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.AliasEvent):
+            target = self.anchors.get(event.anchor)
+            if target is not None:
+                size = self._sizes.get(id(target))
+                if size is None:
+                    raise self._refuse(line, f"alias *{event.anchor} refers to a node that contains it (recursive YAML)")
+                self._alias_nodes += size
+                if self._alias_nodes > MAX_ALIAS_NODES:
+                    raise self._refuse(line, f"YAML aliases expand to more than {MAX_ALIAS_NODES} nodes; write the map out instead")
+            return super().compose_node(parent, index)
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise self._refuse(line, f"the YAML nests deeper than {MAX_DEPTH} levels")
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if node is not None:
+            self._sizes[id(node)] = 1 + sum(self._sizes.get(id(child), 1) for child in _children(node))
+        return node
+
+
+def _children(node: yaml.Node) -> Iterator[Any]:
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            yield key
+            yield value
+    elif isinstance(node, yaml.SequenceNode):
+        yield from node.value
+
+
+def _yaml_error(exc: yaml.YAMLError, source: str) -> MapError:
+    mark = getattr(exc, "problem_mark", None)
+    where = f"{source}:{mark.line + 1}" if mark is not None else source
+    problem = getattr(exc, "problem", None) or str(exc)
+    # The parser notices a missing bracket or quote only at the next token, often a line
+    # later; the construct it was reading when it failed points at the real culprit.
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None and (mark is None or context_mark.line != mark.line):
+        problem += f" ({context} at line {context_mark.line + 1}, column {context_mark.column + 1})"
+    return MapError(f"{where}: invalid YAML: {' '.join(str(problem).split())}")
+
+
+def _compose(text: str, source: str) -> yaml.Node | None:
+    try:
+        loader = _BoundedLoader(text, source)  # the reader refuses control characters right here
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc, source) from None
+    try:
+        return loader.get_single_node()
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc, source) from None
+    finally:
+        loader.dispose()
+
+
+def safe_yaml_load(text: str, source: str = "<map>") -> Any:
+    """Plain data from YAML text under the same bounds as maps (for map texts read back)."""
+    node = _compose(text, source)
+    if node is None:
+        return None
+    problems: list[tuple[Path_, str]] = []
+    data = _construct(yaml.SafeLoader(""), node, (), {}, problems, expand_env=False)
+    if problems:
+        raise MapError(_format(source, problems, {}))
+    return data
+
+
+def read_map_text(path: str | os.PathLike[str]) -> str:
+    """A map file's text: at most :data:`MAX_MAP_BYTES`, strict UTF-8; errors name file and byte."""
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            data = f.read(MAX_MAP_BYTES + 1)
+    except OSError as exc:
+        raise MapError(f"{p}: cannot read the map: {exc.strerror or exc}") from None
+    if len(data) > MAX_MAP_BYTES:
+        raise MapError(f"{p}: the map is larger than {MAX_MAP_BYTES // (1024 * 1024)} MiB; that is not a partition map")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise MapError(
+            f"{p}:{line}: the map is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset {exc.start} "
+            "cannot be decoded (save the file as UTF-8)"
+        ) from None
+
 
 # -- loading -------------------------------------------------------------------------------------
 
@@ -173,6 +358,8 @@ def _construct(
     path: Path_,
     lines: dict[Path_, int],
     problems: list[tuple[Path_, str]],
+    *,
+    expand_env: bool = True,
 ) -> Any:
     """Build plain Python data from a YAML node, recording the line of every path."""
     lines[path] = node.start_mark.line + 1
@@ -182,18 +369,22 @@ def _construct(
             key = str(key_node.value)
             if key in out:
                 problems.append((path + (key,), f"duplicate key {key!r}"))
-            out[key] = _construct(loader, value_node, path + (key,), lines, problems)
+            out[key] = _construct(loader, value_node, path + (key,), lines, problems, expand_env=expand_env)
             lines[path + (key,)] = key_node.start_mark.line + 1
         return out
     if isinstance(node, yaml.SequenceNode):
-        return [_construct(loader, item, path + (i,), lines, problems) for i, item in enumerate(node.value)]
+        return [_construct(loader, item, path + (i,), lines, problems, expand_env=expand_env) for i, item in enumerate(node.value)]
     if node.tag == "tag:yaml.org,2002:int" and ":" in str(node.value):
         # YAML 1.1 reads an unquoted 1:0:5 as a base-60 integer; keep the text so a GDID
         # written without quotes still parses as the GDID it looks like.
         value: Any = str(node.value)
     else:
-        value = loader.construct_object(node, deep=True)
-    if isinstance(value, str):
+        try:
+            value = loader.construct_object(node, deep=True)
+        except (yaml.YAMLError, ValueError) as exc:  # an unknown tag, an integer of 5,000 digits
+            problems.append((path, f"cannot read this value: {' '.join(str(getattr(exc, 'problem', None) or exc).split())}"))
+            return None
+    if isinstance(value, str) and expand_env:
 
         def expand(match: re.Match[str]) -> str:
             name = match.group(1)
@@ -207,24 +398,38 @@ def _construct(
 
 
 def _locate(text: str, source: str) -> tuple[_Located, list[tuple[Path_, str]]]:
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark is not None else source
-        problem = getattr(exc, "problem", None) or str(exc)
-        # The parser notices a missing bracket or quote only at the next token, often a line
-        # later; the construct it was reading when it failed points at the real culprit.
-        context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-        if context and context_mark is not None and (mark is None or context_mark.line != mark.line):
-            problem += f" ({context} at line {context_mark.line + 1}, column {context_mark.column + 1})"
-        raise MapError(f"{where}: invalid YAML: {problem}") from None
+    node = _compose(text, source)
     if node is None:
         raise MapError(f"{source}: the map is empty")
     lines: dict[Path_, int] = {}
     problems: list[tuple[Path_, str]] = []
     data = _construct(yaml.SafeLoader(""), node, (), lines, problems)
-    return _Located(data, lines), problems
+    return _Located(data, lines), _merged_env_problems(problems, lines)
+
+
+def _merged_env_problems(problems: list[tuple[Path_, str]], lines: Mapping[Path_, int]) -> list[tuple[Path_, str]]:
+    """One problem per missing environment variable, naming every line that uses it.
+
+    A password variable is typically used by every server URL: five identical problems on
+    one line say less than one that lists the lines.
+    """
+    out: list[tuple[Path_, str]] = []
+    uses: dict[str, list[Path_]] = {}
+    for path, message in problems:
+        m = re.fullmatch(r"environment variable (\S+) is not set", message)
+        if m is None:
+            out.append((path, message))
+            continue
+        if m.group(1) not in uses:
+            out.append((path, message))
+        uses.setdefault(m.group(1), []).append(path)
+    for i, (path, message) in enumerate(out):
+        m = re.fullmatch(r"environment variable (\S+) is not set", message)
+        if m is not None and len(uses[m.group(1)]) > 1:
+            others = sorted({str(_line_of(p, lines)) for p in uses[m.group(1)][1:]} - {str(_line_of(path, lines))}, key=int)
+            also = f" (also used on line{'s' if len(others) > 1 else ''} {', '.join(others)})" if others else ""
+            out[i] = (path, f"{message}{also}")
+    return out
 
 
 def _dotted(path: Path_) -> str:
@@ -241,12 +446,14 @@ def _line_of(path: Path_, lines: Mapping[Path_, int]) -> int | None:
     return None
 
 
-def _format(source: str, problems: list[tuple[Path_, str]], lines: Mapping[Path_, int]) -> str:
+def _format(source: str, problems: Sequence[tuple[Path_, str]], lines: Mapping[Path_, int]) -> str:
     parts = []
-    for path, message in problems:
+    for path, message in problems[:MAX_PROBLEMS_LISTED]:
         line = _line_of(path, lines)
         where = f"{source}:{line}" if line is not None else source
         parts.append(f"{where}: {_dotted(path)}: {message}")
+    if len(problems) > MAX_PROBLEMS_LISTED:
+        parts.append(f"... and {len(problems) - MAX_PROBLEMS_LISTED} more")
     return "; ".join(parts)
 
 
@@ -259,6 +466,8 @@ def _pydantic_problems(exc: ValidationError) -> list[tuple[Path_, str]]:
         elif err["type"] == "missing":
             problems.append((loc, "required key is missing"))
         elif err["type"] == "too_short" and loc and loc[-1] in ("shards", "partitions", "range_sets"):
+            if isinstance(err.get("input"), (list, tuple)) and err["input"]:
+                continue  # not empty: its items failed, and their own errors say why
             problems.append((loc, f"the {loc[-1]} list is empty"))
         else:
             msg = err["msg"]
@@ -272,8 +481,78 @@ def _pydantic_problems(exc: ValidationError) -> list[tuple[Path_, str]]:
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,62}$")
 
 
-def _semantic_problems(m: PartitionMap) -> list[tuple[Path_, str]]:
+_SUPPORTED_DRIVERS = {"sqlite": ("pysqlite",), "postgresql": ("psycopg",)}
+"""backend -> drivers mdb runs on: its BEGIN prelude needs psycopg 3 or sqlite3 (mdb.engines)."""
+_URL_EXAMPLES = "postgresql+psycopg://user@host/db, sqlite:///file.db or mongodb://host/db"
+
+
+def _url_problem(url: str) -> str | None:
+    """Why mdb cannot connect with ``url``, or None; loads the dialect and its driver module.
+
+    Caught here, a bad URL is one line naming the server and the map line; caught at connect
+    time it was a 65-line traceback from every command.
+    """
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    from mdb.engines import sqlalchemy_url  # late: mdb.engines builds on this module
+    from mdb.mongo.clients import is_mongo_url
+
+    shown = mask_url(url)
+    if is_mongo_url(url):
+        return _mongo_url_problem(url, shown)
+    try:
+        parsed = sqlalchemy_url(url)
+    except (ArgumentError, ValueError):
+        return f"{shown!r} is not a database URL (write e.g. {_URL_EXAMPLES})"
+    backend = parsed.get_backend_name()
+    if backend not in _SUPPORTED_DRIVERS:
+        return f"{shown}: mdb does not support {backend!r} servers (write e.g. {_URL_EXAMPLES})"
+    try:
+        dialect = parsed.get_dialect()
+    except NoSuchModuleError as exc:
+        return f"{shown}: cannot load the {parsed.drivername!r} dialect: {exc}"
+    if dialect.driver not in _SUPPORTED_DRIVERS[backend]:
+        wanted = ", ".join(f"{backend}+{d}" for d in _SUPPORTED_DRIVERS[backend])
+        return f"{shown}: mdb does not support the {dialect.driver!r} driver (use {wanted})"
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        return f"{shown}: cannot load the {dialect.driver!r} driver: {exc}"
+    return None
+
+
+def _mongo_url_problem(url: str, shown: str) -> str | None:
+    try:
+        from pymongo import uri_parser
+    except ImportError:
+        return f"{shown}: a MongoDB server needs pymongo, which is not installed"
+    if url.startswith("mongodb+srv://"):
+        return None  # parsing an SRV URL resolves DNS: too slow and too flaky for a file check
+    try:
+        uri_parser.parse_uri(url)
+    except Exception as exc:  # pymongo raises InvalidURI, ConfigurationError or ValueError; all mean "bad URL"
+        return f"{shown}: not a valid MongoDB URL: {mask_secrets(str(exc))}"
+    return None
+
+
+def _url_problems(m: PartitionMap) -> list[tuple[Path_, str]]:
     problems: list[tuple[Path_, str]] = []
+    checked: dict[str, str | None] = {}
+    for name, spec in m.servers.items():
+        for key in ("primary", "replica"):
+            url = getattr(spec, key)
+            if url is None:
+                continue
+            if url not in checked:
+                checked[url] = _url_problem(url)
+            problem = checked[url]
+            if problem is not None:
+                problems.append((("servers", name, key), f"server {name!r}: {problem}"))
+    return problems
+
+
+def _semantic_problems(m: PartitionMap) -> list[tuple[Path_, str]]:
+    problems: list[tuple[Path_, str]] = _url_problems(m)
     # Names end up in SQL literals, lock keys and file names: keep them to a safe alphabet.
     for kind, names in (("server", m.servers), ("area", m.areas)):
         for name in names:
@@ -340,15 +619,25 @@ def _semantic_problems(m: PartitionMap) -> list[tuple[Path_, str]]:
     return problems
 
 
-def parse_map(text: str, source: str = "<map>") -> PartitionMap:
-    """Parse and validate map text; ``source`` names the file in error messages."""
+_INTERNAL_FIELDS = ("source", "folder")
+
+
+def parse_map(text: str, source: str = "<map>", *, folder: str | os.PathLike[str] | None = None) -> PartitionMap:
+    """Parse and validate map text; ``source`` names the file in error messages.
+
+    ``folder`` is where relative SQLite paths point (the map file's folder); without it they
+    stay relative, i.e. to the current folder (:meth:`PartitionMap.resolved_in`).
+    """
+    if len(text) > MAX_MAP_BYTES:
+        raise MapError(f"{source}: the map is larger than {MAX_MAP_BYTES // (1024 * 1024)} MiB; that is not a partition map")
     located, problems = _locate(text, source)
     if problems:
         raise MapError(_format(source, problems, located.lines))
     if not isinstance(located.data, dict):
         raise MapError(f"{source}:1: the map must be a mapping with version, servers and areas")
-    if "source" in located.data:  # an internal field, not a key of the file format
-        raise MapError(_format(source, [(("source",), "unknown key 'source'")], located.lines))
+    internal = [key for key in _INTERNAL_FIELDS if key in located.data]  # fields, not keys of the format
+    if internal:
+        raise MapError(_format(source, [((key,), f"unknown key {key!r}") for key in internal], located.lines))
     try:
         m = PartitionMap.model_validate({**located.data, "source": source})
     except ValidationError as exc:
@@ -356,14 +645,13 @@ def parse_map(text: str, source: str = "<map>") -> PartitionMap:
     problems = _semantic_problems(m)
     if problems:
         raise MapError(_format(source, problems, located.lines))
-    return m
+    return m.resolved_in(folder)
 
 
 def load_map(path: str | os.PathLike[str]) -> PartitionMap:
-    """Load and validate a partition map file, expanding ``${NAME}`` from the environment."""
+    """Load and validate a partition map file, expanding ``${NAME}`` from the environment.
+
+    Relative SQLite paths resolve against the file's folder, not the current one.
+    """
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise MapError(f"{p}: cannot read the map: {exc.strerror or exc}") from None
-    return parse_map(text, str(p))
+    return parse_map(read_map_text(p), str(p), folder=p.parent)

@@ -73,7 +73,13 @@ class Store:
         return cls(load_map(path), map_path=path, **kwargs)
 
     def __repr__(self) -> str:
-        return f"Store(map_version={self.map.version}, servers={len(self.map.servers)}, types={[t.__name__ for t in self.types]})"
+        # The version this Store routes with and where that map came from (the file, or the
+        # map applied in CENTRAL); ``refreshed=False``: the first session will check CENTRAL.
+        pmap = self.map
+        return (
+            f"Store(map_version={pmap.version}, map_source={pmap.source!r}, refreshed={self._relocations_loaded}, "
+            f"servers={len(pmap.servers)}, types={[t.__name__ for t in self.types]})"
+        )
 
     # -- routing -----------------------------------------------------------------------------
 

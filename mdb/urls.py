@@ -1,7 +1,10 @@
 """Masking of secrets in connection URLs.
 
 Every place that shows a URL to a person (repr, logs, errors, CLI output) goes through
-:func:`mask_url`, so a password never leaves the process in text.
+:func:`mask_url`, so a password never leaves the process in text. Masking never depends on the
+URL being valid: a URL with an empty or misspelled scheme (``://u:pw@h/db``), or none at all
+(``u:pw@h``), is masked like a good one, because those are exactly the URLs that end up in
+error messages.
 """
 
 from __future__ import annotations
@@ -10,14 +13,18 @@ import re
 
 __all__ = ["mask_url", "mask_secrets"]
 
-_USERINFO = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.\-]*://[^:/@\s]*):(?P<secret>[^@\s]*)@")
+# In free text a URL is recognised by its "://"; the scheme before it may be missing or misspelled.
+_USERINFO = re.compile(r"(?P<head>(?:[a-zA-Z][a-zA-Z0-9+.\-]*)?://[^:/@\s]*):(?P<secret>[^@\s]*)@")
 _QUERY = re.compile(r"(?P<head>[?&](?:password|passwd|pwd|secret|token)=)(?P<secret>[^&\s]*)", re.I)
 MASK = "***"
 
 
-# One whole URL: the password runs to the '@' even across spaces, as SQLAlchemy parses it
-# (``postgresql://u:correct horse@h/db`` connects with the password "correct horse").
-_WHOLE_USERINFO = re.compile(r"^(?P<head>\s*[a-zA-Z][a-zA-Z0-9+.\-]*://[^:/@\s]*):(?P<secret>[^@]*)@")
+# One whole URL: after the first "://" (or from the start when there is none), the user runs
+# to the first ':' and the password to the next '@', even across spaces and '@' in the user,
+# as SQLAlchemy parses it (``postgresql://u:correct horse@h/db`` connects with the password
+# "correct horse"); no scheme is required.
+_SCHEME_END = "://"
+_WHOLE_USERINFO = re.compile(r"(?P<user>[^:/]*):(?P<secret>[^@]*)@")
 _WHOLE_QUERY = re.compile(r"(?P<head>[?&](?:password|passwd|pwd|secret|token)=)(?P<secret>[^&#]*)", re.I)
 
 
@@ -28,7 +35,10 @@ def _mask_embedded(text: str) -> str:
 
 def mask_url(url: str) -> str:
     """Replace the password of ``scheme://user:password@host`` (and password query args) with ***."""
-    masked = _WHOLE_USERINFO.sub(lambda m: f"{m['head']}:{MASK}@", url, count=1)
+    scheme_end = url.find(_SCHEME_END)
+    start = 0 if scheme_end < 0 else scheme_end + len(_SCHEME_END)
+    m = _WHOLE_USERINFO.match(url, start)
+    masked = url if m is None else f"{url[:start]}{m['user']}:{MASK}@{url[m.end():]}"
     masked = _WHOLE_QUERY.sub(lambda m: f"{m['head']}{MASK}", masked)
     return _mask_embedded(masked)
 

@@ -21,6 +21,7 @@ from mdb.cli import app, main
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "partition_maps" / "example.yaml"
+EXAMPLE_DATA = (REPO / "partition_maps").resolve() / "mdb-data"  # relative SQLite paths: next to the map
 MDB = Path(sys.executable).parent / "mdb"
 SECRET = "Sw0rdfish-9f7c"
 
@@ -104,7 +105,7 @@ def test_route_issue_must_show() -> None:
     assert data["shard_index"] == 2
     assert data["shard_count"] == 3
     assert data["server"] == "user-5"
-    assert data["url"] == "sqlite:///mdb-data/user-5.db"
+    assert data["url"] == f"sqlite:///{EXAMPLE_DATA}/user-5.db"
     assert data["map_version"] == 3
 
 
@@ -118,7 +119,7 @@ def test_route_archive_with_breakpoint() -> None:
 def test_route_table_explains_the_placement() -> None:
     result = runner.invoke(app, ["route", str(EXAMPLE), "user", "0:0:250001"])
     assert result.exit_code == 0
-    for expected in ("user-5", "0:0:250000", "sqlite:///mdb-data/user-5.db"):
+    for expected in ("user-5", "0:0:250000", f"sqlite:///{EXAMPLE_DATA}/user-5.db"):
         assert expected in result.stdout
 
 
@@ -180,7 +181,7 @@ def test_map_show_lists_servers_and_partitions() -> None:
     result = runner.invoke(app, ["map", "show", str(EXAMPLE)], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     out = result.stdout
-    for expected in ("central-a", "user-9", "sqlite:///mdb-data/user-7.db", "0:0:250000", "0:0:100050000", "user-3, user-4, user-5"):
+    for expected in ("central-a", "user-9", f"sqlite:///{EXAMPLE_DATA}/user-7.db", "0:0:250000", "0:0:100050000", "user-3, user-4, user-5"):
         assert expected in out
 
 
@@ -322,3 +323,21 @@ def test_console_script_signed_gdid_is_one_error_line() -> None:
     proc = run_mdb("gdid", "-1:0:0")
     assert proc.returncode == 2
     assert_one_error_line(proc.stderr)
+
+
+def test_map_show_and_check_json(secret_map: Path) -> None:
+    shown = runner.invoke(app, ["map", "show", str(secret_map), "--json"])
+    assert shown.exit_code == 0 and SECRET not in shown.stdout
+    data = json.loads(shown.stdout)
+    assert data["version"] == 7 and data["central"] == {"area": "central", "shards": ["central-a"]}
+    assert data["servers"]["user-1"]["replica"] == "postgresql+psycopg://ro:***@10.0.0.16/user_1?password=***"
+    assert data["partitions"] == [{"area": "user", "range_set": "0:0:0", "start": "0:0:0", "shards": ["user-1", "user-2"]}]
+    checked = invoke_json("map", "check", str(EXAMPLE), "--json")
+    assert checked == {"map": str(EXAMPLE), "ok": True, "version": 3, "servers": 10, "areas": 3, "partitions": 5}
+
+
+def test_map_check_counts_in_the_singular(tmp_path: Path) -> None:
+    path = tmp_path / "one.yaml"
+    path.write_text('version: 1\nservers:\n  c: {primary: "sqlite:///c.db"}\nareas:\n  central: {kind: central, shards: [c]}\n')
+    result = runner.invoke(app, ["map", "check", str(path)])
+    assert result.exit_code == 0 and "1 server, 1 area, 0 partitions" in result.stdout

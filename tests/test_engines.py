@@ -227,8 +227,9 @@ def test_update_keeps_unchanged_urls_and_disposes_removed(tmp_path: Path) -> Non
 
 
 def test_for_map(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)  # the example map's SQLite paths are relative
-    reg = EngineRegistry.for_map(load_map(EXAMPLE))
+    copy = tmp_path / "example.yaml"  # the example map's SQLite paths are relative: next to the map file
+    copy.write_text(EXAMPLE.read_text())
+    reg = EngineRegistry.for_map(load_map(copy))
     try:
         assert sorted(reg.server_names) == sorted(["central-a"] + [f"user-{i}" for i in range(1, 10)])
         assert reg.is_sqlite("user-1") and reg.backend("user-1") == "sqlite"

@@ -183,7 +183,7 @@ def test_cli_move_dry_run_where_status_and_move_back(cluster: Cluster) -> None:
     where = json.loads(run_cli(["where", str(cluster.path), "user", str(g), "--json"]).stdout)
     assert where["routed_to"] == home and where["relocation"] is None and where["holders"] == {home: 5}
     nobody = run_cli(["where", str(cluster.path), "user", "0:0:999999"])
-    assert nobody.returncode == 0 and "no server holds any row of this briefcase" in nobody.stdout, nobody.stdout
+    assert nobody.returncode == 1 and "no server holds any row of this briefcase" in nobody.stdout, nobody.stdout  # not found: exit 1
     bad = run_cli(["move", str(cluster.path), "user", str(g), "--to", "nope"])
     assert bad.returncode == 2 and "unknown server 'nope'" in bad.stderr
 

@@ -80,7 +80,8 @@ def test_good_map_loads(tmp_path: Path) -> None:
     assert m.version == 3
     assert m.central_area == "central"
     assert list(m.areas) == ["central", "user", "archive"]
-    assert m.servers["s2"].replica == "sqlite:///s2r.db"
+    # a relative SQLite path means "next to the map file", wherever mdb runs from
+    assert m.servers["s2"].replica == f"sqlite:///{(tmp_path / 's2r.db').resolve()}"
     assert m.servers["s1"].replica is None
     user = m.areas["user"]
     assert [p.start for p in user.partitions] == [GDID(0, 0, 0), GDID(0, 0, 1000)]

@@ -104,3 +104,22 @@ def test_mask_secrets_in_free_text() -> None:
 def test_mask_secrets_leaves_plain_text_alone() -> None:
     text = "unknown area 'orders' (map version 3 has: user, archive); mail ops@example.com"
     assert mask_secrets(text) == text
+
+
+@pytest.mark.parametrize(
+    "url, masked",
+    [
+        ("://postgres:hunter2@127.0.0.1:2/x", "://postgres:***@127.0.0.1:2/x"),  # empty scheme (issue 11, item 14)
+        ("postgresq l://postgres:hunter2@h/x", "postgresq l://postgres:***@h/x"),  # not a scheme SQLAlchemy parses
+        ("postgres:hunter2@h/x", "postgres:***@h/x"),  # no scheme at all
+        ("  postgresql://u:hunter2@h/x", "  postgresql://u:***@h/x"),
+        ("postgresql://u@corp:hunter2@h/x", "postgresql://u@corp:***@h/x"),  # SQLAlchemy's user may hold an '@'
+    ],
+)
+def test_mask_url_does_not_depend_on_parsing(url: str, masked: str) -> None:
+    assert mask_url(url) == masked and "hunter2" not in mask_url(url)
+
+
+def test_mask_secrets_masks_a_url_with_an_empty_scheme_in_free_text() -> None:
+    text = "server 'c': '://postgres:hunter2@127.0.0.1:2/x' is not a database URL"
+    assert mask_secrets(text) == "server 'c': '://postgres:***@127.0.0.1:2/x' is not a database URL"

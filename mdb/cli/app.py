@@ -1,27 +1,78 @@
 """The typer application and the few helpers every command module shares.
 
-Command modules (one per topic) register on :data:`app` or one of its groups; ``main`` turns
-every error mdb raises on purpose into one clear line on stderr and exit code 2, so operators
-and scripts never see a traceback for bad input or a server that is down.
+Command modules (one per topic) register on :data:`app` or one of its groups. Three things
+live here so that every command behaves alike:
+
+* **One truth about the map.** :func:`open_store` and :func:`open_map` are the only ways a
+  command reads a map: the file, through the one hostile-input-safe loader, then the newest
+  map ``mdb map apply`` recorded in CENTRAL when that is newer (what ``Store.refresh`` adopts),
+  with one note on stderr when the file is older. Before, the CLI routed with the file while
+  every Store routed with CENTRAL's map, so ``mdb route`` and ``mdb where`` named different
+  servers after an apply.
+* **Exit codes** (:func:`exit_code`, docs/cli.md): 0 done; 1 "not found" / "problems found";
+  2 bad input or a refused operation; 3 a server is unavailable; 4 aborted safely, retry later.
+* **One error line.** ``main`` turns every error mdb raises on purpose into one masked
+  ``error:`` line on stderr, so operators and scripts never see a traceback.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
-from typing import Any, NoReturn
+import threading
+from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version as package_version
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
+from sqlalchemy.exc import DBAPIError
 from typer import Abort
 from typer._click.exceptions import ClickException
-from typer.core import TyperGroup
+from typer.core import TyperArgument, TyperCommand, TyperGroup
+from typer.models import DefaultPlaceholder
 
-from mdb.errors import MdbError
+from mdb.errors import MdbError, RetryableError, ServerUnavailableError
 from mdb.partition_map import PartitionMap, load_map
+from mdb.store import Store
 from mdb.urls import mask_secrets
 
-__all__ = ["app", "console", "err_console", "emit_json", "fail", "main", "map_app", "open_map"]
+__all__ = [
+    "EXIT_NOT_FOUND",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "EXIT_RETRY",
+    "EXIT_UNAVAILABLE",
+    "app",
+    "console",
+    "emit_json",
+    "err_console",
+    "exit_code",
+    "fail",
+    "main",
+    "map_app",
+    "open_map",
+    "open_store",
+    "read_map_file",
+    "use_house_style",
+    "warn",
+]
+
+EXIT_OK = 0
+EXIT_NOT_FOUND = 1
+"""The command ran; the answer is "not found" or "problems found"."""
+EXIT_REFUSED = 2
+"""Bad input, or an operation mdb refuses (any non-retryable MdbError)."""
+EXIT_UNAVAILABLE = 3
+"""A server could not be reached."""
+EXIT_RETRY = 4
+"""Aborted safely (nothing half-done); running the same command later may succeed."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C, by the shell's convention (128 + SIGINT)."""
+
+CENTRAL_WAIT_SECONDS = 10.0
+"""How long a command that needs no database waits for CENTRAL before using the file."""
 
 # Piped into a file or a pager, rich would squeeze tables into 80 columns and cut GDIDs and
 # emails short; a wide fixed width keeps every cell whole there (a terminal keeps its own width).
@@ -31,7 +82,44 @@ console = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty(
 err_console = Console(stderr=True, highlight=False, emoji=False)
 
 
-class DefaultCommandGroup(TyperGroup):
+# -- help text: usage "mdb route MAP AREA GDID", flags without a "<bool>" type -------------------
+
+
+def _usage_pieces(command: Any, ctx: Any) -> list[str]:
+    """``[OPTIONS] MAP AREA GDID``: typer 0.29 would print ``{MAP} {area} {gdid}``."""
+    pieces: list[str] = [command.options_metavar] if command.options_metavar else []
+    for param in command.get_params(ctx):
+        if isinstance(param, TyperArgument):
+            name = (param.metavar or param.name or "ARG").upper()
+            name = name if param.required else f"[{name}]"
+            pieces.append(name + ("..." if param.nargs != 1 else ""))
+        else:
+            pieces.extend(param.get_usage_pieces(ctx))
+    return pieces
+
+
+class _HouseStyle:
+    """Help-text fixes shared by commands and groups."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        params: list[Any] = super().get_params(ctx)  # type: ignore[misc]
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""  # a flag takes no value: no "<bool>" after it
+        return params
+
+
+class MdbCommand(_HouseStyle, TyperCommand):
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return _usage_pieces(self, ctx)
+
+
+class MdbGroup(_HouseStyle, TyperGroup):
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [*_usage_pieces(self, ctx), self.subcommand_metavar or "COMMAND [ARGS]..."]
+
+
+class DefaultCommandGroup(MdbGroup):
     """A group whose unknown first word is handed to a default subcommand (``mdb gdid VALUE``)."""
 
     default_command = "show"
@@ -42,48 +130,186 @@ class DefaultCommandGroup(TyperGroup):
         return super().resolve_command(ctx, args)
 
 
+def use_house_style(typer_app: typer.Typer) -> None:
+    """Give every command and group registered so far that did not choose a class ours."""
+    for command in typer_app.registered_commands:
+        if command.cls in (None, TyperCommand) or isinstance(command.cls, DefaultPlaceholder):
+            command.cls = MdbCommand
+    for group in typer_app.registered_groups:
+        sub = group.typer_instance
+        if sub is None:
+            continue
+        chosen = [c for c in (group.cls, sub.info.cls) if c not in (None, TyperGroup) and not isinstance(c, DefaultPlaceholder)]
+        if not chosen:
+            group.cls = MdbGroup
+        use_house_style(sub)
+
+
 app = typer.Typer(
     name="mdb",
+    cls=MdbGroup,
     help="mdb: briefcases of relational data routed over many database servers.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-map_app = typer.Typer(help="Check, show, diff and apply partition maps.", no_args_is_help=True)
+map_app = typer.Typer(cls=MdbGroup, help="Check, show, pull, diff and apply partition maps.", no_args_is_help=True)
 app.add_typer(map_app, name="map")
 
 
+def _version() -> str:
+    try:
+        return package_version("mdb")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        console.print(f"mdb {_version()}", markup=False)
+        raise typer.Exit(EXIT_OK)
+
+
+@app.callback()
+def _root(
+    show_version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print mdb's version and exit.")
+    ] = False,
+) -> None:
+    """mdb: briefcases of relational data routed over many database servers."""
+
+
+# -- output helpers ------------------------------------------------------------------------------
+
+
 def fail(message: str) -> NoReturn:
+    """Bad input: one error line, exit 2."""
     _error_line(message)
-    raise typer.Exit(2)
+    raise typer.Exit(EXIT_REFUSED)
+
+
+def warn(message: str) -> None:
+    """One masked ``note:`` line on stderr (never on stdout, which scripts parse)."""
+    err_console.print(f"note: {mask_secrets(_one_line(message))}", markup=False, soft_wrap=True)
 
 
 def emit_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
-def open_map(path: str) -> PartitionMap:
-    return load_map(path)
+def _one_line(message: str) -> str:
+    return re.sub(r"\s*[\r\n]+\s*", " ", message).strip()
 
 
 def _error_line(message: str) -> None:
-    err_console.print(f"error: {mask_secrets(message)}", markup=False, soft_wrap=True)
+    err_console.print(f"error: {mask_secrets(_one_line(message))}", markup=False, soft_wrap=True)
+
+
+# -- one truth about the map ---------------------------------------------------------------------
+
+
+def read_map_file(path: str) -> PartitionMap:
+    """The map file exactly as written (validated): for ``map check`` and a NEW map to apply."""
+    return load_map(path)
+
+
+def _newest_map(pmap: PartitionMap, map_path: str) -> PartitionMap:
+    """``pmap``, or the newer map applied in CENTRAL: what ``Store.refresh`` adopts."""
+    from mdb.map_edit import load_applied_map  # late: map_edit builds on mdb.schema and the Store
+
+    probe = Store(pmap, types=[], map_path=map_path)
+    try:
+        applied = load_applied_map(probe, pmap)
+    finally:
+        probe.close()
+    if applied is None:
+        return pmap
+    warn(f"map file {map_path} is v{pmap.version}; the system runs v{applied.version} "
+         f"(`mdb map pull {map_path} -o {map_path}` updates it)")
+    return applied
+
+
+T = TypeVar("T")
+
+
+def _within(seconds: float, work: Callable[[], T]) -> T:
+    """``work()``, or TimeoutError after ``seconds``: a CENTRAL that drops packets must not hang
+    a command that can answer from the file. The worker is a daemon thread, left to finish."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as exc:  # handed to the caller below, never dropped
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run, name="mdb-central-probe", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise TimeoutError(f"CENTRAL did not answer within {seconds:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    value: T = outcome["value"]
+    return value
+
+
+def open_map(map_path: str) -> PartitionMap:
+    """The map the system runs, for commands that need no database (``route``, ``map show``).
+
+    The newest applied map when CENTRAL answers; when it does not (down, unreachable, slower
+    than :data:`CENTRAL_WAIT_SECONDS`), the file, with a note saying so.
+    """
+    pmap = load_map(map_path)
+    try:
+        return _within(CENTRAL_WAIT_SECONDS, lambda: _newest_map(pmap, map_path))
+    except (MdbError, DBAPIError, TimeoutError) as exc:
+        warn(f"cannot read the applied map from CENTRAL ({exc}); using map file {map_path} v{pmap.version} as written")
+        return pmap
+
+
+def open_store(map_path: str, models: Sequence[str] | None = None, **kwargs: Any) -> Store:
+    """A Store on the map the system runs, for every command that talks to the servers.
+
+    Imports the map's ``models:`` and ``models`` (so briefcase types register) unless
+    ``types`` is given. A CENTRAL that cannot be reached is an error here (exit 3).
+    """
+    pmap = _newest_map(load_map(map_path), map_path)
+    if "types" not in kwargs:
+        from mdb.briefcase import registered_types
+        from mdb.cli.schema_cmd import import_models  # late: schema_cmd registers on this app
+
+        import_models([*pmap.models, *(models or [])])
+        kwargs["types"] = registered_types()
+    return Store(pmap, map_path=map_path, **kwargs)
+
+
+# -- running -------------------------------------------------------------------------------------
+
+
+def exit_code(exc: MdbError) -> int:
+    """The exit code of an error mdb raised on purpose (docs/cli.md)."""
+    if isinstance(exc, ServerUnavailableError):
+        return EXIT_UNAVAILABLE
+    if isinstance(exc, RetryableError):
+        return EXIT_RETRY
+    return EXIT_REFUSED
 
 
 def main() -> None:
-    """Run the CLI: bad input and unreachable servers end in one ``error:`` line and exit 2."""
+    """Run the CLI: every error mdb raises on purpose ends in one ``error:`` line and its exit code."""
     try:
         code = app(standalone_mode=False)
     except MdbError as exc:
         _error_line(str(exc))
-        sys.exit(2)
+        sys.exit(exit_code(exc))
     except ClickException as exc:
         message = exc.format_message()
         if message:  # an empty one is "no arguments": the help text was already shown
             ctx = getattr(exc, "ctx", None)
             _error_line(message + (f" (see: {ctx.command_path} --help)" if ctx is not None else ""))
-        sys.exit(2)
+        sys.exit(EXIT_REFUSED)
     except Abort:
         _error_line("aborted")
-        sys.exit(1)
-    sys.exit(code if isinstance(code, int) else 0)
+        sys.exit(EXIT_INTERRUPTED)
+    sys.exit(code if isinstance(code, int) else EXIT_OK)

@@ -13,11 +13,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from mdb.briefcase import registered_types
 from mdb.central.indexes import CentralIndex, index_by_name, registered_indexes
 from mdb.central.reconcile import CheckReport, check, repair
-from mdb.cli.app import app, console, emit_json, fail, open_map
-from mdb.cli.schema_cmd import import_models
+from mdb.cli.app import app, console, emit_json, fail, open_store
 from mdb.store import Store
 
 __all__ = ["central_app"]
@@ -41,9 +39,7 @@ GraceOpt = Annotated[
 
 
 def _open(map_path: str, models: list[str] | None) -> Store:
-    pmap = open_map(map_path)
-    import_models([*pmap.models, *(models or [])])
-    return Store(pmap, types=registered_types(), map_path=map_path)
+    return open_store(map_path, models)
 
 
 def _indexes(store: Store, names: list[str] | None) -> list[type[CentralIndex]]:

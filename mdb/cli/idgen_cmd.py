@@ -11,11 +11,10 @@ from typing import Annotated
 
 import typer
 
-from mdb.cli.app import emit_json, fail, open_map
+from mdb.cli.app import emit_json, fail, open_store
 from mdb.cli.inspect import gdid_app
 from mdb.idgen import AUTHORITY_ENV, GdidGenerator, sequence_key
 from mdb.router import Router
-from mdb.store import Store
 
 __all__ = ["gdid_next"]
 
@@ -37,9 +36,8 @@ def gdid_next(
     if not 1 <= count <= MAX_COUNT:
         fail(f"--count must be in 1..{MAX_COUNT}, got {count}")
     key = sequence_key(scope, sequence)
-    pmap = open_map(map_path)
-    server = Router(pmap).locate_central(key).server
-    store = Store(pmap, types=[], map_path=map_path)
+    store = open_store(map_path, types=[])
+    server = Router(store.map).locate_central(key).server
     try:
         gen = GdidGenerator.for_store(
             store, scope, sequence, authority=authority, block_size=count, max_block_size=count, prefetch=False

@@ -1,14 +1,21 @@
-"""Read-only commands: show a GDID, explain a route, check and show a map."""
+"""Read-only commands: show a GDID, explain a route, check and show a map.
+
+``route``, ``central-shard`` and ``map show`` need no database, but they answer for the map the
+system runs (:func:`mdb.cli.app.open_map`): the newest applied map when CENTRAL answers, the
+file with a note when it does not. ``map check`` checks the file itself.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from mdb.cli.app import app, console, emit_json, map_app, open_map, DefaultCommandGroup
+from mdb.cli.app import DefaultCommandGroup, app, console, emit_json, map_app, open_map, read_map_file
 from mdb.gdid import GDID
+from mdb.partition_map import PartitionMap
 from mdb.router import Router
 
 gdid_app = typer.Typer(
@@ -43,7 +50,7 @@ def route(
     gdid: str,
     as_json: JsonFlag = False,
 ) -> None:
-    """Explain where the map places a GDID of an area (range set, partition, shard, server)."""
+    """Explain where the map the system runs places a GDID of an area (range set, partition, shard, server)."""
     pmap = open_map(map_path)
     router = Router(pmap)
     p = router.locate(area, GDID.parse(gdid))
@@ -60,7 +67,7 @@ def route(
         return
     table = Table(show_header=False, box=None)
     for k, v in data.items():
-        table.add_row(k, "-" if v is None else str(v))
+        table.add_row(k, "-" if v is None else escape(str(v)))
     console.print(table)
 
 
@@ -80,40 +87,63 @@ def central_shard(
         return
     table = Table(show_header=False, box=None)
     for k, v in data.items():
-        table.add_row(k, str(v))
+        table.add_row(k, escape(str(v)))
     console.print(table)
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 @map_app.command("check")
-def map_check(map_path: Annotated[str, typer.Argument(metavar="MAP")]) -> None:
-    """Validate a map; prints a one-line summary or the problem with file and line."""
-    pmap = open_map(map_path)
+def map_check(map_path: Annotated[str, typer.Argument(metavar="MAP")], as_json: JsonFlag = False) -> None:
+    """Validate a map file (every server's URL and driver included); a one-line summary, or the problems with file and line."""
+    pmap = read_map_file(map_path)
     router = Router(pmap)
     partitions = sum(1 for a in router.area_names() for _ in router.partitions(a))
-    console.print(f"{map_path}: ok: version {pmap.version}, {len(pmap.servers)} servers, "
-                  f"{len(pmap.areas)} areas, {partitions} partitions")
+    if as_json:
+        emit_json({"map": map_path, "ok": True, "version": pmap.version, "servers": len(pmap.servers),
+                   "areas": len(pmap.areas), "partitions": partitions})
+        return
+    console.print(f"{map_path}: ok: version {pmap.version}, {_count(len(pmap.servers), 'server')}, "
+                  f"{_count(len(pmap.areas), 'area')}, {_count(partitions, 'partition')}", markup=False)
+
+
+def _partition_rows(pmap: PartitionMap) -> list[dict[str, Any]]:
+    rows = []
+    for area in Router(pmap).area_names():
+        for rs in pmap.areas[area].effective_range_sets():
+            base = rs.breakpoint.sharding_value
+            for part in rs.partitions:
+                start = GDID.from_sharding_value(base + part.start.sharding_value)
+                rows.append({"area": area, "range_set": str(rs.breakpoint), "start": str(start), "shards": list(part.shards)})
+    return rows
 
 
 @map_app.command("show")
-def map_show(map_path: Annotated[str, typer.Argument(metavar="MAP")]) -> None:
-    """Show a map as tables: servers (masked URLs) and every partition's shards."""
+def map_show(map_path: Annotated[str, typer.Argument(metavar="MAP")], as_json: JsonFlag = False) -> None:
+    """Show the map the system runs: servers (masked URLs) and every partition's shards."""
     pmap = open_map(map_path)
     router = Router(pmap)
+    if as_json:
+        emit_json({
+            "version": pmap.version,
+            "servers": {name: {"primary": spec.masked_primary, "replica": spec.masked_replica} for name, spec in pmap.servers.items()},
+            "central": {"area": pmap.central_area, "shards": list(router.central_servers())},
+            "partitions": _partition_rows(pmap),
+        })
+        return
     servers = Table(title=f"servers (map version {pmap.version})")
     servers.add_column("server")
     servers.add_column("primary")
     servers.add_column("replica")
     for name, spec in pmap.servers.items():
-        servers.add_row(name, spec.masked_primary, spec.masked_replica or "-")
+        servers.add_row(escape(name), escape(spec.masked_primary), escape(spec.masked_replica or "-"))
     console.print(servers)
     areas = Table(title="areas")
     for col in ("area", "range set", "partition start", "shards"):
         areas.add_column(col)
     areas.add_row(pmap.central_area, "-", "(central, FNV-1a-64)", ", ".join(router.central_servers()))
-    for area in router.area_names():
-        for rs in pmap.areas[area].effective_range_sets():
-            base = rs.breakpoint.sharding_value
-            for part in rs.partitions:
-                start = GDID.from_sharding_value(base + part.start.sharding_value)
-                areas.add_row(area, str(rs.breakpoint), str(start), ", ".join(part.shards))
+    for row in _partition_rows(pmap):
+        areas.add_row(row["area"], row["range_set"], row["start"], ", ".join(row["shards"]))
     console.print(areas)

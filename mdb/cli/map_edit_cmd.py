@@ -1,14 +1,16 @@
-"""``mdb map diff``, ``mdb map apply`` and ``mdb map history``: safe map edits (invariant 4).
+"""``mdb map diff``, ``apply``, ``history`` and ``pull``: safe map edits (invariant 4).
 
 ``diff`` is offline by default: without a high-water mark nothing new can be shown to be safe,
 so new partitions are refused until the mark comes from ``--high-water AREA=GDID`` or from the
 live servers of OLD (``--live``). ``apply MAP NEW`` reaches the system through MAP (any map
 version that names the CENTRAL servers; the old side of the diff is the newest map applied in
-CENTRAL, or MAP itself when none was applied yet) and stamps NEW onto the shards.
+CENTRAL, or MAP itself when none was applied yet) and stamps NEW onto the shards. ``pull MAP``
+writes the newest applied map's text, so the file can catch up with the system.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -16,16 +18,14 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from mdb.briefcase import registered_types
-from mdb.cli.app import console, emit_json, fail, map_app, open_map
-from mdb.cli.schema_cmd import import_models
+from mdb.cli.app import EXIT_NOT_FOUND, EXIT_REFUSED, console, emit_json, fail, map_app, open_map, open_store, read_map_file
 from mdb.errors import GDIDError
 from mdb.gdid import GDID
-from mdb.map_edit import ApplyReport, MapDiff, applied_maps, apply_map, diff_maps, high_water_marks, live_diff
-from mdb.partition_map import PartitionMap
+from mdb.map_edit import ApplyReport, MapDiff, applied_maps, apply_map, diff_maps, high_water_marks, live_diff, newest_applied
+from mdb.partition_map import PartitionMap, read_map_text
 from mdb.store import Store
 
-__all__ = ["map_apply", "map_diff", "map_history"]
+__all__ = ["map_apply", "map_diff", "map_history", "map_pull"]
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 ModelsOpt = Annotated[
@@ -51,9 +51,19 @@ def _area_gdid(text: str, option: str) -> tuple[str, GDID]:
         fail(f"{option} {text!r}: {exc}")
 
 
-def _open_store(pmap: PartitionMap, path: str, models: list[str] | None) -> Store:
-    import_models([*pmap.models, *(models or [])])
-    return Store(pmap, types=registered_types(), map_path=path)
+def _open_store(path: str, models: list[str] | None) -> Store:
+    return open_store(path, models)
+
+
+def _high_water(texts: list[str] | None, old: PartitionMap) -> dict[str, GDID]:
+    """``--high-water AREA=GDID`` options; an area OLD does not partition is a typo, refused."""
+    marks = dict(_area_gdid(h, "--high-water") for h in texts or [])
+    areas = [name for name, spec in old.areas.items() if spec.kind != "central"]
+    for area in marks:
+        if area not in areas:
+            fail(f"--high-water {area}=...: map version {old.version} has no partitioned area {area!r} "
+                 f"(it has: {', '.join(areas) or 'none'})")
+    return marks
 
 
 def print_diff(diff: MapDiff) -> None:
@@ -87,17 +97,20 @@ def map_diff(
     as_json: JsonFlag = False,
 ) -> None:
     """List every change from OLD to NEW, accepted or refused with the reason; exit 2 if any is refused."""
-    old, new = open_map(old_path), open_map(new_path)
+    new = read_map_file(new_path)
     marks: dict[str, GDID] = {}
     relocated_to: set[str] = set()
     if live:
-        store = _open_store(old, old_path, models)
+        store = _open_store(old_path, models)
         try:
+            old = store.map
             marks.update(high_water_marks(store, margin=margin))
             relocated_to = set(store.router.relocations.values())
         finally:
             store.close()
-    marks.update(dict(_area_gdid(h, "--high-water") for h in high_water or []))
+    else:
+        old = open_map(old_path)
+    marks.update(_high_water(high_water, old))
     reshard = None if allow_reshard is None else _area_gdid(allow_reshard, "--allow-reshard")
     diff = diff_maps(old, new, marks, allow_reshard_of=reshard, relocated_to=relocated_to)
     if as_json:
@@ -105,7 +118,7 @@ def map_diff(
     else:
         print_diff(diff)
     if not diff.ok:
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_REFUSED)
 
 
 def _print_apply(report: ApplyReport) -> None:
@@ -132,11 +145,10 @@ def map_apply(
     as_json: JsonFlag = False,
 ) -> None:
     """Check NEW against the live system and stamp it onto every shard; the only way a map change is applied."""
-    current = open_map(map_path)
-    new = open_map(new_path)
-    text = Path(new_path).read_text(encoding="utf-8")
+    new = read_map_file(new_path)
+    text = read_map_text(new_path)
     reshard = None if allow_reshard is None else _area_gdid(allow_reshard, "--allow-reshard")
-    store = _open_store(current, map_path, models)
+    store = _open_store(map_path, models)
     try:
         check = live_diff(store, new, allow_reshard_of=reshard, margin=margin)
         if not check.ok:
@@ -144,7 +156,7 @@ def map_apply(
                 emit_json(check.to_json())
             else:
                 print_diff(check)
-            raise typer.Exit(2)
+            raise typer.Exit(EXIT_REFUSED)
         if dry_run:
             dry = apply_map(store, new, yaml_text=text, allow_reshard_of=reshard, margin=margin, dry_run=True)
             if as_json:
@@ -166,8 +178,7 @@ def map_apply(
 @map_app.command("history")
 def map_history(map_path: Annotated[str, typer.Argument(metavar="MAP")], as_json: JsonFlag = False) -> None:
     """List the map versions applied in CENTRAL."""
-    pmap = open_map(map_path)
-    store = Store(pmap, types=[], map_path=map_path)
+    store = open_store(map_path, types=[])
     try:
         rows = applied_maps(store)
     finally:
@@ -184,3 +195,28 @@ def map_history(map_path: Annotated[str, typer.Argument(metavar="MAP")], as_json
     for v, t in rows:
         table.add_row(str(v), "-" if t is None else t.isoformat())
     console.print(table)
+
+
+@map_app.command("pull")
+def map_pull(
+    map_path: Annotated[str, typer.Argument(metavar="MAP", help="a map that reaches the system (its CENTRAL servers)")],
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", metavar="FILE", help="write the map here (MAP itself to update it); default: stdout")
+    ] = None,
+) -> None:
+    """Print (or write to FILE) the newest applied map, as written (${NAME} not expanded). Exit 1 if none was applied."""
+    store = open_store(map_path, types=[])
+    try:
+        applied = newest_applied(store)
+    finally:
+        store.close()
+    if applied is None:
+        console.print(f"no map has been applied with `mdb map apply` yet: {map_path} is the system's map", markup=False)
+        raise typer.Exit(EXIT_NOT_FOUND)
+    if output is None:
+        sys.stdout.write(applied.yaml if applied.yaml.endswith("\n") else applied.yaml + "\n")
+        return
+    tmp = output.with_name(output.name + ".tmp")
+    tmp.write_text(applied.yaml, encoding="utf-8")
+    tmp.replace(output)  # atomic: a Store re-reading the file never sees half of it
+    console.print(f"wrote map version {applied.version} (applied {applied.applied_at or '-'}) to {output}", markup=False)

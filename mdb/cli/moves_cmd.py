@@ -16,8 +16,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from mdb.cli.app import app, console, emit_json, fail, open_map
-from mdb.cli.schema_cmd import import_models
+from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, fail, open_store
 from mdb.gdid import GDID
 from mdb.moves.protocol import DEFAULT_MAX_PAUSE, MoveAbortedError, move_briefcase
 from mdb.moves.resume import FAILED, resume_all
@@ -34,9 +33,7 @@ BIG_MOVE_ROWS = 10_000
 
 
 def _store(map_path: str) -> Store:
-    pmap = open_map(map_path)
-    import_models(list(pmap.models))
-    return Store(pmap, map_path=map_path)
+    return open_store(map_path)
 
 
 def _gdid(text: str) -> GDID:
@@ -120,6 +117,8 @@ def where_cmd(
         found = where(store, area, _gdid(gdid))
     if as_json:
         emit_json(found.to_json())
+        if not found.holders:
+            raise typer.Exit(EXIT_NOT_FOUND)  # like `central lookup` of an absent key (docs/cli.md)
         return
     console.print(f"{area}/{found.gdid}: routed to {found.routed_to} (default {found.default_server}, relocation: {found.relocation or '-'})", markup=False)
     for server, rows in found.holders.items():
@@ -137,6 +136,8 @@ def where_cmd(
         console.print("  no move in flight", markup=False)
     if not found.consistent:
         console.print("  WARNING: the holders disagree with routing; run `mdb moves resume MAP`", markup=False)
+    if not found.holders:
+        raise typer.Exit(EXIT_NOT_FOUND)
 
 
 def _ago(when: datetime | None) -> str:

@@ -19,10 +19,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from mdb.briefcase import registered_types
-from mdb.cli.app import app, console, emit_json, fail, open_map
+from mdb.cli.app import app, console, emit_json, fail, open_store
 from mdb.schema import ShardReport, apply_schema, check_schema
-from mdb.store import Store
 from mdb.urls import mask_secrets
 
 __all__ = ["import_models", "schema_app"]
@@ -116,9 +114,8 @@ def schema_apply(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Create tables on every shard and stamp new shard layouts; idempotent. Exit 1 if a shard failed or drifted."""
-    pmap = open_map(map_path)
-    import_models([*pmap.models, *(models or [])])
-    store = Store(pmap, types=registered_types(), map_path=map_path)
+    store = open_store(map_path, models)
+    pmap = store.map
     try:
         reports = apply_schema(store)
     finally:
@@ -160,9 +157,8 @@ def schema_check(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Compare every shard's tables with the models, changing nothing. Exit 1 on drift or a failed shard."""
-    pmap = open_map(map_path)
-    import_models([*pmap.models, *(models or [])])
-    store = Store(pmap, types=registered_types(), map_path=map_path)
+    store = open_store(map_path, models)
+    pmap = store.map
     try:
         reports = check_schema(store)
     finally:

@@ -17,9 +17,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from mdb.briefcase import registered_types
-from mdb.cli.app import app, console, emit_json, fail, open_map
-from mdb.cli.schema_cmd import import_models
+from mdb.cli.app import app, console, emit_json, fail, open_store
 from mdb.stats.event_log import EventLog, SnapshotResult, registered_logs, run_snapshots
 from mdb.store import Store
 
@@ -56,11 +54,11 @@ def snapshot(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Fold new events into incremental snapshots, for every stream of AREA (or of CENTRAL)."""
-    pmap = open_map(map_path)
-    import_models([*pmap.models, *(models or [])])
+    store = open_store(map_path, models)
+    pmap = store.map
     if where != "central" and where not in {name for name, area in pmap.areas.items() if area.kind != "central"}:
+        store.close()
         fail(f"{where!r} is not an area of {map_path} (areas: {', '.join(sorted(pmap.areas))})")
-    store = Store(pmap, types=registered_types(), map_path=map_path)
     results: list[tuple[EventLog, SnapshotResult]] = []
     try:
         for log in _logs_for(store, where, log_name):
