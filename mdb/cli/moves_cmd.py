@@ -6,7 +6,6 @@ known, and talks to the live system; errors mdb raises on purpose end as one ``e
 
 from __future__ import annotations
 
-import threading
 import time
 from datetime import datetime, timezone
 from typing import Annotated, Any
@@ -19,7 +18,9 @@ from rich.table import Table
 from mdb.cli.app import app, console, emit_json, fail, open_map
 from mdb.cli.schema_cmd import import_models
 from mdb.gdid import GDID
-from mdb.moves.protocol import DEFAULT_MAX_PAUSE, MoveAbortedError, move_briefcase
+from mdb.moves.plan import PlannedMove
+from mdb.moves.protocol import DEFAULT_MAX_PAUSE, move_briefcase
+from mdb.moves.reshard import ReshardCounts
 from mdb.moves.resume import FAILED, resume_all
 from mdb.moves.status import move_status, where
 from mdb.store import Store
@@ -85,14 +86,17 @@ def move_cmd(
 
                 progress.start()
         try:
+            # A MoveAbortedError (verification, --max-pause) is retryable: main() ends it with
+            # exit 4, "aborted safely, retry later" (docs/cli.md), not 2, the code for bad input.
             result = move_briefcase(store, area, gid, to, dry_run=dry_run, max_pause=max_pause, on_table=on_table)
-        except MoveAbortedError as exc:
-            fail(str(exc))
         finally:
             if progress is not None:
                 progress.stop()
     if as_json:
         emit_json(result.to_json())
+        return
+    if result.status == "already-there":
+        console.print(f"{area}/{gid} already lives on {result.target}; nothing to do", markup=False)
         return
     table = Table(title=f"{'would move' if dry_run else 'moved'} {area}/{gid}: {result.source} -> {result.target}")
     table.add_column("table")
@@ -102,9 +106,7 @@ def move_cmd(
         table.add_row(escape(name), str(rows), _size(nbytes))
     table.add_row("total", str(result.rows), _size(result.bytes))
     console.print(table)
-    if result.status == "already-there":
-        console.print(f"{area}/{gid} already lives on {result.target}; nothing to do", markup=False)
-    elif result.status == "done":
+    if result.status == "done":
         console.print(f"done: move {result.move_id}, write pause {result.pause_seconds * 1000:.0f} ms", markup=False)
 
 
@@ -228,27 +230,35 @@ def reshard_cmd(
     if as_json:
         emit_json(outcome.to_json())
         return
-    table = Table(title=f"reshard {area} partition {plan.partition_start}: {','.join(plan.old_shards)} -> {','.join(plan.new_shards)}")
+    planned = "would move" if dry_run else "planned at the start"
+    table = Table(title=f"reshard {area} partition {plan.partition_start}: {','.join(plan.old_shards)} -> {','.join(plan.new_shards)} ({planned})")
     for column in ("source", "target", "briefcases", "rows"):
         table.add_column(column, justify="right" if column in ("briefcases", "rows") else "left")
     for (src, dst), (n, rows) in sorted(plan.pairs().items()):
         table.add_row(escape(src), escape(dst), str(n), str(rows))
     console.print(table)
-    console.print(f"{len(plan.moves)} of {plan.briefcases_in_partition} briefcases {'would move' if dry_run else 'moved'}; rows per table: "
-                  + ", ".join(f"{k} {v}" for k, v in plan.rows_per_table().items()), markup=False)
-    if not dry_run:
-        console.print(f"done: reshard {outcome.reshard_id}, map version {outcome.map_version}", markup=False)
+    if dry_run:
+        console.print(f"{len(plan.moves)} of {plan.briefcases_in_partition} briefcases would move; rows per table: "
+                      + ", ".join(f"{k} {v}" for k, v in plan.rows_per_table().items()), markup=False)
+        return
+    # The table above is the plan made at the start; briefcases created meanwhile were planned
+    # again and moved too, so the final figures come from the journal, like the bars and status.
+    console.print(f"moved {outcome.moved} briefcases ({outcome.rows_moved} rows); "
+                  f"done: reshard {outcome.reshard_id}, map version {outcome.map_version}", markup=False)
 
 
 class _RichReshardProgress:
-    """Briefcases and rows bars with rate and ETA; the description shows the last change."""
+    """Briefcases and rows bars with rate and ETA; the description shows the last change.
+
+    The bars show the counts the reshard has just written to its journal row (never a count of
+    their own), so they agree with `mdb moves status` and the final line.
+    """
 
     def __init__(self) -> None:
         self._progress = Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
             TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), TimeElapsedColumn(), console=console,
         )
-        self._lock = threading.Lock()
         self._bc: Any = None
         self._rows: Any = None
         self._started = time.monotonic()
@@ -263,19 +273,12 @@ class _RichReshardProgress:
     def phase(self, name: str) -> None:
         self._progress.console.print(f"phase: {name}", markup=False)
 
-    def planned(self, briefcases: int, rows: int) -> None:
-        with self._lock:
-            self._bc = self._progress.add_task("briefcases", total=briefcases, rate="")
-            self._rows = self._progress.add_task("rows", total=rows, rate="")
-
-    def moved(self, gdid: GDID, source: str, target: str, rows: int) -> None:
-        with self._lock:
-            if self._bc is None:
-                return
-            elapsed = max(time.monotonic() - self._started, 1e-6)
-            self._progress.update(self._bc, advance=1, description=f"briefcases (last: {gdid} {source}->{target})")
-            self._progress.update(self._rows, advance=rows)
-            done = self._progress.tasks[self._rows].completed
-            self._progress.update(self._rows, rate=f"{done / elapsed:.0f} rows/s")
-
-
+    def counts(self, counts: ReshardCounts, last: PlannedMove | None) -> None:
+        if self._bc is None:
+            self._bc = self._progress.add_task("briefcases", total=counts.briefcases_total, rate="")
+            self._rows = self._progress.add_task("rows", total=counts.rows_total, rate="")
+        elapsed = max(time.monotonic() - self._started, 1e-6)
+        self._progress.update(self._bc, completed=counts.briefcases_done, total=counts.briefcases_total)
+        if last is not None:
+            self._progress.update(self._bc, description=f"briefcases (last: {last.gdid} {last.source}->{last.target})")
+        self._progress.update(self._rows, completed=counts.rows_done, total=counts.rows_total, rate=f"{counts.rows_done / elapsed:.0f} rows/s")

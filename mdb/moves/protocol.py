@@ -44,7 +44,7 @@ from sqlalchemy.exc import OperationalError
 
 from mdb import dberrors
 from mdb.dberrors import translated
-from mdb.errors import MdbError, RoutingError, SchemaError
+from mdb.errors import MdbError, MoveAbortedError, RoutingError, SchemaError
 from mdb.gdid import GDID
 from mdb.moves import verify
 from mdb.moves.copy import AreaTable, copy_rows, delete_briefcase, delete_keys, delete_rows, measure, select_keys
@@ -56,7 +56,6 @@ from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefc
 from mdb.urls import mask_secrets
 
 __all__ = [
-    "MoveAbortedError",
     "MoveResult",
     "area_tables",
     "check_max_pause",
@@ -76,15 +75,6 @@ PRECOPY_ROWS = int(os.environ.get("MDB_PRECOPY_ROWS", "20000"))
 """Briefcases with at least this many rows are pre-copied outside the lock, then re-synced under it."""
 VERIFY_WAYS = 2
 """Connections per side that compute a move's checksums at once (large tables in key ranges)."""
-
-
-class MoveAbortedError(MdbError):
-    """A move stopped before its commit point; the source is still authoritative."""
-
-    def __init__(self, message: str, move_id: str | None = None, mismatches: list[str] | None = None) -> None:
-        super().__init__(message)
-        self.move_id = move_id
-        self.mismatches = mismatches or []
 
 
 @dataclass
