@@ -21,8 +21,8 @@ from mdb.gdid import GDID
 from mdb.moves.plan import PlannedMove
 from mdb.moves.protocol import DEFAULT_MAX_PAUSE, move_briefcase
 from mdb.moves.reshard import ReshardCounts
-from mdb.moves.resume import FAILED, resume_all
-from mdb.moves.status import move_status, where
+from mdb.moves.resume import FAILED, HELD, resume_all
+from mdb.moves.status import MoveStatus, move_status, where
 from mdb.store import Store
 
 __all__ = ["moves_app"]
@@ -152,14 +152,31 @@ def _ago(when: datetime | None) -> str:
 @moves_app.command("status")
 def status_cmd(
     map_path: MapArg,
+    limit: Annotated[int, typer.Option("--limit", min=0, help="How many recently finished moves and reshards to show.")] = 10,
+    watch: Annotated[float | None, typer.Option("--watch", metavar="SECONDS", min=0.5, help="Show it again every SECONDS until Ctrl-C.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
-    """In-flight moves and reshards: phase, briefcases and rows done per table, rate, ETA, last change."""
+    """In-flight moves and reshards: phase, process (running or interrupted), briefcases and rows done, rate, ETA."""
+    if watch is not None and as_json:
+        fail("--watch and --json do not go together (run --json repeatedly instead)")
     with _store(map_path) as store:
-        running, finished = move_status(store)
-    if as_json:
-        emit_json({"in_flight": [s.to_json() for s in running], "recent": [s.to_json() for s in finished]})
-        return
+        while True:
+            running, finished = move_status(store, recent=limit)
+            if as_json:
+                emit_json({"in_flight": [s.to_json() for s in running], "recent": [s.to_json() for s in finished]})
+                return
+            if watch is not None:
+                console.clear()
+            _print_status(running, finished)
+            if watch is None:
+                return
+            try:
+                time.sleep(watch)
+            except KeyboardInterrupt:
+                return
+
+
+def _print_status(running: list[MoveStatus], finished: list[MoveStatus]) -> None:
     for title, items in (("in flight", running), ("recently finished", finished)):
         table = Table(title=title)
         for column in ("id", "kind", "briefcase / partition", "from -> to", "phase", "briefcases", "rows", "rows/s", "ETA", "last change"):
@@ -176,6 +193,8 @@ def status_cmd(
             )
         console.print(table)
         for s in items:
+            if s.driver is not None:
+                console.print(f"  {s.entry.move_id}: {s.driver}", markup=False)
             if s.entry.tables and s.entry.status == "running":
                 per = ", ".join(f"{name} {done}/{planned}" for name, (planned, done) in s.entry.tables.items())
                 console.print(f"  {s.entry.move_id} rows per table: {per}", markup=False)
@@ -199,7 +218,9 @@ def resume_cmd(
             console.print("nothing to resume", markup=False)
         for o in outcomes:
             console.print(f"{o.move_id} ({o.kind}): {o.action}: {o.detail}", markup=False)
-    if any(o.action == FAILED for o in outcomes):
+    if outcomes and all(o.action == HELD for o in outcomes):
+        raise typer.Exit(2)  # refused: every unfinished entry is driven by another live process
+    if any(o.action in (FAILED, HELD) for o in outcomes):
         raise typer.Exit(1)  # like `schema apply`: the rest was done, the run is incomplete
 
 

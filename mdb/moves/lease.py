@@ -36,7 +36,7 @@ from sqlalchemy.exc import IntegrityError
 from mdb.errors import MoveLeaseHeldError, ReshardStoppedError
 from mdb.moves.journal import Journal, JournalEntry, move_leases
 
-__all__ = ["LEASE_BEAT", "LEASE_STALE", "Holder", "Lease", "hold", "holder_of", "lease_owner_id", "request_stop", "stop_requested"]
+__all__ = ["LEASE_BEAT", "LEASE_STALE", "Holder", "Lease", "describe", "describe_liveness", "hold", "holder_of", "lease_owner_id", "liveness", "me", "request_stop", "stop_requested"]
 
 log = logging.getLogger("mdb.moves.lease")
 
@@ -136,17 +136,21 @@ class Lease:
         self._thread = threading.Thread(target=self._beat, name=f"mdb-lease-{move_id}", daemon=True)
 
     def _beat(self) -> None:
-        while not self._done.wait(LEASE_BEAT):
+        while not self._done.wait(LEASE_BEAT) and not self.lost:
             try:
-                with self.journal.store.transaction(self.journal.server) as conn:
-                    mine = (move_leases.c.move_id == self.move_id) & (move_leases.c.pid == os.getpid()) & (move_leases.c.host == _HOST)
-                    if not conn.execute(update(move_leases).where(mine).values(beat_at=func.current_timestamp())).rowcount:
-                        self.lost = True
-                        log.error("lease of %s was taken over by another process; stopping", self.move_id)
-                        return
-                    self.stop_by = conn.execute(select(move_leases.c.stop_by).where(mine)).scalar_one_or_none()
+                self._beat_once()
             except Exception as exc:  # a beat that fails is retried; a stale beat is the other side's signal
                 log.warning("heartbeat of %s failed: %s", self.move_id, exc)
+
+    def _beat_once(self) -> None:
+        """Renew the beat if the row is still ours (else: lost), and read whether a stop was asked for."""
+        with self.journal.store.transaction(self.journal.server) as conn:
+            mine = (move_leases.c.move_id == self.move_id) & (move_leases.c.pid == os.getpid()) & (move_leases.c.host == _HOST)
+            if not conn.execute(update(move_leases).where(mine).values(beat_at=func.current_timestamp())).rowcount:
+                self.lost = True
+                log.error("the lease of %s was taken over by another process; stopping at the next check", self.move_id)
+                return
+            self.stop_by = conn.execute(select(move_leases.c.stop_by).where(mine)).scalar_one_or_none()
 
     def check(self) -> None:
         """Raise :class:`ReshardStoppedError` when another process asked this driver to stop, or took over."""
@@ -239,3 +243,22 @@ def request_stop(journal: Journal, move_id: str, by: str) -> bool:
 
 def me() -> str:
     return f"pid {os.getpid()} on host {_HOST}"
+
+
+def liveness(journal: Journal, entry: JournalEntry) -> tuple[str, Holder | None]:
+    """("running", holder) when a live process drives ``entry`` (or its reshard), else ("interrupted", last holder or None)."""
+    holder = holder_of(journal, lease_owner_id(entry))
+    if holder is not None and (holder.alive or holder.mine):
+        return "running", holder
+    return "interrupted", holder
+
+
+def describe_liveness(journal: Journal, entry: JournalEntry) -> str:
+    """What ``mdb moves status`` and refusals say about an unfinished entry's process."""
+    return describe(*liveness(journal, entry))
+
+
+def describe(state: str, holder: Holder | None) -> str:
+    if state == "running" and holder is not None:
+        return f"running (pid {holder.pid}, host {holder.host}, last beat {holder.beat_age:.0f}s ago)"
+    return "interrupted: run `mdb moves resume MAP`"

@@ -41,6 +41,7 @@ from mdb.gdid import GDID
 from mdb.moves.faults import fault_point
 from mdb.moves.freeze import freeze_partition, unfreeze_partition
 from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
+from mdb.moves.lease import describe_liveness, hold, stop_requested
 from mdb.moves.plan import PlannedMove, ReshardPlan, find_partition, plan_reshard
 from mdb.moves.protocol import DEFAULT_MAX_PAUSE, area_tables, check_max_pause, check_target_schema, move_briefcase
 from mdb.partition_map import PartitionMap, parse_map
@@ -188,7 +189,10 @@ def reshard(
     journal = Journal(store)
     busy = [e for e in journal.entries(unfinished=True) if e.area == area]
     if busy:
-        raise MdbError(f"area {area!r} has unfinished moves/reshards ({', '.join(e.move_id for e in busy)}): run `mdb moves resume MAP` first")
+        raise MdbError(
+            f"area {area!r} has unfinished moves/reshards ({'; '.join(f'{e.move_id}: {describe_liveness(journal, e)}' for e in busy)}): "
+            "let a running one finish, or run `mdb moves resume MAP` for an interrupted one"
+        )
     plan = plan_reshard(store, tables, area, start, new_shards)
     if dry_run:
         _prechecks(store, plan, tables, map_path, dry_run=True)
@@ -201,10 +205,11 @@ def reshard(
         tables={name: [rows, 0] for name, rows in plan.rows_per_table().items()},
         briefcases_total=len(plan.moves), rows_total=plan.total_rows,
     ))
-    fault_point("reshard.after_journal_start")
-    entry = journal.get(reshard_id)
-    assert entry is not None
-    return continue_reshard(store, journal, entry, progress=progress, first_plan=plan)
+    with hold(journal, reshard_id):
+        fault_point("reshard.after_journal_start")
+        entry = journal.get(reshard_id)
+        assert entry is not None
+        return continue_reshard(store, journal, entry, progress=progress, first_plan=plan)
 
 
 def _store_map_text(store: Any, map_path: str | None) -> str:
@@ -247,6 +252,7 @@ def _move_all(store: Any, journal: Journal, entry: JournalEntry, moves: list[Pla
     lock = threading.Lock()
 
     def one(m: PlannedMove) -> None:
+        stop_requested(entry.move_id)  # `mdb moves cancel` from another process: stop between two moves
         last: Exception | None = None
         for _ in range(MOVE_ATTEMPTS):
             try:
@@ -341,6 +347,7 @@ def continue_reshard(
         # up by the next pass. Whatever is left after MAX_SWEEPS is moved under the freeze.
         plan = _sweep(store, journal, entry, tables, plan, MAX_SWEEPS, parallel, max_pause, progress, counts)
         fault_point("reshard.after_moves")
+        stop_requested(entry.move_id)
         entry.step = "freeze"
         journal.step(entry.move_id, "freeze")
     if entry.step in ("freeze", "final_moves", "map_apply"):
@@ -398,6 +405,7 @@ def _frozen_phase(
                     "ownership check; nothing was applied"
                 )
             fault_point("reshard.after_final_moves")
+            stop_requested(entry.move_id)  # the last moment a cancel can keep the old map
             entry.step = "map_apply"
             journal.step(entry.move_id, "map_apply")
         if progress is not None:
