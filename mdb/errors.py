@@ -92,6 +92,10 @@ class MoveLeaseHeldError(MdbError):
         self.holder = holder
 
 
+class CancelError(MdbError, ValueError):
+    """``mdb moves cancel`` of something that cannot be cancelled: unknown id, finished, past its map apply."""
+
+
 class ReshardStoppedError(MdbError):
     """A reshard stopped between two moves because ``mdb moves cancel`` asked it to (or took it over)."""
 

@@ -224,6 +224,25 @@ def resume_cmd(
         raise typer.Exit(1)  # like `schema apply`: the rest was done, the run is incomplete
 
 
+@moves_app.command("cancel")
+def cancel_cmd(
+    map_path: MapArg,
+    move_id: Annotated[str, typer.Argument(metavar="ID", help="id of a move or reshard (see `mdb moves status`)")],
+    move_back: Annotated[bool, typer.Option("--move-back/--leave", help="Move the briefcases it already moved back to their old server, or leave them where they are (as relocations).")] = True,
+    wait: Annotated[float, typer.Option("--wait", metavar="SECONDS", min=0.0, help="How long a running driver is given to stop.")] = 60.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Cancel a move or a reshard before it applies its new map; the old map stays in force."""
+    from mdb.moves.cancel import cancel
+
+    with _store(map_path) as store:
+        outcome = cancel(store, move_id, move_back=move_back, wait=wait)
+    if as_json:
+        emit_json(outcome.to_json())
+        return
+    console.print(f"{outcome.move_id} ({outcome.kind}): {outcome.detail}", markup=False)
+
+
 @app.command("reshard")
 def reshard_cmd(
     map_path: MapArg,

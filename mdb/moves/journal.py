@@ -39,7 +39,8 @@ RUNNING: Final = "running"
 DONE: Final = "done"
 ABORTED: Final = "aborted"
 ROLLED_BACK: Final = "rolled back"
-FINISHED: Final = frozenset({DONE, ABORTED, ROLLED_BACK})
+CANCELLED: Final = "cancelled"
+FINISHED: Final = frozenset({DONE, ABORTED, ROLLED_BACK, CANCELLED})
 
 moves_table = Table(
     "mdb_moves",

@@ -472,11 +472,13 @@ def move_briefcase(
     on_table: Callable[[str, int], None] | None = None,
     refresh: bool = True,
     source: str | None = None,
+    reverse_of: str | None = None,
 ) -> MoveResult:
     """Move one briefcase (every table of every type of ``area``) to server ``target``, online.
 
     Raises :class:`MoveAbortedError` (source still authoritative, target copy removed) when
-    verification fails or the pause would exceed ``max_pause``.
+    verification fails or the pause would exceed ``max_pause``. ``reverse_of`` names the move of
+    a cancelled reshard this one undoes (journaled, so it is not counted as the reshard's progress).
     """
     check_max_pause(max_pause)
     if refresh:
@@ -499,7 +501,7 @@ def move_briefcase(
     total = sum(r for r, _ in sizes.values())
     journal.start(JournalEntry(
         move_id=move_id, kind="move", area=area, step="precheck", status=RUNNING, gdid=gdid, source=source,
-        target=target, reshard_id=reshard_id, params={"max_pause": max_pause},
+        target=target, reshard_id=reshard_id, params={"max_pause": max_pause, "reverse_of": reverse_of},
         tables={name: [rows, 0] for name, (rows, _) in sizes.items()}, briefcases_total=1, rows_total=total,
     ))
     fault_point("move.after_journal_start")
@@ -511,7 +513,7 @@ def move_briefcase(
         except MdbError as exc:
             journal.finish(move_id, ABORTED, f"precheck: {exc}")
             raise
-        params = {"max_pause": max_pause, "previous_target_state": None if previous is None else {
+        params = {"max_pause": max_pause, "reverse_of": reverse_of, "previous_target_state": None if previous is None else {
             "state": previous["state"], "peer": previous["peer"], "move_id": previous["move_id"]}}
         fault_point("move.after_precheck")
         precopied = total >= precopy_rows

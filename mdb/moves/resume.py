@@ -43,7 +43,7 @@ HELD = "held"
 class ResumeOutcome:
     move_id: str
     kind: str
-    action: str  # finalized | rolled back | retried | reshard completed | failed | held
+    action: str  # finalized | rolled back | retried | reshard completed | cancel completed | failed | held
     detail: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -106,6 +106,7 @@ def resume_all(store: Any, *, retry: bool = False, progress: Any = None) -> list
                     if entry.reshard_id is not None:
                         stuck.add(entry.reshard_id)
         store.refresh()
+        from mdb.moves.cancel import CANCEL_STEP, finish_cancel
         from mdb.moves.reshard import continue_reshard
 
         for entry in unfinished:
@@ -115,6 +116,10 @@ def resume_all(store: Any, *, retry: bool = False, progress: Any = None) -> list
                     continue
                 interrupted_at = entry.step  # continue_reshard moves the entry on as it goes
                 try:
+                    if entry.step == CANCEL_STEP:  # an interrupted `mdb moves cancel`: finish cancelling
+                        done = finish_cancel(store, journal, entry)
+                        outcomes.append(ResumeOutcome(entry.move_id, "reshard", "cancel completed", done.detail))
+                        continue
                     continue_reshard(store, journal, entry, progress=progress)
                 except ServerUnavailableError as exc:
                     outcomes.append(ResumeOutcome(entry.move_id, "reshard", FAILED, f"{exc}; was at step {interrupted_at!r}, run resume again once it is back"))
