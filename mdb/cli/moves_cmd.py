@@ -285,6 +285,9 @@ def reshard_cmd(
     # again and moved too, so the final figures come from the journal, like the bars and status.
     console.print(f"moved {outcome.moved} briefcases ({outcome.rows_moved} rows); "
                   f"done: reshard {outcome.reshard_id}, map version {outcome.map_version}", markup=False)
+    if outcome.map_backup is not None:
+        console.print(f"{map_path} was rewritten as YAML data (comments and layout are not kept); "
+                      f"the previous file is at {outcome.map_backup}", markup=False, soft_wrap=True)  # a path to copy: unbroken
 
 
 class _RichReshardProgress:

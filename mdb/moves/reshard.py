@@ -132,10 +132,12 @@ class ReshardOutcome:
     moved: int
     """Briefcases this reshard moved, over all its runs (from the journal, like every count)."""
     rows_moved: int = 0
+    map_backup: str | None = None
+    """Where the map file was kept as it was before the new version replaced it (its comments and layout)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"reshard_id": self.reshard_id, "map_version": self.map_version, "moved": self.moved,
-                "rows_moved": self.rows_moved, "plan": self.plan.to_json()}
+                "rows_moved": self.rows_moved, "map_backup": self.map_backup, "plan": self.plan.to_json()}
 
 
 def new_map_text(current_text: str, area: str, start: GDID, new_shards: list[str], version: int) -> str:
@@ -368,7 +370,8 @@ def continue_reshard(
         _cleanup(store, area, start)
     journal.finish(entry.move_id, DONE, **counts.journal_values())
     store.refresh()
-    return ReshardOutcome(entry.move_id, report, params.get("map_version"), counts.briefcases_done, counts.rows_done)
+    return ReshardOutcome(entry.move_id, report, params.get("map_version"), counts.briefcases_done, counts.rows_done,
+                          params.get("map_backup"))
 
 
 def _frozen_phase(
@@ -442,14 +445,34 @@ def _apply_new_map(store: Any, journal: Journal, entry: JournalEntry, map_path: 
     fault_point("reshard.after_map_apply")
     if map_path is not None:
         path = Path(map_path)
-        current = parse_map(path.read_text(encoding="utf-8"), str(path)) if path.is_file() else None
+        old_text = path.read_text(encoding="utf-8") if path.is_file() else None
+        current = None if old_text is None else parse_map(old_text, str(path))
         if current is None or current.version < new_map.version:
+            if old_text is not None:
+                params["map_backup"] = str(_backup_map_file(path, old_text, current.version if current else 0, entry.move_id))
+                journal.update(entry.move_id, params=params)
             tmp = path.with_suffix(path.suffix + ".tmp")
             tmp.write_text(text, encoding="utf-8")
             tmp.replace(path)
     fault_point("reshard.after_map_file")
     store.refresh()
     return new_map.version
+
+
+def _backup_map_file(path: Path, text: str, version: int, reshard_id: str) -> Path:
+    """Keep the map file as it was (comments, layout) beside it before it is rewritten.
+
+    The new version is written as YAML data, which keeps ``${NAME}`` references but not
+    comments or layout; the copy lets the operator carry them over. Named after the old
+    version and the reshard, so a resumed reshard or a later one never overwrites it.
+    """
+    backup = path.with_name(f"{path.stem}.v{version}.before-{reshard_id}{path.suffix}")
+    if not backup.exists():
+        tmp = backup.with_name(backup.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(backup)
+    log.warning("map file %s rewritten for map version %d without its comments; the previous file is kept at %s", path, version + 1, backup)
+    return backup
 
 
 def _cleanup(store: Any, area: str, start: GDID) -> None:

@@ -124,5 +124,7 @@ def resume_all(store: Any, *, retry: bool = False, progress: Any = None) -> list
                 except ServerUnavailableError as exc:
                     outcomes.append(ResumeOutcome(entry.move_id, "reshard", FAILED, f"{exc}; was at step {interrupted_at!r}, run resume again once it is back"))
                     continue
-                outcomes.append(ResumeOutcome(entry.move_id, "reshard", "reshard completed", f"was at step {interrupted_at!r}"))
+                backup = entry.params.get("map_backup")  # continue_reshard updates the params it was given
+                kept = "" if backup is None else f"; the map file's previous version is at {backup}"
+                outcomes.append(ResumeOutcome(entry.move_id, "reshard", "reshard completed", f"was at step {interrupted_at!r}{kept}"))
     return outcomes
