@@ -52,7 +52,8 @@ def _wait_for_first_move(cluster: Cluster, proc: subprocess.Popen[str]) -> str:
     raise AssertionError("the reshard never finished its first move")
 
 
-def test_a_running_reshard_is_named_and_not_driven_twice(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGINT], ids=["killed", "ctrl-c"])
+def test_a_running_reshard_is_named_and_not_driven_twice(stop: signal.Signals, pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
     cluster = _cluster(pg_databases(4), tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MDB_FAULT_POINT": "reshard.after_first_move", "MDB_FAULT_ACTION": "sleep:600"}
     proc = subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", "reshard", str(cluster.path), "user",
@@ -74,8 +75,13 @@ def test_a_running_reshard_is_named_and_not_driven_twice(pg_databases: Callable[
         assert flying["driver"].startswith(f"running (pid {proc.pid}, host {socket.gethostname()}, last beat"), flying
         assert flying["holder"]["alive"] is True
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=60)
+        proc.send_signal(stop)  # Ctrl-C lets the lease go; SIGKILL leaves it to a dead pid
+        try:
+            proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
     status = json.loads(run_cli(["moves", "status", str(cluster.path), "--json"]).stdout)
     (flying,) = [s for s in status["in_flight"] if s["move_id"] == reshard_id]

@@ -160,20 +160,21 @@ def status_cmd(
     if watch is not None and as_json:
         fail("--watch and --json do not go together (run --json repeatedly instead)")
     with _store(map_path) as store:
-        while True:
-            running, finished = move_status(store, recent=limit)
-            if as_json:
-                emit_json({"in_flight": [s.to_json() for s in running], "recent": [s.to_json() for s in finished]})
-                return
-            if watch is not None:
-                console.clear()
-            _print_status(running, finished)
-            if watch is None:
-                return
-            try:
+        try:
+            while True:
+                running, finished = move_status(store, recent=limit)
+                if as_json:
+                    emit_json({"in_flight": [s.to_json() for s in running], "recent": [s.to_json() for s in finished]})
+                    return
+                if watch is not None:
+                    console.clear()
+                _print_status(running, finished)
+                if watch is None:
+                    return
                 time.sleep(watch)
-            except KeyboardInterrupt:
-                return
+        except KeyboardInterrupt:  # how a --watch ends
+            if watch is None:
+                raise
 
 
 def _print_status(running: list[MoveStatus], finished: list[MoveStatus]) -> None:
