@@ -36,7 +36,10 @@ from sqlalchemy.exc import IntegrityError
 from mdb.errors import MoveLeaseHeldError, ReshardStoppedError
 from mdb.moves.journal import Journal, JournalEntry, move_leases
 
-__all__ = ["LEASE_BEAT", "LEASE_STALE", "Holder", "Lease", "describe", "describe_liveness", "hold", "holder_of", "lease_owner_id", "liveness", "me", "request_stop", "stop_requested"]
+__all__ = [
+    "LEASE_BEAT", "LEASE_STALE", "Holder", "Lease", "check_stop", "describe", "describe_liveness", "hold", "holder_of",
+    "lease_owner_id", "liveness", "me", "request_stop",
+]
 
 log = logging.getLogger("mdb.moves.lease")
 
@@ -161,31 +164,33 @@ class Lease:
 
 
 def _take(journal: Journal, move_id: str) -> None:
-    """Take the lease or raise :class:`MoveLeaseHeldError` naming its live holder."""
-    mine = {"pid": os.getpid(), "host": _HOST, "token": uuid.uuid4().hex, "since": func.current_timestamp(),
-            "beat_at": func.current_timestamp(), "stop_by": None}
+    """Take the lease or raise :class:`MoveLeaseHeldError` naming its live holder.
+
+    A new entry's lease (every single move) is one INSERT; only a lease someone holds or held
+    is read and, if its holder is gone, taken over by compare-and-swap on its token.
+    """
     for _ in range(3):
+        mine = {"pid": os.getpid(), "host": _HOST, "token": uuid.uuid4().hex, "since": func.current_timestamp(),
+                "beat_at": func.current_timestamp(), "stop_by": None}
+        try:
+            with journal.store.transaction(journal.server) as conn:
+                conn.execute(insert(move_leases).values(move_id=move_id, **mine))
+            return
+        except IntegrityError:
+            pass  # held, or left behind by a driver that died
         holder = holder_of(journal, move_id)
+        if holder is None:
+            continue  # let go meanwhile: insert again
+        if holder.alive and not holder.mine:
+            raise MoveLeaseHeldError(move_id, holder.describe())
         with journal.store.transaction(journal.server) as conn:
-            if holder is None:
-                try:
-                    with conn.begin_nested():
-                        if conn.execute(update(move_leases).where(move_leases.c.move_id == move_id, move_leases.c.pid.is_(None))
-                                        .values(**mine)).rowcount:
-                            return
-                        conn.execute(insert(move_leases).values(move_id=move_id, **mine))
-                    return
-                except IntegrityError:
-                    continue  # another process inserted it first: look again
-            if holder.alive and not holder.mine:
-                raise MoveLeaseHeldError(move_id, holder.describe())
             taken = conn.execute(update(move_leases).where(
                 move_leases.c.move_id == move_id, move_leases.c.token == holder.token,
             ).values(**mine)).rowcount
-            if taken:
-                if not holder.mine:
-                    log.warning("took over %s from its dead driver, %s", move_id, holder.describe())
-                return
+        if taken:
+            if not holder.mine:
+                log.warning("took over %s from its dead driver, %s", move_id, holder.describe())
+            return
     raise MoveLeaseHeldError(move_id, "another process that keeps taking it (tried 3 times)")
 
 
@@ -226,7 +231,7 @@ def hold(journal: Journal, move_id: str) -> Iterator[Lease]:
             _release(lease)
 
 
-def stop_requested(move_id: str) -> None:
+def check_stop(move_id: str) -> None:
     """Raise if this process holds ``move_id``'s lease and was asked to stop (checked between moves)."""
     lease = _registry.get(move_id)
     if lease is not None:

@@ -41,7 +41,7 @@ from mdb.gdid import GDID
 from mdb.moves.faults import fault_point
 from mdb.moves.freeze import freeze_partition, unfreeze_partition
 from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
-from mdb.moves.lease import describe_liveness, hold, stop_requested
+from mdb.moves.lease import check_stop, describe_liveness, hold
 from mdb.moves.plan import PlannedMove, ReshardPlan, find_partition, plan_reshard
 from mdb.moves.protocol import DEFAULT_MAX_PAUSE, area_tables, check_max_pause, check_target_schema, move_briefcase
 from mdb.partition_map import PartitionMap, parse_map
@@ -254,7 +254,7 @@ def _move_all(store: Any, journal: Journal, entry: JournalEntry, moves: list[Pla
     lock = threading.Lock()
 
     def one(m: PlannedMove) -> None:
-        stop_requested(entry.move_id)  # `mdb moves cancel` from another process: stop between two moves
+        check_stop(entry.move_id)  # `mdb moves cancel` from another process: stop between two moves
         last: Exception | None = None
         for _ in range(MOVE_ATTEMPTS):
             try:
@@ -349,7 +349,7 @@ def continue_reshard(
         # up by the next pass. Whatever is left after MAX_SWEEPS is moved under the freeze.
         plan = _sweep(store, journal, entry, tables, plan, MAX_SWEEPS, parallel, max_pause, progress, counts)
         fault_point("reshard.after_moves")
-        stop_requested(entry.move_id)
+        check_stop(entry.move_id)
         entry.step = "freeze"
         journal.step(entry.move_id, "freeze")
     if entry.step in ("freeze", "final_moves", "map_apply"):
@@ -408,7 +408,7 @@ def _frozen_phase(
                     "ownership check; nothing was applied"
                 )
             fault_point("reshard.after_final_moves")
-            stop_requested(entry.move_id)  # the last moment a cancel can keep the old map
+            check_stop(entry.move_id)  # the last moment a cancel can keep the old map
             entry.step = "map_apply"
             journal.step(entry.move_id, "map_apply")
         if progress is not None:
