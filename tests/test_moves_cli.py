@@ -53,6 +53,8 @@ def test_reshard_keeps_the_old_map_file_and_its_counts_agree(cluster: Cluster) -
     assert len(status["recent"]) == n + 1, "--limit 100 must show the reshard and each of its moves"
     one = json.loads(run_cli(["moves", "status", str(cluster.path), "--json", "--limit", "1"]).stdout)
     assert len(one["recent"]) == 1
+    text = run_cli(["moves", "status", str(cluster.path), "--limit", "100"])
+    assert text.returncode == 0 and f"{n}/{n}" in text.stdout and entry["move_id"] in text.stdout, (text.stdout, text.stderr)
 
 
 def test_a_move_to_where_the_briefcase_is_only_says_so(cluster: Cluster) -> None:
