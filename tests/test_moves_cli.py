@@ -12,6 +12,7 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -19,6 +20,7 @@ from movehelp import Cluster, create_user, make_cluster, run_cli
 
 from mdb.errors import MoveAbortedError, RetryableError
 from mdb.gdid import GDID
+from mdb.moves.journal import Journal
 
 SERVERS = ["u1", "u2", "x"]
 USERS = [GDID(0, 0, i) for i in range(1, 9)]
@@ -52,9 +54,38 @@ def test_reshard_keeps_the_old_map_file_and_its_counts_agree(cluster: Cluster) -
     assert entry["params"]["map_backup"] == str(backup)
     assert len(status["recent"]) == n + 1, "--limit 100 must show the reshard and each of its moves"
     one = json.loads(run_cli(["moves", "status", str(cluster.path), "--json", "--limit", "1"]).stdout)
-    assert len(one["recent"]) == 1
+    assert [s["move_id"] for s in one["recent"]] == [entry["move_id"]], "the reshard finished last: it comes first"
     text = run_cli(["moves", "status", str(cluster.path), "--limit", "100"])
     assert text.returncode == 0 and f"{n}/{n}" in text.stdout and entry["move_id"] in text.stdout, (text.stdout, text.stderr)
+
+
+def test_a_retried_move_is_counted_once(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first attempt of one move really aborts (--max-pause 0 on the real servers) and is
+    retried; the reshard counts its finished moves only, so done = total = moves that finished."""
+    from mdb.moves import reshard as reshard_mod
+
+    real = reshard_mod.move_briefcase
+    aborted: list[str] = []
+
+    def first_attempt_aborts(*args: Any, **kwargs: Any) -> Any:
+        if not aborted:
+            try:
+                return real(*args, **{**kwargs, "max_pause": 0.0})
+            except MoveAbortedError as exc:
+                aborted.append(str(exc.move_id))
+                raise
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reshard_mod, "move_briefcase", first_attempt_aborts)
+    with cluster.store() as store:
+        outcome = reshard_mod.reshard(store, "user", GDID(0, 0, 0), ["u1", "u2", "x"], map_path=cluster.path)
+        journal = Journal(store)
+        moves = journal.moves_of(str(outcome.reshard_id))
+        entry = journal.get(str(outcome.reshard_id))
+    assert aborted and [m.status for m in moves if m.move_id == aborted[0]] == ["aborted"]
+    finished = [m for m in moves if m.status == "done"]
+    assert entry is not None and len(moves) == len(finished) + 1
+    assert (entry.briefcases_done, entry.briefcases_total, outcome.moved) == (len(finished),) * 3
 
 
 def test_a_move_to_where_the_briefcase_is_only_says_so(cluster: Cluster) -> None:

@@ -176,10 +176,16 @@ class Journal:
             row = conn.execute(select(moves_table).where(moves_table.c.move_id == move_id)).mappings().first()
         return None if row is None else JournalEntry.from_row(row)
 
-    def entries(self, *, unfinished: bool = False, reshard_id: str | None = None, limit: int | None = None) -> list[JournalEntry]:
+    def entries(
+        self, *, unfinished: bool = False, finished: bool = False, reshard_id: str | None = None, limit: int | None = None
+    ) -> list[JournalEntry]:
+        """Newest first: by start, or for ``finished`` ones by when they finished (a reshard ends after its moves)."""
         query = select(moves_table).order_by(moves_table.c.started_at.desc(), moves_table.c.move_id)
         if unfinished:
             query = query.where(moves_table.c.status == RUNNING)
+        if finished:
+            query = query.where(moves_table.c.status != RUNNING).order_by(None).order_by(
+                moves_table.c.updated_at.desc(), moves_table.c.started_at.desc(), moves_table.c.move_id)
         if reshard_id is not None:
             query = query.where(moves_table.c.reshard_id == reshard_id)
         if limit is not None:

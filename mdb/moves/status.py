@@ -132,5 +132,5 @@ def move_status(store: Any, *, recent: int = 10) -> tuple[list[MoveStatus], list
         s.driver = describe(state, s.holder)
         if state != "running":
             s.rate_rows = s.rate_briefcases = s.eta_seconds = None
-    finished = [status_of(e, now) for e in journal.entries(limit=recent + len(running)) if e.status != "running"][:recent]
+    finished = [status_of(e, now) for e in journal.entries(finished=True, limit=recent)]
     return running, finished
