@@ -88,8 +88,8 @@ def resume_all(store: Any, *, retry: bool = False, progress: Any = None) -> list
     held: set[str] = set()  # entries (reshards or single moves) another live process drives
     with ExitStack() as leases:
         for entry in unfinished:
-            if lease_owner_id(entry) != entry.move_id:
-                continue  # a reshard's move: taken with its reshard below
+            if entry.kind not in ("move", "reshard") or lease_owner_id(entry) != entry.move_id:
+                continue  # a reshard's move is taken with its reshard; other kinds are not resumed here
             try:
                 leases.enter_context(hold(journal, entry.move_id))
             except MoveLeaseHeldError as exc:

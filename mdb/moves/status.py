@@ -126,6 +126,8 @@ def move_status(store: Any, *, recent: int = 10) -> tuple[list[MoveStatus], list
     now = datetime.now(timezone.utc)
     running = [status_of(e, now) for e in journal.entries(unfinished=True)]
     for s in running:
+        if s.entry.kind not in ("move", "reshard"):
+            continue  # e.g. document moves (mdb.mongo) record no driver
         # ETA and rate mean nothing for an entry whose process is gone (issue 11 item 10: a
         # reshard stopped by Ctrl-C still showed "ETA 120s"), so they go with its liveness.
         state, s.holder = liveness(journal, s.entry)
