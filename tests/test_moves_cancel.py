@@ -95,6 +95,21 @@ def test_cancel_a_killed_reshard(cluster: Cluster, mode: str) -> None:
     assert again.returncode == 2 and "already finished (cancelled)" in again.stderr, again.stderr
 
 
+def test_a_killed_cancel_is_finished_by_resume(cluster: Cluster) -> None:
+    before = _state(cluster)
+    map_text = cluster.path.read_text(encoding="utf-8")
+    run = run_cli(_reshard_args(cluster), env={"MDB_FAULT_POINT": "move.after_copy_commit", "MDB_FAULT_SKIP": "2"})
+    assert run.returncode == -signal.SIGKILL, (run.stdout, run.stderr)
+    reshard_id = _the_reshard(cluster)
+    killed = run_cli(["moves", "cancel", str(cluster.path), reshard_id], env={"MDB_FAULT_POINT": "cancel.after_first_move_back"})
+    assert killed.returncode == -signal.SIGKILL, (killed.stdout, killed.stderr)
+    done = run_cli(["moves", "resume", str(cluster.path)])
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert f"{reshard_id} (reshard): cancel completed: cancelled at step 'moves'" in done.stdout, done.stdout
+    assert "2 finished (2 moved back)" in done.stdout, done.stdout
+    _check_cancelled(cluster, before, map_text, moved_back=True)
+
+
 def test_cancel_a_running_reshard_from_another_process(cluster: Cluster) -> None:
     before = _state(cluster)
     map_text = cluster.path.read_text(encoding="utf-8")

@@ -81,7 +81,8 @@ def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster
 
 
 def test_every_fault_point_is_exercised_here_or_in_the_reshard_test() -> None:
-    covered = {p for p, _ in MOVE_POINTS} | {p for p, _ in RESHARD_POINTS} | {"resume.after_discard"}
+    covered = {p for p, _ in MOVE_POINTS} | {p for p, _ in RESHARD_POINTS} | {"resume.after_discard"} \
+        | {"cancel.after_first_move_back"}  # tests/test_moves_cancel.py
     assert covered == set(FAULT_POINTS)
     assert len(FAULT_POINTS) >= 20
 

@@ -23,6 +23,7 @@ from typing import Any, Final
 
 from mdb.errors import CancelError, MoveLeaseHeldError
 from mdb.gdid import GDID
+from mdb.moves.faults import fault_point
 from mdb.moves.freeze import unfreeze_partition
 from mdb.moves.journal import CANCELLED, DONE, FINISHED, RUNNING, Journal, JournalEntry
 from mdb.moves.lease import hold, me, request_stop
@@ -167,6 +168,8 @@ def finish_cancel(store: Any, journal: Journal, entry: JournalEntry, *, move_bac
             move_briefcase(store, entry.area, move.gdid, move.source, source=move.target, max_pause=max_pause,
                            reshard_id=entry.move_id, journal=journal, reverse_of=move.move_id)
             out.moved_back += 1
+            if out.moved_back == 1:
+                fault_point("cancel.after_first_move_back")
         else:
             out.left += 1
     verb = f"{out.moved_back} moved back" if move_back else f"{out.left} left on their new shards as relocations"

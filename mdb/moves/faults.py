@@ -45,6 +45,7 @@ FAULT_POINTS: tuple[str, ...] = (
     "reshard.after_clear_relocations",
     "reshard.after_resident_cleanup",
     "resume.after_discard",
+    "cancel.after_first_move_back",
 )
 """Every point the code defines (tests iterate over these)."""
 
