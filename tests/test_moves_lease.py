@@ -95,6 +95,20 @@ def test_a_running_reshard_is_named_and_not_driven_twice(stop: signal.Signals, p
         assert holder_of(journal, reshard_id) is None, "resume did not release the lease"
 
 
+def test_where_says_a_killed_move_is_interrupted(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
+    cluster = _cluster(pg_databases(4), tmp_path)
+    g = USERS[0]
+    with cluster.store() as store:
+        home = store.router.locate("user", g).server
+    run = run_cli(["move", str(cluster.path), "user", str(g), "--to", next(s for s in SERVERS if s != home)],
+                  env={"MDB_FAULT_POINT": "move.after_copy_commit"})
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    where = json.loads(run_cli(["where", str(cluster.path), "user", str(g), "--json"]).stdout)
+    assert [m["driver"] for m in where["moves_in_flight"]] == ["interrupted: run `mdb moves resume MAP`"], where
+    text = run_cli(["where", str(cluster.path), "user", str(g)])
+    assert "at step copy, interrupted: run `mdb moves resume MAP`" in text.stdout.replace("\n", " "), text.stdout
+
+
 def _dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()

@@ -134,7 +134,7 @@ def where_cmd(
     for server, problem in found.unreachable.items():
         console.print(f"  {server}: unreachable: {problem}", markup=False)
     for move in found.moves_in_flight:
-        console.print(f"  move in flight: {move['move_id']} {move['source']} -> {move['target']} at step {move['step']}", markup=False)
+        console.print(f"  move in flight: {move['move_id']} {move['source']} -> {move['target']} at step {move['step']}, {move['driver']}", markup=False)
     if not found.moves_in_flight:
         console.print("  no move in flight", markup=False)
     if not found.consistent:

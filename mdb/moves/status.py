@@ -77,7 +77,10 @@ def where(store: Any, area: str, gdid: GDID) -> BriefcaseWhere:
         except MdbError as exc:
             out.unreachable[server] = str(exc)
     journal = Journal(store)
-    out.moves_in_flight = [e.to_json() for e in journal.entries(unfinished=True) if e.kind == "move" and e.area == area and e.gdid == gdid]
+    out.moves_in_flight = [
+        {**e.to_json(), "driver": describe(*liveness(journal, e))}
+        for e in journal.entries(unfinished=True) if e.kind == "move" and e.area == area and e.gdid == gdid
+    ]
     return out
 
 
