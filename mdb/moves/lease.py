@@ -129,9 +129,10 @@ def lease_owner_id(entry: JournalEntry) -> str:
 class Lease:
     """A held lease: beats in a thread until released; says whether a stop was asked for."""
 
-    def __init__(self, journal: Journal, move_id: str) -> None:
+    def __init__(self, journal: Journal, move_id: str, token: str) -> None:
         self.journal = journal
         self.move_id = move_id
+        self.token = token
         self.depth = 1
         self.stop_by: str | None = None
         self.lost = False
@@ -148,7 +149,7 @@ class Lease:
     def _beat_once(self) -> None:
         """Renew the beat if the row is still ours (else: lost), and read whether a stop was asked for."""
         with self.journal.store.transaction(self.journal.server) as conn:
-            mine = (move_leases.c.move_id == self.move_id) & (move_leases.c.pid == os.getpid()) & (move_leases.c.host == _HOST)
+            mine = (move_leases.c.move_id == self.move_id) & (move_leases.c.token == self.token)
             if not conn.execute(update(move_leases).where(mine).values(beat_at=func.current_timestamp())).rowcount:
                 self.lost = True
                 log.error("the lease of %s was taken over by another process; stopping at the next check", self.move_id)
@@ -163,8 +164,8 @@ class Lease:
             raise ReshardStoppedError(f"{self.move_id}: stopped at the request of {self.stop_by} (`mdb moves cancel`)")
 
 
-def _take(journal: Journal, move_id: str) -> None:
-    """Take the lease or raise :class:`MoveLeaseHeldError` naming its live holder.
+def _take(journal: Journal, move_id: str) -> str:
+    """Take the lease (returns its new token) or raise :class:`MoveLeaseHeldError` naming its live holder.
 
     A new entry's lease (every single move) is one INSERT; only a lease someone holds or held
     is read and, if its holder is gone, taken over by compare-and-swap on its token.
@@ -175,7 +176,7 @@ def _take(journal: Journal, move_id: str) -> None:
         try:
             with journal.store.transaction(journal.server) as conn:
                 conn.execute(insert(move_leases).values(move_id=move_id, **mine))
-            return
+            return str(mine["token"])
         except IntegrityError:
             pass  # held, or left behind by a driver that died
         holder = holder_of(journal, move_id)
@@ -190,7 +191,7 @@ def _take(journal: Journal, move_id: str) -> None:
         if taken:
             if not holder.mine:
                 log.warning("took over %s from its dead driver, %s", move_id, holder.describe())
-            return
+            return str(mine["token"])
     raise MoveLeaseHeldError(move_id, "another process that keeps taking it (tried 3 times)")
 
 
@@ -198,9 +199,7 @@ def _release(lease: Lease) -> None:
     lease._done.set()
     try:
         with lease.journal.store.transaction(lease.journal.server) as conn:
-            conn.execute(delete(move_leases).where(
-                move_leases.c.move_id == lease.move_id, move_leases.c.pid == os.getpid(), move_leases.c.host == _HOST
-            ))
+            conn.execute(delete(move_leases).where(move_leases.c.move_id == lease.move_id, move_leases.c.token == lease.token))
     except Exception as exc:  # the pid is gone soon: the next driver takes the lease over then
         log.warning("could not release the lease of %s: %s", lease.move_id, exc)
 
@@ -214,8 +213,7 @@ def hold(journal: Journal, move_id: str) -> Iterator[Lease]:
             lease.depth += 1
     if lease is None:
         _ensure_table(journal)
-        _take(journal, move_id)
-        lease = Lease(journal, move_id)
+        lease = Lease(journal, move_id, _take(journal, move_id))
         with _registry_lock:
             _registry[move_id] = lease
         lease._thread.start()
