@@ -90,6 +90,33 @@ class BriefcaseMovingError(RetryableError):
     """The briefcase is in the middle of a move; retry after a short wait."""
 
 
+class MoveAbortedError(RetryableError):
+    """A move stopped before its commit point (verification, ``--max-pause``); the source is still
+    authoritative, so trying again later is safe. The CLI exits 4 (aborted safely, retry later)."""
+
+    def __init__(self, message: str, move_id: str | None = None, mismatches: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.move_id = move_id
+        self.mismatches = mismatches or []
+
+
+class MoveLeaseHeldError(MdbError):
+    """Another live process drives this move or reshard (its lease); the message names it."""
+
+    def __init__(self, move_id: str, holder: str) -> None:
+        super().__init__(f"{move_id} is held by {holder}; only one process may drive it at a time")
+        self.move_id = move_id
+        self.holder = holder
+
+
+class CancelError(MdbError, ValueError):
+    """``mdb moves cancel`` of something that cannot be cancelled: unknown id, finished, past its map apply."""
+
+
+class ReshardStoppedError(MdbError):
+    """A reshard stopped between two moves because ``mdb moves cancel`` asked it to (or took it over)."""
+
+
 class StatsError(MdbError, ValueError):
     """A hot-data pattern asked to do something that would lose or double-count data (e.g. shrink K)."""
 

@@ -81,7 +81,8 @@ def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster
 
 
 def test_every_fault_point_is_exercised_here_or_in_the_reshard_test() -> None:
-    covered = {p for p, _ in MOVE_POINTS} | {p for p, _ in RESHARD_POINTS} | {"resume.after_discard"}
+    covered = {p for p, _ in MOVE_POINTS} | {p for p, _ in RESHARD_POINTS} | {"resume.after_discard"} \
+        | {"cancel.after_first_move_back"}  # tests/test_moves_cancel.py
     assert covered == set(FAULT_POINTS)
     assert len(FAULT_POINTS) >= 20
 
@@ -170,10 +171,12 @@ def test_sigkill_at_every_reshard_step_then_resume(cluster: Cluster) -> None:
                       env={"MDB_FAULT_POINT": point, **env})
         assert run.returncode == -signal.SIGKILL, f"{point}: {run.returncode} {run.stdout} {run.stderr}"
         with cluster.store() as store:
-            interrupted = [e.step for e in Journal(store).entries(unfinished=True) if e.kind == "reshard"]
+            interrupted = [(e.move_id, e.step) for e in Journal(store).entries(unfinished=True) if e.kind == "reshard"]
         report = _resume(cluster)
-        assert len(interrupted) == 1 and f"was at step {interrupted[0]!r}" in report, (point, interrupted, report)
+        assert len(interrupted) == 1 and f"was at step {interrupted[0][1]!r}" in report, (point, interrupted, report)
         placed = _check(cluster, before)
+        with cluster.store() as store:
+            _assert_counts_are_the_finished_moves(Journal(store), interrupted[0][0], point)
         # The reshard finished: every briefcase sits on its shard under the new list, by default routing.
         with Store.from_yaml(cluster.path, types=[UserBriefcase]) as store:
             store.refresh()
@@ -183,6 +186,22 @@ def test_sigkill_at_every_reshard_step_then_resume(cluster: Cluster) -> None:
                 assert frozen_by(store, "user", GDID(0, 0, 0), server) is None, (point, server)
             for g, server in placed.items():
                 assert server == shards[g.sharding_value % len(shards)], (point, g)
+
+
+def _assert_counts_are_the_finished_moves(journal: Journal, reshard_id: str, point: str) -> None:
+    """A resumed reshard's counts are its finished moves: none counted twice, none missed (item 9).
+
+    Killed right after a move's commit point, the old code's counter missed the move resume
+    finalized; one killed after its counter update re-counted nothing, but its total stayed
+    the first plan's, whatever a re-plan found.
+    """
+    entry = journal.get(reshard_id)
+    assert entry is not None and entry.status == "done", point
+    finished = [m for m in journal.moves_of(reshard_id) if m.status == "done"]
+    assert (entry.briefcases_done, entry.briefcases_total) == (len(finished), len(finished)), point
+    rows = sum(m.rows_done for m in finished)
+    assert (entry.rows_done, entry.rows_total) == (rows, rows), point
+    assert all(done == total for total, done in entry.tables.values()), (point, entry.tables)
 
 
 def test_resume_resolves_what_it_can_while_a_target_is_down(pg_databases: Callable[[int], list[str]], pg_server_factory: Callable[[], Any], tmp_path: Path) -> None:

@@ -25,7 +25,8 @@ from sqlalchemy.engine import Connection
 
 from mdb.demo.models import OrderLineItem
 from mdb.gdid import GDID
-from mdb.moves import MoveAbortedError, move_briefcase, protocol, verify
+from mdb.errors import MoveAbortedError
+from mdb.moves import move_briefcase, protocol, verify
 from mdb.moves.journal import ABORTED, Journal
 from mdb.system_tables import briefcase_state
 

@@ -23,7 +23,10 @@ from sqlalchemy import select
 from mdb.demo.models import Transaction
 from mdb.gdid import GDID
 from mdb.moves.journal import Journal
-from mdb.moves.reshard import reshard
+from mdb.moves.plan import PlannedMove
+from mdb.moves.reshard import ReshardCounts, reshard
+from mdb.moves.status import move_status
+from mdb.store import Store
 
 SERVERS = ["u1", "u2", "x"]
 SEED = [GDID(0, 0, i) for i in range(1, 7)]
@@ -63,12 +66,14 @@ with Store.from_yaml(path, types=[UserBriefcase], move_wait_seconds=60) as store
 
 
 class _Progress:
-    """Holds the reshard at its freeze until the creator has made stragglers; records final moves."""
+    """Holds the reshard at its freeze until the creator has made stragglers; records final moves
+    and every count shown (briefcases done, total, rows done, total)."""
 
     def __init__(self, created: Callable[[], int]) -> None:
         self._created = created
         self.phases: list[str] = []
         self.final_moves: list[GDID] = []
+        self.shown: list[tuple[int, int, int, int]] = []
 
     def phase(self, name: str) -> None:
         self.phases.append(name)
@@ -77,12 +82,26 @@ class _Progress:
             while self._created() < wanted:
                 threading.Event().wait(0.01)
 
-    def planned(self, briefcases: int, rows: int) -> None:
-        pass
+    def counts(self, counts: ReshardCounts, last: PlannedMove | None) -> None:
+        self.shown.append((counts.briefcases_done, counts.briefcases_total, counts.rows_done, counts.rows_total))
+        if last is not None and self.phases and self.phases[-1] == "final moves":
+            self.final_moves.append(last.gdid)
 
-    def moved(self, gdid: GDID, source: str, target: str, rows: int) -> None:
-        if self.phases and self.phases[-1] == "final moves":
-            self.final_moves.append(gdid)
+
+def _assert_counts_agree(store: Store, reshard_id: str | None, shown: list[tuple[int, int, int, int]], final: tuple[int, int]) -> None:
+    """Issue 11 item 9: the bars, `moves status` and the final line agree and never exceed the total.
+
+    Briefcases created during the reshard are moved by later sweeps; the old code kept the first
+    plan's total, so done passed it (the bar showed 459/178, the final line "178 of 267").
+    """
+    assert shown and all(done <= total and rows <= rows_total for done, total, rows, rows_total in shown), shown
+    assert [s[0] for s in shown] == sorted(s[0] for s in shown), "done went backwards"
+    _, recent = move_status(store, recent=10_000)
+    status = next(s.entry for s in recent if s.entry.move_id == reshard_id)
+    journaled = (status.briefcases_done, status.briefcases_total, status.rows_done, status.rows_total)
+    assert journaled == shown[-1] == (final[0], final[0], final[1], final[1]), (journaled, shown[-1], final)
+    finished = [m for m in Journal(store).moves_of(status.move_id) if m.status == "done"]
+    assert final == (len(finished), sum(m.rows_done for m in finished))
 
 
 def test_briefcases_created_during_a_reshard_end_up_once_on_the_new_shard(
@@ -116,6 +135,7 @@ def test_briefcases_created_during_a_reshard_end_up_once_on_the_new_shard(
             outcome = reshard(admin, "user", GDID(0, 0, 0), NEW, parallel=2, map_path=cluster.path, progress=progress)
         assert outcome.map_version is not None
         assert progress.final_moves, "the final (frozen) sweep moved no straggler: the window was not exercised"
+        _assert_counts_agree(admin, outcome.reshard_id, progress.shown, (outcome.moved, outcome.rows_moved))
         after = created()
         while created() < after + 5:  # writes go on after the unfreeze, under the new map
             assert proc.poll() is None, errors.read_text()

@@ -6,7 +6,6 @@ known, and talks to the live system; errors mdb raises on purpose end as one ``e
 
 from __future__ import annotations
 
-import threading
 import time
 from datetime import datetime, timezone
 from typing import Annotated, Any
@@ -18,9 +17,11 @@ from rich.table import Table
 
 from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, fail, open_store
 from mdb.gdid import GDID
-from mdb.moves.protocol import DEFAULT_MAX_PAUSE, MoveAbortedError, move_briefcase
-from mdb.moves.resume import FAILED, resume_all
-from mdb.moves.status import move_status, where
+from mdb.moves.plan import PlannedMove
+from mdb.moves.protocol import DEFAULT_MAX_PAUSE, move_briefcase
+from mdb.moves.reshard import ReshardCounts
+from mdb.moves.resume import FAILED, HELD, resume_all
+from mdb.moves.status import MoveStatus, move_status, where
 from mdb.store import Store
 
 __all__ = ["moves_app"]
@@ -82,14 +83,17 @@ def move_cmd(
 
                 progress.start()
         try:
+            # A MoveAbortedError (verification, --max-pause) is retryable: main() ends it with
+            # exit 4, "aborted safely, retry later" (docs/cli.md), not 2, the code for bad input.
             result = move_briefcase(store, area, gid, to, dry_run=dry_run, max_pause=max_pause, on_table=on_table)
-        except MoveAbortedError as exc:
-            fail(str(exc))
         finally:
             if progress is not None:
                 progress.stop()
     if as_json:
         emit_json(result.to_json())
+        return
+    if result.status == "already-there":
+        console.print(f"{area}/{gid} already lives on {result.target}; nothing to do", markup=False)
         return
     table = Table(title=f"{'would move' if dry_run else 'moved'} {area}/{gid}: {result.source} -> {result.target}")
     table.add_column("table")
@@ -99,9 +103,7 @@ def move_cmd(
         table.add_row(escape(name), str(rows), _size(nbytes))
     table.add_row("total", str(result.rows), _size(result.bytes))
     console.print(table)
-    if result.status == "already-there":
-        console.print(f"{area}/{gid} already lives on {result.target}; nothing to do", markup=False)
-    elif result.status == "done":
+    if result.status == "done":
         console.print(f"done: move {result.move_id}, write pause {result.pause_seconds * 1000:.0f} ms", markup=False)
 
 
@@ -131,7 +133,7 @@ def where_cmd(
     for server, problem in found.unreachable.items():
         console.print(f"  {server}: unreachable: {problem}", markup=False)
     for move in found.moves_in_flight:
-        console.print(f"  move in flight: {move['move_id']} {move['source']} -> {move['target']} at step {move['step']}", markup=False)
+        console.print(f"  move in flight: {move['move_id']} {move['source']} -> {move['target']} at step {move['step']}, {move['driver']}", markup=False)
     if not found.moves_in_flight:
         console.print("  no move in flight", markup=False)
     if not found.consistent:
@@ -151,14 +153,32 @@ def _ago(when: datetime | None) -> str:
 @moves_app.command("status")
 def status_cmd(
     map_path: MapArg,
+    limit: Annotated[int, typer.Option("--limit", min=0, help="How many recently finished moves and reshards to show.")] = 10,
+    watch: Annotated[float | None, typer.Option("--watch", metavar="SECONDS", min=0.5, help="Show it again every SECONDS until Ctrl-C.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
-    """In-flight moves and reshards: phase, briefcases and rows done per table, rate, ETA, last change."""
+    """In-flight moves and reshards: phase, process (running or interrupted), briefcases and rows done, rate, ETA."""
+    if watch is not None and as_json:
+        fail("--watch and --json do not go together (run --json repeatedly instead)")
     with _store(map_path) as store:
-        running, finished = move_status(store)
-    if as_json:
-        emit_json({"in_flight": [s.to_json() for s in running], "recent": [s.to_json() for s in finished]})
-        return
+        try:
+            while True:
+                running, finished = move_status(store, recent=limit)
+                if as_json:
+                    emit_json({"in_flight": [s.to_json() for s in running], "recent": [s.to_json() for s in finished]})
+                    return
+                if watch is not None:
+                    console.clear()
+                _print_status(running, finished)
+                if watch is None:
+                    return
+                time.sleep(watch)
+        except KeyboardInterrupt:  # how a --watch ends
+            if watch is None:
+                raise
+
+
+def _print_status(running: list[MoveStatus], finished: list[MoveStatus]) -> None:
     for title, items in (("in flight", running), ("recently finished", finished)):
         table = Table(title=title)
         for column in ("id", "kind", "briefcase / partition", "from -> to", "phase", "briefcases", "rows", "rows/s", "ETA", "last change"):
@@ -175,6 +195,8 @@ def status_cmd(
             )
         console.print(table)
         for s in items:
+            if s.driver is not None:
+                console.print(f"  {s.entry.move_id}: {s.driver}", markup=False)
             if s.entry.tables and s.entry.status == "running":
                 per = ", ".join(f"{name} {done}/{planned}" for name, (planned, done) in s.entry.tables.items())
                 console.print(f"  {s.entry.move_id} rows per table: {per}", markup=False)
@@ -198,8 +220,29 @@ def resume_cmd(
             console.print("nothing to resume", markup=False)
         for o in outcomes:
             console.print(f"{o.move_id} ({o.kind}): {o.action}: {o.detail}", markup=False)
-    if any(o.action == FAILED for o in outcomes):
+    if outcomes and all(o.action == HELD for o in outcomes):
+        raise typer.Exit(2)  # refused: every unfinished entry is driven by another live process
+    if any(o.action in (FAILED, HELD) for o in outcomes):
         raise typer.Exit(1)  # like `schema apply`: the rest was done, the run is incomplete
+
+
+@moves_app.command("cancel")
+def cancel_cmd(
+    map_path: MapArg,
+    move_id: Annotated[str, typer.Argument(metavar="ID", help="id of a move or reshard (see `mdb moves status`)")],
+    move_back: Annotated[bool, typer.Option("--move-back/--leave", help="Move the briefcases it already moved back to their old server, or leave them where they are (as relocations).")] = True,
+    wait: Annotated[float, typer.Option("--wait", metavar="SECONDS", min=0.0, help="How long a running driver is given to stop.")] = 60.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Cancel a move or a reshard before it applies its new map; the old map stays in force."""
+    from mdb.moves.cancel import cancel
+
+    with _store(map_path) as store:
+        outcome = cancel(store, move_id, move_back=move_back, wait=wait)
+    if as_json:
+        emit_json(outcome.to_json())
+        return
+    console.print(f"{outcome.move_id} ({outcome.kind}): {outcome.detail}", markup=False)
 
 
 @app.command("reshard")
@@ -229,27 +272,38 @@ def reshard_cmd(
     if as_json:
         emit_json(outcome.to_json())
         return
-    table = Table(title=f"reshard {area} partition {plan.partition_start}: {','.join(plan.old_shards)} -> {','.join(plan.new_shards)}")
+    planned = "would move" if dry_run else "planned at the start"
+    table = Table(title=f"reshard {area} partition {plan.partition_start}: {','.join(plan.old_shards)} -> {','.join(plan.new_shards)} ({planned})")
     for column in ("source", "target", "briefcases", "rows"):
         table.add_column(column, justify="right" if column in ("briefcases", "rows") else "left")
     for (src, dst), (n, rows) in sorted(plan.pairs().items()):
         table.add_row(escape(src), escape(dst), str(n), str(rows))
     console.print(table)
-    console.print(f"{len(plan.moves)} of {plan.briefcases_in_partition} briefcases {'would move' if dry_run else 'moved'}; rows per table: "
-                  + ", ".join(f"{k} {v}" for k, v in plan.rows_per_table().items()), markup=False)
-    if not dry_run:
-        console.print(f"done: reshard {outcome.reshard_id}, map version {outcome.map_version}", markup=False)
+    if dry_run:
+        console.print(f"{len(plan.moves)} of {plan.briefcases_in_partition} briefcases would move; rows per table: "
+                      + ", ".join(f"{k} {v}" for k, v in plan.rows_per_table().items()), markup=False)
+        return
+    # The table above is the plan made at the start; briefcases created meanwhile were planned
+    # again and moved too, so the final figures come from the journal, like the bars and status.
+    console.print(f"moved {outcome.moved} briefcases ({outcome.rows_moved} rows); "
+                  f"done: reshard {outcome.reshard_id}, map version {outcome.map_version}", markup=False)
+    if outcome.map_backup is not None:
+        console.print(f"{map_path} was rewritten as YAML data (comments and layout are not kept); "
+                      f"the previous file is at {outcome.map_backup}", markup=False, soft_wrap=True)  # a path to copy: unbroken
 
 
 class _RichReshardProgress:
-    """Briefcases and rows bars with rate and ETA; the description shows the last change."""
+    """Briefcases and rows bars with rate and ETA; the description shows the last change.
+
+    The bars show the counts the reshard has just written to its journal row (never a count of
+    their own), so they agree with `mdb moves status` and the final line.
+    """
 
     def __init__(self) -> None:
         self._progress = Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
             TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), TimeElapsedColumn(), console=console,
         )
-        self._lock = threading.Lock()
         self._bc: Any = None
         self._rows: Any = None
         self._started = time.monotonic()
@@ -264,19 +318,12 @@ class _RichReshardProgress:
     def phase(self, name: str) -> None:
         self._progress.console.print(f"phase: {name}", markup=False)
 
-    def planned(self, briefcases: int, rows: int) -> None:
-        with self._lock:
-            self._bc = self._progress.add_task("briefcases", total=briefcases, rate="")
-            self._rows = self._progress.add_task("rows", total=rows, rate="")
-
-    def moved(self, gdid: GDID, source: str, target: str, rows: int) -> None:
-        with self._lock:
-            if self._bc is None:
-                return
-            elapsed = max(time.monotonic() - self._started, 1e-6)
-            self._progress.update(self._bc, advance=1, description=f"briefcases (last: {gdid} {source}->{target})")
-            self._progress.update(self._rows, advance=rows)
-            done = self._progress.tasks[self._rows].completed
-            self._progress.update(self._rows, rate=f"{done / elapsed:.0f} rows/s")
-
-
+    def counts(self, counts: ReshardCounts, last: PlannedMove | None) -> None:
+        if self._bc is None:
+            self._bc = self._progress.add_task("briefcases", total=counts.briefcases_total, rate="")
+            self._rows = self._progress.add_task("rows", total=counts.rows_total, rate="")
+        elapsed = max(time.monotonic() - self._started, 1e-6)
+        self._progress.update(self._bc, completed=counts.briefcases_done, total=counts.briefcases_total)
+        if last is not None:
+            self._progress.update(self._bc, description=f"briefcases (last: {last.gdid} {last.source}->{last.target})")
+        self._progress.update(self._rows, completed=counts.rows_done, total=counts.rows_total, rate=f"{counts.rows_done / elapsed:.0f} rows/s")

@@ -7,13 +7,12 @@ and :func:`status` report on the live system. See docs/moves.md.
 """
 
 from mdb.moves.journal import Journal, JournalEntry
-from mdb.moves.protocol import MoveAbortedError, MoveResult, move_briefcase
+from mdb.moves.protocol import MoveResult, move_briefcase
 from mdb.moves.resume import ResumeOutcome, resume_all
 
 __all__ = [
     "Journal",
     "JournalEntry",
-    "MoveAbortedError",
     "MoveResult",
     "ResumeOutcome",
     "move_briefcase",

@@ -3,7 +3,9 @@
 ``MDB_FAULT_POINT=move.after_copy_commit`` in a process's environment makes that process kill
 itself with SIGKILL the moment it reaches that point: no cleanup, no ``finally``, exactly what
 a power cut or an OOM kill does. ``MDB_FAULT_SKIP=N`` lets the point pass N times first (to
-crash in the middle of a reshard). Unset, a fault point costs one dict lookup.
+crash in the middle of a reshard). ``MDB_FAULT_ACTION=sleep:S`` makes the point sleep S
+seconds instead (a driver held alive mid-way, its heartbeat running: the lease tests). Unset, a
+fault point costs one dict lookup.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 __all__ = ["FAULT_POINTS", "fault_point"]
 
@@ -42,6 +45,7 @@ FAULT_POINTS: tuple[str, ...] = (
     "reshard.after_clear_relocations",
     "reshard.after_resident_cleanup",
     "resume.after_discard",
+    "cancel.after_first_move_back",
 )
 """Every point the code defines (tests iterate over these)."""
 
@@ -58,5 +62,10 @@ def fault_point(name: str) -> None:
     with _lock:
         seen = _passed.get(name, 0)
         _passed[name] = seen + 1
-    if seen >= skip:
-        os.kill(os.getpid(), signal.SIGKILL)
+    if seen < skip:
+        return
+    action = os.environ.get("MDB_FAULT_ACTION", "kill")
+    if action.startswith("sleep:"):
+        time.sleep(float(action.removeprefix("sleep:")))
+        return
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -28,6 +28,7 @@ __all__ = [
     "JOURNAL_KEY",
     "Journal",
     "JournalEntry",
+    "move_leases",
     "moves_table",
     "new_move_id",
 ]
@@ -38,7 +39,8 @@ RUNNING: Final = "running"
 DONE: Final = "done"
 ABORTED: Final = "aborted"
 ROLLED_BACK: Final = "rolled back"
-FINISHED: Final = frozenset({DONE, ABORTED, ROLLED_BACK})
+CANCELLED: Final = "cancelled"
+FINISHED: Final = frozenset({DONE, ABORTED, ROLLED_BACK, CANCELLED})
 
 moves_table = Table(
     "mdb_moves",
@@ -61,6 +63,20 @@ moves_table = Table(
     Column("rows_done", Integer, nullable=False, default=0),
     Column("started_at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
+)
+
+
+move_leases = Table(
+    "mdb_move_leases",
+    central_metadata,
+    # Who drives a journal entry now (mdb.moves.lease); the row exists only while it is held.
+    Column("move_id", String(64), primary_key=True),
+    Column("pid", Integer, nullable=True),
+    Column("host", String(255), nullable=True),
+    Column("token", String(32), nullable=True),  # new on every take: the compare-and-swap of a takeover
+    Column("since", DateTime(timezone=True), nullable=True),
+    Column("beat_at", DateTime(timezone=True), nullable=True),
+    Column("stop_by", String(300), nullable=True),  # set by `mdb moves cancel`: the driver stops at its next check
 )
 
 
@@ -120,6 +136,10 @@ class Journal:
         self._store = store
         self.server: str = store.router.locate_central(JOURNAL_KEY).server
 
+    @property
+    def store(self) -> Any:
+        return self._store
+
     def start(self, entry: JournalEntry) -> None:
         with self._store.transaction(self.server) as conn:
             conn.execute(
@@ -156,16 +176,28 @@ class Journal:
             row = conn.execute(select(moves_table).where(moves_table.c.move_id == move_id)).mappings().first()
         return None if row is None else JournalEntry.from_row(row)
 
-    def entries(self, *, unfinished: bool = False, reshard_id: str | None = None, limit: int | None = None) -> list[JournalEntry]:
+    def entries(
+        self, *, unfinished: bool = False, finished: bool = False, reshard_id: str | None = None, limit: int | None = None
+    ) -> list[JournalEntry]:
+        """Newest first: by start, or for ``finished`` ones by when they finished (a reshard ends after its moves)."""
         query = select(moves_table).order_by(moves_table.c.started_at.desc(), moves_table.c.move_id)
         if unfinished:
             query = query.where(moves_table.c.status == RUNNING)
+        if finished:
+            query = query.where(moves_table.c.status != RUNNING).order_by(None).order_by(
+                moves_table.c.updated_at.desc(), moves_table.c.started_at.desc(), moves_table.c.move_id)
         if reshard_id is not None:
             query = query.where(moves_table.c.reshard_id == reshard_id)
         if limit is not None:
             query = query.limit(limit)
         with self._store.transaction(self.server) as conn:
             return [JournalEntry.from_row(r) for r in conn.execute(query).mappings()]
+
+    def moves_of(self, reshard_id: str) -> list[JournalEntry]:
+        """Every move journaled for a reshard (any status), oldest first."""
+        query = select(moves_table).where(moves_table.c.reshard_id == reshard_id, moves_table.c.kind == "move")
+        with self._store.transaction(self.server) as conn:
+            return [JournalEntry.from_row(r) for r in conn.execute(query.order_by(moves_table.c.started_at, moves_table.c.move_id)).mappings()]
 
     def reshard_counts(self, reshard_id: str) -> Mapping[str, int]:
         """status -> number of moves of a reshard (exact, from the journal)."""

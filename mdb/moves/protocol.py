@@ -32,7 +32,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,12 +43,13 @@ from sqlalchemy.exc import OperationalError
 
 from mdb import dberrors
 from mdb.dberrors import translated
-from mdb.errors import MdbError, RoutingError, SchemaError
+from mdb.errors import MdbError, MoveAbortedError, RoutingError, SchemaError
 from mdb.gdid import GDID
 from mdb.moves import verify
 from mdb.moves.copy import AreaTable, copy_rows, delete_briefcase, delete_keys, delete_rows, measure, select_keys
 from mdb.moves.faults import fault_point
 from mdb.moves.journal import ABORTED, DONE, RUNNING, Journal, JournalEntry, new_move_id
+from mdb.moves.lease import describe_liveness, hold
 from mdb.ownership import lock_key_sql
 from mdb.relocations import clear_relocation, set_relocation
 from mdb.schema_diff import compare_tables, format_differences
@@ -56,7 +57,6 @@ from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefc
 from mdb.urls import mask_secrets
 
 __all__ = [
-    "MoveAbortedError",
     "MoveResult",
     "area_tables",
     "check_max_pause",
@@ -76,15 +76,6 @@ PRECOPY_ROWS = int(os.environ.get("MDB_PRECOPY_ROWS", "20000"))
 """Briefcases with at least this many rows are pre-copied outside the lock, then re-synced under it."""
 VERIFY_WAYS = 2
 """Connections per side that compute a move's checksums at once (large tables in key ranges)."""
-
-
-class MoveAbortedError(MdbError):
-    """A move stopped before its commit point; the source is still authoritative."""
-
-    def __init__(self, message: str, move_id: str | None = None, mismatches: list[str] | None = None) -> None:
-        super().__init__(message)
-        self.move_id = move_id
-        self.mismatches = mismatches or []
 
 
 @dataclass
@@ -453,13 +444,13 @@ def _refuse_if_busy(store: Any, journal: Journal, area: str, gdid: GDID) -> None
     """
     partition = store.router.default_placement(area, gdid).partition_start
     busy = [
-        e.move_id for e in journal.entries(unfinished=True)
+        f"{e.move_id}: {describe_liveness(journal, e)}" for e in journal.entries(unfinished=True)
         if e.area == area and (e.gdid == gdid or (e.kind == "reshard" and e.params.get("partition_start") == str(partition)))
     ]
     if busy:
         raise MdbError(
             f"briefcase {area}/{gdid} has unfinished moves or a reshard of its partition ({', '.join(busy)}): "
-            "run `mdb moves resume MAP` first"
+            "let a running one finish, or run `mdb moves resume MAP` for an interrupted one"
         )
 
 
@@ -478,11 +469,13 @@ def move_briefcase(
     on_table: Callable[[str, int], None] | None = None,
     refresh: bool = True,
     source: str | None = None,
+    reverse_of: str | None = None,
 ) -> MoveResult:
     """Move one briefcase (every table of every type of ``area``) to server ``target``, online.
 
     Raises :class:`MoveAbortedError` (source still authoritative, target copy removed) when
-    verification fails or the pause would exceed ``max_pause``.
+    verification fails or the pause would exceed ``max_pause``. ``reverse_of`` names the move of
+    a cancelled reshard this one undoes (journaled, so it is not counted as the reshard's progress).
     """
     check_max_pause(max_pause)
     if refresh:
@@ -505,167 +498,170 @@ def move_briefcase(
     total = sum(r for r, _ in sizes.values())
     journal.start(JournalEntry(
         move_id=move_id, kind="move", area=area, step="precheck", status=RUNNING, gdid=gdid, source=source,
-        target=target, reshard_id=reshard_id, params={"max_pause": max_pause},
+        target=target, reshard_id=reshard_id, params={"max_pause": max_pause, "reverse_of": reverse_of},
         tables={name: [rows, 0] for name, (rows, _) in sizes.items()}, briefcases_total=1, rows_total=total,
     ))
     fault_point("move.after_journal_start")
-    try:
-        previous = precheck(store, area, gdid, source, target, tables, move_id)
-    except MdbError as exc:
-        journal.finish(move_id, ABORTED, f"precheck: {exc}")
-        raise
-    params = {"max_pause": max_pause, "previous_target_state": None if previous is None else {
-        "state": previous["state"], "peer": previous["peer"], "move_id": previous["move_id"]}}
-    fault_point("move.after_precheck")
-    precopied = total >= precopy_rows
-    precopy_sums: tuple[list[verify.Part], list[verify.TableSum]] | None = None
-    if precopied:
-        journal.step(move_id, "precopy", params=params)
-        with store.transaction(source) as src, store.transaction(target) as dst:
-            _set_state(dst, area, gdid, STATE_INCOMING, source, move_id)
-            copy_rows(src, dst, tables, gdid, on_table=on_table)
-            blocks = _resync_blocks(src, tables, gdid, {name: r for name, (r, _) in sizes.items()}) \
-                if verify.method_for(src, dst) == "sql" else None
-        fault_point("move.after_precopy")
-        if blocks is not None:  # the committed pre-copy, kept still by its 'incoming' row
-            precopy_sums = (blocks, _part_sums_on(store, target, blocks, gdid))
-        journal.step(move_id, "lock")
-    else:
-        journal.step(move_id, "lock", params=params)
+    # A single move is driven under its own lease (a reshard's moves under the reshard's), so
+    # a resume started beside it leaves it alone and `mdb moves status` names its process.
+    with hold(journal, move_id) if reshard_id is None else nullcontext():
+        try:
+            previous = precheck(store, area, gdid, source, target, tables, move_id)
+        except MdbError as exc:
+            journal.finish(move_id, ABORTED, f"precheck: {exc}")
+            raise
+        params = {"max_pause": max_pause, "reverse_of": reverse_of, "previous_target_state": None if previous is None else {
+            "state": previous["state"], "peer": previous["peer"], "move_id": previous["move_id"]}}
+        fault_point("move.after_precheck")
+        precopied = total >= precopy_rows
+        precopy_sums: tuple[list[verify.Part], list[verify.TableSum]] | None = None
+        if precopied:
+            journal.step(move_id, "precopy", params=params)
+            with store.transaction(source) as src, store.transaction(target) as dst:
+                _set_state(dst, area, gdid, STATE_INCOMING, source, move_id)
+                copy_rows(src, dst, tables, gdid, on_table=on_table)
+                blocks = _resync_blocks(src, tables, gdid, {name: r for name, (r, _) in sizes.items()}) \
+                    if verify.method_for(src, dst) == "sql" else None
+            fault_point("move.after_precopy")
+            if blocks is not None:  # the committed pre-copy, kept still by its 'incoming' row
+                precopy_sums = (blocks, _part_sums_on(store, target, blocks, gdid))
+            journal.step(move_id, "lock")
+        else:
+            journal.step(move_id, "lock", params=params)
 
-    def abort(reason: str, mismatches: list[str] | None = None) -> MoveAbortedError:
-        discard_target(store, target, area, gdid, tables, move_id, previous)
-        detail = reason if not mismatches else reason + ": " + "; ".join(mismatches)
-        journal.finish(move_id, ABORTED, detail)
-        return MoveAbortedError(f"move {move_id} of {area}/{gdid} aborted, {source!r} is still authoritative: {detail}", move_id, mismatches)
+        def abort(reason: str, mismatches: list[str] | None = None) -> MoveAbortedError:
+            discard_target(store, target, area, gdid, tables, move_id, previous)
+            detail = reason if not mismatches else reason + ": " + "; ".join(mismatches)
+            journal.finish(move_id, ABORTED, detail)
+            return MoveAbortedError(f"move {move_id} of {area}/{gdid} aborted, {source!r} is still authoritative: {detail}", move_id, mismatches)
 
-    try:
-        with locked_source(store, source, area, gdid, lock_wait=lock_wait, max_pause=max_pause) as (src, locked_at), \
-                ThreadPoolExecutor(max_workers=VERIFY_WAYS, thread_name_prefix="mdb-move-verify") as pool:
-            fault_point("move.after_lock")
-            deadline = locked_at + max_pause
-            _bound_statements(src, deadline)
-            src_state = _state(src, area, gdid)
-            if (src_state is not None and src_state["state"] in (STATE_GONE, STATE_INCOMING)) or not _root_exists(src, tables, gdid):
-                raise abort("under the lock the source no longer holds the briefcase (another move?)")
-            journal.step(move_id, "copy")
-            src_job: Future[SourceSide] | None = None
-            resynced: tuple[list[verify.Part], list[verify.TableSum]] | None = None
+        try:
+            with locked_source(store, source, area, gdid, lock_wait=lock_wait, max_pause=max_pause) as (src, locked_at), \
+                    ThreadPoolExecutor(max_workers=VERIFY_WAYS, thread_name_prefix="mdb-move-verify") as pool:
+                fault_point("move.after_lock")
+                deadline = locked_at + max_pause
+                _bound_statements(src, deadline)
+                src_state = _state(src, area, gdid)
+                if (src_state is not None and src_state["state"] in (STATE_GONE, STATE_INCOMING)) or not _root_exists(src, tables, gdid):
+                    raise abort("under the lock the source no longer holds the briefcase (another move?)")
+                journal.step(move_id, "copy")
+                src_job: Future[SourceSide] | None = None
+                resynced: tuple[list[verify.Part], list[verify.TableSum]] | None = None
 
-            def start_source_side(checksums: bool = True) -> None:
-                # From the lock on, no session can change the briefcase on the source, so its
-                # checksums (a query of their own, not the copy's stream) are computed on a
-                # second connection while the copy runs. For a large briefcase, started when
-                # the source has sent its largest table: the target is then busy for a while
-                # with that table's inserts and foreign-key checks while the source and this
-                # process are idle. SQL method only: the Python method is CPU-bound in this
-                # process, and SQLite wants one connection.
-                nonlocal src_job
-                if src_job is None and method == "sql":
-                    src_job = pool.submit(_source_side, store, source, tables, gdid, deadline, checksums=checksums)
+                def start_source_side(checksums: bool = True) -> None:
+                    # From the lock on, no session can change the briefcase on the source, so its
+                    # checksums (a query of their own, not the copy's stream) are computed on a
+                    # second connection while the copy runs. For a large briefcase, started when
+                    # the source has sent its largest table: the target is then busy for a while
+                    # with that table's inserts and foreign-key checks while the source and this
+                    # process are idle. SQL method only: the Python method is CPU-bound in this
+                    # process, and SQLite wants one connection.
+                    nonlocal src_job
+                    if src_job is None and method == "sql":
+                        src_job = pool.submit(_source_side, store, source, tables, gdid, deadline, checksums=checksums)
 
-            largest = max(sizes, key=lambda name: sizes[name][0])
-            with store.transaction(target) as dst:
-                _bound_statements(dst, deadline)
-                method = verify.method_for(src, dst)
-                if precopied or sizes[largest][0] < verify.SPLIT_ROWS:
-                    start_source_side(checksums=precopy_sums is None)  # a re-sync by ranges sums the source
-                if precopied:
-                    state = _state(dst, area, gdid)
-                    if state is None or state["move_id"] != move_id:
-                        raise abort("the pre-copy on the target vanished")
-                    if precopy_sums is not None and method == "sql":
-                        changed, src_part_sums = _resync_sql(src, dst, gdid, *precopy_sums)
-                        resynced = (precopy_sums[0], src_part_sums)
+                largest = max(sizes, key=lambda name: sizes[name][0])
+                with store.transaction(target) as dst:
+                    _bound_statements(dst, deadline)
+                    method = verify.method_for(src, dst)
+                    if precopied or sizes[largest][0] < verify.SPLIT_ROWS:
+                        start_source_side(checksums=precopy_sums is None)  # a re-sync by ranges sums the source
+                    if precopied:
+                        state = _state(dst, area, gdid)
+                        if state is None or state["move_id"] != move_id:
+                            raise abort("the pre-copy on the target vanished")
+                        if precopy_sums is not None and method == "sql":
+                            changed, src_part_sums = _resync_sql(src, dst, gdid, *precopy_sums)
+                            resynced = (precopy_sums[0], src_part_sums)
+                        else:
+                            changed = _resync(src, dst, tables, gdid, method)
+                        log.info("move %s: re-synced %d changed row(s) under the lock", move_id, sum(changed.values()))
                     else:
-                        changed = _resync(src, dst, tables, gdid, method)
-                    log.info("move %s: re-synced %d changed row(s) under the lock", move_id, sum(changed.values()))
+                        _set_state(dst, area, gdid, STATE_INCOMING, source, move_id)
+                        first = [True]
+
+                        def table_done(name: str, rows: int) -> None:
+                            if first[0]:
+                                first[0] = False
+                                fault_point("move.during_copy")
+                            if on_table is not None:
+                                on_table(name, rows)
+
+                        copy_rows(src, dst, tables, gdid, on_table=table_done,
+                                  on_streamed=lambda name: start_source_side() if name == largest else None)
+                        start_source_side()
+                fault_point("move.after_copy_commit")
+                if time.monotonic() > deadline:  # no use verifying a cutover that may not commit
+                    src.rollback()
+                    fault_point("move.pause_abort.after_source_rollback")
+                    raise abort(f"the copy alone held the write lock {time.monotonic() - locked_at:.2f}s, over --max-pause {max_pause:.2f}s")
+                journal.step(move_id, "verify")
+                if src_job is None:
+                    src_sums = verify.table_sums(src, tables, gdid, method)
+                    nbytes = {name: b for name, (_, b) in measure(src, tables, gdid).items()}
+                    dst_sums = _table_sums_on(store, target, tables, gdid, method)
                 else:
-                    _set_state(dst, area, gdid, STATE_INCOMING, source, move_id)
-                    first = [True]
-
-                    def table_done(name: str, rows: int) -> None:
-                        if first[0]:
-                            first[0] = False
-                            fault_point("move.during_copy")
-                        if on_table is not None:
-                            on_table(name, rows)
-
-                    copy_rows(src, dst, tables, gdid, on_table=table_done,
-                              on_streamed=lambda name: start_source_side() if name == largest else None)
-                    start_source_side()
-            fault_point("move.after_copy_commit")
-            if time.monotonic() > deadline:  # no use verifying a cutover that may not commit
-                src.rollback()
+                    parts, src_part_sums, nbytes = src_job.result()  # done before the copy, as a rule
+                    if resynced is not None:
+                        parts, src_part_sums = resynced  # taken under the lock before the re-sync copied
+                    src_sums = verify.combine(parts, src_part_sums)
+                    groups = verify.spread(parts, VERIFY_WAYS)
+                    dst_jobs = [pool.submit(_part_sums_on, store, target, [parts[i] for i in group], gdid, deadline) for group in groups]
+                # While the target computes its checksums, the locked source transaction writes the
+                # fence and deletes the rows behind a savepoint: none of it is visible to anyone, and
+                # it is rolled back unless verification passes (the commit below is the commit point).
+                _bound_statements(src, deadline)  # the time left, for the fence and the delete
+                cut = src.begin_nested()
+                _set_state(src, area, gdid, STATE_GONE, target, move_id)
+                deleted = delete_rows(src, tables, gdid)
+                if src_job is not None:
+                    dst_part_sums: dict[int, verify.TableSum] = {}
+                    for group, job in zip(groups, dst_jobs, strict=True):
+                        dst_part_sums.update(zip(group, job.result(), strict=True))
+                    dst_sums = verify.combine(parts, [dst_part_sums[i] for i in range(len(parts))])
+                bad = verify.compare(src_sums, dst_sums)
+                # The delete must remove exactly the rows that were verified; anything else means
+                # something wrote to the briefcase past its lock, and deleting would lose that write.
+                wrong = [f"{name}: the commit point would delete {n} row(s), {src_sums[name].rows if name in src_sums else 'none'} were verified"
+                         for name, n in deleted.items() if name not in src_sums or n != src_sums[name].rows]
+                wrong += [f"{at.name}: not verified on the target" for at in tables if at.name not in dst_sums]
+                if bad or wrong:
+                    cut.rollback()  # the source rows are back (still under the lock) for the report
+                    if src.dialect.name == "postgresql":
+                        src.exec_driver_sql("SET LOCAL statement_timeout = 0")  # the report may take its time
+                    raise abort("verification failed", _mismatches(store, src, target, tables, gdid, method, bad, src_sums, dst_sums) + wrong)
+                fault_point("move.after_verify")
+                held = time.monotonic() - locked_at
+                if held > max_pause:
+                    src.rollback()
+                    fault_point("move.pause_abort.after_source_rollback")
+                    raise abort(f"the write lock was held {held:.2f}s, over --max-pause {max_pause:.2f}s")
+                moved = {name: s.rows for name, s in src_sums.items()}
+                journal.step(move_id, "commit_point", tables={n: [r, r] for n, r in moved.items()}, rows_done=sum(moved.values()))
+                cut.commit()
+                fault_point("move.before_commit_point")
+                src.commit()
+                pause = time.monotonic() - locked_at
+        except MoveAbortedError:
+            raise
+        except BaseException as exc:
+            if _cancelled(exc):
+                # A statement under the lock ran past --max-pause (or an operator cancelled it): the
+                # source transaction was rolled back when the lock was let go, so abort like any
+                # cutover over its pause (the committed target copy, if any, is discarded).
                 fault_point("move.pause_abort.after_source_rollback")
-                raise abort(f"the copy alone held the write lock {time.monotonic() - locked_at:.2f}s, over --max-pause {max_pause:.2f}s")
-            journal.step(move_id, "verify")
-            if src_job is None:
-                src_sums = verify.table_sums(src, tables, gdid, method)
-                nbytes = {name: b for name, (_, b) in measure(src, tables, gdid).items()}
-                dst_sums = _table_sums_on(store, target, tables, gdid, method)
-            else:
-                parts, src_part_sums, nbytes = src_job.result()  # done before the copy, as a rule
-                if resynced is not None:
-                    parts, src_part_sums = resynced  # taken under the lock before the re-sync copied
-                src_sums = verify.combine(parts, src_part_sums)
-                groups = verify.spread(parts, VERIFY_WAYS)
-                dst_jobs = [pool.submit(_part_sums_on, store, target, [parts[i] for i in group], gdid, deadline) for group in groups]
-            # While the target computes its checksums, the locked source transaction writes the
-            # fence and deletes the rows behind a savepoint: none of it is visible to anyone, and
-            # it is rolled back unless verification passes (the commit below is the commit point).
-            _bound_statements(src, deadline)  # the time left, for the fence and the delete
-            cut = src.begin_nested()
-            _set_state(src, area, gdid, STATE_GONE, target, move_id)
-            deleted = delete_rows(src, tables, gdid)
-            if src_job is not None:
-                dst_part_sums: dict[int, verify.TableSum] = {}
-                for group, job in zip(groups, dst_jobs, strict=True):
-                    dst_part_sums.update(zip(group, job.result(), strict=True))
-                dst_sums = verify.combine(parts, [dst_part_sums[i] for i in range(len(parts))])
-            bad = verify.compare(src_sums, dst_sums)
-            # The delete must remove exactly the rows that were verified; anything else means
-            # something wrote to the briefcase past its lock, and deleting would lose that write.
-            wrong = [f"{name}: the commit point would delete {n} row(s), {src_sums[name].rows if name in src_sums else 'none'} were verified"
-                     for name, n in deleted.items() if name not in src_sums or n != src_sums[name].rows]
-            wrong += [f"{at.name}: not verified on the target" for at in tables if at.name not in dst_sums]
-            if bad or wrong:
-                cut.rollback()  # the source rows are back (still under the lock) for the report
-                if src.dialect.name == "postgresql":
-                    src.exec_driver_sql("SET LOCAL statement_timeout = 0")  # the report may take its time
-                raise abort("verification failed", _mismatches(store, src, target, tables, gdid, method, bad, src_sums, dst_sums) + wrong)
-            fault_point("move.after_verify")
-            held = time.monotonic() - locked_at
-            if held > max_pause:
-                src.rollback()
-                fault_point("move.pause_abort.after_source_rollback")
-                raise abort(f"the write lock was held {held:.2f}s, over --max-pause {max_pause:.2f}s")
-            moved = {name: s.rows for name, s in src_sums.items()}
-            journal.step(move_id, "commit_point", tables={n: [r, r] for n, r in moved.items()}, rows_done=sum(moved.values()))
-            cut.commit()
-            fault_point("move.before_commit_point")
-            src.commit()
-            pause = time.monotonic() - locked_at
-    except MoveAbortedError:
-        raise
-    except BaseException as exc:
-        if _cancelled(exc):
-            # A statement under the lock ran past --max-pause (or an operator cancelled it): the
-            # source transaction was rolled back when the lock was let go, so abort like any
-            # cutover over its pause (the committed target copy, if any, is discarded).
-            fault_point("move.pause_abort.after_source_rollback")
-            raise abort(f"a statement under the write lock was cancelled at --max-pause {max_pause:.2f}s ({dberrors.describe(exc)})") from None
-        # Anything else (a server going away, a bug): the source transaction was rolled back by
-        # locked_source, so the source is authoritative; resume discards the target copy. The
-        # error itself propagates (the CLI prints it; a bug keeps its traceback there), so this
-        # line only adds what to do next.
-        log.error("move %s of %s/%s failed before its commit point (%s: %s); the source is authoritative, "
-                  "run `mdb moves resume` to discard the partial copy", move_id, area, gdid, type(exc).__name__, mask_secrets(str(exc)))
-        raise
-    fault_point("move.after_commit_point")
-    entry = journal.get(move_id)
-    assert entry is not None
-    finalize(store, journal, entry)
-    if refresh:
-        store.refresh()
-    return MoveResult(move_id, area, gdid, source, target, DONE, {n: (r, nbytes.get(n, 0)) for n, r in moved.items()}, pause, precopied)
+                raise abort(f"a statement under the write lock was cancelled at --max-pause {max_pause:.2f}s ({dberrors.describe(exc)})") from None
+            # Anything else (a server going away, a bug): the source transaction was rolled back by
+            # locked_source, so the source is authoritative; resume discards the target copy. The
+            # error itself propagates (the CLI prints it; a bug keeps its traceback there), so this
+            # line only adds what to do next.
+            log.error("move %s of %s/%s failed before its commit point (%s: %s); the source is authoritative, "
+                      "run `mdb moves resume` to discard the partial copy", move_id, area, gdid, type(exc).__name__, mask_secrets(str(exc)))
+            raise
+        fault_point("move.after_commit_point")
+        entry = journal.get(move_id)
+        assert entry is not None
+        finalize(store, journal, entry)
+        if refresh:
+            store.refresh()
+        return MoveResult(move_id, area, gdid, source, target, DONE, {n: (r, nbytes.get(n, 0)) for n, r in moved.items()}, pause, precopied)

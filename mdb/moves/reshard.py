@@ -29,25 +29,26 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import yaml
 from sqlalchemy import and_, delete, select
 
-from mdb.errors import MdbError, RoutingError
+from mdb.errors import MdbError, MoveAbortedError, RoutingError
 from mdb.gdid import GDID
 from mdb.moves.faults import fault_point
 from mdb.moves.freeze import freeze_partition, unfreeze_partition
 from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
+from mdb.moves.lease import check_stop, describe_liveness, hold
 from mdb.moves.plan import PlannedMove, ReshardPlan, find_partition, plan_reshard
-from mdb.moves.protocol import DEFAULT_MAX_PAUSE, MoveAbortedError, area_tables, check_max_pause, check_target_schema, move_briefcase
+from mdb.moves.protocol import DEFAULT_MAX_PAUSE, area_tables, check_max_pause, check_target_schema, move_briefcase
 from mdb.partition_map import PartitionMap, parse_map
 from mdb.relocations import clear_relocation
 from mdb.system_tables import STATE_RESIDENT, briefcase_state
 
-__all__ = ["ReshardOutcome", "ReshardProgress", "continue_reshard", "new_map_text", "reshard"]
+__all__ = ["ReshardCounts", "ReshardOutcome", "ReshardProgress", "continue_reshard", "new_map_text", "reshard"]
 
 log = logging.getLogger("mdb.moves.reshard")
 
@@ -55,21 +56,88 @@ MOVE_ATTEMPTS = 3
 MAX_SWEEPS = 5
 
 
+@dataclass
+class ReshardCounts:
+    """What a reshard has moved and what its latest plan still has to move.
+
+    The one source of every count shown (the CLI's bars, ``mdb moves status``, the final line):
+    each change is written to the reshard's journal row and handed to the progress display as
+    the same numbers. "Done" starts from the reshard's finished moves in the journal, so a
+    resumed reshard neither counts a move twice nor misses one finished by resume, and an
+    aborted attempt that was retried is not a finished move. The totals are done + what the
+    latest plan still has to move, so a re-plan that finds briefcases created meanwhile raises
+    the total instead of pushing done past it (issue 11 item 9: the bar showed 459/178).
+    """
+
+    briefcases_done: int = 0
+    rows_done: int = 0
+    tables_done: dict[str, int] = field(default_factory=dict)
+    pending: dict[GDID, PlannedMove] = field(default_factory=dict)
+
+    @classmethod
+    def from_journal(cls, journal: Journal, reshard_id: str) -> ReshardCounts:
+        counts = cls()
+        for move in journal.moves_of(reshard_id):
+            if move.status == DONE and not move.params.get("reverse_of"):
+                counts.briefcases_done += 1
+                counts.rows_done += move.rows_done
+                for name, (_, done) in move.tables.items():
+                    counts.tables_done[name] = counts.tables_done.get(name, 0) + done
+        return counts
+
+    def plan(self, plan: ReshardPlan) -> None:
+        self.pending = {m.gdid: m for m in plan.moves}
+
+    def moved(self, move: PlannedMove, rows: dict[str, int]) -> None:
+        """``move`` finished, carrying ``rows`` (the verified counts, which a live writer may have changed)."""
+        self.pending.pop(move.gdid, None)
+        self.briefcases_done += 1
+        self.rows_done += sum(rows.values())
+        for name, n in rows.items():
+            self.tables_done[name] = self.tables_done.get(name, 0) + n
+
+    @property
+    def briefcases_total(self) -> int:
+        return self.briefcases_done + len(self.pending)
+
+    @property
+    def rows_total(self) -> int:
+        return self.rows_done + sum(m.total_rows for m in self.pending.values())
+
+    def tables(self) -> dict[str, list[int]]:
+        """table -> [rows total, rows done], the journal's ``tables`` column."""
+        out = {name: [n, n] for name, n in self.tables_done.items()}
+        for m in self.pending.values():
+            for name, n in m.rows.items():
+                out.setdefault(name, [0, 0])[0] += n
+        return out
+
+    def journal_values(self) -> dict[str, Any]:
+        return {"briefcases_done": self.briefcases_done, "briefcases_total": self.briefcases_total,
+                "rows_done": self.rows_done, "rows_total": self.rows_total, "tables": self.tables()}
+
+
 class ReshardProgress(Protocol):
     def phase(self, name: str) -> None: ...
-    def planned(self, briefcases: int, rows: int) -> None: ...
-    def moved(self, gdid: GDID, source: str, target: str, rows: int) -> None: ...
+    def counts(self, counts: ReshardCounts, last: PlannedMove | None) -> None:
+        """The counts just written to the journal (``last``: the move that changed them, if any)."""
 
 
 @dataclass
 class ReshardOutcome:
     reshard_id: str | None
     plan: ReshardPlan
+    """The first plan of this run (what the dry run shows)."""
     map_version: int | None
     moved: int
+    """Briefcases this reshard moved, over all its runs (from the journal, like every count)."""
+    rows_moved: int = 0
+    map_backup: str | None = None
+    """Where the map file was kept as it was before the new version replaced it (its comments and layout)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"reshard_id": self.reshard_id, "map_version": self.map_version, "moved": self.moved, "plan": self.plan.to_json()}
+        return {"reshard_id": self.reshard_id, "map_version": self.map_version, "moved": self.moved,
+                "rows_moved": self.rows_moved, "map_backup": self.map_backup, "plan": self.plan.to_json()}
 
 
 def new_map_text(current_text: str, area: str, start: GDID, new_shards: list[str], version: int) -> str:
@@ -123,7 +191,10 @@ def reshard(
     journal = Journal(store)
     busy = [e for e in journal.entries(unfinished=True) if e.area == area]
     if busy:
-        raise MdbError(f"area {area!r} has unfinished moves/reshards ({', '.join(e.move_id for e in busy)}): run `mdb moves resume MAP` first")
+        raise MdbError(
+            f"area {area!r} has unfinished moves/reshards ({'; '.join(f'{e.move_id}: {describe_liveness(journal, e)}' for e in busy)}): "
+            "let a running one finish, or run `mdb moves resume MAP` for an interrupted one"
+        )
     plan = plan_reshard(store, tables, area, start, new_shards)
     if dry_run:
         _prechecks(store, plan, tables, map_path, dry_run=True)
@@ -136,10 +207,11 @@ def reshard(
         tables={name: [rows, 0] for name, rows in plan.rows_per_table().items()},
         briefcases_total=len(plan.moves), rows_total=plan.total_rows,
     ))
-    fault_point("reshard.after_journal_start")
-    entry = journal.get(reshard_id)
-    assert entry is not None
-    return continue_reshard(store, journal, entry, progress=progress, first_plan=plan)
+    with hold(journal, reshard_id):
+        fault_point("reshard.after_journal_start")
+        entry = journal.get(reshard_id)
+        assert entry is not None
+        return continue_reshard(store, journal, entry, progress=progress, first_plan=plan)
 
 
 def _store_map_text(store: Any, map_path: str | None) -> str:
@@ -171,30 +243,33 @@ def _prechecks(store: Any, plan: ReshardPlan, tables: list[Any], map_path: str |
     return new_map, text
 
 
-def _move_all(store: Any, journal: Journal, entry: JournalEntry, moves: list[PlannedMove], parallel: int, max_pause: float, progress: ReshardProgress | None, counters: dict[str, Any]) -> None:
+def _record(journal: Journal, entry: JournalEntry, counts: ReshardCounts, progress: ReshardProgress | None, last: PlannedMove | None = None) -> None:
+    """Write the counts to the reshard's journal row, then show exactly those numbers."""
+    journal.update(entry.move_id, **counts.journal_values())
+    if progress is not None:
+        progress.counts(counts, last)
+
+
+def _move_all(store: Any, journal: Journal, entry: JournalEntry, moves: list[PlannedMove], parallel: int, max_pause: float, progress: ReshardProgress | None, counts: ReshardCounts) -> None:
     lock = threading.Lock()
 
     def one(m: PlannedMove) -> None:
+        check_stop(entry.move_id)  # `mdb moves cancel` from another process: stop between two moves
         last: Exception | None = None
         for _ in range(MOVE_ATTEMPTS):
             try:
-                move_briefcase(store, entry.area, m.gdid, m.target, source=m.source, max_pause=max_pause,
-                               reshard_id=entry.move_id, journal=journal, refresh=False)
+                result = move_briefcase(store, entry.area, m.gdid, m.target, source=m.source, max_pause=max_pause,
+                                        reshard_id=entry.move_id, journal=journal, refresh=False)
                 break
             except MoveAbortedError as exc:  # e.g. --max-pause: the source is intact, try again
                 last = exc
         else:
             raise MdbError(f"reshard {entry.move_id}: briefcase {entry.area}/{m.gdid} could not be moved: {last}")
         with lock:
-            counters["briefcases"] += 1
-            counters["rows"] += m.total_rows
-            for name, n in m.rows.items():
-                counters["tables"].setdefault(name, [0, 0])[1] += n
-            journal.update(entry.move_id, briefcases_done=counters["briefcases"], rows_done=counters["rows"], tables=counters["tables"])
-            if counters["briefcases"] == 1:
+            counts.moved(m, {name: rows for name, (rows, _) in result.tables.items()})
+            _record(journal, entry, counts, progress, m)
+            if counts.briefcases_done == 1:
                 fault_point("reshard.after_first_move")
-        if progress is not None:
-            progress.moved(m.gdid, m.source, m.target, m.total_rows)
 
     if parallel <= 1:
         for m in moves:
@@ -207,26 +282,26 @@ def _move_all(store: Any, journal: Journal, entry: JournalEntry, moves: list[Pla
 
 def _sweep(
     store: Any, journal: Journal, entry: JournalEntry, tables: list[Any], plan: ReshardPlan, sweeps: int,
-    parallel: int, max_pause: float, progress: ReshardProgress | None, counters: dict[str, Any],
-) -> tuple[ReshardPlan, int]:
+    parallel: int, max_pause: float, progress: ReshardProgress | None, counts: ReshardCounts,
+) -> ReshardPlan:
     """Move the plan's briefcases and re-plan (briefcases created meanwhile), up to ``sweeps`` passes.
 
     Stops early when a pass finds no fewer briefcases than the one before: the application
     creates them as fast as they move, so more online passes would not shrink what the frozen
-    final pass has to move, only make the reshard longer.
+    final pass has to move, only make the reshard longer. Every plan becomes the counts' pending part.
     """
-    moved = 0
     for _ in range(sweeps):
         if not plan.moves:
             break
-        _move_all(store, journal, entry, plan.moves, parallel, max_pause, progress, counters)
-        moved += len(plan.moves)
+        _move_all(store, journal, entry, plan.moves, parallel, max_pause, progress, counts)
         store.refresh()
         before = len(plan.moves)
         plan = plan_reshard(store, tables, entry.area, plan.partition_start, plan.new_shards)
+        counts.plan(plan)
+        _record(journal, entry, counts, progress)
         if len(plan.moves) >= before:
             break
-    return plan, moved
+    return plan
 
 
 def continue_reshard(
@@ -253,32 +328,32 @@ def continue_reshard(
     tables = area_tables(store, area)
     plan = first_plan
     report = plan
-    moved = 0
     store.refresh()
-    counters: dict[str, Any] = {"briefcases": entry.briefcases_done, "rows": entry.rows_done, "tables": dict(entry.tables)}
+    counts = ReshardCounts.from_journal(journal, entry.move_id)
     if entry.step in ("plan", "prechecks", "moves"):
         if plan is None:
             plan = plan_reshard(store, tables, area, start, new_shards)
         report = plan
+        counts.plan(plan)
         fault_point("reshard.after_plan")
         if progress is not None:
             progress.phase("prechecks")
-        journal.step(entry.move_id, "prechecks")
+        journal.step(entry.move_id, "prechecks", **counts.journal_values())
         _prechecks(store, plan, tables, map_path, dry_run=True)
         fault_point("reshard.after_prechecks")
         journal.step(entry.move_id, "moves")
         if progress is not None:
             progress.phase("moves")
-            progress.planned(entry.briefcases_total, entry.rows_total)
+            progress.counts(counts, None)
         # Online sweeps: the application keeps writing; briefcases created meanwhile are picked
         # up by the next pass. Whatever is left after MAX_SWEEPS is moved under the freeze.
-        plan, n = _sweep(store, journal, entry, tables, plan, MAX_SWEEPS, parallel, max_pause, progress, counters)
-        moved += n
+        plan = _sweep(store, journal, entry, tables, plan, MAX_SWEEPS, parallel, max_pause, progress, counts)
         fault_point("reshard.after_moves")
+        check_stop(entry.move_id)
         entry.step = "freeze"
         journal.step(entry.move_id, "freeze")
     if entry.step in ("freeze", "final_moves", "map_apply"):
-        moved += _frozen_phase(store, journal, entry, tables, old_shards, map_path, parallel, max_pause, progress, counters)
+        _frozen_phase(store, journal, entry, tables, old_shards, map_path, parallel, max_pause, progress, counts)
         entry.step = "unfreeze"
     if entry.step == "unfreeze":
         if progress is not None:
@@ -293,15 +368,16 @@ def continue_reshard(
         if progress is not None:
             progress.phase("cleanup")
         _cleanup(store, area, start)
-    journal.finish(entry.move_id, DONE)
+    journal.finish(entry.move_id, DONE, **counts.journal_values())
     store.refresh()
-    return ReshardOutcome(entry.move_id, report, params.get("map_version"), moved)  # set by _frozen_phase or journaled
+    return ReshardOutcome(entry.move_id, report, params.get("map_version"), counts.briefcases_done, counts.rows_done,
+                          params.get("map_backup"))
 
 
 def _frozen_phase(
     store: Any, journal: Journal, entry: JournalEntry, tables: list[Any], old_shards: list[str], map_path: str | None,
-    parallel: int, max_pause: float, progress: ReshardProgress | None, counters: dict[str, Any],
-) -> int:
+    parallel: int, max_pause: float, progress: ReshardProgress | None, counts: ReshardCounts,
+) -> None:
     """Freeze the partition on its old shards, move the stragglers, apply the new map.
 
     With the freeze in place no briefcase of the partition can be created or written on an old
@@ -315,7 +391,6 @@ def _frozen_phase(
     freeze_partition(store, area, start, old_shards, entry.move_id)
     fault_point("reshard.after_freeze")
     try:
-        moved = 0
         if entry.step in ("freeze", "final_moves"):
             journal.step(entry.move_id, "final_moves")
             entry.step = "final_moves"
@@ -323,7 +398,9 @@ def _frozen_phase(
                 progress.phase("final moves")
             store.refresh()
             plan = plan_reshard(store, tables, area, start, new_shards)
-            plan, moved = _sweep(store, journal, entry, tables, plan, 1, parallel, max_pause, progress, counters)
+            counts.plan(plan)
+            _record(journal, entry, counts, progress)
+            plan = _sweep(store, journal, entry, tables, plan, 1, parallel, max_pause, progress, counts)
             if plan.moves:
                 raise MdbError(
                     f"reshard {entry.move_id}: {len(plan.moves)} briefcase(s) of the frozen partition appeared after the "
@@ -331,6 +408,7 @@ def _frozen_phase(
                     "ownership check; nothing was applied"
                 )
             fault_point("reshard.after_final_moves")
+            check_stop(entry.move_id)  # the last moment a cancel can keep the old map
             entry.step = "map_apply"
             journal.step(entry.move_id, "map_apply")
         if progress is not None:
@@ -347,7 +425,6 @@ def _frozen_phase(
                 "writes of that partition wait until `mdb moves resume MAP` finishes the reshard"
             ) from exc
         raise
-    return moved
 
 
 def _apply_new_map(store: Any, journal: Journal, entry: JournalEntry, map_path: str | None) -> int:
@@ -368,14 +445,34 @@ def _apply_new_map(store: Any, journal: Journal, entry: JournalEntry, map_path: 
     fault_point("reshard.after_map_apply")
     if map_path is not None:
         path = Path(map_path)
-        current = parse_map(path.read_text(encoding="utf-8"), str(path)) if path.is_file() else None
+        old_text = path.read_text(encoding="utf-8") if path.is_file() else None
+        current = None if old_text is None else parse_map(old_text, str(path))
         if current is None or current.version < new_map.version:
+            if old_text is not None:
+                params["map_backup"] = str(_backup_map_file(path, old_text, current.version if current else 0, entry.move_id))
+                journal.update(entry.move_id, params=params)
             tmp = path.with_suffix(path.suffix + ".tmp")
             tmp.write_text(text, encoding="utf-8")
             tmp.replace(path)
     fault_point("reshard.after_map_file")
     store.refresh()
     return new_map.version
+
+
+def _backup_map_file(path: Path, text: str, version: int, reshard_id: str) -> Path:
+    """Keep the map file as it was (comments, layout) beside it before it is rewritten.
+
+    The new version is written as YAML data, which keeps ``${NAME}`` references but not
+    comments or layout; the copy lets the operator carry them over. Named after the old
+    version and the reshard, so a resumed reshard or a later one never overwrites it.
+    """
+    backup = path.with_name(f"{path.stem}.v{version}.before-{reshard_id}{path.suffix}")
+    if not backup.exists():
+        tmp = backup.with_name(backup.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(backup)
+    log.warning("map file %s rewritten for map version %d without its comments; the previous file is kept at %s", path, version + 1, backup)
+    return backup
 
 
 def _cleanup(store: Any, area: str, start: GDID) -> None:

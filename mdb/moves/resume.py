@@ -11,12 +11,14 @@ continued from their journal row (:mod:`mdb.moves.reshard`).
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from mdb.errors import ServerUnavailableError
+from mdb.errors import MoveLeaseHeldError, ServerUnavailableError
 from mdb.moves.faults import fault_point
 from mdb.moves.journal import ROLLED_BACK, Journal, JournalEntry
+from mdb.moves.lease import hold, lease_owner_id
 from mdb.moves.protocol import (
     DEFAULT_LOCK_WAIT,
     DEFAULT_MAX_PAUSE,
@@ -29,17 +31,19 @@ from mdb.moves.protocol import (
 )
 from mdb.system_tables import STATE_GONE
 
-__all__ = ["FAILED", "ResumeOutcome", "resolve_move", "resume_all"]
+__all__ = ["FAILED", "HELD", "ResumeOutcome", "resolve_move", "resume_all"]
 
 FAILED = "failed"
 """The action of an entry resume could not resolve because a server it needs is unavailable."""
+HELD = "held"
+"""The action of an entry another live process drives (its lease); resume leaves it alone."""
 
 
 @dataclass
 class ResumeOutcome:
     move_id: str
     kind: str
-    action: str  # finalized | rolled back | retried | reshard completed | failed
+    action: str  # finalized | rolled back | retried | reshard completed | cancel completed | failed | held
     detail: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -70,35 +74,57 @@ def resolve_move(store: Any, journal: Journal, entry: JournalEntry, *, retry: bo
 
 
 def resume_all(store: Any, *, retry: bool = False, progress: Any = None) -> list[ResumeOutcome]:
-    """Resolve every unfinished move, then continue every unfinished reshard."""
+    """Resolve every unfinished move, then continue every unfinished reshard.
+
+    Each entry is taken with its lease first (a reshard's moves under the reshard's): one that
+    a live process drives is left to it and reported as ``held`` with that process named, so
+    two resumes started at once never act on the same entry.
+    """
     store.refresh()
     journal = Journal(store)
     outcomes: list[ResumeOutcome] = []
     unfinished = journal.entries(unfinished=True)
     stuck: set[str] = set()  # reshards with a move that could not be resolved
-    for entry in unfinished:
-        if entry.kind == "move":
+    held: set[str] = set()  # entries (reshards or single moves) another live process drives
+    with ExitStack() as leases:
+        for entry in unfinished:
+            if entry.kind not in ("move", "reshard") or lease_owner_id(entry) != entry.move_id:
+                continue  # a reshard's move is taken with its reshard; other kinds are not resumed here
             try:
-                outcomes.append(resolve_move(store, journal, entry, retry=retry))
-            except ServerUnavailableError as exc:
-                # One server down must not hold up the moves that do not need it; this one is
-                # left exactly as it was, and resolved by the next resume.
-                outcomes.append(ResumeOutcome(entry.move_id, "move", FAILED, f"{exc}; left as it was, run resume again once it is back"))
-                if entry.reshard_id is not None:
-                    stuck.add(entry.reshard_id)
-    store.refresh()
-    from mdb.moves.reshard import continue_reshard
+                leases.enter_context(hold(journal, entry.move_id))
+            except MoveLeaseHeldError as exc:
+                held.add(entry.move_id)
+                outcomes.append(ResumeOutcome(entry.move_id, entry.kind, HELD, str(exc)))
+        for entry in unfinished:
+            if entry.kind == "move" and lease_owner_id(entry) not in held:
+                try:
+                    outcomes.append(resolve_move(store, journal, entry, retry=retry))
+                except ServerUnavailableError as exc:
+                    # One server down must not hold up the moves that do not need it; this one is
+                    # left exactly as it was, and resolved by the next resume.
+                    outcomes.append(ResumeOutcome(entry.move_id, "move", FAILED, f"{exc}; left as it was, run resume again once it is back"))
+                    if entry.reshard_id is not None:
+                        stuck.add(entry.reshard_id)
+        store.refresh()
+        from mdb.moves.cancel import CANCEL_STEP, finish_cancel
+        from mdb.moves.reshard import continue_reshard
 
-    for entry in unfinished:
-        if entry.kind == "reshard":
-            if entry.move_id in stuck:
-                outcomes.append(ResumeOutcome(entry.move_id, "reshard", FAILED, "one of its moves could not be resolved (above); left as it was"))
-                continue
-            interrupted_at = entry.step  # continue_reshard moves the entry on as it goes
-            try:
-                continue_reshard(store, journal, entry, progress=progress)
-            except ServerUnavailableError as exc:
-                outcomes.append(ResumeOutcome(entry.move_id, "reshard", FAILED, f"{exc}; was at step {interrupted_at!r}, run resume again once it is back"))
-                continue
-            outcomes.append(ResumeOutcome(entry.move_id, "reshard", "reshard completed", f"was at step {interrupted_at!r}"))
+        for entry in unfinished:
+            if entry.kind == "reshard" and entry.move_id not in held:
+                if entry.move_id in stuck:
+                    outcomes.append(ResumeOutcome(entry.move_id, "reshard", FAILED, "one of its moves could not be resolved (above); left as it was"))
+                    continue
+                interrupted_at = entry.step  # continue_reshard moves the entry on as it goes
+                try:
+                    if entry.step == CANCEL_STEP:  # an interrupted `mdb moves cancel`: finish cancelling
+                        done = finish_cancel(store, journal, entry)
+                        outcomes.append(ResumeOutcome(entry.move_id, "reshard", "cancel completed", done.detail))
+                        continue
+                    continue_reshard(store, journal, entry, progress=progress)
+                except ServerUnavailableError as exc:
+                    outcomes.append(ResumeOutcome(entry.move_id, "reshard", FAILED, f"{exc}; was at step {interrupted_at!r}, run resume again once it is back"))
+                    continue
+                backup = entry.params.get("map_backup")  # continue_reshard updates the params it was given
+                kept = "" if backup is None else f"; the map file's previous version is at {backup}"
+                outcomes.append(ResumeOutcome(entry.move_id, "reshard", "reshard completed", f"was at step {interrupted_at!r}{kept}"))
     return outcomes

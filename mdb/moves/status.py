@@ -16,6 +16,7 @@ from sqlalchemy import func, inspect as sa_inspect, select
 from mdb.errors import MdbError
 from mdb.gdid import GDID
 from mdb.moves.journal import RUNNING, Journal, JournalEntry
+from mdb.moves.lease import Holder, describe, liveness
 from mdb.moves.protocol import _state, area_tables
 from mdb.relocations import relocations
 
@@ -76,7 +77,10 @@ def where(store: Any, area: str, gdid: GDID) -> BriefcaseWhere:
         except MdbError as exc:
             out.unreachable[server] = str(exc)
     journal = Journal(store)
-    out.moves_in_flight = [e.to_json() for e in journal.entries(unfinished=True) if e.kind == "move" and e.area == area and e.gdid == gdid]
+    out.moves_in_flight = [
+        {**e.to_json(), "driver": describe(*liveness(journal, e))}
+        for e in journal.entries(unfinished=True) if e.kind == "move" and e.area == area and e.gdid == gdid
+    ]
     return out
 
 
@@ -86,9 +90,14 @@ class MoveStatus:
     rate_rows: float | None
     rate_briefcases: float | None
     eta_seconds: float | None
+    driver: str | None = None
+    """Unfinished entries: "running (pid, host, last beat)" or "interrupted: run ..." (mdb.moves.lease)."""
+    holder: Holder | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.entry.to_json(), "rows_per_second": self.rate_rows, "briefcases_per_second": self.rate_briefcases, "eta_seconds": self.eta_seconds}
+        return {**self.entry.to_json(), "rows_per_second": self.rate_rows, "briefcases_per_second": self.rate_briefcases,
+                "eta_seconds": self.eta_seconds, "driver": self.driver,
+                "holder": None if self.holder is None else self.holder.to_json()}
 
 
 def _utc(moment: datetime) -> datetime:
@@ -119,5 +128,14 @@ def move_status(store: Any, *, recent: int = 10) -> tuple[list[MoveStatus], list
     journal = Journal(store)
     now = datetime.now(timezone.utc)
     running = [status_of(e, now) for e in journal.entries(unfinished=True)]
-    finished = [status_of(e, now) for e in journal.entries(limit=recent + len(running)) if e.status != "running"][:recent]
+    for s in running:
+        if s.entry.kind not in ("move", "reshard"):
+            continue  # e.g. document moves (mdb.mongo) record no driver
+        # ETA and rate mean nothing for an entry whose process is gone (issue 11 item 10: a
+        # reshard stopped by Ctrl-C still showed "ETA 120s"), so they go with its liveness.
+        state, s.holder = liveness(journal, s.entry)
+        s.driver = describe(state, s.holder)
+        if state != "running":
+            s.rate_rows = s.rate_briefcases = s.eta_seconds = None
+    finished = [status_of(e, now) for e in journal.entries(finished=True, limit=recent)]
     return running, finished

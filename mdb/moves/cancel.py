@@ -1,0 +1,181 @@
+"""Cancelling a move or a reshard (issue 11 item 12): the old map stays in force.
+
+A reshard changes the map only at its ``map_apply`` step, so until then cancelling it is
+possible and means: its moves that are not past their commit point are rolled back exactly as
+``mdb moves resume`` rolls them back (:func:`mdb.moves.resume.resolve_move`; one past it is
+finalized forward, it already happened), the partition is unfrozen, and its finished moves are
+either moved back (``move_back``: a reverse move of each through the same
+:func:`mdb.moves.protocol.move_briefcase`, journaled under the reshard with ``reverse_of``) or
+left where they are as ordinary relocations, which old-map processes follow. From
+``map_apply`` on the new map may already be in force; such a reshard can only be finished.
+
+A driver that is still running is asked to stop (:func:`mdb.moves.lease.request_stop`): it
+stops before its next move and lets its lease go, and the cancel takes the lease over. The
+reshard's journal row records step ``cancel`` and the choice before anything is undone, so a
+cancel that is itself interrupted is finished by ``mdb moves resume`` (or another cancel).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Final
+
+from mdb.errors import CancelError, MoveLeaseHeldError
+from mdb.gdid import GDID
+from mdb.moves.faults import fault_point
+from mdb.moves.freeze import unfreeze_partition
+from mdb.moves.journal import CANCELLED, DONE, FINISHED, RUNNING, Journal, JournalEntry
+from mdb.moves.lease import hold, me, request_stop
+from mdb.moves.protocol import DEFAULT_MAX_PAUSE, move_briefcase
+from mdb.moves.resume import resolve_move
+
+__all__ = ["CANCEL_STEP", "CANCELLABLE_STEPS", "CancelOutcome", "cancel", "finish_cancel"]
+
+CANCEL_STEP: Final = "cancel"
+CANCELLABLE_STEPS: Final = frozenset({"plan", "prechecks", "moves", "freeze", "final_moves", CANCEL_STEP})
+"""Reshard steps before ``map_apply``: the old map is still the only one applied."""
+STOP_POLL: Final = 0.5
+
+
+@dataclass
+class CancelOutcome:
+    move_id: str
+    kind: str
+    rolled_back: int = 0
+    """Moves that were not past their commit point."""
+    finalized: int = 0
+    """Moves that were past it (finished forward, then treated like the finished ones)."""
+    moved_back: int = 0
+    left: int = 0
+    """Finished moves left on their new server (``--leave``)."""
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"move_id": self.move_id, "kind": self.kind, "rolled_back": self.rolled_back, "finalized": self.finalized,
+                "moved_back": self.moved_back, "left": self.left, "detail": self.detail}
+
+
+def _refuse(entry: JournalEntry) -> None:
+    """A cancel of something that cannot be cancelled says why and what to do instead."""
+    if entry.kind == "move" and entry.reshard_id is not None:
+        raise CancelError(f"{entry.move_id} is a move of reshard {entry.reshard_id}: cancel the reshard")
+    if entry.status in FINISHED:
+        what = f" (move it back with `mdb move MAP {entry.area} {entry.gdid} --to {entry.source}`)" if entry.kind == "move" and entry.status == DONE else ""
+        raise CancelError(f"{entry.move_id} is already finished ({entry.status}){what}")
+    if entry.kind == "reshard" and entry.step not in CANCELLABLE_STEPS:
+        raise CancelError(
+            f"reshard {entry.move_id} is at step {entry.step!r}, past the point where the new map may be in force: "
+            "it can only be finished (`mdb moves resume MAP`)"
+        )
+
+
+def cancel(store: Any, move_id: str, *, move_back: bool = True, wait: float = 60.0) -> CancelOutcome:
+    """Cancel move or reshard ``move_id``; a running driver is asked to stop and given ``wait`` seconds."""
+    store.refresh()
+    journal = Journal(store)
+    entry = journal.get(move_id)
+    if entry is None:
+        raise CancelError(f"there is no move or reshard {move_id!r} in the journal (see `mdb moves status MAP`)")
+    _refuse(entry)
+    with _take_over(journal, move_id, wait):
+        entry = journal.get(move_id)  # as the driver left it
+        assert entry is not None
+        if entry.status in FINISHED:
+            return CancelOutcome(move_id, entry.kind, detail=f"it finished ({entry.status}) before it could be cancelled")
+        _refuse(entry)
+        if entry.kind == "move":
+            return _cancel_move(store, journal, entry, move_back)
+        return finish_cancel(store, journal, entry, move_back=move_back)
+
+
+class _take_over:
+    """Hold ``move_id``'s lease; a live holder is asked to stop and waited for up to ``wait`` seconds."""
+
+    def __init__(self, journal: Journal, move_id: str, wait: float) -> None:
+        self._journal, self._move_id, self._wait = journal, move_id, wait
+        self._held: Any = None
+
+    def __enter__(self) -> None:
+        deadline = time.monotonic() + self._wait
+        asked = False
+        while True:
+            held = hold(self._journal, self._move_id)
+            try:
+                held.__enter__()
+            except MoveLeaseHeldError:
+                if time.monotonic() >= deadline:
+                    raise
+                if not asked:
+                    asked = request_stop(self._journal, self._move_id, me())
+                time.sleep(STOP_POLL)
+                continue
+            self._held = held
+            return
+
+    def __exit__(self, *exc: Any) -> None:
+        self._held.__exit__(*exc)
+
+
+def _cancel_move(store: Any, journal: Journal, entry: JournalEntry, move_back: bool) -> CancelOutcome:
+    """A single interrupted move: rolled back before its commit point, else finished and maybe moved back."""
+    out = CancelOutcome(entry.move_id, "move")
+    resolved = resolve_move(store, journal, entry)
+    if resolved.action != "finalized":
+        out.rolled_back = 1
+        out.detail = resolved.detail
+        return out
+    out.finalized = 1
+    assert entry.gdid is not None and entry.source is not None
+    if move_back:
+        back = move_briefcase(store, entry.area, entry.gdid, entry.source, source=entry.target,
+                              max_pause=float(entry.params.get("max_pause", DEFAULT_MAX_PAUSE)), reverse_of=entry.move_id)
+        out.moved_back = 1
+        out.detail = f"it had passed its commit point; moved back to {entry.source!r} by {back.move_id}"
+    else:
+        out.left = 1
+        out.detail = f"it had passed its commit point; left on {entry.target!r}"
+    return out
+
+
+def finish_cancel(store: Any, journal: Journal, entry: JournalEntry, *, move_back: bool | None = None) -> CancelOutcome:
+    """Cancel a reshard whose lease the caller holds; re-run safely after a crash (resume calls it at step ``cancel``)."""
+    if move_back is None:
+        move_back = entry.params.get("cancel") == "move-back"
+    interrupted_at = entry.params.get("cancelled_at_step", entry.step)
+    entry.params.update({"cancel": "move-back" if move_back else "leave", "cancelled_at_step": interrupted_at})
+    journal.step(entry.move_id, CANCEL_STEP, params=entry.params)
+    out = CancelOutcome(entry.move_id, "reshard")
+    moves = journal.moves_of(entry.move_id)
+    for move in moves:  # interrupted moves first, as resume resolves them
+        if move.status == RUNNING:
+            if resolve_move(store, journal, move).action == "finalized":
+                out.finalized += 1
+            else:
+                out.rolled_back += 1
+    start = GDID.parse(entry.params["partition_start"])
+    unfreeze_partition(store, entry.area, start, entry.params["old_shards"])
+    store.refresh()
+    moves = journal.moves_of(entry.move_id)
+    undone = {m.params.get("reverse_of") for m in moves if m.status == DONE}
+    forward = [m for m in moves if m.status == DONE and not m.params.get("reverse_of")]
+    max_pause = float(entry.params.get("max_pause", DEFAULT_MAX_PAUSE))
+    for move in forward:
+        if move.move_id in undone:
+            out.moved_back += 1
+        elif move_back:
+            assert move.gdid is not None and move.source is not None
+            move_briefcase(store, entry.area, move.gdid, move.source, source=move.target, max_pause=max_pause,
+                           reshard_id=entry.move_id, journal=journal, reverse_of=move.move_id)
+            out.moved_back += 1
+            if out.moved_back == 1:
+                fault_point("cancel.after_first_move_back")
+        else:
+            out.left += 1
+    verb = f"{out.moved_back} moved back" if move_back else f"{out.left} left on their new shards as relocations"
+    out.detail = (f"cancelled at step {interrupted_at!r}: {out.rolled_back} interrupted move(s) rolled back, "
+                  f"{len(forward)} finished ({verb}); the map is unchanged")
+    journal.finish(entry.move_id, CANCELLED, out.detail)
+    store.refresh()
+    return out
+

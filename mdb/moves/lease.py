@@ -1,0 +1,269 @@
+"""Who drives a journal entry: one owner per running move or reshard, with a heartbeat.
+
+Two ``mdb moves resume`` started at once both read the same unfinished entries and both acted
+on them (issue 11 item 11: the second failed midway), and after a Ctrl-C nothing said whether
+a reshard's process was still alive (item 10). So a driver (a single ``mdb move``, a reshard,
+a resume, a cancel) first takes the entry's *lease*: a row in CENTRAL table
+``mdb_move_leases`` beside the journal, naming its pid and host, when it took it and its last
+heartbeat. A thread beats every :data:`LEASE_BEAT` seconds while the lease is held; the same
+beat reads whether another process asked the driver to stop (``mdb moves cancel``).
+
+A lease is free when nobody holds it, when its pid is gone from this host (a SIGKILLed or
+crashed driver: taken over at once), or when it is held from another host and its beat is
+older than :data:`LEASE_STALE` seconds. A live process on this host keeps its lease however
+old its beat (it may be stopped in a debugger or by SIGSTOP; kill it to take over). A reused
+pid on this host keeps a dead driver's lease until that process ends. Taking a lease is a
+compare-and-swap on the holder's (pid, host, beat), so of two processes taking over one dead
+driver's lease exactly one wins. The moves of a reshard are driven under the reshard's lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Final
+
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from mdb.errors import MoveLeaseHeldError, ReshardStoppedError
+from mdb.moves.journal import Journal, JournalEntry, move_leases
+
+__all__ = [
+    "LEASE_BEAT", "LEASE_STALE", "Holder", "Lease", "check_stop", "describe", "describe_liveness", "hold", "holder_of",
+    "lease_owner_id", "liveness", "me", "request_stop",
+]
+
+log = logging.getLogger("mdb.moves.lease")
+
+LEASE_BEAT: Final = 5.0
+"""Seconds between two heartbeats of a held lease."""
+LEASE_STALE: Final = 30.0
+"""A lease held from another host whose beat is older than this is taken over."""
+
+_HOST: Final = socket.gethostname()
+_registry: dict[str, Lease] = {}
+_registry_lock = threading.Lock()
+_ensured: set[str] = set()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def _utc(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """The driver holding a lease, as its row says."""
+
+    move_id: str
+    pid: int
+    host: str
+    token: str
+    since: datetime
+    beat_at: datetime
+    beat_age: float
+    """Seconds since the last beat, by the journal server's clock."""
+
+    @property
+    def mine(self) -> bool:
+        return self.host == _HOST and self.pid == os.getpid()
+
+    @property
+    def alive(self) -> bool:
+        if self.host == _HOST:
+            return _pid_alive(self.pid)
+        return self.beat_age < LEASE_STALE
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on host {self.host} since {_utc(self.since):%Y-%m-%d %H:%M:%S} UTC (last beat {self.beat_age:.0f}s ago)"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pid": self.pid, "host": self.host, "since": _utc(self.since).isoformat(),
+                "last_beat_seconds_ago": round(self.beat_age, 1), "alive": self.alive}
+
+
+def _ensure_table(journal: Journal) -> None:
+    """Create ``mdb_move_leases`` on a CENTRAL created before it existed (``schema apply`` creates it too)."""
+    if journal.server in _ensured:
+        return
+    with journal.store.transaction(journal.server) as conn:
+        move_leases.create(conn, checkfirst=True)
+    _ensured.add(journal.server)
+
+
+def holder_of(journal: Journal, move_id: str) -> Holder | None:
+    """Who holds ``move_id``'s lease now (None: nobody)."""
+    _ensure_table(journal)
+    with journal.store.transaction(journal.server) as conn:
+        row = conn.execute(
+            select(move_leases, func.current_timestamp().label("now")).where(move_leases.c.move_id == move_id)
+        ).mappings().first()
+    if row is None or row["pid"] is None:
+        return None
+    age = (_utc(row["now"]) - _utc(row["beat_at"])).total_seconds()
+    return Holder(move_id, row["pid"], row["host"], row["token"], row["since"], row["beat_at"], max(age, 0.0))
+
+
+def lease_owner_id(entry: JournalEntry) -> str:
+    """The journal entry whose lease covers ``entry``: a reshard's moves are driven under the reshard's."""
+    return entry.reshard_id if entry.kind == "move" and entry.reshard_id is not None else entry.move_id
+
+
+class Lease:
+    """A held lease: beats in a thread until released; says whether a stop was asked for."""
+
+    def __init__(self, journal: Journal, move_id: str, token: str) -> None:
+        self.journal = journal
+        self.move_id = move_id
+        self.token = token
+        self.depth = 1
+        self.stop_by: str | None = None
+        self.lost = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"mdb-lease-{move_id}", daemon=True)
+
+    def _beat(self) -> None:
+        while not self._done.wait(LEASE_BEAT) and not self.lost:
+            try:
+                self._beat_once()
+            except Exception as exc:  # a beat that fails is retried; a stale beat is the other side's signal
+                log.warning("heartbeat of %s failed: %s", self.move_id, exc)
+
+    def _beat_once(self) -> None:
+        """Renew the beat if the row is still ours (else: lost), and read whether a stop was asked for."""
+        with self.journal.store.transaction(self.journal.server) as conn:
+            mine = (move_leases.c.move_id == self.move_id) & (move_leases.c.token == self.token)
+            if not conn.execute(update(move_leases).where(mine).values(beat_at=func.current_timestamp())).rowcount:
+                self.lost = True
+                log.error("the lease of %s was taken over by another process; stopping at the next check", self.move_id)
+                return
+            self.stop_by = conn.execute(select(move_leases.c.stop_by).where(mine)).scalar_one_or_none()
+
+    def check(self) -> None:
+        """Raise :class:`ReshardStoppedError` when another process asked this driver to stop, or took over."""
+        if self.lost:
+            raise ReshardStoppedError(f"{self.move_id}: its lease was taken over by another process; stopped")
+        if self.stop_by is not None:
+            raise ReshardStoppedError(f"{self.move_id}: stopped at the request of {self.stop_by} (`mdb moves cancel`)")
+
+
+def _take(journal: Journal, move_id: str) -> str:
+    """Take the lease (returns its new token) or raise :class:`MoveLeaseHeldError` naming its live holder.
+
+    A new entry's lease (every single move) is one INSERT; only a lease someone holds or held
+    is read and, if its holder is gone, taken over by compare-and-swap on its token.
+    """
+    for _ in range(3):
+        mine = {"pid": os.getpid(), "host": _HOST, "token": uuid.uuid4().hex, "since": func.current_timestamp(),
+                "beat_at": func.current_timestamp(), "stop_by": None}
+        try:
+            with journal.store.transaction(journal.server) as conn:
+                conn.execute(insert(move_leases).values(move_id=move_id, **mine))
+            return str(mine["token"])
+        except IntegrityError:
+            pass  # held, or left behind by a driver that died
+        holder = holder_of(journal, move_id)
+        if holder is None:
+            continue  # let go meanwhile: insert again
+        if holder.alive and not holder.mine:
+            raise MoveLeaseHeldError(move_id, holder.describe())
+        with journal.store.transaction(journal.server) as conn:
+            taken = conn.execute(update(move_leases).where(
+                move_leases.c.move_id == move_id, move_leases.c.token == holder.token,
+            ).values(**mine)).rowcount
+        if taken:
+            if not holder.mine:
+                log.warning("took over %s from its dead driver, %s", move_id, holder.describe())
+            return str(mine["token"])
+    raise MoveLeaseHeldError(move_id, "another process that keeps taking it (tried 3 times)")
+
+
+def _release(lease: Lease) -> None:
+    lease._done.set()
+    try:
+        with lease.journal.store.transaction(lease.journal.server) as conn:
+            conn.execute(delete(move_leases).where(move_leases.c.move_id == lease.move_id, move_leases.c.token == lease.token))
+    except Exception as exc:  # the pid is gone soon: the next driver takes the lease over then
+        log.warning("could not release the lease of %s: %s", lease.move_id, exc)
+
+
+@contextmanager
+def hold(journal: Journal, move_id: str) -> Iterator[Lease]:
+    """Hold ``move_id``'s lease for the block (re-entrant within this process)."""
+    with _registry_lock:
+        lease = _registry.get(move_id)
+        if lease is not None:
+            lease.depth += 1
+    if lease is None:
+        _ensure_table(journal)
+        lease = Lease(journal, move_id, _take(journal, move_id))
+        with _registry_lock:
+            _registry[move_id] = lease
+        lease._thread.start()
+    try:
+        yield lease
+    finally:
+        with _registry_lock:
+            lease.depth -= 1
+            last = lease.depth == 0
+            if last:
+                del _registry[move_id]
+        if last:
+            _release(lease)
+
+
+def check_stop(move_id: str) -> None:
+    """Raise if this process holds ``move_id``'s lease and was asked to stop (checked between moves)."""
+    lease = _registry.get(move_id)
+    if lease is not None:
+        lease.check()
+
+
+def request_stop(journal: Journal, move_id: str, by: str) -> bool:
+    """Ask the driver holding ``move_id`` to stop at its next check; False when nobody holds it."""
+    _ensure_table(journal)
+    with journal.store.transaction(journal.server) as conn:
+        return bool(conn.execute(update(move_leases).where(move_leases.c.move_id == move_id, move_leases.c.pid.isnot(None))
+                                 .values(stop_by=by)).rowcount)
+
+
+def me() -> str:
+    return f"pid {os.getpid()} on host {_HOST}"
+
+
+def liveness(journal: Journal, entry: JournalEntry) -> tuple[str, Holder | None]:
+    """("running", holder) when a live process drives ``entry`` (or its reshard), else ("interrupted", last holder or None)."""
+    holder = holder_of(journal, lease_owner_id(entry))
+    if holder is not None and (holder.alive or holder.mine):
+        return "running", holder
+    return "interrupted", holder
+
+
+def describe_liveness(journal: Journal, entry: JournalEntry) -> str:
+    """What ``mdb moves status`` and refusals say about an unfinished entry's process."""
+    if entry.kind not in ("move", "reshard"):
+        return f"{entry.kind} at step {entry.step!r} (its driver is not recorded)"
+    return describe(*liveness(journal, entry))
+
+
+def describe(state: str, holder: Holder | None) -> str:
+    if state == "running" and holder is not None:
+        return f"running (pid {holder.pid}, host {holder.host}, last beat {holder.beat_age:.0f}s ago)"
+    return "interrupted: run `mdb moves resume MAP`"
