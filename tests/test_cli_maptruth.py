@@ -31,7 +31,7 @@ def map_text(version: int, *, second_partition: bool) -> str:
     return (
         f"version: {version}\nmodels: [mdb.demo.models]\nservers:\n"
         '  c: {primary: "sqlite:///data/c.db"}\n  u1: {primary: "sqlite:///data/u1.db"}\n'
-        '  u2: {primary: "sqlite:///data/u2.db"}\n'
+        '  u2: {primary: "sqlite:///data/u2.db"}\n  u3: {primary: "sqlite:///data/u3.db"}\n'
         f"areas:\n  central: {{kind: central, shards: [c]}}\n  user:\n    partitions:\n{parts}"
     )
 
@@ -68,7 +68,7 @@ def system(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
 
 def test_relative_sqlite_paths_resolve_next_to_the_map(system: tuple[Path, Path, Path]) -> None:
     v1, _v2, elsewhere = system
-    assert sorted(p.name for p in (v1.parent / "data").glob("*.db")) == ["c.db", "u1.db", "u2.db"]
+    assert sorted(p.name for p in (v1.parent / "data").glob("*.db")) == ["c.db", "u1.db", "u2.db", "u3.db"]
     assert list(elsewhere.iterdir()) == []  # nothing created where mdb ran
 
 
@@ -213,3 +213,16 @@ def test_route_does_not_wait_for_a_central_that_never_answers(tmp_path: Path, mo
         silent.set()
     assert code == 0 and json.loads(out)["server"] == "u1"
     assert "CENTRAL did not answer within 0.2 s" in err and f"using map file {path} v1" in err
+
+
+def test_reshard_with_an_older_map_file_builds_on_the_applied_map(system: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The file says v1 (one partition); the system runs v2 (two). The new map is v2 + the reshard:
+    built from the file it said "partition 0:0:1000000 is removed" and refused."""
+    v1, _v2, _ = system
+    code, out, err = run(monkeypatch, capsys, "reshard", str(v1), "user", "--partition", "0:0:0", "--shards", "u1,u3")
+    assert code == 0, (out, err)
+    code, out, err = run(monkeypatch, capsys, "map", "show", str(v1), "--json")
+    shown = json.loads(out)
+    assert shown["version"] == 3
+    assert [(p["start"], p["shards"]) for p in shown["partitions"]] == [("0:0:0", ["u1", "u3"]), (f"0:0:{NEW_START}", ["u2"])]

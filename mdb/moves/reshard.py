@@ -215,8 +215,21 @@ def reshard(
 
 
 def _store_map_text(store: Any, map_path: str | None) -> str:
+    """The text the new map version is written from: the map the system runs.
+
+    The map file when it is that version (so its comments and layout carry over); when an
+    applied map in CENTRAL is newer than the file (``mdb map apply`` does not rewrite the file),
+    that map's recorded text, so the reshard never sees the file's older partitions as removed.
+    """
+    from mdb.map_edit import newest_applied  # late: map_edit builds on the Store
+
+    applied = newest_applied(store)
     if map_path is not None and Path(map_path).is_file():
-        return Path(map_path).read_text(encoding="utf-8")
+        text = Path(map_path).read_text(encoding="utf-8")
+        if applied is None or parse_map(text, map_path).version >= applied.version:
+            return text
+    if applied is not None:
+        return applied.yaml
     return store.map.to_yaml()
 
 
