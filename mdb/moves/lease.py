@@ -31,9 +31,8 @@ from datetime import datetime, timezone
 from typing import Any, Final
 
 from sqlalchemy import delete, func, insert, select, update
-from sqlalchemy.exc import IntegrityError
 
-from mdb.errors import MoveLeaseHeldError, ReshardStoppedError
+from mdb.errors import DuplicateRowError, MoveLeaseHeldError, ReshardStoppedError
 from mdb.moves.journal import Journal, JournalEntry, move_leases
 
 __all__ = [
@@ -177,7 +176,7 @@ def _take(journal: Journal, move_id: str) -> str:
             with journal.store.transaction(journal.server) as conn:
                 conn.execute(insert(move_leases).values(move_id=move_id, **mine))
             return str(mine["token"])
-        except IntegrityError:
+        except DuplicateRowError:  # Store.transaction translates the unique violation
             pass  # held, or left behind by a driver that died
         holder = holder_of(journal, move_id)
         if holder is None:
