@@ -87,6 +87,9 @@ class Prelude:
     params: Mapping[str, Any] = field(default_factory=dict)
     """Named parameters of the statements (SQLite only: a PostgreSQL prelude travels as one
     simple-protocol string, which takes none, so its values are inlined)."""
+    inline: tuple[str, ...] = ()
+    """The same statements with no prepared statement behind them (PostgreSQL): what an engine
+    behind a transaction-pooling pooler sends, where nothing prepared outlives a transaction."""
 
 
 def _last_rows(cursor: Any) -> list[tuple[Any, ...]] | None:
@@ -149,6 +152,19 @@ def _pg_begin(fairy: Any) -> None:
         fairy.info[BEGIN_RESULT] = _last_rows(cursor)
 
 
+def _pg_begin_pooled(fairy: Any) -> None:
+    # Behind a transaction-pooling pooler each transaction may run on another server session,
+    # so nothing may be prepared on one: the prelude goes inline, still one simple-protocol
+    # string with BEGIN, still one round trip (the server parses and plans it every time).
+    prelude: Prelude | None = fairy.info.pop(BEGIN_PRELUDE, None)
+    if prelude is None:
+        fairy.driver_connection.execute("BEGIN")
+        return
+    with fairy.driver_connection.cursor() as cursor:
+        cursor.execute("; ".join(["BEGIN", *(prelude.inline or prelude.statements)]))
+        fairy.info[BEGIN_RESULT] = _last_rows(cursor)
+
+
 def _sqlite_begin(fairy: Any, begin: str) -> None:
     cursor = fairy.driver_connection.cursor()
     try:
@@ -188,7 +204,7 @@ def _begin_with(engine: Engine, begin: Callable[[Any], None]) -> Engine:
     return engine
 
 
-def _create(url: str, readonly: bool) -> Engine:
+def _create(url: str, readonly: bool, pooled: bool = False) -> Engine:
     parsed = sqlalchemy_url(url)
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database
@@ -198,8 +214,10 @@ def _create(url: str, readonly: bool) -> Engine:
         event.listen(engine, "connect", _sqlite_setup)
         return _begin_with(engine, _sqlite_begin_read if readonly else _sqlite_begin_write)
     if parsed.get_backend_name() == "postgresql":
-        engine = create_engine(parsed, isolation_level="AUTOCOMMIT", pool_size=10, max_overflow=20)
-        return _begin_with(engine, _pg_begin)
+        # pooled: psycopg's automatic prepare (named statements of a server session) is off too.
+        pooler_args: dict[str, Any] = {"connect_args": {"prepare_threshold": None}} if pooled else {}
+        engine = create_engine(parsed, isolation_level="AUTOCOMMIT", pool_size=10, max_overflow=20, **pooler_args)
+        return _begin_with(engine, _pg_begin_pooled if pooled else _pg_begin)
     return create_engine(parsed)
 
 
@@ -213,9 +231,10 @@ class EngineRegistry(ServerDirectory):
 
     def __init__(self, servers: Mapping[str, ServerSpec]) -> None:
         super().__init__(servers)
-        self._engines: dict[tuple[str, bool], Engine] = {}
+        self._engines: dict[tuple[str, bool, bool], Engine] = {}
         self._by_server: dict[tuple[str, bool], Engine] = {}
         self._lock = threading.Lock()
+        self._direct = False
 
     @classmethod
     def for_map(cls, pmap: PartitionMap) -> EngineRegistry:
@@ -237,6 +256,31 @@ class EngineRegistry(ServerDirectory):
     def backend(self, server: str) -> str:
         return sqlalchemy_url(self.spec(server).primary).get_backend_name()
 
+    def use_direct(self) -> None:
+        """Connect to each server's ``direct:`` URL where the map gives one (the tools do this).
+
+        A move holds a briefcase's lock while it opens more connections to the same database;
+        pooled sessions that queue on that lock each hold one of the pooler's few server
+        connections, so through the pooler the move could wait for a connection that only its
+        own lock frees. A direct connection is outside the pooler's budget.
+        """
+        with self._lock:
+            self._direct = True
+            self._by_server.clear()
+
+    def url(self, server: str, readonly: bool = False) -> str:
+        """The URL a connection uses: the replica for readonly work when the map has one; the
+        ``direct:`` URL for primary work after :meth:`use_direct`."""
+        spec = self.spec(server)
+        if self._direct and spec.direct is not None and not (readonly and spec.replica):
+            return spec.direct
+        return super().url(server, readonly)
+
+    def pooled(self, server: str, readonly: bool = False) -> bool:
+        """Whether connections for this use of ``server`` go through a transaction-pooling pooler."""
+        spec = self.spec(server)
+        return spec.pooler == "transaction" and self.url(server, readonly) != spec.direct
+
     def engine(self, server: str, readonly: bool = False) -> Engine:
         """The pooled engine of a server; ``readonly`` picks the replica when the map has one."""
         engine = self._by_server.get((server, readonly))
@@ -247,11 +291,11 @@ class EngineRegistry(ServerDirectory):
         # SQLite readers get their own engine (deferred BEGIN, no write lock); PostgreSQL readers
         # without a replica share the primary's pool.
         separate_reader = spec.replica is not None or self.is_sqlite(server)
-        key = (url, readonly and separate_reader)
+        key = (url, readonly and separate_reader, self.pooled(server, readonly))
         with self._lock:
             engine = self._engines.get(key)
             if engine is None:
-                engine = _create(url, readonly=key[1])
+                engine = _create(url, readonly=key[1], pooled=key[2])
                 self._engines[key] = engine
                 log.debug("created engine for server %s at %s", server, mask_url(url))
             self._by_server[(server, readonly)] = engine
@@ -260,7 +304,7 @@ class EngineRegistry(ServerDirectory):
     def update(self, servers: Mapping[str, ServerSpec]) -> None:
         """Adopt a new server list; engines of URLs no longer used are disposed."""
         with self._lock:
-            live = self._adopt(servers)
+            live = self._adopt(servers) | {s.direct for s in self._servers.values() if s.direct}
             self._by_server.clear()
             for key in [k for k in self._engines if k[0] not in live]:
                 self._engines.pop(key).dispose()

@@ -19,6 +19,7 @@ Read-only sessions ignore the marker: reads cannot strand a briefcase.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from mdb.engines import Prelude
@@ -80,17 +81,49 @@ def _check_sql(area: str, gdid: str, frozen_peer: str | None, freeze_gdid: str) 
 
 
 _PG_FREEZE = _pg_bytea(FREEZE_GDID)
+_PG_CHECKS: dict[str, tuple[str, Callable[..., str]]] = {
+    "mdb_ownership_lock": (
+        "text, text",
+        lambda partition_key, briefcase_key: f"SELECT pg_advisory_xact_lock_shared(hashtextextended({partition_key}, 0)), "
+        f"pg_advisory_xact_lock_shared(hashtextextended({briefcase_key}, 0))",
+    ),
+    "mdb_ownership_read": ("text, bytea", lambda area, gdid: _check_sql(area, gdid, None, _PG_FREEZE)),
+    "mdb_ownership_write": ("text, bytea, text", lambda area, gdid, start: _check_sql(area, gdid, start, _PG_FREEZE)),
+}
+"""The PostgreSQL check statements: name -> (argument types, query from its arguments as SQL).
+
+One definition, two renderings (:func:`_pg_statement`): prepared once per connection and run as
+``EXECUTE``, or inline with literals behind a transaction-pooling pooler."""
+
 PG_PREPARED: dict[str, str] = {
-    "mdb_ownership_lock": "(text, text) AS SELECT pg_advisory_xact_lock_shared(hashtextextended($1, 0)), "
-    "pg_advisory_xact_lock_shared(hashtextextended($2, 0))",
-    "mdb_ownership_read": "(text, bytea) AS " + _check_sql("$1", "$2", None, _PG_FREEZE),
-    "mdb_ownership_write": "(text, bytea, text) AS " + _check_sql("$1", "$2", "$3", _PG_FREEZE),
+    name: f"({types}) AS " + query(*(f"${n}" for n in range(1, types.count(",") + 2)))
+    for name, (types, query) in _PG_CHECKS.items()
 }
 """The check as server-side prepared statements (name -> ``(argument types) AS query``).
 
 Parsing and planning the check per session cost more than the whole BEGIN round trip; prepared
 once per pooled connection, a session only sends ``EXECUTE`` with its literals.
 """
+
+
+def _pg_statement(name: str, args: tuple[str, ...], inline: bool) -> str:
+    """``EXECUTE name(args)``, or the statement itself with ``args`` inlined; args are SQL literals."""
+    return _PG_CHECKS[name][1](*args) if inline else f"EXECUTE {name}({', '.join(args)})"
+
+
+def _pg_prelude_statements(placement: Placement, lock: bool, inline: bool) -> tuple[str, ...]:
+    area, start = placement.area, placement.partition_start
+    statements = []
+    if lock:
+        keys = (f"'{_partition_lock_key(area, start)}'", f"'{_lock_key(area, placement.gdid)}'")
+        statements.append(_pg_statement("mdb_ownership_lock", keys, inline))
+    gdid = _pg_bytea(placement.gdid)
+    if lock:
+        statements.append(_pg_statement("mdb_ownership_write", (f"'{area}'", gdid, f"'{start}'"), inline))
+    else:
+        statements.append(_pg_statement("mdb_ownership_read", (f"'{area}'", gdid), inline))
+    return tuple(statements)
+
 
 _SQLITE_READ = _check_sql(":area", ":gdid", None, ":freeze")
 _SQLITE_WRITE = _check_sql(":area", ":gdid", ":start", ":freeze")
@@ -104,18 +137,15 @@ def ownership_prelude(backend: str, placement: Placement, lock: bool) -> Prelude
     first, and read the partition's freeze marker. The lock is its own statement, before the
     check, so that the check's snapshot is taken after any wait for a move's exclusive lock.
     """
-    area, start = placement.area, placement.partition_start
     if backend == "postgresql":
-        statements = []
-        if lock:
-            statements.append(
-                f"EXECUTE mdb_ownership_lock('{_partition_lock_key(area, start)}', '{_lock_key(area, placement.gdid)}')"
-            )
-        gdid = _pg_bytea(placement.gdid)
-        statements.append(
-            f"EXECUTE mdb_ownership_write('{area}', {gdid}, '{start}')" if lock else f"EXECUTE mdb_ownership_read('{area}', {gdid})"
+        # Both renderings: the engine sends the inline one when it is behind a transaction
+        # pooler (mdb.engines), where a statement prepared in one transaction's server session
+        # is not there in the next one's.
+        return Prelude(
+            _pg_prelude_statements(placement, lock, inline=False), PG_PREPARED,
+            inline=_pg_prelude_statements(placement, lock, inline=True),
         )
-        return Prelude(tuple(statements), PG_PREPARED)
+    area, start = placement.area, placement.partition_start
     # SQLite: BEGIN IMMEDIATE already serializes write sessions with a reshard's freeze. The
     # check is one text per kind with named parameters, so sqlite3's statement cache parses it
     # once per connection; with the values inlined every briefcase was a new text (24 µs per
