@@ -51,6 +51,9 @@ def pgbouncer_unavailable_reason() -> str | None:
     """Why no PgBouncer can be started here, or ``None`` if nothing is known against it."""
     binary = find_pgbouncer()
     if binary is None:
+        override = os.environ.get("MDB_PGBOUNCER")
+        if override:
+            return f"no pgbouncer binary at MDB_PGBOUNCER={override}"
         return "no pgbouncer binary on PATH or in /usr/sbin; install the 'pgbouncer' system package"
     try:
         user = _unprivileged_user()
