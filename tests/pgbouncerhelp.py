@@ -7,16 +7,20 @@ use, see docs/operations.md "Behind PgBouncer").
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 from mapfiles import PartitionList, map_dict
+from movehelp import Cluster
 
+from mdb.schema import apply_schema
+from mdb.store import Store
 from mdb.testing.pgbouncer import PgBouncer
 
-__all__ = ["pooled_servers", "tools_store", "write_pooled_map"]
+__all__ = ["PooledCluster", "make_pooled_cluster", "pooled_servers", "tools_store", "write_pooled_map"]
 
 
 def pooled_servers(
@@ -41,10 +45,18 @@ def write_pooled_map(
 ) -> Path:
     """:func:`mapfiles.write_map`, every server marked ``pooler: transaction`` with its ``direct:`` URL."""
     data = map_dict(pooled, central=central, partitions=partitions, version=version, **kwargs)
+    return _write(Path(directory) / filename, _pooled(data, direct))
+
+
+def _pooled(data: dict[str, Any], direct: Mapping[str, str]) -> dict[str, Any]:
     for name, spec in data["servers"].items():
         spec["pooler"] = "transaction"
-        spec["direct"] = direct[name]
-    path = Path(directory) / filename
+        if direct:
+            spec["direct"] = direct[name]
+    return data
+
+
+def _write(path: Path, data: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
@@ -57,3 +69,36 @@ def tools_store(store_factory: Callable[[], Any]) -> Any:
     store = store_factory()
     store.engines.use_direct()
     return store
+
+
+@dataclass
+class PooledCluster(Cluster):
+    """:class:`movehelp.Cluster` behind PgBouncer: ``urls`` are the pooled URLs; ``direct`` the
+    databases' own URLs, written as ``direct:`` when ``tools_direct`` (else the tools, too, go
+    through PgBouncer)."""
+
+    direct: dict[str, str] = field(default_factory=dict)
+    tools_direct: bool = True
+
+    def write(self, partitions: Sequence[tuple[str, Sequence[str]]], version: int) -> Path:
+        data = map_dict(self.urls, central=self.central, partitions=partitions, version=version)
+        data["models"] = ["mdb.demo.models"]
+        return _write(self.path, _pooled(data, self.direct if self.tools_direct else {}))
+
+    def tools(self) -> Store:
+        """A Store as the CLI tools open one (direct URLs where the map has them)."""
+        return tools_store(self.store)  # type: ignore[no-any-return]
+
+
+def make_pooled_cluster(
+    pgbouncer: Callable[..., PgBouncer], direct: Mapping[str, str], tmp_path: Path,
+    partitions: Sequence[tuple[str, Sequence[str]]], *, tools_direct: bool = True, central: Sequence[str] = ("c",),
+) -> PooledCluster:
+    """:func:`movehelp.make_cluster` behind one PgBouncer (pool of 3 per database)."""
+    _, pooled = pooled_servers(pgbouncer, direct)
+    cluster = PooledCluster(pooled, tmp_path / "map.yaml", list(central), dict(direct), tools_direct)
+    cluster.write(partitions, 1)
+    with cluster.tools() as store:
+        reports = apply_schema(store)
+        assert all(r.ok for r in reports), [(r.server, r.error, r.problems) for r in reports]
+    return cluster

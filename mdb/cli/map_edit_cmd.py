@@ -53,7 +53,9 @@ def _area_gdid(text: str, option: str) -> tuple[str, GDID]:
 
 def _open_store(pmap: PartitionMap, path: str, models: list[str] | None) -> Store:
     import_models([*pmap.models, *(models or [])])
-    return Store(pmap, types=registered_types(), map_path=path)
+    store = Store(pmap, types=registered_types(), map_path=path)
+    store.engines.use_direct()  # a tool: past a transaction pooler where the map gives a direct: URL
+    return store
 
 
 def print_diff(diff: MapDiff) -> None:

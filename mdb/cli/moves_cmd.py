@@ -36,7 +36,9 @@ BIG_MOVE_ROWS = 10_000
 def _store(map_path: str) -> Store:
     pmap = open_map(map_path)
     import_models(list(pmap.models))
-    return Store(pmap, map_path=map_path)
+    store = Store(pmap, map_path=map_path)
+    store.engines.use_direct()  # a tool: past a transaction pooler where the map gives a direct: URL
+    return store
 
 
 def _gdid(text: str) -> GDID:

@@ -88,6 +88,7 @@ def schema_apply(
     pmap = open_map(map_path)
     import_models([*pmap.models, *(models or [])])
     store = Store(pmap, types=registered_types(), map_path=map_path)
+    store.engines.use_direct()  # a tool: past a transaction pooler where the map gives a direct: URL
     try:
         reports = apply_schema(store)
     finally:
