@@ -20,7 +20,7 @@ from mdb.schema import apply_schema
 from mdb.store import Store
 from mdb.testing.pgbouncer import PgBouncer
 
-__all__ = ["PooledCluster", "make_pooled_cluster", "pooled_servers", "tools_store", "write_pooled_map"]
+__all__ = ["PooledCluster", "Pooling", "make_pooled_cluster", "pooled_servers", "tools_store", "write_pooled_map"]
 
 
 def pooled_servers(
@@ -102,3 +102,36 @@ def make_pooled_cluster(
         reports = apply_schema(store)
         assert all(r.ok for r in reports), [(r.server, r.error, r.problems) for r in reports]
     return cluster
+
+
+class Pooling:
+    """Fresh databases behind one PgBouncer, and a drop-in for :func:`mapfiles.write_map` that
+    writes any of them as ``primary:`` through PgBouncer (``pooler: transaction``) with the
+    database's own URL as ``direct:``. Patched into an existing suite's module, it runs that
+    suite's own fixtures and tests through PgBouncer unchanged."""
+
+    def __init__(self, pg_databases: Callable[[int], list[str]], pgbouncer: Callable[..., PgBouncer]) -> None:
+        self._pg_databases = pg_databases
+        self._pgbouncer = pgbouncer
+        self.bouncer: PgBouncer | None = None
+        self.pooled: dict[str, str] = {}
+        """direct URL -> pooled URL."""
+
+    def databases(self, n: int) -> list[str]:
+        """``pg_databases(n)``, each also put behind the PgBouncer; returns the direct URLs."""
+        urls = self._pg_databases(n)
+        if self.bouncer is None:
+            self.bouncer = self._pgbouncer(urls)
+            pooled = self.bouncer.pooled_urls
+        else:
+            pooled = self.bouncer.add(urls)
+        self.pooled.update(zip(urls, pooled, strict=True))
+        return urls
+
+    def write_map(self, directory: str | Path, servers: Mapping[str, str], *, filename: str = "map.yaml", **kwargs: Any) -> Path:
+        data = map_dict(servers, **kwargs)
+        for spec in data["servers"].values():
+            direct = spec["primary"]
+            if direct in self.pooled:
+                spec.update(primary=self.pooled[direct], pooler="transaction", direct=direct)
+        return _write(Path(directory) / filename, data)

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import TracebackType
 
 import psycopg
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 
 from mdb.testing.postgres import HOST, _command_prefix, _make_owned_temp_dir, _unprivileged_user
 
@@ -101,10 +101,8 @@ class PgBouncer:
         self._process: subprocess.Popen[bytes] | None = None
         self._owner_pid = os.getpid()
         self.base_dir = _make_owned_temp_dir("mdb-pgbouncer-", self._user)
-        self._targets = [make_url(url) for url in urls]
-        names = [u.database or "" for u in self._targets]
-        if len(set(names)) != len(names) or "" in names or "pgbouncer" in names:
-            raise ValueError(f"PgBouncer needs distinct database names other than 'pgbouncer', got {names}")
+        self._targets: list[URL] = []
+        self._add_targets(urls)
         with _running_lock:
             _running[id(self)] = self
 
@@ -116,6 +114,28 @@ class PgBouncer:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+    def _add_targets(self, urls: Sequence[str]) -> None:
+        targets = [*self._targets, *(make_url(url) for url in urls)]
+        names = [u.database or "" for u in targets]
+        if len(set(names)) != len(names) or "" in names or "pgbouncer" in names:
+            raise ValueError(f"PgBouncer needs distinct database names other than 'pgbouncer', got {names}")
+        self._targets = targets
+
+    def add(self, urls: Sequence[str]) -> list[str]:
+        """Put more databases behind the running PgBouncer (config rewritten, then ``RELOAD``);
+        returns their pooled URLs."""
+        self._add_targets(urls)
+        if self.port is None:
+            raise RuntimeError(f"{self!r} has no port yet: start() it first")
+        (self.base_dir / "pgbouncer.ini").write_text(self._config(self.port))
+        with self._admin() as conn:
+            conn.execute("RELOAD")
+        return self.pooled_urls[-len(urls):] if urls else []
+
+    def _admin(self) -> psycopg.Connection[tuple[object, ...]]:
+        return psycopg.connect(host=HOST, port=self.port, dbname="pgbouncer", user=self._admin_user(),
+                               autocommit=True, connect_timeout=5, prepare_threshold=None)
 
     @property
     def is_running(self) -> bool:
@@ -182,8 +202,7 @@ pidfile =
                 raise RuntimeError(f"pgbouncer exited at start ({self._process.returncode}): {self._log_tail()}")
             try:
                 # The admin console answers without a server connection: ready means listening.
-                with psycopg.connect(host=HOST, port=self.port, dbname="pgbouncer", user=self._admin_user(),
-                                     autocommit=True, connect_timeout=5, prepare_threshold=None) as conn:
+                with self._admin() as conn:
                     conn.execute("SHOW VERSION")
                 return
             except psycopg.OperationalError as exc:
@@ -201,8 +220,7 @@ pidfile =
 
     def show(self, what: str) -> list[dict[str, object]]:
         """Rows of an admin console ``SHOW <what>`` (``POOLS``, ``STATS``...), as dicts."""
-        with psycopg.connect(host=HOST, port=self.port, dbname="pgbouncer", user=self._admin_user(),
-                             autocommit=True, connect_timeout=5, prepare_threshold=None) as conn:
+        with self._admin() as conn:
             cursor = conn.execute(f"SHOW {what}")
             names = [c.name for c in cursor.description or ()]
             return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
