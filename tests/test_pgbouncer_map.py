@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from mdb.engines import EngineRegistry
-from mdb.errors import MapError
+from mdb.errors import MapEditError, MapError
+from mdb.map_edit import diff_maps, recordable_yaml
 from mdb.partition_map import parse_map
+from mdb.urls import mask_url
 
 POOLED = "postgresql://mdb:s3cret@10.0.0.5:6432/user_1"
 DIRECT = "postgresql://mdb:s3cret@10.0.0.5:5432/user_1"
@@ -54,3 +56,21 @@ def test_only_the_tools_take_the_direct_url_and_only_for_the_primary() -> None:
     assert (tools.url("u1"), tools.pooled("u1")) == (DIRECT, False)
     assert (tools.url("u1", readonly=True), tools.pooled("u1", readonly=True)) == (REPLICA, True)
     assert "s3cret" not in tools.masked_url("u1")
+
+
+def test_map_diff_shows_a_pooler_change_masked_and_accepts_it() -> None:
+    old = parse_map(_map(f'{{primary: "{DIRECT}"}}'))
+    new = parse_map(_map(f'{{primary: "{POOLED}", pooler: transaction, direct: "{DIRECT}"}}').replace("version: 1", "version: 2"))
+    diff = diff_maps(old, new, {})
+    (change,) = [c for c in diff.changes if c.subject == "server u1 pooler"]
+    assert change.accepted and change.old == "pooler none" and change.new == "pooler transaction, direct " + mask_url(DIRECT)
+    assert "s3cret" not in str(diff.to_json())
+
+
+def test_an_applied_map_never_records_a_literal_password_in_direct(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PW", "s3cret")
+    text = _map(f'{{primary: "postgresql://mdb:${{PW}}@h:6432/u", pooler: transaction, direct: "{DIRECT}"}}')
+    with pytest.raises(MapEditError, match="direct URL .* carries a literal password") as raised:
+        recordable_yaml(parse_map(text), text)
+    assert "s3cret" not in str(raised.value)
+    recordable_yaml(parse_map(text.replace("s3cret", "${PW}")), text.replace("s3cret", "${PW}"))  # a reference is fine
