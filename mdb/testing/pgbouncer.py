@@ -171,7 +171,6 @@ max_client_conn = 2000
 max_db_connections = 0
 query_wait_timeout = 120
 server_idle_timeout = 600
-ignore_startup_parameters = extra_float_digits,options
 logfile =
 pidfile =
 """
