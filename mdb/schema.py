@@ -18,6 +18,7 @@ from sqlalchemy.exc import DBAPIError
 from mdb.dberrors import describe
 from mdb.errors import MdbError
 from mdb.mongo.clients import is_mongo_url
+from mdb.ownership import install_pg_functions
 from mdb.router import Router, ShardLayout
 from mdb.store import Store
 from mdb.system_tables import load_system_tables, shard_layout
@@ -135,6 +136,8 @@ def apply_schema(store: Store) -> list[ShardReport]:
         try:
             with store.transaction(server) as conn:
                 report.created = create_tables(conn, tables)
+                if conn.dialect.name == "postgresql":  # the check behind a transaction pooler (docs/operations.md)
+                    install_pg_functions(conn)
                 already = set(conn.execute(select(shard_layout.c.area)).scalars())
                 for layout in layouts.get(server, []):
                     problem = stamp_layout(conn, layout, pmap.version, replace=False)

@@ -19,7 +19,7 @@ from sqlalchemy import func, select, text
 from test_briefcase_pg import child_id
 
 from mdb.demo.models import Order, User, UserBriefcase
-from mdb.errors import StaleRouteError
+from mdb.errors import SchemaError, StaleRouteError
 from mdb.gdid import GDID
 from mdb.schema import apply_schema
 from mdb.store import Store
@@ -120,3 +120,26 @@ def test_a_fence_still_turns_a_pooled_session_away(pooled: tuple[Path, PgBouncer
         for readonly in (True, False):
             with pytest.raises(StaleRouteError, match="fenced"), store.briefcase(UserBriefcase, gdid, readonly=readonly):
                 pass
+
+
+def test_a_shard_without_the_check_functions_asks_for_schema_apply(pooled: tuple[Path, PgBouncer]) -> None:
+    """Behind a pooler the check is a call of a function ``mdb schema apply`` creates; a shard
+    set up by an older mdb lacks it: the session says what to run, and after it, works."""
+    path, _ = pooled
+    gdid = BRIEFCASES[0]
+    with Store.from_yaml(path, types=[UserBriefcase]) as store:
+        with store.briefcase(UserBriefcase, gdid) as session:
+            session.add(User(user_id=gdid, email="a@example.com", name="a"))
+        server = store.router.locate("user", gdid).server
+        with store.transaction(server) as conn:
+            conn.execute(text("DROP FUNCTION mdb_check_read, mdb_check_write"))
+        for readonly in (True, False):
+            with pytest.raises(SchemaError, match="mdb_check_.* does not exist.*run `mdb schema apply"):
+                with store.briefcase(UserBriefcase, gdid, readonly=readonly):
+                    pass
+    with tools_store(lambda: Store.from_yaml(path, types=[UserBriefcase])) as tools:
+        assert all(r.ok for r in apply_schema(tools))
+    with Store.from_yaml(path, types=[UserBriefcase]) as store:
+        for readonly in (True, False):
+            with store.briefcase(UserBriefcase, gdid, readonly=readonly) as session:
+                assert session.get(User, gdid) is not None
