@@ -87,9 +87,9 @@ class Prelude:
     params: Mapping[str, Any] = field(default_factory=dict)
     """Named parameters of the statements (SQLite only: a PostgreSQL prelude travels as one
     simple-protocol string, which takes none, so its values are inlined)."""
-    inline: tuple[str, ...] = ()
-    """The same statements with no prepared statement behind them (PostgreSQL): what an engine
-    behind a transaction-pooling pooler sends, where nothing prepared outlives a transaction."""
+    unprepared: tuple[str, ...] = ()
+    """The same with no prepared statement behind them (PostgreSQL): what an engine behind a
+    transaction-pooling pooler sends, where nothing prepared outlives a transaction."""
 
 
 def _last_rows(cursor: Any) -> list[tuple[Any, ...]] | None:
@@ -154,14 +154,15 @@ def _pg_begin(fairy: Any) -> None:
 
 def _pg_begin_pooled(fairy: Any) -> None:
     # Behind a transaction-pooling pooler each transaction may run on another server session,
-    # so nothing may be prepared on one: the prelude goes inline, still one simple-protocol
-    # string with BEGIN, still one round trip (the server parses and plans it every time).
+    # so nothing may be prepared on one: the prelude's unprepared form (the ownership check as
+    # a call of its PL/pgSQL function), still one simple-protocol string with BEGIN, still one
+    # round trip.
     prelude: Prelude | None = fairy.info.pop(BEGIN_PRELUDE, None)
     if prelude is None:
         fairy.driver_connection.execute("BEGIN")
         return
     with fairy.driver_connection.cursor() as cursor:
-        cursor.execute("; ".join(["BEGIN", *(prelude.inline or prelude.statements)]))
+        cursor.execute("; ".join(["BEGIN", *(prelude.unprepared or prelude.statements)]))
         fairy.info[BEGIN_RESULT] = _last_rows(cursor)
 
 

@@ -7,7 +7,9 @@ with?" (area, partition start and end, shard index, shard count). On PostgreSQL 
 prelude sent with BEGIN in one simple-protocol string (see ``mdb.engines``), as ``EXECUTE`` of
 statements prepared once per pooled connection (:data:`PG_PREPARED`), after a shared
 advisory lock on the briefcase, so a move's exclusive lock makes new sessions wait and the
-check, a later statement with a fresh snapshot, then sees the fence the move committed.
+check, a later statement with a fresh snapshot, then sees the fence the move committed. Behind
+a transaction-pooling pooler (``pooler: transaction``) nothing prepared survives a transaction,
+so the same check is a call of a PL/pgSQL function instead (:data:`PG_FUNCTIONS`).
 
 Write sessions also take a SHARED advisory lock on their partition (:func:`partition_lock_key_sql`)
 and read the partition's freeze marker (a state row ``frozen`` under the zero GDID, which is
@@ -179,12 +181,12 @@ def ownership_prelude(backend: str, placement: Placement, lock: bool) -> Prelude
     check, so that the check's snapshot is taken after any wait for a move's exclusive lock.
     """
     if backend == "postgresql":
-        # Both renderings: the engine sends the inline one when it is behind a transaction
+        # Both renderings: the engine sends the function call when it is behind a transaction
         # pooler (mdb.engines), where a statement prepared in one transaction's server session
         # is not there in the next one's.
         return Prelude(
             _pg_prelude_statements(placement, lock, pooled=False), PG_PREPARED,
-            inline=_pg_prelude_statements(placement, lock, pooled=True),
+            unprepared=_pg_prelude_statements(placement, lock, pooled=True),
         )
     area, start = placement.area, placement.partition_start
     # SQLite: BEGIN IMMEDIATE already serializes write sessions with a reshard's freeze. The

@@ -4,11 +4,11 @@ Both sides go through one PgBouncer (``pool_mode = transaction``, 3 server conne
 database) to the same row of the same database. The baseline is what an application without
 mdb writes behind such a pooler: ``Session(engine)`` on an engine with psycopg's automatic
 prepare off (``prepare_threshold=None``, which any psycopg application behind PgBouncer < 1.21
-in transaction mode needs). The routed side sends the ownership check inline with BEGIN.
+in transaction mode needs). The routed side sends the ownership check with BEGIN as a call of its PL/pgSQL function.
 
-A second pair prices inlining itself, on a direct connection with raw psycopg: BEGIN + the
-check + COMMIT, the check inline (what a pooled engine sends) vs ``EXECUTE`` of the prepared
-statements (what a direct engine sends).
+A second pair prices the pooled form of the check itself, on a direct connection with raw
+psycopg: BEGIN + the check + COMMIT, as a call of the PL/pgSQL check functions (what a pooled
+engine sends) vs ``EXECUTE`` of the prepared statements (what a direct engine sends).
 """
 
 from __future__ import annotations
@@ -93,18 +93,18 @@ def _routed_vs_plain(ctx: BenchContext, store: Store, pooled_shard: str, ids: li
     return results
 
 
-def _inline_vs_prepared(ctx: BenchContext, store: Store, direct_shard: str, ids: list[GDID]) -> list[Result]:
-    """Raw psycopg on a direct connection: the price of parsing and planning the check per BEGIN."""
+def _function_vs_prepared(ctx: BenchContext, store: Store, direct_shard: str, ids: list[GDID]) -> list[Result]:
+    """Raw psycopg on a direct connection: the check function vs the prepared check."""
     u = make_url(direct_shard)
     conn = psycopg.connect(host=u.host, port=u.port, user=u.username, dbname=u.database, autocommit=True)
     conn.execute("; ".join(f"PREPARE {name} {definition}" for name, definition in PG_PREPARED.items()))
     cursor = iter(ids * 10_000)
     results = []
 
-    def transaction(lock: bool, inline: bool) -> Callable[[], object]:
+    def transaction(lock: bool, function: bool) -> Callable[[], object]:
         def run() -> object:
             prelude: Prelude = ownership_prelude("postgresql", store.router.locate("user", next(cursor)), lock=lock)
-            conn.execute("; ".join(["BEGIN", *(prelude.inline if inline else prelude.statements)]))
+            conn.execute("; ".join(["BEGIN", *(prelude.unprepared if function else prelude.statements)]))
             return conn.execute("COMMIT")
 
         return run
@@ -116,7 +116,7 @@ def _inline_vs_prepared(ctx: BenchContext, store: Store, direct_shard: str, ids:
                                   warmup=ctx.iterations(300, 50))
             kind = "write check (locks + freeze marker)" if lock else "read check"
             results.append(Result(
-                "pooler", f"direct psycopg: BEGIN + inline {kind} + COMMIT", value * 1e6, "µs/txn",
+                "pooler", f"direct psycopg: BEGIN + {kind} function + COMMIT", value * 1e6, "µs/txn",
                 "the same with EXECUTE of prepared statements", base * 1e6, f"{iterations} x {rounds} rounds, median",
             ))
     finally:
@@ -133,6 +133,6 @@ def run(ctx: BenchContext) -> list[Result]:
             ids = [GDID(0, 0, i) for i in range(1, ROWS + 1)]
             with store.transaction("u1") as conn:
                 conn.execute(insert(User.__table__), [{"user_id": g, "email": f"{g}@example.com", "name": f"user {g}", "created_at": NOW} for g in ids])
-            return _routed_vs_plain(ctx, store, pooled[1], ids) + _inline_vs_prepared(ctx, store, direct[1], ids)
+            return _routed_vs_plain(ctx, store, pooled[1], ids) + _function_vs_prepared(ctx, store, direct[1], ids)
         finally:
             store.close()
