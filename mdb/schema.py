@@ -54,6 +54,8 @@ def create_tables(conn: Connection, tables: list[Table]) -> list[str]:
     created = [t.name for t in tables if t.name not in existing]
     for metadata in {t.metadata for t in tables}:
         metadata.create_all(conn, tables=[t for t in tables if t.metadata is metadata], checkfirst=True)
+    if conn.dialect.name == "postgresql":  # the ownership check behind a transaction pooler (docs/operations.md)
+        install_pg_functions(conn)
     return created
 
 
@@ -136,8 +138,6 @@ def apply_schema(store: Store) -> list[ShardReport]:
         try:
             with store.transaction(server) as conn:
                 report.created = create_tables(conn, tables)
-                if conn.dialect.name == "postgresql":  # the check behind a transaction pooler (docs/operations.md)
-                    install_pg_functions(conn)
                 already = set(conn.execute(select(shard_layout.c.area)).scalars())
                 for layout in layouts.get(server, []):
                     problem = stamp_layout(conn, layout, pmap.version, replace=False)
