@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 from pgbouncerhelp import pooled_servers, tools_store, write_pooled_map
 from sqlalchemy import func, select, text
-from test_briefcase_pg import child_id
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session
+from test_briefcase_pg import RoundTripCounter, _proxied, child_id
 
 from mdb.demo.models import Order, User, UserBriefcase
 from mdb.errors import SchemaError, StaleRouteError
@@ -143,3 +145,57 @@ def test_a_shard_without_the_check_functions_asks_for_schema_apply(pooled: tuple
         for readonly in (True, False):
             with store.briefcase(UserBriefcase, gdid, readonly=readonly) as session:
                 assert session.get(User, gdid) is not None
+
+
+def test_the_pooled_check_costs_no_extra_round_trip(
+    pg_databases: Callable[[int], list[str]], pgbouncer: Callable[..., PgBouncer], tmp_path: Path
+) -> None:
+    """Invariant 2 behind PgBouncer: a pooled briefcase read costs BEGIN(+check), SELECT, COMMIT,
+    the 3 round trips of a plain Session on the same engine; one extra SELECT 1 shows as a 4th.
+    Counted by test_briefcase_pg's ReadyForQuery proxy between the client and PgBouncer."""
+    direct = dict(zip(["central", "u1"], pg_databases(2), strict=True))
+    bouncer, pooled_urls = pooled_servers(pgbouncer, direct)
+    shard = make_url(pooled_urls["u1"])
+    proxy = RoundTripCounter(shard.host or "127.0.0.1", shard.port or 6432)
+    try:
+        path = write_pooled_map(
+            tmp_path, {"central": pooled_urls["central"], "u1": _proxied(pooled_urls["u1"], proxy.port)}, direct,
+            central=["central"], partitions=[("0:0:0", ["u1"])],
+        )
+        with tools_store(lambda: Store.from_yaml(path, types=[UserBriefcase])) as tools:
+            assert all(r.ok for r in apply_schema(tools))
+        with Store.from_yaml(path, types=[UserBriefcase]) as store:
+            gdid = GDID(0, 0, 70)
+            with store.briefcase(UserBriefcase, gdid) as session:
+                session.add(User(user_id=gdid, email="a@example.com", name="a"))
+            assert store.engines.pooled("u1")
+            engine = store.engine("u1")
+
+            def briefcase_read(readonly: bool) -> None:
+                with store.briefcase(UserBriefcase, gdid, readonly=readonly) as session:
+                    assert session.scalars(select(User).where(User.user_id == gdid)).one().user_id == gdid
+                    session.expunge_all()
+
+            def plain_read(extra: bool = False) -> None:
+                with Session(engine) as session, session.begin():
+                    if extra:
+                        session.execute(text("SELECT 1"))
+                    assert session.scalars(select(User).where(User.user_id == gdid)).one().user_id == gdid
+
+            def trips(fn: Callable[[], None]) -> int:
+                for _ in range(7):  # past psycopg's prepare_threshold, were it on
+                    fn()
+                before = proxy.ready_for_query
+                for _ in range(3):
+                    fn()
+                total = proxy.ready_for_query - before
+                assert total % 3 == 0, total
+                return total // 3
+
+            plain = trips(plain_read)
+            assert plain == 3  # BEGIN, SELECT, COMMIT
+            assert trips(lambda: plain_read(extra=True)) == plain + 1
+            assert trips(lambda: briefcase_read(True)) == plain
+            assert trips(lambda: briefcase_read(False)) == plain
+    finally:
+        proxy.close()
