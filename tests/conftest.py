@@ -182,18 +182,24 @@ def pgbouncer() -> Iterator[Callable[..., PgBouncer]]:
     """Factory: ``pgbouncer(urls, pool_size=3)`` -> a started :class:`PgBouncer` in transaction
     mode in front of those databases (``.pooled_urls``, same order); stopped after the test.
     Missing or broken PgBouncer: skipped with the reason, a failure under ``CI=true``."""
-    reason = pgbouncer_unavailable_reason()
-    if reason is not None:
+    def unavailable(reason: str) -> None:
         message = f"PgBouncer is unavailable: {reason}"
         if _in_ci():
             pytest.fail(message, pytrace=False)
         pytest.skip(message)
+
+    reason = pgbouncer_unavailable_reason()
+    if reason is not None:
+        unavailable(reason)
     bouncers: list[PgBouncer] = []
 
     def make(urls: list[str], pool_size: int = DEFAULT_POOL_SIZE) -> PgBouncer:
         bouncer = PgBouncer(urls, pool_size=pool_size)
         bouncers.append(bouncer)
-        bouncer.start()  # a failure to start is an error of the test, not a skip: the binary ran
+        try:
+            bouncer.start()
+        except (RuntimeError, OSError, TimeoutError) as exc:  # like a PostgreSQL that cannot start
+            unavailable(f"{type(exc).__name__}: {exc}")
         return bouncer
 
     yield make
