@@ -199,3 +199,13 @@ def test_the_pooled_check_costs_no_extra_round_trip(
             assert trips(lambda: briefcase_read(False)) == plain
     finally:
         proxy.close()
+
+
+def test_exclusive_sessions_serialize_writers_through_the_pooler(pooled: tuple[Path, PgBouncer]) -> None:
+    """The exclusive lock travels as its own check function (mdb_check_write_x) behind a pooler:
+    the same 8 read-modify-write writers as on a direct connection lose nothing."""
+    from test_integrity import test_exclusive_sessions_lose_no_read_modify_write_update_under_8_writers as eight_writers
+
+    path, _bouncer = pooled
+    with Store.from_yaml(path, types=[UserBriefcase]) as store:
+        eight_writers(store)
