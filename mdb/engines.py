@@ -94,6 +94,9 @@ class Prelude:
     params: Mapping[str, Any] = field(default_factory=dict)
     """Named parameters of the statements (SQLite only: a PostgreSQL prelude travels as one
     simple-protocol string, which takes none, so its values are inlined)."""
+    unprepared: tuple[str, ...] = ()
+    """The same with no prepared statement behind them (PostgreSQL): what an engine behind a
+    transaction-pooling pooler sends, where nothing prepared outlives a transaction."""
 
 
 def _last_rows(cursor: Any) -> list[tuple[Any, ...]] | None:
@@ -156,6 +159,20 @@ def _pg_begin(fairy: Any) -> None:
         fairy.info[BEGIN_RESULT] = _last_rows(cursor)
 
 
+def _pg_begin_pooled(fairy: Any) -> None:
+    # Behind a transaction-pooling pooler each transaction may run on another server session,
+    # so nothing may be prepared on one: the prelude's unprepared form (the ownership check as
+    # a call of its PL/pgSQL function), still one simple-protocol string with BEGIN, still one
+    # round trip.
+    prelude: Prelude | None = fairy.info.pop(BEGIN_PRELUDE, None)
+    if prelude is None:
+        fairy.driver_connection.execute("BEGIN")
+        return
+    with fairy.driver_connection.cursor() as cursor:
+        cursor.execute("; ".join(["BEGIN", *(prelude.unprepared or prelude.statements)]))
+        fairy.info[BEGIN_RESULT] = _last_rows(cursor)
+
+
 def _sqlite_begin(fairy: Any, begin: str) -> None:
     cursor = fairy.driver_connection.cursor()
     try:
@@ -205,8 +222,9 @@ def _pool_args(settings: EngineSpec) -> dict[str, Any]:
     }
 
 
-def _create(url: str, readonly: bool, engine: EngineSpec | None = None) -> Engine:
-    """A new engine for ``url``; ``engine`` is the server's settings from the map (unset: defaults)."""
+def _create(url: str, readonly: bool, engine: EngineSpec | None = None, pooled: bool = False) -> Engine:
+    """A new engine for ``url``; ``engine`` is the server's settings from the map (unset: defaults);
+    ``pooled``: the URL reaches a transaction pooler (no session state may be relied on)."""
     settings = (engine or EngineSpec()).over(DEFAULT_ENGINE)
     parsed = sqlalchemy_url(url)
     if parsed.get_backend_name() == "sqlite":
@@ -221,9 +239,11 @@ def _create(url: str, readonly: bool, engine: EngineSpec | None = None) -> Engin
         return _begin_with(sqlite, _sqlite_begin_read if readonly else _sqlite_begin_write)
     if parsed.get_backend_name() == "postgresql":
         # A connect_timeout written in the URL is the more specific setting and stays.
-        connect_args = {} if "connect_timeout" in parsed.query else {"connect_timeout": settings.connect_timeout}
+        connect_args: dict[str, Any] = {} if "connect_timeout" in parsed.query else {"connect_timeout": settings.connect_timeout}
+        if pooled:  # psycopg's automatic prepare (named statements of a server session) is off too
+            connect_args["prepare_threshold"] = None
         pg = create_engine(parsed, isolation_level="AUTOCOMMIT", connect_args=connect_args, **_pool_args(settings))
-        return _begin_with(pg, _pg_begin)
+        return _begin_with(pg, _pg_begin_pooled if pooled else _pg_begin)
     return create_engine(parsed)
 
 
@@ -237,9 +257,10 @@ class EngineRegistry(ServerDirectory):
 
     def __init__(self, servers: Mapping[str, ServerSpec]) -> None:
         super().__init__(servers)
-        self._engines: dict[tuple[str, bool], Engine] = {}
+        self._engines: dict[tuple[str, bool, bool], Engine] = {}
         self._by_server: dict[tuple[str, bool], Engine] = {}
         self._lock = threading.Lock()
+        self._direct = False
 
     @classmethod
     def for_map(cls, pmap: PartitionMap) -> EngineRegistry:
@@ -261,6 +282,31 @@ class EngineRegistry(ServerDirectory):
     def backend(self, server: str) -> str:
         return sqlalchemy_url(self.spec(server).primary).get_backend_name()
 
+    def use_direct(self) -> None:
+        """Connect to each server's ``direct:`` URL where the map gives one (the tools do this).
+
+        A move holds a briefcase's lock while it opens more connections to the same database;
+        pooled sessions that queue on that lock each hold one of the pooler's few server
+        connections, so through the pooler the move could wait for a connection that only its
+        own lock frees. A direct connection is outside the pooler's budget.
+        """
+        with self._lock:
+            self._direct = True
+            self._by_server.clear()
+
+    def url(self, server: str, readonly: bool = False) -> str:
+        """The URL a connection uses: the replica for readonly work when the map has one; the
+        ``direct:`` URL for primary work after :meth:`use_direct`."""
+        spec = self.spec(server)
+        if self._direct and spec.direct is not None and not (readonly and spec.replica):
+            return spec.direct
+        return super().url(server, readonly)
+
+    def pooled(self, server: str, readonly: bool = False) -> bool:
+        """Whether connections for this use of ``server`` go through a transaction-pooling pooler."""
+        spec = self.spec(server)
+        return spec.pooler == "transaction" and self.url(server, readonly) != spec.direct
+
     def engine(self, server: str, readonly: bool = False) -> Engine:
         """The pooled engine of a server; ``readonly`` picks the replica when the map has one."""
         engine = self._by_server.get((server, readonly))
@@ -271,11 +317,11 @@ class EngineRegistry(ServerDirectory):
         # SQLite readers get their own engine (deferred BEGIN, no write lock); PostgreSQL readers
         # without a replica share the primary's pool.
         separate_reader = spec.replica is not None or self.is_sqlite(server)
-        key = (url, readonly and separate_reader)
+        key = (url, readonly and separate_reader, self.pooled(server, readonly))
         with self._lock:
             engine = self._engines.get(key)
             if engine is None:
-                engine = _create(url, readonly=key[1], engine=spec.engine)
+                engine = _create(url, readonly=key[1], engine=spec.engine, pooled=key[2])
                 self._engines[key] = engine
                 log.debug("created engine for server %s at %s", server, mask_url(url))
             self._by_server[(server, readonly)] = engine
@@ -284,7 +330,7 @@ class EngineRegistry(ServerDirectory):
     def update(self, servers: Mapping[str, ServerSpec]) -> None:
         """Adopt a new server list; engines of URLs no longer used are disposed."""
         with self._lock:
-            live = self._adopt(servers)
+            live = self._adopt(servers) | {s.direct for s in self._servers.values() if s.direct}
             self._by_server.clear()
             for key in [k for k in self._engines if k[0] not in live]:
                 self._engines.pop(key).dispose()

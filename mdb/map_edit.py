@@ -30,7 +30,7 @@ from mdb import dberrors
 from mdb.dberrors import translated
 from mdb.errors import MapEditError, MdbError
 from mdb.gdid import GDID
-from mdb.partition_map import AreaSpec, PartitionMap, RangeSetSpec, parse_map, read_map_text, safe_yaml_load, sqlite_file
+from mdb.partition_map import AreaSpec, PartitionMap, RangeSetSpec, ServerSpec, parse_map, read_map_text, safe_yaml_load, sqlite_file
 from mdb.router import Router, ShardLayout
 from mdb.system_tables import central_metadata, shard_layout
 from mdb.urls import mask_url
@@ -221,6 +221,9 @@ class _Differ:
             if now.replica != spec.replica:
                 self.add("server-url", f"server {name} replica", spec.masked_replica, now.masked_replica, True,
                          "replicas serve reads only")
+            if (now.pooler, now.direct) != (spec.pooler, spec.direct):
+                self.add("server-url", f"server {name} pooler", _pooling(spec), _pooling(now), True,
+                         "the same data through or around a connection pooler")
         for name, spec in new.servers.items():
             if name not in old.servers:
                 self.add("server-added", f"server {name}", None, spec.masked_primary, True, "a new server holds no data yet")
@@ -523,6 +526,10 @@ def applied_maps(store: Store) -> list[tuple[int, datetime | None]]:
         return [(v, t) for v, t in conn.execute(select(maps_table.c.version, maps_table.c.applied_at).order_by(maps_table.c.version))]
 
 
+def _pooling(spec: ServerSpec) -> str:
+    return f"pooler {spec.pooler}" + (f", direct {mask_url(spec.direct)}" if spec.direct else "")
+
+
 def _literal_secret(url: str) -> bool:
     """True if ``url`` carries a password that is not just a ``${NAME}`` reference."""
     try:
@@ -547,7 +554,7 @@ def _raw_urls(texts: Iterable[str]) -> dict[str, str]:
         data = safe_yaml_load(text)
         servers = data.get("servers") if isinstance(data, dict) else None
         for spec in (servers or {}).values():
-            for key in ("primary", "replica"):
+            for key in ("primary", "replica", "direct"):
                 raw = spec.get(key) if isinstance(spec, dict) else None
                 if isinstance(raw, str):
                     out.setdefault(_expand(raw), raw)
@@ -571,12 +578,12 @@ def recordable_yaml(pmap: PartitionMap, yaml_text: str | None, known_texts: Iter
         data = yaml.safe_load(pmap.to_yaml())
         raw = _raw_urls(known_texts)
         for spec in data["servers"].values():
-            for key in ("primary", "replica"):
+            for key in ("primary", "replica", "direct"):
                 if key in spec and spec[key] in raw:
                     spec[key] = raw[spec[key]]
         yaml_text = yaml.safe_dump(data, sort_keys=False)
     for name, spec in (data.get("servers") or {}).items():
-        for key in ("primary", "replica"):
+        for key in ("primary", "replica", "direct"):
             url = spec.get(key)
             if isinstance(url, str) and _literal_secret(url):
                 raise MapEditError(

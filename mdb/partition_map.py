@@ -87,6 +87,13 @@ class ServerSpec(_Strict):
     replica: str | None = None
     engine: EngineSpec | None = None
     """Pool and connect settings, over the map's ``engine_defaults`` (already merged in when loaded)."""
+    pooler: Literal["none", "transaction"] = "none"
+    """``transaction``: the URLs lead through a transaction-pooling pooler (PgBouncer
+    ``pool_mode=transaction``), so mdb keeps no state in a server session (docs/operations.md)."""
+    direct: str | None = None
+    """A URL of the same database that bypasses the pooler, used only by the tools (moves,
+    reshards, map apply, schema apply) so that they never wait for a pooled server connection
+    while holding a lock that pooled sessions queue on."""
 
     def __repr_args__(self) -> Iterator[tuple[str, Any]]:
         yield "primary", mask_url(self.primary)
@@ -94,6 +101,10 @@ class ServerSpec(_Strict):
             yield "replica", mask_url(self.replica)
         if self.engine is not None:
             yield "engine", self.engine
+        if self.pooler != "none":
+            yield "pooler", self.pooler
+        if self.direct is not None:
+            yield "direct", mask_url(self.direct)
 
     @property
     def masked_primary(self) -> str:
@@ -166,6 +177,9 @@ class PartitionMap(_Strict):
         data = self.model_dump(mode="json", exclude_none=True, exclude={"source"})
         if not data.get("models"):
             data.pop("models", None)
+        for server in data["servers"].values():
+            if server.get("pooler") == "none":
+                del server["pooler"]  # the default: maps written before the field stay byte-identical
         for area in data["areas"].values():
             if area.get("kind") == "partitioned":
                 del area["kind"]
@@ -481,6 +495,25 @@ def _pydantic_problems(exc: ValidationError) -> list[tuple[Path_, str]]:
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,62}$")
 
 
+def _is_postgres_url(url: str) -> bool:
+    return url.split(":", 1)[0].split("+", 1)[0].lower() in ("postgresql", "postgres")
+
+
+def _pooler_problems(name: str, spec: ServerSpec) -> list[tuple[Path_, str]]:
+    """``pooler:`` and ``direct:`` only mean something for PostgreSQL servers (a pooler in front of
+    SQLite or MongoDB does not exist), and ``direct:`` only beside a pooler: it is the way around one."""
+    where: Path_ = ("servers", name)
+    problems: list[tuple[Path_, str]] = []
+    if spec.pooler != "none" and not _is_postgres_url(spec.primary):
+        problems.append((where + ("pooler",), f"pooler: {spec.pooler} needs a PostgreSQL primary URL (server {name!r} is not one)"))
+    if spec.direct is not None:
+        if spec.pooler == "none":
+            problems.append((where + ("direct",), f"direct: is the way around a pooler; server {name!r} has none (set pooler: transaction, or drop direct:)"))
+        if not _is_postgres_url(spec.direct):
+            problems.append((where + ("direct",), f"direct: of server {name!r} must be a PostgreSQL URL"))
+    return problems
+
+
 _SUPPORTED_DRIVERS = {"sqlite": ("pysqlite",), "postgresql": ("psycopg",)}
 """backend -> drivers mdb runs on: its BEGIN prelude needs psycopg 3 or sqlite3 (mdb.engines)."""
 _URL_EXAMPLES = "postgresql+psycopg://user@host/db, sqlite:///file.db or mongodb://host/db"
@@ -539,7 +572,7 @@ def _url_problems(m: PartitionMap) -> list[tuple[Path_, str]]:
     problems: list[tuple[Path_, str]] = []
     checked: dict[str, str | None] = {}
     for name, spec in m.servers.items():
-        for key in ("primary", "replica"):
+        for key in ("primary", "replica", "direct"):
             url = getattr(spec, key)
             if url is None:
                 continue
@@ -558,6 +591,8 @@ def _semantic_problems(m: PartitionMap) -> list[tuple[Path_, str]]:
         for name in names:
             if not _NAME.match(name):
                 problems.append(((f"{kind}s", name), f"{kind} name {name!r} must start with a letter or _ and use only letters, digits, _ . - (at most 63)"))
+    for name, spec in m.servers.items():
+        problems.extend(_pooler_problems(name, spec))
     central = [name for name, a in m.areas.items() if a.kind == "central"]
     if not central:
         problems.append((("areas",), "the map needs exactly one area with kind: central, found none"))

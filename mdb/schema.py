@@ -24,6 +24,7 @@ from mdb.briefcase import registered_types
 from mdb.dberrors import describe
 from mdb.errors import MdbError
 from mdb.mongo.clients import is_mongo_url
+from mdb.ownership import install_pg_functions
 from mdb.router import Router, ShardLayout
 from mdb.schema_diff import Difference, compare_tables
 from mdb.store import Store
@@ -62,6 +63,8 @@ def create_tables(conn: Connection, tables: list[Table]) -> list[str]:
     created = [t.name for t in tables if t.name not in existing]
     for metadata in {t.metadata for t in tables}:
         metadata.create_all(conn, tables=[t for t in tables if t.metadata is metadata], checkfirst=True)
+    if conn.dialect.name == "postgresql":  # the ownership check behind a transaction pooler (docs/operations.md)
+        install_pg_functions(conn)
     return created
 
 

@@ -17,12 +17,13 @@ import pytest
 from mongohelp import MongoEnv
 from sqlalchemy.engine import make_url
 
+from mdb.testing.pgbouncer import DEFAULT_POOL_SIZE, PgBouncer, pgbouncer_unavailable_reason
 from mdb.testing.postgres import PostgresCluster, PostgresServer, postgres_unavailable_reason
 
 pytest_plugins = ["pytester"]  # test_harness runs the skip-or-fail policy in a nested session
 
 POOL_SIZE = 4
-POSTGRES_FIXTURES = frozenset({"pg_cluster", "pg_databases", "pg_url", "pg_server_factory", "pg_replica_pair"})
+POSTGRES_FIXTURES = frozenset({"pg_cluster", "pg_databases", "pg_url", "pg_server_factory", "pg_replica_pair", "pgbouncer"})
 
 
 def _in_ci() -> bool:
@@ -171,6 +172,39 @@ def pg_replica_pair(_pg_primary_and_replica: tuple[PostgresServer, PostgresServe
     yield ReplicaPair(primary_url, replica.url(name), replica.wait_for_replay)
     if primary.is_running:
         primary.drop_database(name)
+
+
+# -- PgBouncer in front of test databases ------------------------------------------------------
+
+
+@pytest.fixture
+def pgbouncer() -> Iterator[Callable[..., PgBouncer]]:
+    """Factory: ``pgbouncer(urls, pool_size=3)`` -> a started :class:`PgBouncer` in transaction
+    mode in front of those databases (``.pooled_urls``, same order); stopped after the test.
+    Missing or broken PgBouncer: skipped with the reason, a failure under ``CI=true``."""
+    def unavailable(reason: str) -> None:
+        message = f"PgBouncer is unavailable: {reason}"
+        if _in_ci():
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+
+    reason = pgbouncer_unavailable_reason()
+    if reason is not None:
+        unavailable(reason)
+    bouncers: list[PgBouncer] = []
+
+    def make(urls: list[str], pool_size: int = DEFAULT_POOL_SIZE) -> PgBouncer:
+        bouncer = PgBouncer(urls, pool_size=pool_size)
+        bouncers.append(bouncer)
+        try:
+            bouncer.start()
+        except (RuntimeError, OSError, TimeoutError) as exc:  # like a PostgreSQL that cannot start
+            unavailable(f"{type(exc).__name__}: {exc}")
+        return bouncer
+
+    yield make
+    for bouncer in bouncers:
+        bouncer.close()
 
 
 # -- SQLite ------------------------------------------------------------------------------------

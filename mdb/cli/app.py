@@ -268,11 +268,13 @@ def open_map(map_path: str) -> PartitionMap:
         return pmap
 
 
-def open_store(map_path: str, models: Sequence[str] | None = None, **kwargs: Any) -> Store:
+def open_store(map_path: str, models: Sequence[str] | None = None, *, tool: bool = False, **kwargs: Any) -> Store:
     """A Store on the map the system runs, for every command that talks to the servers.
 
     Imports the map's ``models:`` and ``models`` (so briefcase types register) unless
-    ``types`` is given. A CENTRAL that cannot be reached is an error here (exit 3).
+    ``types`` is given. A CENTRAL that cannot be reached is an error here (exit 3). ``tool``:
+    an operator tool (moves, schema, map apply) that connects past a transaction pooler where
+    the map gives a server a ``direct:`` URL (docs/operations.md).
     """
     pmap = _newest_map(load_map(map_path), map_path)
     if "types" not in kwargs:
@@ -281,7 +283,10 @@ def open_store(map_path: str, models: Sequence[str] | None = None, **kwargs: Any
 
         import_models([*pmap.models, *(models or [])])
         kwargs["types"] = registered_types()
-    return Store(pmap, map_path=map_path, **kwargs)
+    store = Store(pmap, map_path=map_path, **kwargs)
+    if tool:
+        store.engines.use_direct()
+    return store
 
 
 # -- running -------------------------------------------------------------------------------------

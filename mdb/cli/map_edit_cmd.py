@@ -52,7 +52,7 @@ def _area_gdid(text: str, option: str) -> tuple[str, GDID]:
 
 
 def _open_store(path: str, models: list[str] | None) -> Store:
-    return open_store(path, models)
+    return open_store(path, models, tool=True)
 
 
 def _high_water(texts: list[str] | None, old: PartitionMap) -> dict[str, GDID]:

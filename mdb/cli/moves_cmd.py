@@ -34,7 +34,7 @@ BIG_MOVE_ROWS = 10_000
 
 
 def _store(map_path: str) -> Store:
-    return open_store(map_path)
+    return open_store(map_path, tool=True)
 
 
 def _gdid(text: str) -> GDID:

@@ -114,7 +114,7 @@ def schema_apply(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Create tables on every shard and stamp new shard layouts; idempotent. Exit 1 if a shard failed or drifted."""
-    store = open_store(map_path, models)
+    store = open_store(map_path, models, tool=True)
     pmap = store.map
     try:
         reports = apply_schema(store)
