@@ -224,3 +224,30 @@ def test_demo_balances_come_from_the_ledger_event_log(tmp_path: Path, tmp_sqlite
             read = LEDGER.read(s, "ledger")
             assert (read.snapshot_seq, read.tail_events, read.state["amount_cents"]) == (1, 1, 3776)
         assert ledger.read_balance(ALICE) == 3776
+
+
+def test_a_cached_k_belongs_to_its_database_not_to_a_server_name(tmp_path: Path, tmp_sqlite_urls) -> None:
+    """One Counters serving two databases that share a server name (a changed URL, a restored
+    copy): K=16 of the first must not become the second's K=1 counter's K. Keyed by the name,
+    the cached 16 won over the second database's 1 and its writes made 16 slot rows there."""
+    counters = Counters(CENTRAL_COUNTERS.tables)
+    stores = []
+    for n in range(2):
+        folder = tmp_path / f"fleet{n}"
+        folder.mkdir()
+        c, u = tmp_sqlite_urls(2)
+        stores.append(open_store(write_map(folder, {"c": c, "u": u}, central=["c"], partitions=[("0:0:0", ["u"])])))
+        assert all(r.ok for r in apply_schema(stores[-1]))
+    first, second = stores
+    with central(first, "tvl") as place:
+        counters.configure(place, "tvl", 16)
+    with central(second, "tvl") as place:
+        counters.configure(place, "tvl", 1)
+    for _ in range(20):
+        with central(second, "tvl") as place:
+            counters.add(place, "tvl", total_value_locked=1)
+    with central(second, "tvl") as place:
+        assert set(counters.slot_rows(place, "tvl")) == {0}
+        assert counters.read(place, "tvl")["total_value_locked"] == 20
+    for s in stores:
+        s.close()

@@ -77,7 +77,7 @@ class Counters:
         self.tables = tables
         self.default_slots = default_slots
         self.max_k_age = float(max_k_age)
-        self._slots: dict[tuple[str, Any, str], tuple[int, float]] = {}
+        self._slots: dict[tuple[Any, Any, str], tuple[int, float]] = {}
         self._lock = threading.Lock()
         self._random = random.Random()
 
@@ -217,8 +217,11 @@ class Counters:
         conds = [table.c[k] == v for k, v in place.key_values().items()]
         return [*conds, table.c.counter == counter]
 
-    def _cache_key(self, place: Place, counter: str) -> tuple[str, Any, str]:
-        return (place.server, place.key, counter)
+    def _cache_key(self, place: Place, counter: str) -> tuple[Any, Any, str]:
+        # The database itself (its engine's URL), not the server's name: a name can come to mean
+        # another database (a changed URL in a new map version, a test's fresh database), and K,
+        # which only grows within one database, would then be carried over as the larger K.
+        return (place.conn.engine.url, place.key, counter)
 
     def _remember(self, place: Place, counter: str, slots: int) -> None:
         key = self._cache_key(place, counter)
