@@ -1,0 +1,86 @@
+"""``mdb balance``, ``mdb fsck`` and ``mdb rebalance``: the fleet as a whole (docs/fleet.md).
+
+Every command opens the Store with :func:`mdb.cli.app.open_store` and reads the live servers;
+``fsck`` exits 1 when it finds problems (decisions.md).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from mdb.cli.app import app, console, emit_json, open_store
+from mdb.fleet.balance import MEASURES, AreaBalance, balance
+from mdb.store import Store
+
+__all__: list[str] = []
+
+MapArg = Annotated[str, typer.Argument(metavar="MAP", help="partition map YAML")]
+AreaOpt = Annotated[str | None, typer.Argument(metavar="[AREA]", help="one area (default: every partitioned area)", show_default=False)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+BAR_WIDTH = 30
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if value < 1024 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(n)
+
+
+def _areas(store: Store, area: str | None) -> list[str]:
+    if area is None:
+        return store.router.area_names()
+    list(store.router.partitions(area))  # an unknown area: RoutingError (exit 2)
+    return [area]
+
+
+def _print_balance(report: AreaBalance) -> None:
+    skew = report.skew("bytes")
+    table = Table(title=f"area {escape(report.area)}")
+    for column in ("server", "briefcases", "rows", "bytes", "disk", "skew (bytes)", ""):
+        table.add_column(column, justify="left" if column in ("server", "") else "right")
+    peak = max((s.bytes for s in report.measured()), default=0)
+    for s in report.servers:
+        if not s.measured:
+            table.add_row(escape(s.server), "not measured (MongoDB)", "", "", "", "", "")
+            continue
+        bar = "█" * (round(BAR_WIDTH * s.bytes / peak) if peak else 0)
+        table.add_row(escape(s.server), str(s.briefcases), str(s.rows), _size(s.bytes), _size(s.disk_bytes),
+                      f"{skew[s.server]:+.1%}", bar)
+    console.print(table)
+    for m in MEASURES:
+        values = report.skew(m).values()
+        console.print(f"max skew by {m}: {max((abs(v) for v in values), default=0.0):.1%}")
+    largest = report.largest()
+    if largest:
+        top = Table(title=f"{len(largest)} largest briefcases of {escape(report.area)}")
+        for column in ("gdid", "server", "rows", "bytes"):
+            top.add_column(column, justify="right" if column in ("rows", "bytes") else "left")
+        for server, b in largest:
+            top.add_row(str(b.gdid), escape(server), str(b.rows), _size(b.bytes))
+        console.print(top)
+
+
+@app.command("balance")
+def balance_cmd(
+    map_path: MapArg,
+    area: AreaOpt = None,
+    top: Annotated[int, typer.Option("--top", metavar="N", help="Show the N largest briefcases.", min=0)] = 5,
+    as_json: JsonOpt = False,
+) -> None:
+    """Briefcases, rows and bytes per server of each area, their skew against the mean, the largest briefcases."""
+    with open_store(map_path) as store:
+        reports = [balance(store, name, top=top) for name in _areas(store, area)]
+    if as_json:
+        emit_json({"areas": [r.to_json() for r in reports]})
+        return
+    for report in reports:
+        _print_balance(report)
