@@ -12,8 +12,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from mdb.cli.app import app, console, emit_json, open_store
+from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, open_store
 from mdb.fleet.balance import MEASURES, AreaBalance, balance
+from mdb.fleet.fsck import FsckReport, fsck
 from mdb.store import Store
 
 __all__: list[str] = []
@@ -84,3 +85,40 @@ def balance_cmd(
         return
     for report in reports:
         _print_balance(report)
+
+
+def _print_fsck(report: FsckReport) -> None:
+    checked = f"{len(report.servers) - len(report.not_checked)} server(s), {report.briefcases} briefcase(s)"
+    if report.not_checked:
+        console.print(f"area {escape(report.area)}: not checked (MongoDB): {escape(', '.join(report.not_checked))}")
+    if not report.central_indexes:
+        console.print(f"area {escape(report.area)}: no CENTRAL index declared, CENTRAL not checked (list the module "
+                      "that declares them under models: in the map)")
+    if report.clean:
+        console.print(f"area {escape(report.area)}: clean ({checked})")
+        return
+    table = Table(title=f"area {escape(report.area)}: {len(report.findings)} finding(s) on {checked}")
+    for column in ("kind", "server", "gdid", "detail", "action"):
+        table.add_column(column)
+    for f in report.findings:
+        table.add_row(f.kind, escape(f.server), "" if f.gdid is None else str(f.gdid), escape(f.detail), escape(f.action))
+    console.print(table)
+
+
+@app.command("fsck")
+def fsck_cmd(
+    map_path: MapArg,
+    area: AreaOpt = None,
+    repair: Annotated[bool, typer.Option("--repair", help="Remove what is provably a leftover (a verified copy exists on the owner); nothing else.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Rows on servers that do not own them, leftovers of failed moves, stale fences and freeze markers, orphan CENTRAL entries."""
+    with open_store(map_path) as store:
+        reports = [fsck(store, name, repair=repair) for name in _areas(store, area)]
+    if as_json:
+        emit_json({"areas": [r.to_json() for r in reports]})
+    else:
+        for report in reports:
+            _print_fsck(report)
+    if any(r.problems_left for r in reports):
+        raise typer.Exit(EXIT_NOT_FOUND)
