@@ -6,15 +6,17 @@ Every command opens the Store with :func:`mdb.cli.app.open_store` and reads the 
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, cast
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, open_store
-from mdb.fleet.balance import MEASURES, AreaBalance, balance
+from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, fail, open_store
+from mdb.fleet.balance import MEASURES, AreaBalance, Measure, balance
 from mdb.fleet.fsck import FsckReport, fsck
+from mdb.fleet.rebalance import PlannedMove, RebalancePlan, apply_plan, plan_rebalance
+from mdb.moves.protocol import DEFAULT_MAX_PAUSE, MoveResult
 from mdb.store import Store
 
 __all__: list[str] = []
@@ -122,3 +124,54 @@ def fsck_cmd(
             _print_fsck(report)
     if any(r.problems_left for r in reports):
         raise typer.Exit(EXIT_NOT_FOUND)
+
+
+def _print_plan(plan: RebalancePlan) -> None:
+    table = Table(title=f"rebalance {escape(plan.area)} by {plan.by}: {len(plan.moves)} move(s)")
+    for column in ("gdid", "from", "to", plan.by):
+        table.add_column(column, justify="right" if column == plan.by else "left")
+    for m in plan.moves:
+        table.add_row(str(m.gdid), escape(m.source), escape(m.target), _size(m.size) if plan.by == "bytes" else str(m.size))
+    console.print(table)
+    show = _size if plan.by == "bytes" else str
+    for server in plan.before:
+        console.print(f"{escape(server)}: {show(plan.before[server])} -> {show(plan.after[server])}")
+    console.print(f"max skew by {plan.by}: {plan.max_skew(plan.before):.1%} -> {plan.max_skew(plan.after):.1%} (planned)")
+
+
+@app.command("rebalance")
+def rebalance_cmd(
+    map_path: MapArg,
+    area: Annotated[str, typer.Argument(help="area to even out")],
+    plan_only: Annotated[bool, typer.Option("--plan", help="Print the plan; move nothing.")] = False,
+    apply: Annotated[bool, typer.Option("--apply", help="Plan, then run the moves one at a time through the move machinery.")] = False,
+    by: Annotated[str, typer.Option("--by", metavar="bytes|rows|briefcases", help="The measure to even out.")] = "bytes",
+    max_moves: Annotated[int, typer.Option("--max-moves", metavar="N", help="At most N moves.", min=1)] = 100,
+    max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Each move's bound on its write pause.", min=0.0)] = DEFAULT_MAX_PAUSE,
+    as_json: JsonOpt = False,
+) -> None:
+    """Plan single-briefcase moves that even AREA's bytes, rows or briefcases over its servers (--plan), or run them (--apply)."""
+    if plan_only == apply:
+        fail("rebalance needs exactly one of --plan or --apply")
+    if by not in MEASURES:
+        fail(f"--by {by!r}: expected one of {', '.join(MEASURES)}")
+    measure = cast(Measure, by)  # checked against MEASURES above
+    with open_store(map_path) as store:
+        list(store.router.partitions(area))  # an unknown area: RoutingError (exit 2)
+        plan = plan_rebalance(store, area, by=measure, max_moves=max_moves)
+        if not as_json:
+            _print_plan(plan)
+        if not apply:
+            if as_json:
+                emit_json(plan.to_json())
+            return
+
+        def done(m: PlannedMove, result: MoveResult) -> None:
+            if not as_json:
+                console.print(f"moved {m.gdid} {escape(m.source)} -> {escape(m.target)} ({result.rows} rows, pause {result.pause_seconds * 1000:.0f} ms)")
+
+        results = apply_plan(store, plan, max_pause=max_pause, on_move=done)
+    if as_json:
+        emit_json({**plan.to_json(), "applied": [r.to_json() for r in results]})
+    else:
+        console.print(f"applied {len(results)} move(s); `mdb balance MAP {escape(area)}` shows the result")
