@@ -80,3 +80,20 @@ def test_balance_on_sqlite(tmp_sqlite_urls: Callable[[int], list[str]], tmp_path
         report = balance(store, "user")
     assert {s.server: (s.briefcases, s.rows, s.bytes) for s in report.servers} == expected
     assert all(s.disk_bytes for s in report.servers), "SQLite pages of the area's tables (dbstat)"
+
+
+def test_the_scan_streams_through_server_side_cursors(skewed: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bounded memory: while the first briefcase is handed out, the rest are still in open cursors on the server."""
+    from sqlalchemy import text
+
+    import mdb.fleet.scan as scan
+
+    monkeypatch.setattr(scan, "STREAM_BATCH", 2)
+    with skewed.store() as store, store.transaction("u1") as conn:
+        sizes = scan.briefcase_sizes(conn, area_tables(store, "user"))
+        first = next(sizes)
+        cursors = conn.execute(text("SELECT count(*) FROM pg_cursors")).scalar_one()
+        rest = list(sizes)
+    # tables with more rows than a batch still have their cursor open (a client-side read would show 0)
+    assert cursors >= 4, cursors
+    assert [b.gdid for b in [first, *rest]] == sorted(g for g in USERS if g.counter % 4 == 0)

@@ -194,6 +194,8 @@ def _examine_state(store: Any, area: str, server: str, state: dict[str, Any], ta
     if not repair:
         return Finding("stale_fence", server, gdid, detail + f"; the rows are here and {peer!r} holds none: --repair removes it")
     with locked_source(store, server, area, gdid, lock_wait=DEFAULT_LOCK_WAIT, max_pause=DEFAULT_MAX_PAUSE) as (conn, _):
+        if not sum(n for n, _ in measure(conn, tables, gdid, with_bytes=False).values()):  # checked again under the lock
+            return Finding("stale_fence", server, gdid, detail + "; changed while repairing, left as it is (run fsck again)")
         conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid,
                                                    briefcase_state.c.state == STATE_GONE))
         conn.commit()
