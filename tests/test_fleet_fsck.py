@@ -25,6 +25,7 @@ from mdb.gdid import GDID
 from mdb.moves.copy import copy_rows
 from mdb.moves.protocol import area_tables, move_briefcase
 from mdb.ownership import FREEZE_GDID
+from mdb.relocations import set_relocation
 from mdb.store import Store
 from mdb.system_tables import STATE_FROZEN, STATE_GONE, briefcase_state
 
@@ -126,3 +127,18 @@ def test_fsck_on_sqlite_removes_a_verified_copy_and_keeps_a_differing_one(tmp_sq
         assert _found(report) == {("leftover_copy", "u4", str(copied), "repaired"), ("misplaced", "u4", str(altered), "reported")}
         holders = locations(store, SHARDS)
         assert holders[copied] == ["u2"] and sorted(holders[altered]) == ["u2", "u4"]
+
+
+def test_a_relocation_entry_pointing_at_no_briefcase_is_reported_and_nothing_is_deleted(tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path) -> None:
+    cluster = build(tmp_sqlite_urls(5), tmp_path)
+    g = GDID(0, 0, 8)  # on u1
+    with cluster.store() as store:
+        with store.transaction(store.router.locate_central(g).server) as conn:
+            set_relocation(conn, "user", g, "u3")
+        before = snapshot(store, SHARDS)
+        report = fsck(store, "user", repair=True)
+        assert _found(report) == {
+            ("orphan_relocation", "u3", str(g), "reported"), ("misplaced", "u1", str(g), "reported"),
+            ("central_dangling", "c", str(g), "run `mdb central repair MAP`"),  # its email entry, routed through the directory
+        }
+        assert snapshot(store, SHARDS) == before

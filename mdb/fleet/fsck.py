@@ -19,6 +19,8 @@ shard are never held in memory). Findings:
   briefcase and the fence's peer holds no row of it; otherwise reported.
 - ``stale_incoming`` / ``stale_freeze``: an ``incoming`` row or freeze marker no unfinished
   move or reshard explains. Reported; an ``incoming`` row goes with its leftover copy.
+- ``orphan_relocation``: a relocation directory entry (CENTRAL) sending a briefcase to a server
+  that holds no row of it (checked during the same scan). Reported only.
 - ``central_<kind>``: CENTRAL index entries out of step (:func:`mdb.central.reconcile.check`,
   e.g. ``dangling``: an entry pointing at no briefcase). ``mdb central repair MAP`` fixes them.
 """
@@ -225,11 +227,17 @@ def fsck(store: Any, area: str, *, repair: bool = False) -> FsckReport:
         return report
     tables = area_tables(store, area)
     unfinished = _Unfinished.of(store, area)
+    relocated: dict[str, set[GDID]] = {}  # server -> briefcases the directory sends there (already in the router)
+    for (a, g), target in store.router.relocations.items():
+        if a == area:
+            relocated.setdefault(target, set()).add(g)
     for server in sql_servers:
         suspects: list[GDID] = []
+        expected = relocated.get(server, set())
         with store.transaction(server) as conn:
             for b in briefcase_sizes(conn, tables):
                 report.briefcases += 1
+                expected.discard(b.gdid)
                 if store.router.locate(area, b.gdid).server != server:
                     suspects.append(b.gdid)
             states = [s for s in _state_rows(conn, area) if _odd_state(store, area, server, s, unfinished)]
@@ -237,6 +245,11 @@ def fsck(store: Any, area: str, *, repair: bool = False) -> FsckReport:
             report.findings.append(_examine(store, area, server, gdid, tables, unfinished, repair))
         for state in states:
             report.findings.append(_examine_state(store, area, server, state, tables, unfinished, repair))
+        report.findings += [
+            Finding("orphan_relocation", server, g, f"the relocation directory in CENTRAL sends the briefcase to {server!r}, "
+                    "which holds no row of it; not changed (find it with `mdb where MAP AREA GDID`)")
+            for g in sorted(expected) if g not in unfinished.briefcases
+        ]
     indexes = [idx for idx in registered_indexes() if idx.area == area]
     report.central_indexes = sorted(idx.name for idx in indexes)
     report.findings += _central(store, indexes)
