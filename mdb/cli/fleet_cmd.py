@@ -1,0 +1,177 @@
+"""``mdb balance``, ``mdb fsck`` and ``mdb rebalance``: the fleet as a whole (docs/fleet.md).
+
+Every command opens the Store with :func:`mdb.cli.app.open_store` and reads the live servers;
+``fsck`` exits 1 when it finds problems (decisions.md).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, cast
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, fail, open_store
+from mdb.fleet.balance import MEASURES, AreaBalance, Measure, balance
+from mdb.fleet.fsck import FsckReport, fsck
+from mdb.fleet.rebalance import PlannedMove, RebalancePlan, apply_plan, plan_rebalance
+from mdb.moves.protocol import DEFAULT_MAX_PAUSE, MoveResult
+from mdb.store import Store
+
+__all__: list[str] = []
+
+MapArg = Annotated[str, typer.Argument(metavar="MAP", help="partition map YAML")]
+AreaOpt = Annotated[str | None, typer.Argument(metavar="[AREA]", help="one area (default: every partitioned area)", show_default=False)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+BAR_WIDTH = 30
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if value < 1024 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(n)
+
+
+def _areas(store: Store, area: str | None) -> list[str]:
+    if area is None:
+        return store.router.area_names()
+    list(store.router.partitions(area))  # an unknown area: RoutingError (exit 2)
+    return [area]
+
+
+def _print_balance(report: AreaBalance) -> None:
+    skew = report.skew("bytes")
+    table = Table(title=f"area {escape(report.area)}")
+    for column in ("server", "briefcases", "rows", "bytes", "disk", "skew (bytes)", ""):
+        table.add_column(column, justify="left" if column in ("server", "") else "right")
+    peak = max((s.bytes for s in report.measured()), default=0)
+    for s in report.servers:
+        if not s.measured:
+            table.add_row(escape(s.server), "not measured (MongoDB)", "", "", "", "", "")
+            continue
+        bar = "█" * (round(BAR_WIDTH * s.bytes / peak) if peak else 0)
+        table.add_row(escape(s.server), str(s.briefcases), str(s.rows), _size(s.bytes), _size(s.disk_bytes),
+                      f"{skew[s.server]:+.1%}", bar)
+    console.print(table)
+    for m in MEASURES:
+        values = report.skew(m).values()
+        console.print(f"max skew by {m}: {max((abs(v) for v in values), default=0.0):.1%}")
+    largest = report.largest()
+    if largest:
+        top = Table(title=f"{len(largest)} largest briefcases of {escape(report.area)}")
+        for column in ("gdid", "server", "rows", "bytes"):
+            top.add_column(column, justify="right" if column in ("rows", "bytes") else "left")
+        for server, b in largest:
+            top.add_row(str(b.gdid), escape(server), str(b.rows), _size(b.bytes))
+        console.print(top)
+
+
+@app.command("balance")
+def balance_cmd(
+    map_path: MapArg,
+    area: AreaOpt = None,
+    top: Annotated[int, typer.Option("--top", metavar="N", help="Show the N largest briefcases.", min=0)] = 5,
+    as_json: JsonOpt = False,
+) -> None:
+    """Briefcases, rows and bytes per server of each area, their skew against the mean, the largest briefcases."""
+    with open_store(map_path) as store:
+        reports = [balance(store, name, top=top) for name in _areas(store, area)]
+    if as_json:
+        emit_json({"areas": [r.to_json() for r in reports]})
+        return
+    for report in reports:
+        _print_balance(report)
+
+
+def _print_fsck(report: FsckReport) -> None:
+    checked = f"{len(report.servers) - len(report.not_checked)} server(s), {report.briefcases} briefcase(s)"
+    if report.not_checked:
+        console.print(f"area {escape(report.area)}: not checked (MongoDB): {escape(', '.join(report.not_checked))}")
+    if not report.central_indexes:
+        console.print(f"area {escape(report.area)}: no CENTRAL index declared, CENTRAL not checked (list the module "
+                      "that declares them under models: in the map)")
+    if report.clean:
+        console.print(f"area {escape(report.area)}: clean ({checked})")
+        return
+    table = Table(title=f"area {escape(report.area)}: {len(report.findings)} finding(s) on {checked}")
+    for column in ("kind", "server", "gdid", "detail", "action"):
+        table.add_column(column)
+    for f in report.findings:
+        table.add_row(f.kind, escape(f.server), "" if f.gdid is None else str(f.gdid), escape(f.detail), escape(f.action))
+    console.print(table)
+
+
+@app.command("fsck")
+def fsck_cmd(
+    map_path: MapArg,
+    area: AreaOpt = None,
+    repair: Annotated[bool, typer.Option("--repair", help="Remove what is provably a leftover (a verified copy exists on the owner); nothing else.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Rows on servers that do not own them, leftovers of failed moves, stale fences and freeze markers, orphan CENTRAL entries."""
+    with open_store(map_path) as store:
+        reports = [fsck(store, name, repair=repair) for name in _areas(store, area)]
+    if as_json:
+        emit_json({"areas": [r.to_json() for r in reports]})
+    else:
+        for report in reports:
+            _print_fsck(report)
+    if any(r.problems_left for r in reports):
+        raise typer.Exit(EXIT_NOT_FOUND)
+
+
+def _print_plan(plan: RebalancePlan) -> None:
+    table = Table(title=f"rebalance {escape(plan.area)} by {plan.by}: {len(plan.moves)} move(s)")
+    for column in ("gdid", "from", "to", plan.by):
+        table.add_column(column, justify="right" if column == plan.by else "left")
+    for m in plan.moves:
+        table.add_row(str(m.gdid), escape(m.source), escape(m.target), _size(m.size) if plan.by == "bytes" else str(m.size))
+    console.print(table)
+    show = _size if plan.by == "bytes" else str
+    for server in plan.before:
+        console.print(f"{escape(server)}: {show(plan.before[server])} -> {show(plan.after[server])}")
+    console.print(f"max skew by {plan.by}: {plan.max_skew(plan.before):.1%} -> {plan.max_skew(plan.after):.1%} (planned)")
+
+
+@app.command("rebalance")
+def rebalance_cmd(
+    map_path: MapArg,
+    area: Annotated[str, typer.Argument(help="area to even out")],
+    plan_only: Annotated[bool, typer.Option("--plan", help="Print the plan; move nothing.")] = False,
+    apply: Annotated[bool, typer.Option("--apply", help="Plan, then run the moves one at a time through the move machinery.")] = False,
+    by: Annotated[str, typer.Option("--by", metavar="bytes|rows|briefcases", help="The measure to even out.")] = "bytes",
+    max_moves: Annotated[int, typer.Option("--max-moves", metavar="N", help="At most N moves.", min=1)] = 100,
+    max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Each move's bound on its write pause.", min=0.0)] = DEFAULT_MAX_PAUSE,
+    as_json: JsonOpt = False,
+) -> None:
+    """Plan single-briefcase moves that even AREA's bytes, rows or briefcases over its servers (--plan), or run them (--apply)."""
+    if plan_only == apply:
+        fail("rebalance needs exactly one of --plan or --apply")
+    if by not in MEASURES:
+        fail(f"--by {by!r}: expected one of {', '.join(MEASURES)}")
+    measure = cast(Measure, by)  # checked against MEASURES above
+    with open_store(map_path) as store:
+        list(store.router.partitions(area))  # an unknown area: RoutingError (exit 2)
+        plan = plan_rebalance(store, area, by=measure, max_moves=max_moves)
+        if not as_json:
+            _print_plan(plan)
+        if not apply:
+            if as_json:
+                emit_json(plan.to_json())
+            return
+
+        def done(m: PlannedMove, result: MoveResult) -> None:
+            if not as_json:
+                console.print(f"moved {m.gdid} {escape(m.source)} -> {escape(m.target)} ({result.rows} rows, pause {result.pause_seconds * 1000:.0f} ms)")
+
+        results = apply_plan(store, plan, max_pause=max_pause, on_move=done)
+    if as_json:
+        emit_json({**plan.to_json(), "applied": [r.to_json() for r in results]})
+    else:
+        console.print(f"applied {len(results)} move(s); `mdb balance MAP {escape(area)}` shows the result")

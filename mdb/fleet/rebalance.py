@@ -1,0 +1,147 @@
+"""``mdb rebalance``: a plan of single-briefcase moves that evens an area's bytes, rows or briefcases.
+
+Planning reads each server once (:func:`mdb.fleet.scan.briefcase_sizes`, streamed) and keeps
+its totals and, as move candidates, its :data:`CANDIDATES` largest briefcases by the chosen
+measure (a bounded heap: memory does not grow with the shard). Then, greedily, up to
+``max_moves`` times: from the most loaded server to the least loaded one, move the candidate
+whose size is closest to what would bring one of them to the mean, among those smaller than
+the gap between them (each such move lowers the spread; none left: the plan ends). Moves land
+as ordinary relocations. Applying runs each planned move through
+:func:`mdb.moves.protocol.move_briefcase` one at a time, with its ``max_pause`` bound (the move
+machinery's throttle on how long a briefcase's writes may pause).
+
+Not built: a reshard proposal (a new shard list for a partition) when single moves cannot
+even it out; the plan then says how far it got.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mdb.fleet.balance import Measure, area_servers, is_mongo, skew_of
+from mdb.fleet.scan import BriefcaseSize, briefcase_sizes
+from mdb.gdid import GDID
+from mdb.moves.protocol import DEFAULT_MAX_PAUSE, MoveResult, area_tables, move_briefcase
+
+__all__ = ["CANDIDATES", "PlannedMove", "RebalancePlan", "apply_plan", "plan_rebalance"]
+
+CANDIDATES = 1000
+"""Largest briefcases of each server kept as move candidates while planning."""
+
+
+@dataclass(frozen=True)
+class PlannedMove:
+    gdid: GDID
+    source: str
+    target: str
+    size: int
+    """The briefcase's value of the plan's measure (bytes, rows or 1)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gdid": str(self.gdid), "source": self.source, "target": self.target, "size": self.size}
+
+
+@dataclass
+class RebalancePlan:
+    area: str
+    by: Measure
+    before: dict[str, int]
+    after: dict[str, int]
+    moves: list[PlannedMove] = field(default_factory=list)
+
+    def max_skew(self, loads: dict[str, int]) -> float:
+        return max((abs(v) for v in skew_of(dict(loads)).values()), default=0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "area": self.area, "by": self.by, "before": self.before, "after": self.after,
+            "skew_before": self.max_skew(self.before), "skew_after": self.max_skew(self.after),
+            "moves": [m.to_json() for m in self.moves],
+        }
+
+
+def _value(b: BriefcaseSize, by: Measure) -> int:
+    return b.bytes if by == "bytes" else b.rows if by == "rows" else 1
+
+
+def _survey(store: Any, area: str, by: Measure) -> tuple[dict[str, int], dict[str, list[tuple[int, GDID]]]]:
+    """server -> total, and server -> its CANDIDATES largest (size, gdid) briefcases routed to it."""
+    tables = area_tables(store, area)
+    totals: dict[str, int] = {}
+    candidates: dict[str, list[tuple[int, GDID]]] = {}
+    for server in area_servers(store, area):
+        if is_mongo(store, server):
+            continue
+        total = 0
+        heap: list[tuple[int, bytes, GDID]] = []
+        with store.transaction(server) as conn:
+            for b in briefcase_sizes(conn, tables):
+                if store.router.locate(area, b.gdid).server != server:
+                    continue  # a leftover or a move in flight (mdb fsck): not this server's load
+                size = _value(b, by)
+                total += size
+                item = (size, bytes(b.gdid), b.gdid)
+                if len(heap) < CANDIDATES:
+                    heapq.heappush(heap, item)
+                else:
+                    heapq.heappushpop(heap, item)
+        totals[server] = total
+        candidates[server] = [(size, gdid) for size, _, gdid in heap]
+    return totals, candidates
+
+
+def _best(candidates: list[tuple[int, GDID]], gap: int, ideal: float) -> int | None:
+    """Index of the candidate smaller than ``gap`` whose size is closest to ``ideal`` (None: no such one)."""
+    fitting = [(abs(size - ideal), i) for i, (size, _) in enumerate(candidates) if 0 < size < gap]
+    return min(fitting)[1] if fitting else None
+
+
+def plan_rebalance(store: Any, area: str, *, by: Measure = "bytes", max_moves: int = 100) -> RebalancePlan:
+    """Greedy single-briefcase moves from the most to the least loaded server (see the module doc)."""
+    store.refresh()
+    before, candidates = _survey(store, area, by)
+    loads = dict(before)
+    plan = RebalancePlan(area, by, before, loads)
+    if len(loads) < 2:
+        return plan
+    mean = sum(loads.values()) / len(loads)
+    while len(plan.moves) < max_moves:
+        hi = max(loads, key=lambda s: loads[s])
+        lo = min(loads, key=lambda s: loads[s])
+        pick = _best(candidates[hi], loads[hi] - loads[lo], min(loads[hi] - mean, mean - loads[lo]))
+        if pick is None:
+            break
+        size, gdid = candidates[hi].pop(pick)
+        candidates[lo].append((size, gdid))
+        loads[hi] -= size
+        loads[lo] += size
+        plan.moves.append(PlannedMove(gdid, hi, lo, size))
+    plan.moves = _collapse(plan.moves)
+    return plan
+
+
+def _collapse(moves: list[PlannedMove]) -> list[PlannedMove]:
+    """One move per briefcase: a briefcase planned twice goes straight to its last target (none if back home)."""
+    first: dict[GDID, PlannedMove] = {}
+    last: dict[GDID, PlannedMove] = {}
+    for m in moves:
+        first.setdefault(m.gdid, m)
+        last[m.gdid] = m
+    return [PlannedMove(g, m.source, last[g].target, m.size) for g, m in first.items() if m.source != last[g].target]
+
+
+def apply_plan(
+    store: Any, plan: RebalancePlan, *, max_pause: float = DEFAULT_MAX_PAUSE,
+    on_move: Callable[[PlannedMove, MoveResult], None] | None = None,
+) -> list[MoveResult]:
+    """Run the plan's moves one at a time through the move machinery; stops at the first error (it propagates)."""
+    results = []
+    for m in plan.moves:
+        result = move_briefcase(store, plan.area, m.gdid, m.target, max_pause=max_pause)
+        results.append(result)
+        if on_move is not None:
+            on_move(m, result)
+    return results
