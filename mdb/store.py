@@ -28,7 +28,7 @@ from mdb.fanout import FanOutResult, fan_out
 from mdb.gdid import GDID
 from mdb.idgen import GdidGenerator, generator_for, row_scope, start_above
 from mdb.ownership import check_ownership, ownership_prelude
-from mdb.partition_map import PartitionMap, load_map
+from mdb.partition_map import PartitionMap, load_map_cached
 from mdb.relocations import load_relocations
 from mdb.retry import SessionRetry
 from mdb.router import Router
@@ -70,7 +70,7 @@ class Store:
 
     @classmethod
     def from_yaml(cls, path: str | Path, **kwargs: Any) -> Store:
-        return cls(load_map(path), map_path=path, **kwargs)
+        return cls(load_map_cached(path), map_path=path, **kwargs)
 
     def __repr__(self) -> str:
         # The version this Store routes with and where that map came from (the file, or the
@@ -94,11 +94,16 @@ class Store:
         return self._router.map
 
     def refresh(self) -> None:
-        """Reload the map file (when it has a newer version) and the relocation directory."""
+        """Reload the map file (when it has a newer version) and the relocation directory.
+
+        The file is parsed again only when its text changed (:func:`~mdb.partition_map.load_map_cached`):
+        a refresh follows every stale route, and re-validating an unchanged map each time was the
+        larger part of its cost.
+        """
         with self._refresh_lock:
             pmap = self._router.map
             if self._map_path is not None:
-                candidate = load_map(self._map_path)
+                candidate = load_map_cached(self._map_path)
                 if candidate.version > pmap.version:
                     pmap = candidate
                     self.engines.update(pmap.servers)

@@ -34,7 +34,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup
 from typer.models import DefaultPlaceholder
 
 from mdb.errors import MdbError, RetryableError, ServerUnavailableError
-from mdb.partition_map import PartitionMap, load_map
+from mdb.partition_map import PartitionMap, load_map, load_map_cached
 from mdb.store import Store
 from mdb.urls import mask_secrets
 
@@ -274,7 +274,7 @@ def open_store(map_path: str, models: Sequence[str] | None = None, **kwargs: Any
     Imports the map's ``models:`` and ``models`` (so briefcase types register) unless
     ``types`` is given. A CENTRAL that cannot be reached is an error here (exit 3).
     """
-    pmap = _newest_map(load_map(map_path), map_path)
+    pmap = _newest_map(load_map_cached(map_path), map_path)  # the Store's first refresh reuses this parse
     if "types" not in kwargs:
         from mdb.briefcase import registered_types
         from mdb.cli.schema_cmd import import_models  # late: schema_cmd registers on this app
