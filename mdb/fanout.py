@@ -47,7 +47,7 @@ from mdb.urls import mask_secrets
 if TYPE_CHECKING:
     from mdb.store import Store
 
-__all__ = ["FanOutResult", "ShardFailure", "fan_out", "fan_out_aggregate", "fan_out_servers"]
+__all__ = ["FanOutResult", "ShardFailure", "fan_out", "fan_out_aggregate", "fan_out_servers", "warm_up"]
 
 AGGREGATES = frozenset({"count", "sum", "min", "max", "avg"})
 # Aggregates that cannot be combined from per-shard partial results: refused, not mis-combined.
@@ -437,6 +437,39 @@ def fan_out(
         merged = chain.from_iterable(per_shard)
     rows = list(islice(merged, offset, None if limit is None else offset + limit))
     return FanOutResult(rows, failed, servers)
+
+
+def _warm(store: Store, server: str, readonly: bool) -> None:
+    with store.transaction(server, readonly) as conn:
+        conn.exec_driver_sql("SELECT 1")
+
+
+def warm_up(
+    store: Store, area: str | None = None, *, readonly: bool = False, max_workers: int | None = None
+) -> list[ShardFailure]:
+    """Open a pooled connection to every shard of ``area`` (default: every SQL server), in parallel.
+
+    For deploys: the first fan-out of a new process otherwise pays, per shard and mostly one
+    after the other, for creating the engine, connecting and authenticating, and the first
+    transaction on the connection. Each connection is returned to its pool after one round
+    trip. A shard that cannot be reached is returned (masked), not raised: a warm-up must not
+    stop a deploy, and the first real session reports the same error in context.
+    """
+    from mdb.mongo.clients import is_mongo_url  # late: keeps this module's imports light
+
+    if area is not None:
+        servers = fan_out_servers(store.router, area)
+    else:
+        servers = [s for s, spec in store.map.servers.items() if not is_mongo_url(spec.primary)]
+    pool = _pool(max(1, max_workers or DEFAULT_MAX_WORKERS))
+    futures = [(s, pool.submit(_warm, store, s, readonly)) for s in servers]
+    failed = []
+    for server, future in futures:
+        try:
+            future.result()
+        except MdbError as exc:
+            failed.append(ShardFailure(server, mask_secrets(str(exc))))
+    return failed
 
 
 def fan_out_aggregate(store: Store, area: str, statement: Select[Any], **kwargs: Any) -> FanOutResult:

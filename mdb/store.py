@@ -24,7 +24,7 @@ from mdb.central.service import Central
 from mdb.dberrors import translated
 from mdb.engines import BEGIN_PRELUDE, BEGIN_RESULT, EngineRegistry
 from mdb.errors import QueryError, RetryableError, RoutingError
-from mdb.fanout import FanOutResult, fan_out
+from mdb.fanout import FanOutResult, ShardFailure, fan_out, warm_up
 from mdb.gdid import GDID
 from mdb.idgen import GdidGenerator, generator_for, row_scope, start_above
 from mdb.ownership import check_ownership, ownership_prelude
@@ -222,6 +222,10 @@ class Store:
     def fan_out(self, area: str, statement: Any, **kwargs: Any) -> FanOutResult:
         """Run one select() on every shard of ``area`` and merge the rows (:func:`mdb.fanout.fan_out`)."""
         return fan_out(self, area, statement, **kwargs)
+
+    def warm_up(self, area: str | None = None, **kwargs: Any) -> list[ShardFailure]:
+        """Connect to every shard in parallel before the first request (:func:`mdb.fanout.warm_up`)."""
+        return warm_up(self, area, **kwargs)
 
     # -- GDID generation ---------------------------------------------------------------------
 

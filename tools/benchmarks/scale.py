@@ -7,7 +7,8 @@ engines does. Per S, next to same-run baselines:
 - routed read (``store.briefcase`` + ``get``) vs a plain Session ``get`` on the same shard;
 - fan-out count and ORM top-10 vs a sequential loop and a thread-pool loop of plain Sessions
   running the same statement on every shard (the baselines skip mdb's 'incoming' filter);
-- the cold first fan-out (a new Store: refresh, engines, connections) vs a warm one;
+- the cold first fan-out (a new Store: refresh, engines, connections) vs a warm one, and the
+  first fan-out of a new Store after ``store.warm_up("user")`` vs the cold one;
 - schema apply wall time (first run, --parallel 8) vs a sequential re-run (nothing to create),
   and a parallel re-run vs the sequential one;
 - connections the Store holds after the run vs S (one per shard).
@@ -136,6 +137,17 @@ def _one_size(ctx: BenchContext, shards: int, rounds: int, calls: int) -> list[R
         start = time.perf_counter()
         store.fan_out("user", COUNT, aggregate=True)
         cold = time.perf_counter() - start
+
+        store.close()
+        store = Store.from_yaml(path, types=[UserBriefcase])
+        start = time.perf_counter()
+        assert store.warm_up("user") == []
+        warming = time.perf_counter() - start
+        start = time.perf_counter()
+        store.fan_out("user", COUNT, aggregate=True)
+        after_warm_up = time.perf_counter() - start
+        out.append(Result(SECTION, f"first fan-out count after warm_up(), S={shards}", after_warm_up * 1000, "ms",
+                          "cold first fan-out count", cold * 1000, f"warm_up() itself: {warming * 1000:.0f} ms"))
 
         expected = shards * USERS_PER_SHARD * ORDERS_PER_USER
         assert store.fan_out("user", COUNT, aggregate=True).rows[0][0] == expected
