@@ -161,10 +161,14 @@ def _one_size(ctx: BenchContext, shards: int, rounds: int, calls: int) -> list[R
             def fanned(statement: Any = statement, aggregate: bool = aggregate) -> None:
                 store.fan_out("user", statement, aggregate=aggregate)
 
-            subject, seq = compare(fanned, lambda statement=statement: sequential(statement),
-                                   iterations=calls, rounds=rounds, warmup=2)
-            _, pooled = compare(fanned, lambda statement=statement: threaded(statement),
-                                iterations=calls, rounds=rounds, warmup=2)
+            def looped(statement: Any = statement) -> None:
+                sequential(statement)
+
+            def pooled_loop(statement: Any = statement) -> None:
+                threaded(statement)
+
+            subject, seq = compare(fanned, looped, iterations=calls, rounds=rounds, warmup=2)
+            _, pooled = compare(fanned, pooled_loop, iterations=calls, rounds=rounds, warmup=2)
             per_shard = f"{subject / shards * 1000:.2f} ms/shard"
             out.append(Result(SECTION, f"fan-out {name}, S={shards}", subject * 1000, "ms",
                               "sequential loop of plain Sessions", seq * 1000, per_shard + "; aim <= 0.7x at S=128"))
