@@ -16,8 +16,10 @@ error names the file, the line and the problem in one message.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +44,7 @@ __all__ = [
     "MAX_MAP_BYTES",
     "MAX_PROBLEMS_LISTED",
     "load_map",
+    "load_map_cached",
     "parse_map",
     "read_map_text",
     "safe_yaml_load",
@@ -690,3 +693,37 @@ def load_map(path: str | os.PathLike[str]) -> PartitionMap:
     """
     p = Path(path)
     return parse_map(read_map_text(p), str(p), folder=p.parent)
+
+
+_parsed_lock = threading.Lock()
+_parsed: dict[tuple[str, str], tuple[tuple[bytes, tuple[str | None, ...]], PartitionMap]] = {}
+"""Per map file (path as given, resolved path): the fingerprint of what was parsed, and the map it gave."""
+
+
+def _fingerprint(text: str) -> tuple[bytes, tuple[str | None, ...]]:
+    """What a parse depends on: the file's text and the environment variables it names."""
+    names = sorted(set(_ENV_REF.findall(text)))
+    return hashlib.sha256(text.encode("utf-8")).digest(), tuple(os.environ.get(n) for n in names)
+
+
+def load_map_cached(path: str | os.PathLike[str]) -> PartitionMap:
+    """:func:`load_map`, but a file whose text (and ``${NAME}`` values) did not change is not parsed again.
+
+    A Store re-reads its map file on every refresh, and a refresh follows every stale route:
+    validating the YAML each time cost more than the route itself (issue 19). Reading and
+    hashing the file is cheap; the parse is not. Keyed by content rather than mtime, so a
+    file rewritten within one mtime tick is still seen. The map is frozen, so sharing it is safe;
+    a file that fails to parse is not cached (each load reports its error).
+    """
+    p = Path(path)
+    text = read_map_text(p)
+    key = (str(p), str(p.resolve()))  # as given too: it names the file in errors and anchors SQLite paths
+    fingerprint = _fingerprint(text)
+    with _parsed_lock:
+        hit = _parsed.get(key)
+    if hit is not None and hit[0] == fingerprint:
+        return hit[1]
+    pmap = parse_map(text, str(p), folder=p.parent)
+    with _parsed_lock:
+        _parsed[key] = (fingerprint, pmap)
+    return pmap

@@ -1,7 +1,8 @@
 """Creating mdb's tables and the briefcase tables on every shard, and the first layout stamp.
 
-``apply_schema`` is idempotent and goes shard by shard: a shard that is down is reported and
-the others proceed. It stamps a shard's layout only where the shard has none yet for an area;
+``apply_schema`` is idempotent and does ``parallel`` shards at a time (a shard's work is mostly
+waiting on its server; 1,000 shards one by one took minutes): a shard that is down is reported
+and the others proceed. Reports come back in map order whatever order the shards finished in. It stamps a shard's layout only where the shard has none yet for an area;
 changing an existing stamp is a map change and belongs to ``mdb map apply`` (edit safety).
 Servers that no area uses yet are prepared for every area, so they can receive moves.
 
@@ -13,7 +14,7 @@ without creating anything, compares each server's tables with the models
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from sqlalchemy import Table, insert, inspect as sa_inspect, select
@@ -25,6 +26,7 @@ from mdb.dberrors import describe
 from mdb.errors import MdbError
 from mdb.mongo.clients import is_mongo_url
 from mdb.ownership import install_pg_functions
+from mdb.parallel import DEFAULT_PARALLEL, run_each
 from mdb.router import Router, ShardLayout
 from mdb.schema_diff import Difference, compare_tables
 from mdb.store import Store
@@ -147,17 +149,18 @@ def _shard_failed(server: str, report: ShardReport, exc: Exception) -> None:
         raise exc
 
 
-def check_schema(store: Store) -> list[ShardReport]:
+def check_schema(
+    store: Store, *, parallel: int = DEFAULT_PARALLEL, on_done: Callable[[ShardReport], None] | None = None
+) -> list[ShardReport]:
     """Compare every SQL server's tables with the models, creating and writing nothing.
 
-    MongoDB servers are left out (their collections have no columns to drift).
+    MongoDB servers are left out (their collections have no columns to drift). ``parallel``
+    servers at a time; ``on_done`` sees each report as it is finished (a progress bar).
     """
     router, layouts = _server_plan(store)
     known = known_tables(store)
-    reports = []
-    for server in store.map.servers:
-        if is_mongo_url(store.map.servers[server].primary):
-            continue
+
+    def one(server: str) -> ShardReport:
         report = ShardReport(server, store.engines.masked_url(server))
         report.roles, tables = server_tables(store, router, server, layouts.get(server, []))
         try:
@@ -165,8 +168,10 @@ def check_schema(store: Store) -> list[ShardReport]:
                 report.differences = compare_tables(conn, tables, known=known)
         except (MdbError, DBAPIError) as exc:
             _shard_failed(server, report, exc)
-        reports.append(report)
-    return reports
+        return report
+
+    servers = [s for s in store.map.servers if not is_mongo_url(store.map.servers[s].primary)]
+    return run_each(servers, one, parallel=parallel, on_done=on_done, name="mdb-schema-check")
 
 
 def _apply_mongo(store: Store, router: Router, server: str, layouts: list[ShardLayout], report: ShardReport) -> None:
@@ -182,31 +187,59 @@ def _apply_mongo(store: Store, router: Router, server: str, layouts: list[ShardL
         report.error = str(translated)
 
 
-def apply_schema(store: Store) -> list[ShardReport]:
-    """Create what is missing on every server, stamp new layouts, and report every drift."""
+def _apply_server(
+    store: Store, router: Router, server: str, layouts: list[ShardLayout], known: set[str]
+) -> ShardReport:
+    """One server's part of ``apply_schema``: its failure is recorded on its report."""
     pmap = store.map
+    report = ShardReport(server, store.engines.masked_url(server))
+    if is_mongo_url(pmap.servers[server].primary):
+        _apply_mongo(store, router, server, layouts, report)
+        return report
+    report.roles, tables = server_tables(store, router, server, layouts)
+    try:
+        with store.transaction(server) as conn:
+            report.created = create_tables(conn, tables)
+            already = set(conn.execute(select(shard_layout.c.area)).scalars())
+            for layout in layouts:
+                problem = stamp_layout(conn, layout, pmap.version, replace=False)
+                if problem:
+                    report.problems.append(problem)
+                else:
+                    (report.kept if layout.area in already else report.stamped).append(layout.area)
+            report.differences = compare_tables(conn, tables, known=known)
+    except (MdbError, DBAPIError) as exc:  # this shard's failure, the others proceed
+        _shard_failed(server, report, exc)
+    return report
+
+
+def apply_schema(
+    store: Store, *, parallel: int = DEFAULT_PARALLEL, on_done: Callable[[ShardReport], None] | None = None
+) -> list[ShardReport]:
+    """Create what is missing on every server, stamp new layouts, and report every drift.
+
+    ``parallel`` servers at a time (1: one by one); ``on_done`` sees each report as it is
+    finished, in the calling thread (a progress bar). Reports are in map order.
+    """
     router, layouts = _server_plan(store)
     known = known_tables(store)
-    reports = []
-    for server in pmap.servers:
-        report = ShardReport(server, store.engines.masked_url(server))
-        if is_mongo_url(pmap.servers[server].primary):
-            _apply_mongo(store, router, server, layouts.get(server, []), report)
-            reports.append(report)
-            continue
-        report.roles, tables = server_tables(store, router, server, layouts.get(server, []))
-        try:
-            with store.transaction(server) as conn:
-                report.created = create_tables(conn, tables)
-                already = set(conn.execute(select(shard_layout.c.area)).scalars())
-                for layout in layouts.get(server, []):
-                    problem = stamp_layout(conn, layout, pmap.version, replace=False)
-                    if problem:
-                        report.problems.append(problem)
-                    else:
-                        (report.kept if layout.area in already else report.stamped).append(layout.area)
-                report.differences = compare_tables(conn, tables, known=known)
-        except (MdbError, DBAPIError) as exc:  # this shard's failure, the others proceed
-            _shard_failed(server, report, exc)
-        reports.append(report)
-    return reports
+    # Two server names for one database are done one after the other: concurrent CREATE TABLEs
+    # of the same table would make one of them fail.
+    same_database: dict[str, list[str]] = {}
+    for server, spec in store.map.servers.items():
+        same_database.setdefault(spec.primary, []).append(server)
+
+    def group(servers: list[str]) -> list[ShardReport]:
+        return [_apply_server(store, router, s, layouts.get(s, []), known) for s in servers]
+
+    def done(reports: list[ShardReport]) -> None:
+        for report in reports:
+            if on_done is not None:
+                on_done(report)
+
+    by_server = {
+        r.server: r
+        for reports in run_each(list(same_database.values()), group, parallel=parallel, on_done=done, name="mdb-schema-apply")
+        for r in reports
+    }
+    return [by_server[s] for s in store.map.servers]

@@ -24,11 +24,11 @@ from mdb.central.service import Central
 from mdb.dberrors import translated
 from mdb.engines import BEGIN_PRELUDE, BEGIN_RESULT, EngineRegistry
 from mdb.errors import QueryError, RetryableError, RoutingError
-from mdb.fanout import FanOutResult, fan_out
+from mdb.fanout import FanOutResult, ShardFailure, fan_out, warm_up
 from mdb.gdid import GDID
 from mdb.idgen import GdidGenerator, generator_for, row_scope, start_above
 from mdb.ownership import check_ownership, ownership_prelude
-from mdb.partition_map import PartitionMap, load_map
+from mdb.partition_map import PartitionMap, load_map_cached
 from mdb.relocations import load_relocations
 from mdb.retry import SessionRetry
 from mdb.router import Router
@@ -70,7 +70,7 @@ class Store:
 
     @classmethod
     def from_yaml(cls, path: str | Path, **kwargs: Any) -> Store:
-        return cls(load_map(path), map_path=path, **kwargs)
+        return cls(load_map_cached(path), map_path=path, **kwargs)
 
     def __repr__(self) -> str:
         # The version this Store routes with and where that map came from (the file, or the
@@ -94,11 +94,16 @@ class Store:
         return self._router.map
 
     def refresh(self) -> None:
-        """Reload the map file (when it has a newer version) and the relocation directory."""
+        """Reload the map file (when it has a newer version) and the relocation directory.
+
+        The file is parsed again only when its text changed (:func:`~mdb.partition_map.load_map_cached`):
+        a refresh follows every stale route, and re-validating an unchanged map each time was the
+        larger part of its cost.
+        """
         with self._refresh_lock:
             pmap = self._router.map
             if self._map_path is not None:
-                candidate = load_map(self._map_path)
+                candidate = load_map_cached(self._map_path)
                 if candidate.version > pmap.version:
                     pmap = candidate
                     self.engines.update(pmap.servers)
@@ -217,6 +222,10 @@ class Store:
     def fan_out(self, area: str, statement: Any, **kwargs: Any) -> FanOutResult:
         """Run one select() on every shard of ``area`` and merge the rows (:func:`mdb.fanout.fan_out`)."""
         return fan_out(self, area, statement, **kwargs)
+
+    def warm_up(self, area: str | None = None, **kwargs: Any) -> list[ShardFailure]:
+        """Connect to every shard in parallel before the first request (:func:`mdb.fanout.warm_up`)."""
+        return warm_up(self, area, **kwargs)
 
     # -- GDID generation ---------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from mdb.central.indexes import STATE_LIVE, STATE_PENDING, CentralIndex, central
 from mdb.central.service import IndexRow
 from mdb.errors import DuplicateRowError
 from mdb.gdid import GDID
+from mdb.parallel import DEFAULT_PARALLEL, run_each
 
 if TYPE_CHECKING:
     from mdb.central.service import Central
@@ -93,18 +94,23 @@ class RepairReport:
     after: CheckReport | None = None
 
 
-def _entries(central: Central, names: list[str]) -> list[IndexRow]:
+def _entries(central: Central, names: list[str], parallel: int) -> list[IndexRow]:
     c = central_index.c
     stmt = select(c.index_name, c.key, c.slot, c.gdid, c.state, c.created_at).where(c.index_name.in_(names))
-    rows: list[IndexRow] = []
-    for server in central.store.router.central_servers():
+
+    def read(server: str) -> list[IndexRow]:
         with central.store.transaction(server) as conn:
-            rows.extend(IndexRow(*r) for r in conn.execute(stmt))
-    return rows
+            return [IndexRow(*r) for r in conn.execute(stmt)]
+
+    per_server = run_each(list(central.store.router.central_servers()), read, parallel=parallel, name="mdb-central-check")
+    return [row for rows in per_server for row in rows]
 
 
-def _roots(central: Central, btype: type[BriefcaseType], columns: list[str]) -> dict[GDID, dict[str, Any]]:
-    """Every root row of ``btype`` where the router places it: gdid -> {column: value}."""
+def _roots(central: Central, btype: type[BriefcaseType], columns: list[str], parallel: int) -> dict[GDID, dict[str, Any]]:
+    """Every root row of ``btype`` where the router places it: gdid -> {column: value}.
+
+    ``parallel`` shards are read at a time: each read is mostly waiting on its server.
+    """
     router = central.store.router
     table = btype.tables[0]
     key = table.c[btype.key]
@@ -113,13 +119,19 @@ def _roots(central: Central, btype: type[BriefcaseType], columns: list[str]) -> 
         *(s for (area, _), s in router.relocations.items() if area == btype.area),
     ]))
     stmt = select(key, *(table.c[name] for name in columns))
-    out: dict[GDID, dict[str, Any]] = {}
-    for server in servers:
+
+    def read(server: str) -> dict[GDID, dict[str, Any]]:
+        found: dict[GDID, dict[str, Any]] = {}
         with central.store.transaction(server, readonly=False) as conn:
             for row in conn.execute(stmt):
                 gdid = row[0]
                 if router.locate(btype.area, gdid).server == server:
-                    out[gdid] = dict(zip(columns, row[1:]))
+                    found[gdid] = dict(zip(columns, row[1:]))
+        return found
+
+    out: dict[GDID, dict[str, Any]] = {}
+    for found in run_each(servers, read, parallel=parallel, name="mdb-central-check"):
+        out.update(found)  # a GDID is kept only from the one server the router places it on
     return out
 
 
@@ -132,21 +144,24 @@ def _normalized(index: type[CentralIndex], value: Any) -> str | None:
         return None
 
 
-def check(central: Central, indexes: Iterable[type[CentralIndex]], *, grace: float | None = None) -> CheckReport:
+def check(
+    central: Central, indexes: Iterable[type[CentralIndex]], *, grace: float | None = None, parallel: int = DEFAULT_PARALLEL
+) -> CheckReport:
+    """Every problem of ``indexes``' entries, reading ``parallel`` servers at a time."""
     grace = central.grace if grace is None else grace
     idx_list = sorted({central.index(i) for i in indexes}, key=lambda i: i.name)
     report = CheckReport([i.name for i in idx_list])
     if not idx_list:
         return report
     by_name = {i.name: i for i in idx_list}
-    entries = _entries(central, list(by_name))
+    entries = _entries(central, list(by_name), parallel)
     report.entries = len(entries)
     roots_by_type: dict[type[BriefcaseType], dict[GDID, dict[str, Any]]] = {}
     for idx in idx_list:
         btype = central.briefcase_type(idx)
         if btype not in roots_by_type:
             columns = sorted({i.root_column for i in idx_list if i.root_column and central.briefcase_type(i) is btype})
-            roots_by_type[btype] = _roots(central, btype, columns)
+            roots_by_type[btype] = _roots(central, btype, columns, parallel)
     report.briefcases = sum(len(r) for r in roots_by_type.values())
     now = time.time()
     valid: dict[tuple[str, str], set[GDID]] = {}
@@ -202,7 +217,7 @@ def repair(central: Central, indexes: Iterable[type[CentralIndex]], *, grace: fl
     result = RepairReport(before)
     # Deletions first, so a key freed from a dangling or stale entry can be re-added below.
     order = {"dangling": 0, "stale": 0, "unfinished": 1, "missing": 2, "conflict": 3}
-    rows = {(r.index_name, r.key, r.gdid): r for r in _entries(central, before.indexes)}
+    rows = {(r.index_name, r.key, r.gdid): r for r in _entries(central, before.indexes, DEFAULT_PARALLEL)}
     for problem in sorted(before.problems, key=lambda p: order[p.kind]):
         row = rows.get((problem.index, problem.key, problem.gdid))
         if problem.kind in ("dangling", "stale") and row is not None:

@@ -34,7 +34,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup
 from typer.models import DefaultPlaceholder
 
 from mdb.errors import MdbError, RetryableError, ServerUnavailableError
-from mdb.partition_map import PartitionMap, load_map
+from mdb.partition_map import PartitionMap, load_map, load_map_cached
 from mdb.store import Store
 from mdb.urls import mask_secrets
 
@@ -276,7 +276,7 @@ def open_store(map_path: str, models: Sequence[str] | None = None, *, tool: bool
     an operator tool (moves, schema, map apply) that connects past a transaction pooler where
     the map gives a server a ``direct:`` URL (docs/operations.md).
     """
-    pmap = _newest_map(load_map(map_path), map_path)
+    pmap = _newest_map(load_map_cached(map_path), map_path)  # the Store's first refresh reuses this parse
     if "types" not in kwargs:
         from mdb.briefcase import registered_types
         from mdb.cli.schema_cmd import import_models  # late: schema_cmd registers on this app

@@ -16,6 +16,8 @@ from rich.table import Table
 from mdb.central.indexes import CentralIndex, index_by_name, registered_indexes
 from mdb.central.reconcile import CheckReport, check, repair
 from mdb.cli.app import app, console, emit_json, fail, open_store
+from mdb.cli.schema_cmd import ParallelOpt
+from mdb.parallel import DEFAULT_PARALLEL
 from mdb.store import Store
 
 __all__ = ["central_app"]
@@ -113,11 +115,11 @@ def _print_check(report: CheckReport, title: str) -> None:
 
 @central_app.command("check")
 def check_cmd(map_path: MapArg, models: ModelsOpt = None, index: IndexOpt = None, grace: GraceOpt = None,
-              as_json: JsonOpt = False) -> None:
+              as_json: JsonOpt = False, parallel: ParallelOpt = DEFAULT_PARALLEL) -> None:
     """Count (and with --json list) dangling, stale, unfinished, missing and conflicting keys. Exit 1 if any."""
     store = _open(map_path, models)
     try:
-        report = check(store.central, _indexes(store, index), grace=grace)
+        report = check(store.central, _indexes(store, index), grace=grace, parallel=parallel)
     finally:
         store.close()
     if as_json:

@@ -13,20 +13,45 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Annotated
 
 import typer
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from mdb.cli.app import app, console, emit_json, fail, open_store
+from mdb.cli.app import app, console, emit_json, err_console, fail, open_store
+from mdb.mongo.clients import is_mongo_url
+from mdb.parallel import DEFAULT_PARALLEL, MAX_PARALLEL
 from mdb.schema import ShardReport, apply_schema, check_schema
 from mdb.urls import mask_secrets
 
-__all__ = ["import_models", "schema_app"]
+__all__ = ["ParallelOpt", "import_models", "schema_app", "shard_progress"]
 
 schema_app = typer.Typer(help="Create, and check for drift, mdb's and the briefcase types' tables on every shard.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
+
+
+ParallelOpt = Annotated[
+    int,
+    typer.Option("--parallel", min=1, max=MAX_PARALLEL, help="Servers worked on at once (1: one after the other)."),
+]
+
+
+@contextmanager
+def shard_progress(what: str, total: int) -> Iterator[Callable[[ShardReport], None]]:
+    """A progress bar on stderr (a terminal only: stdout stays the report, or the JSON); yields ``on_done``."""
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=err_console, transient=True, disable=not err_console.is_terminal)
+    task = progress.add_task(what, total=total)
+
+    def on_done(report: ShardReport) -> None:
+        progress.update(task, advance=1, description=f"{what} (last: {report.server})")
+
+    with progress:
+        yield on_done
 
 
 def import_models(modules: list[str]) -> None:
@@ -112,12 +137,14 @@ def schema_apply(
         typer.Option("--models", metavar="MODULE", help="also import this module for briefcase types (repeatable)"),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    parallel: ParallelOpt = DEFAULT_PARALLEL,
 ) -> None:
     """Create tables on every shard and stamp new shard layouts; idempotent. Exit 1 if a shard failed or drifted."""
     store = open_store(map_path, models, tool=True)
     pmap = store.map
     try:
-        reports = apply_schema(store)
+        with shard_progress("schema apply", len(pmap.servers)) as on_done:
+            reports = apply_schema(store, parallel=parallel, on_done=on_done)
     finally:
         store.close()
     if as_json:
@@ -155,12 +182,15 @@ def schema_check(
         typer.Option("--models", metavar="MODULE", help="also import this module for briefcase types (repeatable)"),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    parallel: ParallelOpt = DEFAULT_PARALLEL,
 ) -> None:
     """Compare every shard's tables with the models, changing nothing. Exit 1 on drift or a failed shard."""
     store = open_store(map_path, models)
     pmap = store.map
     try:
-        reports = check_schema(store)
+        sql_servers = [s for s, spec in pmap.servers.items() if not is_mongo_url(spec.primary)]  # check skips MongoDB
+        with shard_progress("schema check", len(sql_servers)) as on_done:
+            reports = check_schema(store, parallel=parallel, on_done=on_done)
     finally:
         store.close()
     if as_json:
