@@ -37,6 +37,7 @@ from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.sql.schema import Table
 from sqlalchemy.sql.selectable import Alias, Join, Select
 
+from mdb import telemetry
 from mdb.errors import MdbError, QueryError
 from mdb.gdid import GDID, MAX_AUTHORITY, MAX_COUNTER, MAX_ERA
 from mdb.router import Router
@@ -310,7 +311,7 @@ def _limits(statement: Select[Any]) -> tuple[int | None, int]:
 
 
 def _run(store: Store, server: str, statement: Select[Any], readonly: bool) -> list[Row[Any]]:
-    with store.transaction(server, readonly) as conn, Session(bind=conn, expire_on_commit=False) as session:
+    with telemetry.fanout_shard(server), store.transaction(server, readonly) as conn, Session(bind=conn, expire_on_commit=False) as session:
         return list(session.execute(statement).all())
 
 
@@ -357,6 +358,7 @@ def _gather(
         if len(errors) > 1:
             first.add_note("fan-out: other failed shards: " + "; ".join(mask_secrets(str(e)) for _, e in errors[1:]))
         raise first
+    telemetry.fanout_partial(errors)
     return results, [ShardFailure(server, mask_secrets(str(exc))) for server, exc in errors]
 
 
