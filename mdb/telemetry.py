@@ -115,6 +115,19 @@ def _reason(exc: BaseException) -> str:
     return "other"
 
 
+def sdk_installed() -> bool:
+    """True when an SDK records mdb's metrics or spans; cheap (two attribute reads) while none does.
+
+    The session path asks this per session, so it reads the API proxies' own links to the real
+    instrument and tracer instead of the global getters (which look at ``os.environ`` per
+    call). Those attributes are private to opentelemetry-api 1.x: if one is missing (a changed
+    API) the answer is True, so an API change costs speed, never a lost count.
+    """
+    return getattr(SESSIONS, "_real_instrument", True) is not None or not isinstance(
+        getattr(_tracer, "_tracer", None), trace.NoOpTracer
+    )
+
+
 # -- briefcase sessions --------------------------------------------------------------------------
 
 NO_SERVER = "-"
@@ -179,6 +192,8 @@ def observed_session(method: _SessionMethod) -> _SessionMethod:
 
     @wraps(method)
     def briefcase(store: Any, btype: Any, *args: Any, **kwargs: Any) -> AbstractContextManager[BriefcaseSession]:
+        if not sdk_installed():  # nothing would record it: the session as it is, no wrapper
+            return method(store, btype, *args, **kwargs)
         return _ObservedSession(method(store, btype, *args, **kwargs), btype.area)
 
     return briefcase

@@ -5,10 +5,19 @@ application without mdb would write: an engine it holds itself and ``Session(eng
 routed side adds routing, the ownership check (carried by BEGIN: no extra round trip on
 PostgreSQL), the loader criteria that confine the session, and the shared advisory lock for
 write sessions.
+
+Telemetry: "telemetry hooks" compares the same routed read with and without mdb.telemetry's
+session wrapper (``Store.briefcase`` vs ``Store.briefcase.__wrapped__``, the method as it was
+before the hook), in the same run. By default no OpenTelemetry SDK is installed, so this is the
+cost mdb adds to every application that never asks for telemetry (docs/observability.md keeps
+it under 2%). With ``MDB_BENCH_OTEL_SDK=1`` the section installs the SDK first (a meter
+provider with an in-memory reader, a tracer provider that records every span), so the same row
+shows what metrics and a span per session cost when they are on.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from datetime import datetime, timezone
 from collections.abc import Callable
@@ -25,6 +34,21 @@ from mdb.schema import apply_schema
 from mdb.store import Store
 
 ROWS = 1000
+SDK_ENV = "MDB_BENCH_OTEL_SDK"
+
+
+def _install_sdk_if_asked() -> str:
+    """Install the OTel SDK when ``MDB_BENCH_OTEL_SDK=1``; returns what is installed, for the notes."""
+    if os.environ.get(SDK_ENV) != "1":
+        return "no OTel SDK"
+    from opentelemetry import metrics, trace
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+
+    metrics.set_meter_provider(MeterProvider(metric_readers=[InMemoryMetricReader()]))
+    trace.set_tracer_provider(TracerProvider())
+    return "OTel SDK installed (metrics + a recorded span per session)"
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
@@ -47,7 +71,7 @@ def _store(directory: Path, central: str, shard: str) -> Store:
     return store
 
 
-def _measure(ctx: BenchContext, backend: str, central: str, shard: str) -> list[Result]:
+def _measure(ctx: BenchContext, backend: str, central: str, shard: str, telemetry: str) -> list[Result]:
     store = _store(ctx.tmpdir / backend, central, shard)
     ids = [GDID(0, 0, i) for i in range(1, ROWS + 1)]
     with store.transaction("u1") as conn:
@@ -64,6 +88,13 @@ def _measure(ctx: BenchContext, backend: str, central: str, shard: str) -> list[
                 return session.scalars(select(User).where(User.user_id == g)).one()
 
         return read
+
+    unobserved = Store.briefcase.__wrapped__  # type: ignore[attr-defined]
+
+    def routed_without_hooks() -> object:
+        g = next(cursor)
+        with unobserved(store, UserBriefcase, g, readonly=True) as session:
+            return session.scalars(select(User).where(User.user_id == g)).one()
 
     def direct() -> object:
         g = next(cursor)
@@ -84,6 +115,13 @@ def _measure(ctx: BenchContext, backend: str, central: str, shard: str) -> list[
                     f"{iterations} reads x {rounds} rounds, median" + ("; + shared advisory lock" if not readonly and backend == "postgresql" else ""),
                 )
             )
+        value, base = compare(routed(True), routed_without_hooks, iterations=iterations, rounds=rounds * 2, warmup=ctx.iterations(300, 50))
+        results.append(
+            Result(
+                "briefcase", f"{backend}: telemetry hooks on a readonly session", value * 1e6, "µs/read",
+                "the same session without the hooks", base * 1e6, f"{iterations} reads x {rounds * 2} rounds, median; {telemetry}",
+            )
+        )
     finally:
         plain.dispose()
         store.close()
@@ -91,9 +129,10 @@ def _measure(ctx: BenchContext, backend: str, central: str, shard: str) -> list[
 
 
 def run(ctx: BenchContext) -> list[Result]:
+    telemetry = _install_sdk_if_asked()
     central, shard = ctx.pg_urls(2)
-    results = _measure(ctx, "postgresql", central, shard)
+    results = _measure(ctx, "postgresql", central, shard, telemetry)
     sqlite_dir = ctx.tmpdir / "sqlite-files"
     sqlite_dir.mkdir(parents=True, exist_ok=True)
-    results += _measure(ctx, "sqlite", f"sqlite:///{sqlite_dir / 'central.db'}", f"sqlite:///{sqlite_dir / 'u1.db'}")
+    results += _measure(ctx, "sqlite", f"sqlite:///{sqlite_dir / 'central.db'}", f"sqlite:///{sqlite_dir / 'u1.db'}", telemetry)
     return results
