@@ -236,3 +236,48 @@ def test_a_session_that_cannot_open_counts_as_an_error_without_a_server(
     with pytest.raises(ServerUnavailableError), store.briefcase(UserBriefcase, gdid):
         pass
     assert otel.delta(before) == {s("mdb.briefcase.sessions", area="user", server="-", outcome="error"): 1}
+
+
+SCRIPT = """
+import sys
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from mdb import telemetry
+from mdb.demo.models import UserBriefcase
+from mdb.store import Store
+
+store = Store.from_yaml(sys.argv[1], types=[UserBriefcase])
+gdid = store.new_gdid(UserBriefcase)
+before = type(store.briefcase(UserBriefcase, gdid)).__name__
+with store.briefcase(UserBriefcase, gdid):
+    pass
+reader = InMemoryMetricReader()
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+after = type(store.briefcase(UserBriefcase, gdid)).__name__
+with store.briefcase(UserBriefcase, gdid):
+    pass
+points = [
+    (dict(p.attributes), p.value)
+    for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+    for m in sm.metrics if m.name == "mdb.briefcase.sessions" for p in m.data.data_points
+]
+home = store.router.locate("user", gdid).server
+print(telemetry.sdk_installed(), before, after, points == [({"area": "user", "server": home, "outcome": "ok"}, 1)])
+store.close()
+"""
+
+
+def test_without_an_sdk_the_session_is_not_wrapped_and_an_sdk_installed_later_counts(
+    sqlite_store: tuple[Store, dict[str, str]], tmp_path: Path
+) -> None:
+    """In a fresh process (no SDK anywhere): the session path is the bare context manager; once a
+    meter provider is set, the same Store's sessions are counted by the instruments mdb created
+    at import (the API proxies pick the SDK up)."""
+    import subprocess
+
+    script = tmp_path / "later.py"
+    script.write_text(SCRIPT, encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "map.yaml")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "_GeneratorContextManager", "_ObservedSession", "True"]
