@@ -25,12 +25,13 @@ from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricR
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from mdb.demo.models import User, UserBriefcase
 from mdb.demo.repositories import EmailIndex
-from mdb.errors import ServerUnavailableError
+from mdb.errors import MoveAbortedError, ServerUnavailableError
 from mdb.gdid import GDID
+from mdb.moves import protocol
 from mdb.moves.protocol import move_briefcase
 from mdb.schema import apply_schema
 from mdb.store import Store
@@ -236,6 +237,37 @@ def test_a_session_that_cannot_open_counts_as_an_error_without_a_server(
     with pytest.raises(ServerUnavailableError), store.briefcase(UserBriefcase, gdid):
         pass
     assert otel.delta(before) == {s("mdb.briefcase.sessions", area="user", server="-", outcome="error"): 1}
+
+
+
+def test_a_move_whose_copy_does_not_verify_counts_a_verification_failure(
+    otel: Otel, sqlite_store: tuple[Store, dict[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The target copy is changed behind the move's back (after its copy committed): the move
+    aborts, counted as aborted and as a verification failure, and no rows count as moved."""
+    store, _ = sqlite_store
+    gdid = store.new_gdid(UserBriefcase)
+    create_user(store, gdid)
+    target = "b" if store.router.locate("user", gdid).server == "a" else "a"
+    real_fault_point = protocol.fault_point
+
+    def tamper_with_the_target(name: str) -> None:
+        if name == "move.after_copy_commit":
+            with store.transaction(target) as conn:
+                conn.execute(update(User.__table__).where(User.__table__.c.user_id == gdid).values(name="tampered"))
+        real_fault_point(name)
+
+    monkeypatch.setattr(protocol, "fault_point", tamper_with_the_target)
+    otel.spans.clear()
+    before = otel.values()
+    with pytest.raises(MoveAbortedError, match="verification failed"):
+        move_briefcase(store, "user", gdid, target)
+    assert {k: v for k, v in otel.delta(before).items() if k[0].startswith("mdb.move")} == {
+        s("mdb.moves", area="user", kind="move", outcome="aborted"): 1,
+        s("mdb.move.verification_failures", area="user"): 1,
+    }
+    [move_span] = [sp for sp in otel.finished_spans() if sp.name == "mdb.move"]
+    assert (move_span.attributes or {})["mdb.outcome"] == "aborted"
 
 
 SCRIPT = """
