@@ -66,8 +66,13 @@ CENTRAL_LOOKUPS = _meter.create_counter(
 GDID_BLOCKS = _meter.create_counter(
     "mdb.gdid.blocks", unit="{block}", description="GDID blocks reserved in CENTRAL, by sequence scope."
 )
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+"""Histogram bounds in seconds: the SDK's default bounds (0, 5, 10, 25, ... 10000) suit
+milliseconds and would put every shard read and nearly every move pause in the first bucket."""
+
 FANOUT_SHARD_DURATION = _meter.create_histogram(
-    "mdb.fanout.shard.duration", unit="s", description="Time of one shard's part of a fan-out read, by server and outcome."
+    "mdb.fanout.shard.duration", unit="s", description="Time of one shard's part of a fan-out read, by server and outcome.",
+    explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
 )
 FANOUT_PARTIAL_FAILURES = _meter.create_counter(
     "mdb.fanout.partial_failures", unit="{shard}", description="Shards missing from a partial fan-out result (allow_partial), by server."
@@ -79,7 +84,8 @@ MOVE_ROWS = _meter.create_counter(
     "mdb.move.rows", unit="{row}", description="Rows moved by committed briefcase moves, by area and kind; rate() is rows/s."
 )
 MOVE_PAUSE = _meter.create_histogram(
-    "mdb.move.pause.duration", unit="s", description="Write pause of committed moves (briefcase lock held), by area and kind."
+    "mdb.move.pause.duration", unit="s", description="Write pause of committed moves (briefcase lock held), by area and kind.",
+    explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
 )
 MOVE_VERIFICATION_FAILURES = _meter.create_counter(
     "mdb.move.verification_failures", unit="{move}", description="Moves aborted because the target copy did not verify, by area."

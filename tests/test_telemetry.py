@@ -35,6 +35,7 @@ from mdb.moves import protocol
 from mdb.moves.protocol import move_briefcase
 from mdb.schema import apply_schema
 from mdb.store import Store
+from mdb.telemetry import SECONDS_BUCKETS
 
 Series = tuple[str, frozenset[tuple[str, Any]]]
 
@@ -63,6 +64,16 @@ class Otel:
     def delta(self, before: Counter[Series]) -> dict[Series, float]:
         after = self.values()
         return {k: after[k] - before[k] for k in after if after[k] != before[k]}
+
+    def bounds(self, name: str) -> set[tuple[float, ...]]:
+        """The bucket bounds of every data point of histogram ``name``."""
+        data = self.reader.get_metrics_data()
+        return {
+            tuple(point.explicit_bounds)
+            for rm in (data.resource_metrics if data else []) for sm in rm.scope_metrics
+            for metric in sm.metrics if metric.name == name for point in metric.data.data_points
+            if isinstance(point, HistogramDataPoint)
+        }
 
     def all_label_values(self) -> list[Any]:
         return [value for _, labels in self.values() for _, value in labels]
@@ -148,6 +159,7 @@ def test_scripted_workload_records_exact_counts_and_no_gdid_label(
             s("mdb.move.rows", area="user", kind="move"): rows,
             s("mdb.move.pause.duration", area="user", kind="move"): 1,
         }
+        assert otel.bounds("mdb.move.pause.duration") == {SECONDS_BUCKETS}  # seconds, not the SDK's millisecond default
         steps = [(sp.attributes or {}).get("mdb.move.step") for sp in otel.finished_spans() if sp.name == "mdb.move.step"]
         assert steps == ["precheck", "lock", "copy", "verify", "commit_point", "relocation", "target_state"]
         [move_span] = [sp for sp in otel.finished_spans() if sp.name == "mdb.move"]
@@ -183,6 +195,7 @@ def test_scripted_workload_records_exact_counts_and_no_gdid_label(
         out = admin.fan_out("user", select(User.user_id))
         assert sorted(r.user_id for r in out) == sorted(users)
         assert otel.delta(before) == {s("mdb.fanout.shard.duration", server=srv, outcome="ok"): 1 for srv in out.servers}
+        assert otel.bounds("mdb.fanout.shard.duration") == {SECONDS_BUCKETS}
 
         keys = [str(g) for g in users] + [f"{g}@example.com" for g in users] + [email, email.casefold()]
         assert_no_gdid_or_key(otel.all_label_values(), keys)
