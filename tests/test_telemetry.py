@@ -33,6 +33,7 @@ from mdb.errors import MoveAbortedError, ServerUnavailableError
 from mdb.gdid import GDID
 from mdb.moves import protocol
 from mdb.moves.protocol import move_briefcase
+from mdb.moves.reshard import reshard
 from mdb.schema import apply_schema
 from mdb.store import Store
 from mdb.telemetry import SECONDS_BUCKETS
@@ -281,6 +282,29 @@ def test_a_move_whose_copy_does_not_verify_counts_a_verification_failure(
     }
     [move_span] = [sp for sp in otel.finished_spans() if sp.name == "mdb.move"]
     assert (move_span.attributes or {})["mdb.outcome"] == "aborted"
+
+
+
+def test_a_reshard_counts_its_moves_and_rows_as_kind_reshard(
+    otel: Otel, tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path
+) -> None:
+    """A reshard's briefcase moves count under ``kind="reshard"`` (rate of mdb.move.rows: the
+    reshard's rows/s), as many as the reshard reports, each with its pause."""
+    urls = dict(zip(["central", "a", "b", "x"], tmp_sqlite_urls(4), strict=True))
+    path = write_map(tmp_path, urls, central=["central"], partitions=[("0:0:0", ["a", "b"])])
+    with Store.from_yaml(path, types=[UserBriefcase]) as store:
+        assert all(r.ok for r in apply_schema(store))
+        for _ in range(6):
+            create_user(store, store.new_gdid(UserBriefcase), orders=1, lines=1)
+        before = otel.values()
+        outcome = reshard(store, "user", GDID(0, 0, 0), ["a", "b", "x"], map_path=path)
+        moved = {k: v for k, v in otel.delta(before).items() if k[0].startswith("mdb.move")}
+    assert outcome.moved > 0 and outcome.rows_moved == 4 * outcome.moved  # user, address, order, line
+    assert moved == {
+        s("mdb.moves", area="user", kind="reshard", outcome="done"): outcome.moved,
+        s("mdb.move.rows", area="user", kind="reshard"): outcome.rows_moved,
+        s("mdb.move.pause.duration", area="user", kind="reshard"): outcome.moved,
+    }
 
 
 SCRIPT = """
