@@ -38,6 +38,7 @@ from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.sql.schema import Table
 from sqlalchemy.sql.selectable import Alias, Join, Select
 
+from mdb import telemetry
 from mdb.errors import MdbError, QueryError
 from mdb.gdid import GDID, MAX_AUTHORITY, MAX_COUNTER, MAX_ERA
 from mdb.router import Router
@@ -318,7 +319,7 @@ def _selects_entities(statement: Select[Any]) -> bool:
 def _run(store: Store, server: str, statement: Select[Any], readonly: bool, orm: bool) -> list[Row[Any]]:
     """One shard's rows. Columns-only statements skip the ORM Session: its per-execution setup
     was a large part of the per-shard Python cost, which threads cannot overlap (the GIL)."""
-    with store.transaction(server, readonly) as conn:
+    with telemetry.fanout_shard(server), store.transaction(server, readonly) as conn:
         if not orm:
             return list(conn.execute(statement).all())
         with Session(bind=conn, expire_on_commit=False) as session:
@@ -385,6 +386,7 @@ def _gather(
         if len(errors) > 1:
             first.add_note("fan-out: other failed shards: " + "; ".join(mask_secrets(str(e)) for _, e in errors[1:]))
         raise first
+    telemetry.fanout_partial(errors)
     return results, [ShardFailure(server, mask_secrets(str(exc))) for server, exc in errors]
 
 

@@ -34,6 +34,7 @@ from sqlalchemy import BigInteger, Column, ColumnElement, DateTime, String, Tabl
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
+from mdb import telemetry
 from mdb.errors import GDIDError
 from mdb.gdid import (
     COUNTER_BITS,
@@ -203,6 +204,7 @@ def reserve_block(conn: Connection, scope: str, sequence: str, size: int) -> Blo
     era, start, end = conn.execute(stmt).one()
     if era > MAX_ERA:
         raise GDIDError(f"GDID sequence {scope}/{sequence} is exhausted: every era up to {MAX_ERA} is used")
+    telemetry.gdid_block(scope)
     return Block(era, start, end)
 
 

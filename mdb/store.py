@@ -19,6 +19,7 @@ from sqlalchemy import Engine
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
+from mdb import telemetry
 from mdb.briefcase import BriefcaseType, registered_types, types_by_area
 from mdb.central.service import Central
 from mdb.dberrors import translated
@@ -278,6 +279,7 @@ class Store:
 
     # -- briefcase sessions ------------------------------------------------------------------
 
+    @telemetry.observed_session
     @contextmanager
     def briefcase(
         self, btype: type[BriefcaseType], gdid: GDID | str, *, readonly: bool = False, exclusive: bool = False
@@ -325,7 +327,9 @@ class Store:
                 check_ownership(conn.info.pop(BEGIN_RESULT, None), placement, router.version)
             except RetryableError as exc:
                 conn.close()
+                telemetry.ownership_refused(btype.area, placement.server, exc)
                 retry.wait_or_raise(exc)
+                telemetry.stale_retry(btype.area, placement.server, exc)
                 self.refresh()
                 continue
             except BaseException:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import delete, insert, inspect as sa_inspect, select, update
 
+from mdb import telemetry
 from mdb.briefcase import BriefcaseType
 from mdb.central.cache import CacheStats, CentralCache
 from mdb.central.indexes import STATE_LIVE, STATE_PENDING, CentralIndex, central_index, index_by_name
@@ -190,10 +191,13 @@ class Central:
         found, value = self.cache.get(ck)
         if found:
             if value is None or not verify or idx.root_column is None:
+                telemetry.central_lookup(idx.name, "hit")
                 return value
             if self.confirms(idx, self.probe_root(idx, value, readonly=True), nkey):
+                telemetry.central_lookup(idx.name, "verified_hit")
                 return value
             self.cache.note_stale(ck)
+        telemetry.central_lookup(idx.name, "stale" if found else "miss")
         return self._read_unique(idx, nkey)
 
     def _read_unique(self, idx: type[CentralIndex], nkey: str) -> GDID | None:

@@ -19,6 +19,7 @@ from typing import Any, Final
 from sqlalchemy import Column, DateTime, Integer, String, Table, Text, func, insert, select, update
 from sqlalchemy.engine import RowMapping
 
+from mdb import telemetry
 from mdb.gdid import GDID
 from mdb.sqltypes import GDIDType
 from mdb.system_tables import central_metadata
@@ -151,10 +152,12 @@ class Journal:
                     rows_total=entry.rows_total, rows_done=entry.rows_done,
                 )
             )
+        telemetry.move_step(entry.move_id, entry.step)
 
     def step(self, move_id: str, step: str, **values: Any) -> None:
         """Record that ``step`` is about to be taken (plus any counters/fields given)."""
         self.update(move_id, step=step, **values)
+        telemetry.move_step(move_id, step)
 
     def update(self, move_id: str, **values: Any) -> None:
         for name in ("params", "tables"):
@@ -170,6 +173,7 @@ class Journal:
 
     def finish(self, move_id: str, status: str, detail: str | None = None, **values: Any) -> None:
         self.update(move_id, status=status, step=status, detail=detail, **values)
+        telemetry.move_finished(move_id, status)
 
     def get(self, move_id: str) -> JournalEntry | None:
         with self._store.transaction(self.server) as conn:

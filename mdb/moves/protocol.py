@@ -41,7 +41,7 @@ from sqlalchemy import delete, func, insert, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import OperationalError
 
-from mdb import dberrors
+from mdb import dberrors, telemetry
 from mdb.dberrors import translated
 from mdb.errors import MdbError, MoveAbortedError, RoutingError, SchemaError
 from mdb.gdid import GDID
@@ -533,6 +533,7 @@ def move_briefcase(
             discard_target(store, target, area, gdid, tables, move_id, previous)
             detail = reason if not mismatches else reason + ": " + "; ".join(mismatches)
             journal.finish(move_id, ABORTED, detail)
+            telemetry.move_aborted(area, reshard_id)
             return MoveAbortedError(f"move {move_id} of {area}/{gdid} aborted, {source!r} is still authoritative: {detail}", move_id, mismatches)
 
         try:
@@ -629,6 +630,7 @@ def move_briefcase(
                     cut.rollback()  # the source rows are back (still under the lock) for the report
                     if src.dialect.name == "postgresql":
                         src.exec_driver_sql("SET LOCAL statement_timeout = 0")  # the report may take its time
+                    telemetry.move_verification_failed(area)
                     raise abort("verification failed", _mismatches(store, src, target, tables, gdid, method, bad, src_sums, dst_sums) + wrong)
                 fault_point("move.after_verify")
                 held = time.monotonic() - locked_at
@@ -664,4 +666,5 @@ def move_briefcase(
         finalize(store, journal, entry)
         if refresh:
             store.refresh()
+        telemetry.move_done(area, reshard_id, sum(moved.values()), pause)
         return MoveResult(move_id, area, gdid, source, target, DONE, {n: (r, nbytes.get(n, 0)) for n, r in moved.items()}, pause, precopied)

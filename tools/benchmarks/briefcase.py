@@ -5,13 +5,24 @@ application without mdb would write: an engine it holds itself and ``Session(eng
 routed side adds routing, the ownership check (carried by BEGIN: no extra round trip on
 PostgreSQL), the loader criteria that confine the session, and the shared advisory lock for
 write sessions.
+
+Telemetry: "telemetry hooks" compares the same routed read with and without mdb.telemetry's
+session wrapper (``Store.briefcase`` vs ``Store.briefcase.__wrapped__``, the method as it was
+before the hook), in the same run. By default no OpenTelemetry SDK is installed, so this is the
+cost mdb adds to every application that never asks for telemetry (docs/observability.md keeps
+it under 2%). With ``MDB_BENCH_OTEL_SDK=1`` the section installs the SDK first (a meter
+provider with an in-memory reader, a tracer provider that records every span), so the same row
+shows what metrics and a span per session cost when they are on.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from datetime import datetime, timezone
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
 from pathlib import Path
 
 import yaml
@@ -19,12 +30,28 @@ from sqlalchemy import create_engine, insert, select
 from sqlalchemy.orm import Session
 
 from benchmarks import BenchContext, Result, compare
+from mdb import telemetry
 from mdb.demo.models import User, UserBriefcase
 from mdb.gdid import GDID
 from mdb.schema import apply_schema
 from mdb.store import Store
 
 ROWS = 1000
+SDK_ENV = "MDB_BENCH_OTEL_SDK"
+
+
+def _install_sdk_if_asked() -> str:
+    """Install the OTel SDK when ``MDB_BENCH_OTEL_SDK=1``; returns what is installed, for the notes."""
+    if os.environ.get(SDK_ENV) != "1":
+        return "no OTel SDK"
+    from opentelemetry import metrics, trace
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+
+    metrics.set_meter_provider(MeterProvider(metric_readers=[InMemoryMetricReader()]))
+    trace.set_tracer_provider(TracerProvider())
+    return "OTel SDK installed (metrics + a recorded span per session)"
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
@@ -47,7 +74,35 @@ def _store(directory: Path, central: str, shard: str) -> Store:
     return store
 
 
-def _measure(ctx: BenchContext, backend: str, central: str, shard: str) -> list[Result]:
+def _hook_cost(ctx: BenchContext) -> float:
+    """Seconds the telemetry hook adds per session, isolated from the database's noise.
+
+    The same decorator ``Store.briefcase`` carries, around a context manager that does nothing,
+    vs that context manager bare: tight loops of pure Python, so far steadier on a busy machine
+    than the end-to-end row, whose difference drowns in the round trips' jitter.
+    """
+    fake = SimpleNamespace(placement=SimpleNamespace(server="u1"))
+
+    @contextmanager
+    def bare(store: object, btype: object, gdid: object, readonly: bool = False, exclusive: bool = False) -> Iterator[object]:
+        yield fake
+
+    hooked = telemetry.observed_session(bare)
+
+    def with_hook() -> None:
+        with hooked(None, UserBriefcase, 1, readonly=True):
+            pass
+
+    def without() -> None:
+        with bare(None, UserBriefcase, 1, readonly=True):
+            pass
+
+    n = ctx.iterations(200_000, 20_000)
+    value, base = compare(with_hook, without, iterations=n, rounds=5, warmup=n // 10)
+    return value - base
+
+
+def _measure(ctx: BenchContext, backend: str, central: str, shard: str, otel_note: str) -> list[Result]:
     store = _store(ctx.tmpdir / backend, central, shard)
     ids = [GDID(0, 0, i) for i in range(1, ROWS + 1)]
     with store.transaction("u1") as conn:
@@ -65,6 +120,13 @@ def _measure(ctx: BenchContext, backend: str, central: str, shard: str) -> list[
 
         return read
 
+    unobserved = Store.briefcase.__wrapped__  # type: ignore[attr-defined]
+
+    def routed_without_hooks() -> object:
+        g = next(cursor)
+        with unobserved(store, UserBriefcase, g, readonly=True) as session:
+            return session.scalars(select(User).where(User.user_id == g)).one()
+
     def direct() -> object:
         g = next(cursor)
         with Session(plain) as session:
@@ -73,10 +135,12 @@ def _measure(ctx: BenchContext, backend: str, central: str, shard: str) -> list[
     iterations = ctx.iterations(2000, 200)
     rounds = ctx.iterations(5, 2)
     results = []
+    session_time = 0.0
     try:
         for readonly in (True, False):
             value, base = compare(routed(readonly), direct, iterations=iterations, rounds=rounds, warmup=ctx.iterations(300, 50))
             kind = "readonly" if readonly else "write"
+            session_time = value if readonly else session_time
             results.append(
                 Result(
                     "briefcase", f"{backend}: routed point read ({kind} session)", value * 1e6, "µs/read",
@@ -84,6 +148,20 @@ def _measure(ctx: BenchContext, backend: str, central: str, shard: str) -> list[
                     f"{iterations} reads x {rounds} rounds, median" + ("; + shared advisory lock" if not readonly and backend == "postgresql" else ""),
                 )
             )
+        results.append(
+            Result(
+                "briefcase", f"{backend}: telemetry hook alone, per session", _hook_cost(ctx) * 1e6, "µs/read",
+                "a routed readonly session", session_time * 1e6,
+                f"ratio = the hook's share of a session; decorated vs bare no-op context manager; {otel_note}",
+            )
+        )
+        value, base = compare(routed(True), routed_without_hooks, iterations=iterations, rounds=rounds * 2, warmup=ctx.iterations(300, 50))
+        results.append(
+            Result(
+                "briefcase", f"{backend}: telemetry hooks on a readonly session", value * 1e6, "µs/read",
+                "the same session without the hooks", base * 1e6, f"{iterations} reads x {rounds * 2} rounds, median; {otel_note}",
+            )
+        )
     finally:
         plain.dispose()
         store.close()
@@ -91,9 +169,10 @@ def _measure(ctx: BenchContext, backend: str, central: str, shard: str) -> list[
 
 
 def run(ctx: BenchContext) -> list[Result]:
+    otel_note = _install_sdk_if_asked()
     central, shard = ctx.pg_urls(2)
-    results = _measure(ctx, "postgresql", central, shard)
+    results = _measure(ctx, "postgresql", central, shard, otel_note)
     sqlite_dir = ctx.tmpdir / "sqlite-files"
     sqlite_dir.mkdir(parents=True, exist_ok=True)
-    results += _measure(ctx, "sqlite", f"sqlite:///{sqlite_dir / 'central.db'}", f"sqlite:///{sqlite_dir / 'u1.db'}")
+    results += _measure(ctx, "sqlite", f"sqlite:///{sqlite_dir / 'central.db'}", f"sqlite:///{sqlite_dir / 'u1.db'}", otel_note)
     return results
