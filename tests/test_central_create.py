@@ -234,3 +234,16 @@ def test_check_skips_indexes_of_areas_the_map_lacks(map_path: Path) -> None:
     code, out = cli("central", "check", str(map_path), "--index", "elsewhere_key")
     assert code == 2
     assert "'elsewhere_key' points at area 'elsewhere'" in out
+
+
+def test_create_accepts_gdid_text(map_path: Path) -> None:
+    """``gdid="0:0:777778"`` is a GDID as everywhere else; as a str it never equalled the root's
+    parsed key and creation refused with "user_id=0:0:777778, not the new GDID 0:0:777778"."""
+    with open_store(map_path) as store:
+        text = "0:0:777778"
+        created = store.central.create(
+            UserBriefcase, lambda g: User(user_id=g, email="text@example.org", name="text"), [EmailIndex], gdid=text
+        )
+        assert created == GDID.parse(text)
+        assert store.central.lookup(EmailIndex, "text@example.org") == created
+        assert_invariants(store)

@@ -106,7 +106,7 @@ def create_entity(
     factory: Callable[[GDID], Any | Sequence[Any]],
     keys: Mapping[IndexRef, str] | Iterable[IndexRef],
     *,
-    gdid: GDID | None = None,
+    gdid: GDID | str | None = None,
 ) -> GDID:
     """Create a briefcase of ``btype`` whose rows ``factory(gdid)`` builds, with its unique keys.
 
@@ -115,7 +115,9 @@ def create_entity(
     remains then.
     """
     _step("start")
-    gid = central.next_gdid(btype) if gdid is None else gdid
+    # GDID text is accepted as everywhere else (``store.briefcase``, GDID columns); kept as a str
+    # it never equalled the root's parsed key, and the refusal read "0:0:7, not 0:0:7".
+    gid = central.next_gdid(btype) if gdid is None else gdid if isinstance(gdid, GDID) else GDID.parse(gdid)
     objects = _objects(factory(gid))
     roots = [o for o in objects if isinstance(o, btype.root)]
     if len(roots) != 1:

@@ -362,7 +362,7 @@ class Central:
         factory: Callable[[GDID], Any | Sequence[Any]],
         keys: Mapping[IndexRef, str] | Iterable[IndexRef] = (),
         *,
-        gdid: GDID | None = None,
+        gdid: GDID | str | None = None,
     ) -> GDID:
         """Create a briefcase and its unique keys atomically (see :mod:`mdb.central.creation`)."""
         from mdb.central.creation import create_entity
