@@ -150,7 +150,8 @@ class AreaSpec(_Strict):
 
 
 class PartitionMap(_Strict):
-    version: int = Field(ge=1, strict=True)
+    version: int = Field(ge=1, le=2**63 - 1, strict=True)
+    """At most 2^63-1: the version is stored in a BIGINT (map history, layout stamps)."""
     servers: dict[str, ServerSpec]
     areas: dict[str, AreaSpec]
     models: tuple[str, ...] = ()
@@ -543,6 +544,9 @@ def _url_problem(url: str) -> str | None:
     backend = parsed.get_backend_name()
     if backend not in _SUPPORTED_DRIVERS:
         return f"{shown}: mdb does not support {backend!r} servers (write e.g. {_URL_EXAMPLES})"
+    if backend == "sqlite" and parsed.database in (None, "", ":memory:"):
+        # An in-memory database is a new, empty one on every connection: nothing written stays.
+        return f"{shown}: a SQLite server needs a file path (sqlite:///PATH); an in-memory database keeps nothing"
     try:
         dialect = parsed.get_dialect()
     except NoSuchModuleError as exc:

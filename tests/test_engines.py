@@ -297,7 +297,6 @@ engine_defaults: {{pool_size: 3, pool_recycle: 600}}
 servers:
   pg:   {{primary: "postgresql+psycopg://u:{secret}@127.0.0.1:1/db", engine: {{pool_size: 4, max_overflow: 1, pool_timeout: 2.5}}}}
   lite: {{primary: "sqlite:///{tmp}/lite.db"}}
-  mem:  {{primary: "sqlite://"}}
 areas:
   central: {{kind: central, shards: [pg]}}
 """
@@ -317,10 +316,12 @@ def test_map_engine_settings_reach_the_pools(tmp_path: Path) -> None:
         assert pool_settings(reg.engine("pg")) == (4, 1, 2.5, 600)  # own fields, recycle from the defaults
         assert pool_settings(reg.engine("lite")) == (3, 20, 30.0, 600)  # defaults, then mdb's
         assert pool_settings(reg.engine("lite", readonly=True)) == (3, 20, 30.0, 600)
-        assert isinstance(reg.engine("mem").pool, sa.pool.NullPool)  # an in-memory database has no pool to size
         assert SECRET not in repr(pmap.servers["pg"]) and "pool_size=4" in repr(pmap.servers["pg"])
     finally:
         reg.dispose()
+    mem = EngineRegistry({"mem": ServerSpec(primary="sqlite://")})  # a map refuses it; the registry still copes
+    assert isinstance(mem.engine("mem").pool, sa.pool.NullPool)  # an in-memory database has no pool to size
+    mem.dispose()
     plain = EngineRegistry({"pg": ServerSpec(primary="postgresql+psycopg://u@127.0.0.1:1/db")})
     assert pool_settings(plain.engine("pg")) == (10, 20, 30.0, -1)  # no settings at all: mdb's defaults
     plain.dispose()
@@ -338,7 +339,7 @@ def test_map_engine_settings_reach_the_pools(tmp_path: Path) -> None:
     ],
 )
 def test_bad_engine_settings_are_map_errors_naming_the_field(engine: str, message: str) -> None:
-    text = f'version: 1\nservers:\n  pg: {{primary: "sqlite://", engine: {engine}}}\nareas:\n  central: {{kind: central, shards: [pg]}}\n'
+    text = f'version: 1\nservers:\n  pg: {{primary: "sqlite:///x.db", engine: {engine}}}\nareas:\n  central: {{kind: central, shards: [pg]}}\n'
     with pytest.raises(MdbError) as caught:
         parse_map(text, "bad.yaml")
     assert str(caught.value) == f"bad.yaml:3: {message}"

@@ -62,6 +62,8 @@ HOSTILE: dict[str, tuple[bytes, str]] = {
                 ":3: the map is not UTF-8 text: byte 0xe9 at offset 49"),
     "huge-int": (b"version: " + b"1" * 5000 + b"\n", "version: cannot read this value"),
     "python-tag": (b"version: !!python/name:os.system x\n", "version: cannot read this value"),
+    # Past BIGINT: accepted, it made `schema apply` die with an OverflowError traceback.
+    "version-past-bigint": (b"version: 9223372036854775808\nservers: {}\nareas: {}\n", "version: Input should be less than or equal to 9223372036854775807"),
 }
 
 
@@ -112,6 +114,8 @@ def test_oversized_file_is_refused_before_parsing(tmp_path: Path) -> None:
         ("sqlite+aiosqlite:///x.db", "mdb does not support the 'aiosqlite' driver"),
         ("mongodb://u:p@", "mongodb://u:***@: not a valid MongoDB URL: Empty host"),
         ("mongodb://h:99999/x", "not a valid MongoDB URL: Port must be an integer"),
+        ("sqlite:///", "a SQLite server needs a file path"),
+        ("sqlite:///:memory:", "an in-memory database keeps nothing"),
     ],
 )
 def test_unsupported_url_names_server_and_line(tmp_path: Path, url: str, needle: str) -> None:
