@@ -226,3 +226,17 @@ def test_reshard_with_an_older_map_file_builds_on_the_applied_map(system: tuple[
     shown = json.loads(out)
     assert shown["version"] == 3
     assert [(p["start"], p["shards"]) for p in shown["partitions"]] == [("0:0:0", ["u1", "u3"]), (f"0:0:{NEW_START}", ["u2"])]
+
+
+def test_where_with_a_shard_unreachable_is_unavailable_not_not_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Nobody was seen holding the briefcase, but u3 could not be asked: the answer is unknown, so
+    exit 3 (unavailable), never 1, which a script would read as "the briefcase does not exist"."""
+    path = tmp_path / "m.yaml"
+    path.write_text(map_text(1, second_partition=False).replace("sqlite:///data/u3.db", "postgresql+psycopg://postgres@127.0.0.1:1/u3"))
+    code, out, err = run(monkeypatch, capsys, "schema", "apply", str(path))
+    assert code == 1 and "u3" in out, (out, err)  # every other server prepared
+    for args in (("where", str(path), "user", "0:0:5"), ("where", str(path), "user", "0:0:5", "--json")):
+        code, out, err = run(monkeypatch, capsys, *args)
+        assert code == EXIT_UNAVAILABLE, (code, out, err)
+        assert "u3" in out

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, fail, open_store
+from mdb.cli.app import EXIT_NOT_FOUND, EXIT_UNAVAILABLE, app, console, emit_json, fail, open_store
 from mdb.gdid import GDID
 from mdb.moves.plan import PlannedMove
 from mdb.moves.protocol import DEFAULT_MAX_PAUSE, move_briefcase
@@ -120,7 +120,7 @@ def where_cmd(
     if as_json:
         emit_json(found.to_json())
         if not found.holders:
-            raise typer.Exit(EXIT_NOT_FOUND)  # like `central lookup` of an absent key (docs/cli.md)
+            raise typer.Exit(_absent(found.unreachable))
         return
     console.print(f"{area}/{found.gdid}: routed to {found.routed_to} (default {found.default_server}, relocation: {found.relocation or '-'})", markup=False)
     for server, rows in found.holders.items():
@@ -139,7 +139,13 @@ def where_cmd(
     if not found.consistent:
         console.print("  WARNING: the holders disagree with routing; run `mdb moves resume MAP`", markup=False)
     if not found.holders:
-        raise typer.Exit(EXIT_NOT_FOUND)
+        raise typer.Exit(_absent(found.unreachable))
+
+
+def _absent(unreachable: dict[str, str]) -> int:
+    """Exit code of a briefcase no server was seen holding (docs/cli.md): "not found" only when
+    every server answered; with one unreachable the answer is unknown, so "unavailable"."""
+    return EXIT_UNAVAILABLE if unreachable else EXIT_NOT_FOUND  # like `central lookup` of an absent key
 
 
 def _ago(when: datetime | None) -> str:
