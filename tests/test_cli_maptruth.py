@@ -240,3 +240,23 @@ def test_where_with_a_shard_unreachable_is_unavailable_not_not_found(tmp_path: P
         code, out, err = run(monkeypatch, capsys, *args)
         assert code == EXIT_UNAVAILABLE, (code, out, err)
         assert "u3" in out
+
+
+def test_models_beside_the_map_are_found_from_another_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's layout (my-map.yaml beside myapp/) used from another folder: `models:` is
+    found next to the map file, as its relative SQLite paths are (it failed: "No module named")."""
+    app_dir = tmp_path / "tour"
+    (app_dir / "tourapp_beside").mkdir(parents=True)
+    (app_dir / "tourapp_beside" / "__init__.py").write_text("")
+    (app_dir / "tourapp_beside" / "models.py").write_text("from mdb.demo.models import UserBriefcase  # noqa: F401\n")
+    path = app_dir / "my-map.yaml"
+    path.write_text(map_text(1, second_partition=False).replace("models: [mdb.demo.models]", "models: [tourapp_beside.models]"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(elsewhere))])
+    code, out, err = run(monkeypatch, capsys, "schema", "apply", str(path))
+    assert code == 0, (out, err)
+    code, out, err = run(monkeypatch, capsys, "where", str(path), "user", "0:0:5")
+    assert code == EXIT_NOT_FOUND and "no server holds" in out, (out, err)

@@ -281,7 +281,7 @@ def open_store(map_path: str, models: Sequence[str] | None = None, *, tool: bool
         from mdb.briefcase import registered_types
         from mdb.cli.schema_cmd import import_models  # late: schema_cmd registers on this app
 
-        import_models([*pmap.models, *(models or [])])
+        import_models([*pmap.models, *(models or [])], map_path)
         kwargs["types"] = registered_types()
     store = Store(pmap, map_path=map_path, **kwargs)
     if tool:

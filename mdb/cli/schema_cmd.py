@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,20 +55,30 @@ def shard_progress(what: str, total: int) -> Iterator[Callable[[ShardReport], No
         yield on_done
 
 
-def import_models(modules: list[str]) -> None:
+def import_models(modules: list[str], map_path: str | None = None) -> None:
     """Import the modules that declare briefcase types, so they register; a bad name fails clearly.
 
     The current folder is on the import path, as it is for ``python -m``: an application run
     from its own folder names ``myapp.models`` and it is found without setting PYTHONPATH (a
-    console script, unlike ``python``, does not put the current folder there).
+    console script, unlike ``python``, does not put the current folder there). So is the map
+    file's folder, after it: a map kept beside its application is found from any folder, as its
+    relative SQLite paths are.
     """
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
+    folders = [here]
+    if map_path is not None:
+        beside = str(Path(map_path).resolve().parent)
+        if beside not in folders:
+            folders.append(beside)
+            if beside not in sys.path:
+                sys.path.append(beside)  # after the current folder and PYTHONPATH: those win
     for module in dict.fromkeys(modules):
         try:
             importlib.import_module(module)
         except ImportError as exc:
-            fail(f"cannot import models module {module!r}: {exc}")
+            fail(f"cannot import models module {module!r}: {exc} (looked in {' and '.join(folders)} and on PYTHONPATH)")
 
 
 def _status(report: ShardReport) -> str:
