@@ -144,7 +144,7 @@ class Router:
             return self._areas[area]
         except KeyError:
             if area == self._map.central_area:
-                raise RoutingError(f"area {area!r} is the CENTRAL area: route its keys with locate_central") from None
+                raise RoutingError(f"area {area!r} is the CENTRAL area: route its keys by key (`mdb central-shard MAP KEY`, Router.locate_central)") from None
             known = ", ".join(self._areas) or "none"
             raise RoutingError(f"unknown area {area!r} (map version {self.version} in {self._map.source} has: {known})") from None
 

@@ -107,7 +107,7 @@ def _print_check(report: CheckReport, title: str) -> None:
     if len(report.problems) > 50:
         console.print(f"  ... {len(report.problems) - 50} more (use --json)", markup=False)
     console.print(
-        f"{report.entries} entries, {report.briefcases} briefcases, {len(report.problems)} problems, "
+        f"{report.entries} entries, {report.briefcases} briefcases, {len(report.problems)} problem{'' if len(report.problems) == 1 else 's'}, "
         f"{len(report.in_progress)} creations in progress",
         markup=False,
     )
