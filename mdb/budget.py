@@ -107,6 +107,10 @@ class ConnectionBudget:
         self._open_total = 0
         self._cond = threading.Condition(threading.Lock())
         self._pools: weakref.WeakSet[BudgetPool] = weakref.WeakSet()
+        self.waiting = 0
+        self._idled = 0
+        """How many times a pool kept a connection idle while someone waited (see :meth:`acquire`)."""
+        """Threads waiting in :meth:`acquire`; a pool that keeps a returned connection idle wakes them."""
 
     def __repr__(self) -> str:
         return f"ConnectionBudget(per_instance={self.per_instance}, total={self.total}, open={self._open_total})"
@@ -151,22 +155,35 @@ class ConnectionBudget:
         the same instance when the instance cap is full, anywhere when the total is).
         """
         deadline = time.monotonic() + timeout
-        while True:
-            with self._cond:
-                full = self._full(instance)
-                if full is None:
-                    self._open[instance] = self._open.get(instance, 0) + 1
-                    self._open_total += 1
-                    return
-            if self._shed(instance if full == "instance" else None):
-                continue
-            with self._cond:
-                if self._full(instance) is None:
+        with self._cond:
+            self.waiting += 1  # from here on, a connection going idle bumps _idled and wakes us
+        try:
+            while True:
+                with self._cond:
+                    full = self._full(instance)
+                    if full is None:
+                        self._open[instance] = self._open.get(instance, 0) + 1
+                        self._open_total += 1
+                        return
+                    idled = self._idled
+                if self._shed(instance if full == "instance" else None):
                     continue
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise self._exhausted(instance, full, timeout)
-                self._cond.wait(remaining)
+                with self._cond:
+                    if self._full(instance) is None or self._idled != idled:
+                        continue  # room, or a connection went idle since the scan: look again
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise self._exhausted(instance, full, timeout)
+                    self._cond.wait(remaining)
+        finally:
+            with self._cond:
+                self.waiting -= 1
+
+    def wake(self) -> None:
+        """A connection became idle: the waiters may now close it to make room."""
+        with self._cond:
+            self._idled += 1
+            self._cond.notify_all()
 
     def release(self, instance: str) -> None:
         """One connection to ``instance`` was closed."""
@@ -270,13 +287,16 @@ class BudgetPool(Pool):
 
     def _do_return_conn(self, record: ConnectionPoolEntry) -> None:
         with self._cond:
-            if not self._disposed and len(self._idle) < self._size:
+            keep = not self._disposed and len(self._idle) < self._size
+            if keep:
                 self._idle.append((record, time.monotonic()))
-                self._cond.notify()
-                return
-            self._count -= 1
+            else:
+                self._count -= 1
             self._cond.notify()
-        self._close_record(record)
+        if not keep:
+            self._close_record(record)
+        elif self.budget is not None and self.budget.waiting:  # unlocked read: the common case pays nothing
+            self.budget.wake()
 
     def _close_record(self, record: ConnectionPoolEntry) -> None:
         try:
