@@ -137,7 +137,9 @@ class ConnectionBudget:
         self._pools.add(pool)
 
     def _instance_cap(self, instance: str) -> int | None:
-        return self._caps.get(instance, self.per_instance)
+        """The smaller of the instance's own cap and the budget-wide ``per_instance`` (None: no cap)."""
+        caps = [c for c in (self._caps.get(instance), self.per_instance) if c is not None]
+        return min(caps) if caps else None
 
     def _full(self, instance: str) -> str | None:
         """Which cap a new connection to ``instance`` would exceed ("instance", "total"), or None."""

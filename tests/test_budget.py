@@ -22,7 +22,7 @@ import yaml
 from mapfiles import map_dict
 from sqlalchemy import func, select, text
 
-from mdb import GDID, ServerUnavailableError, Store
+from mdb import GDID, EngineRegistry, MdbError, ServerUnavailableError, Store, parse_map
 from mdb.budget import ConnectionBudget, instance_of
 from mdb.demo.models import User, UserBriefcase
 from mdb.engines import sqlalchemy_url
@@ -103,6 +103,53 @@ def refusals() -> Iterator[_Refusals]:
     yield handler
     logger.removeHandler(handler)
     logger.setLevel(old_level)
+
+
+# -- settings ----------------------------------------------------------------------------------
+
+BUDGET_MAP = """
+version: 1
+engine_defaults: {max_connections_per_instance: 30, max_connections_total: 90}
+servers:
+  a: {primary: "postgresql+psycopg://u@10.0.0.1/a", engine: {max_connections_per_instance: 12}}
+  b: {primary: "postgresql+psycopg://u@10.0.0.1:5432/b"}
+  c: {primary: "postgresql+psycopg://u@10.0.0.2:6432/c", engine: {max_connections_total: 50}}
+  lite: {primary: "sqlite://"}
+areas:
+  central: {kind: central, shards: [a]}
+"""
+
+
+def test_map_caps_reach_the_budget_smallest_wins() -> None:
+    """Servers of one instance (host:port, default port 5432) share its cap: the smallest wins;
+    the total is the smallest of all servers; a Store-given budget is lowered, never raised."""
+    pmap = parse_map(BUDGET_MAP, "budget.yaml")
+    shared = ConnectionBudget(per_instance=20, total=200)
+    registry = EngineRegistry.for_map(pmap, shared)
+    assert registry.budget is shared
+    assert shared._instance_cap("10.0.0.1:5432") == 12 and shared._instance_cap("10.0.0.2:6432") == 20
+    assert shared._instance_cap("10.0.0.9:5432") == 20 and shared.total == 50
+    registry.dispose()
+
+
+@pytest.mark.parametrize(
+    ("engine", "message"),
+    [
+        ("{max_connections_per_instance: 0}", "max_connections_per_instance: Input should be greater than or equal to 1"),
+        ("{max_connections_total: 1.5}", "max_connections_total: Input should be a valid integer"),
+        ("{idle_timeout: 0}", "idle_timeout: Input should be greater than 0"),
+    ],
+)
+def test_bad_budget_settings_are_map_errors(engine: str, message: str) -> None:
+    text = f'version: 1\nservers:\n  pg: {{primary: "sqlite://", engine: {engine}}}\nareas:\n  central: {{kind: central, shards: [pg]}}\n'
+    with pytest.raises(MdbError) as caught:
+        parse_map(text, "bad.yaml")
+    assert str(caught.value) == f"bad.yaml:3: servers.pg.engine.{message}"
+
+
+def test_a_budget_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="per_instance must be at least 1, got 0"):
+        ConnectionBudget(per_instance=0)
 
 
 # -- a full server: a distinct, retryable error, retried ----------------------------------------
