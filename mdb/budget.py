@@ -195,15 +195,21 @@ class ConnectionBudget:
             self._cond.notify_all()
 
     def _shed(self, instance: str | None) -> bool:
-        """Close the oldest idle connection on ``instance`` (any instance: None); False if none is idle."""
-        oldest: tuple[float, BudgetPool] | None = None
-        for pool in list(self._pools):
+        """Close the oldest idle connection on ``instance`` (any instance: None); False if none is idle.
+
+        Tries every pool with an idle connection, oldest first: another thread may take or close
+        the one seen first, and stopping there would leave the caller asleep next to idle
+        connections nobody returns again (a lost wake-up). A False here means each idle
+        connection seen is now in use, and its return will wake the caller.
+        """
+        candidates: list[tuple[float, int, BudgetPool]] = []
+        for n, pool in enumerate(list(self._pools)):
             if instance is not None and pool.instance != instance:
                 continue
             since = pool.oldest_idle()
-            if since is not None and (oldest is None or since < oldest[0]):
-                oldest = (since, pool)
-        return oldest is not None and oldest[1].close_idle(1) > 0
+            if since is not None:
+                candidates.append((since, n, pool))
+        return any(pool.close_idle(1) > 0 for _, _, pool in sorted(candidates))
 
     def _exhausted(self, instance: str, full: str, timeout: float) -> CapacityError:
         if full == "instance":

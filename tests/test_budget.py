@@ -176,8 +176,8 @@ def test_a_full_server_is_a_capacity_error_not_unavailable(small_server: Any, tm
                 store.fan_out("user", select(func.count().label("n")).select_from(User), aggregate=True,
                               allow_partial=True)
         finally:
-            for conn in held:
-                conn.close()
+            for blocker in held:
+                blocker.close()
         count = store.fan_out("user", select(func.count().label("n")).select_from(User), aggregate=True)
         assert count.rows[0].n == 1
 
