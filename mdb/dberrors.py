@@ -9,7 +9,8 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
-from mdb.errors import DuplicateRowError, MdbError, SchemaError, ServerUnavailableError, TransactionConflictError
+from mdb.budget import is_capacity_refusal
+from mdb.errors import CapacityError, DuplicateRowError, MdbError, SchemaError, ServerUnavailableError, TransactionConflictError
 from mdb.gdid import GDID
 from mdb.urls import mask_secrets
 
@@ -129,6 +130,9 @@ def translate(server: str, exc: BaseException) -> MdbError | None:
     detail = describe(exc)
     if getattr(exc.orig, "sqlstate", None) in _CONFLICT_SQLSTATES:  # exact, like the duplicate check
         return TransactionConflictError(server, detail)
+    if is_capacity_refusal(exc.orig):  # before the text rules: "connection failed: ... too many clients"
+        return CapacityError(f"server {server!r} refused a connection: it is full, not down (retry later, or "
+                             f"lower the connection budget, docs/operations.md): {detail}", server=server)
     lowered = str(getattr(exc, "orig", exc)).lower()
     if exc.connection_invalidated or any(s in lowered for s in _UNREACHABLE):
         return ServerUnavailableError(server, detail)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool
 
+from mdb.budget import BudgetPool, ConnectionBudget, connect_patiently, instance_of
 from mdb.partition_map import EngineSpec, PartitionMap, ServerSpec
 from mdb.servers import ServerDirectory
 from mdb.urls import mask_url
@@ -37,7 +39,7 @@ __all__ = ["BEGIN_PRELUDE", "BEGIN_RESULT", "EngineRegistry", "Prelude", "sqlalc
 log = logging.getLogger("mdb.engines")
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
-DEFAULT_ENGINE = EngineSpec(pool_size=10, max_overflow=20, pool_timeout=30.0, connect_timeout=10)
+DEFAULT_ENGINE = EngineSpec(pool_size=10, max_overflow=20, pool_timeout=30.0, connect_timeout=10, idle_timeout=300.0)
 """What an engine gets for the settings a map leaves unset (docs/operations.md: the budget)."""
 
 
@@ -222,9 +224,29 @@ def _pool_args(settings: EngineSpec) -> dict[str, Any]:
     }
 
 
-def _create(url: str, readonly: bool, engine: EngineSpec | None = None, pooled: bool = False) -> Engine:
+def _budgeted(pg: Engine, instance: str, settings: EngineSpec, budget: ConnectionBudget | None) -> Engine:
+    """Count ``pg``'s connections in ``budget``, close idle ones, and wait out "too many clients".
+
+    A capacity refusal is retried with backoff for up to ``pool_timeout`` (the ``do_connect``
+    hook runs only when a connection is made, never on a checkout) before it is raised.
+    """
+    pool = pg.pool
+    assert isinstance(pool, BudgetPool)  # _create chose the class
+    pool.attach(budget, instance, settings.idle_timeout)
+    patience = settings.pool_timeout or 0.0
+
+    def connect(dialect: Any, _record: Any, cargs: Any, cparams: Any) -> Any:
+        return connect_patiently(lambda: dialect.connect(*cargs, **cparams), time.monotonic() + patience, instance)
+
+    event.listen(pg, "do_connect", connect)
+    return pg
+
+
+def _create(url: str, readonly: bool, engine: EngineSpec | None = None, pooled: bool = False,
+            budget: ConnectionBudget | None = None) -> Engine:
     """A new engine for ``url``; ``engine`` is the server's settings from the map (unset: defaults);
-    ``pooled``: the URL reaches a transaction pooler (no session state may be relied on)."""
+    ``pooled``: the URL reaches a transaction pooler (no session state may be relied on); a
+    PostgreSQL engine counts its connections in ``budget``."""
     settings = (engine or EngineSpec()).over(DEFAULT_ENGINE)
     parsed = sqlalchemy_url(url)
     if parsed.get_backend_name() == "sqlite":
@@ -242,9 +264,24 @@ def _create(url: str, readonly: bool, engine: EngineSpec | None = None, pooled: 
         connect_args: dict[str, Any] = {} if "connect_timeout" in parsed.query else {"connect_timeout": settings.connect_timeout}
         if pooled:  # psycopg's automatic prepare (named statements of a server session) is off too
             connect_args["prepare_threshold"] = None
-        pg = create_engine(parsed, isolation_level="AUTOCOMMIT", connect_args=connect_args, **_pool_args(settings))
+        pg = create_engine(parsed, isolation_level="AUTOCOMMIT", connect_args=connect_args, poolclass=BudgetPool,
+                           **_pool_args(settings))
+        _budgeted(pg, instance_of(parsed) or "", settings, budget)
         return _begin_with(pg, _pg_begin_pooled if pooled else _pg_begin)
     return create_engine(parsed)
+
+
+def _cap_budget(budget: ConnectionBudget, servers: Mapping[str, ServerSpec]) -> None:
+    """Apply the servers' budget settings: per instance, the smallest cap of its servers; in total,
+    the smallest of all (a cap only ever goes down: a process never holds more than any map allowed)."""
+    for spec in servers.values():
+        if spec.engine is None:
+            continue
+        budget.limit_total(spec.engine.max_connections_total)
+        for url in (spec.primary, spec.replica):
+            instance = None if url is None else instance_of(sqlalchemy_url(url))
+            if instance is not None:
+                budget.cap(instance, spec.engine.max_connections_per_instance)
 
 
 class EngineRegistry(ServerDirectory):
@@ -253,18 +290,24 @@ class EngineRegistry(ServerDirectory):
     One engine per distinct URL: two server names with the same URL share a pool. Changing a
     map (a new version with new servers or URLs) is done with :meth:`update`, which keeps the
     engines of URLs that did not change.
+
+    Every PostgreSQL engine counts its open connections in :attr:`budget` (given, to share it
+    between Stores, or a new one), capped by the servers' ``max_connections_per_instance`` and
+    ``max_connections_total`` settings (mdb.budget).
     """
 
-    def __init__(self, servers: Mapping[str, ServerSpec]) -> None:
+    def __init__(self, servers: Mapping[str, ServerSpec], budget: ConnectionBudget | None = None) -> None:
         super().__init__(servers)
         self._engines: dict[tuple[str, bool, bool], Engine] = {}
         self._by_server: dict[tuple[str, bool], Engine] = {}
         self._lock = threading.Lock()
         self._direct = False
+        self.budget = budget if budget is not None else ConnectionBudget()
+        _cap_budget(self.budget, servers)
 
     @classmethod
-    def for_map(cls, pmap: PartitionMap) -> EngineRegistry:
-        return cls(pmap.servers)
+    def for_map(cls, pmap: PartitionMap, budget: ConnectionBudget | None = None) -> EngineRegistry:
+        return cls(pmap.servers, budget)
 
     def __repr__(self) -> str:
         return f"EngineRegistry(servers={sorted(self._servers)}, open={len(self._engines)})"
@@ -321,7 +364,7 @@ class EngineRegistry(ServerDirectory):
         with self._lock:
             engine = self._engines.get(key)
             if engine is None:
-                engine = _create(url, readonly=key[1], engine=spec.engine, pooled=key[2])
+                engine = _create(url, readonly=key[1], engine=spec.engine, pooled=key[2], budget=self.budget)
                 self._engines[key] = engine
                 log.debug("created engine for server %s at %s", server, mask_url(url))
             self._by_server[(server, readonly)] = engine
@@ -329,6 +372,7 @@ class EngineRegistry(ServerDirectory):
 
     def update(self, servers: Mapping[str, ServerSpec]) -> None:
         """Adopt a new server list; engines of URLs no longer used are disposed."""
+        _cap_budget(self.budget, servers)
         with self._lock:
             live = self._adopt(servers) | {s.direct for s in self._servers.values() if s.direct}
             self._by_server.clear()

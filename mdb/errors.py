@@ -139,3 +139,19 @@ class TransactionConflictError(RetryableError):
     def __init__(self, server: str, detail: str) -> None:
         super().__init__(f"server {server!r}: transaction aborted by a conflict, retry the whole transaction: {detail}")
         self.server = server
+
+
+class CapacityError(RetryableError):
+    """No connection to spare: a server refused one for capacity ("too many clients", SQLSTATE
+    53300), or this process's connection budget stayed full for its whole wait.
+
+    Not an outage: the server is up and answers, it is only full, so this is never a
+    :class:`ServerUnavailableError`, and a fan-out with ``allow_partial`` raises it instead of
+    listing the shard as failed (a full server would otherwise silently drop its rows). Retry
+    later, or lower the connection budget (docs/operations.md).
+    """
+
+    def __init__(self, message: str, *, server: str | None = None, instance: str | None = None) -> None:
+        super().__init__(message)
+        self.server = server
+        self.instance = instance

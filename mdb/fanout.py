@@ -39,7 +39,7 @@ from sqlalchemy.sql.schema import Table
 from sqlalchemy.sql.selectable import Alias, Join, Select
 
 from mdb import telemetry
-from mdb.errors import MdbError, QueryError
+from mdb.errors import CapacityError, MdbError, QueryError
 from mdb.gdid import GDID, MAX_AUTHORITY, MAX_COUNTER, MAX_ERA
 from mdb.router import Router
 from mdb.system_tables import STATE_INCOMING, briefcase_state
@@ -381,7 +381,10 @@ def _gather(
             results.append(future.result())
         except MdbError as exc:  # translated: names the server, masked
             errors.append((server, exc))
-    if errors and not allow_partial:
+    # A full server (or budget) is not a failed shard: allow_partial would silently drop its rows.
+    capacity = [(s, e) for s, e in errors if isinstance(e, CapacityError)]
+    if capacity or (errors and not allow_partial):
+        errors = capacity + [(s, e) for s, e in errors if not isinstance(e, CapacityError)]
         first = errors[0][1]
         if len(errors) > 1:
             first.add_note("fan-out: other failed shards: " + "; ".join(mask_secrets(str(e)) for _, e in errors[1:]))
@@ -409,6 +412,8 @@ def fan_out(
     order. ``readonly`` reads replicas where the map has them. A failed shard raises its
     :class:`~mdb.errors.ServerUnavailableError` (or ``SchemaError``), naming the server, unless
     ``allow_partial``: then the result lists it in ``failed`` and holds the other shards' rows.
+    A :class:`~mdb.errors.CapacityError` (a full server, after its retries, or a full connection
+    budget) is raised even with ``allow_partial``: the shard is there, only busy.
     """
     if not isinstance(statement, Select):
         raise QueryError(f"fan-out runs a SQLAlchemy select(), got {type(statement).__name__}")

@@ -77,6 +77,15 @@ class EngineSpec(_Strict):
     """Replace a pooled connection older than this many seconds (default: never)."""
     connect_timeout: int | None = Field(default=None, ge=1, strict=True)
     """PostgreSQL: seconds to establish a connection (default 10; libpq counts at least 2)."""
+    max_connections_per_instance: int | None = Field(default=None, ge=1, strict=True)
+    """PostgreSQL: most connections one process holds open to the server's instance (host:port),
+    over all its databases; the smallest value among the servers of an instance wins (default:
+    no cap). Pools wait for a free one instead of exceeding it."""
+    max_connections_total: int | None = Field(default=None, ge=1, strict=True)
+    """PostgreSQL: most connections one process holds open over all instances; the smallest
+    value among the map's servers wins (default: no cap)."""
+    idle_timeout: float | None = Field(default=None, gt=0)
+    """PostgreSQL: close a pooled connection idle for this many seconds (default 300)."""
 
     def over(self, defaults: EngineSpec | None) -> EngineSpec:
         """These settings, with the fields left unset here taken from ``defaults``."""

@@ -21,6 +21,7 @@ from sqlalchemy.exc import DBAPIError
 
 from mdb import telemetry
 from mdb.briefcase import BriefcaseType, registered_types, types_by_area
+from mdb.budget import ConnectionBudget
 from mdb.central.service import Central
 from mdb.dberrors import translated
 from mdb.engines import BEGIN_PRELUDE, BEGIN_RESULT, EngineRegistry
@@ -43,6 +44,9 @@ class Store:
 
     ``types`` are the briefcase types this application uses (default: every type declared so
     far). ``map_path``, when given, is re-read on refresh so a new map version is picked up.
+    ``budget`` caps the PostgreSQL connections this Store holds open (docs/operations.md); pass
+    one :class:`~mdb.budget.ConnectionBudget` to several Stores to make them share it. The
+    map's ``max_connections_*`` settings lower its caps further.
     """
 
     def __init__(
@@ -53,10 +57,11 @@ class Store:
         map_path: str | Path | None = None,
         max_stale_retries: int = 3,
         move_wait_seconds: float = 30.0,
+        budget: ConnectionBudget | None = None,
     ) -> None:
         self._map_path = None if map_path is None else Path(map_path)
         self._router = Router(pmap)
-        self.engines = EngineRegistry.for_map(pmap)
+        self.engines = EngineRegistry.for_map(pmap, budget)
         self.types: list[type[BriefcaseType]] = list(registered_types() if types is None else types)
         self.types_by_area = types_by_area(self.types)
         self.max_stale_retries = max_stale_retries

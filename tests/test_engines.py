@@ -11,6 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from mdb import EngineRegistry, MdbError, RoutingError, load_map, parse_map
+from mdb.budget import BudgetPool
 from mdb.engines import SQLITE_BUSY_TIMEOUT_MS, sqlalchemy_url
 from mdb.partition_map import EngineSpec, ServerSpec
 
@@ -304,7 +305,7 @@ areas:
 
 def pool_settings(engine: sa.Engine) -> tuple[int, int, float, float]:
     pool = engine.pool
-    assert isinstance(pool, sa.pool.QueuePool)
+    assert isinstance(pool, (sa.pool.QueuePool, BudgetPool))  # PostgreSQL: the budgeted pool (mdb.budget)
     return pool.size(), pool._max_overflow, pool.timeout(), pool._recycle
 
 

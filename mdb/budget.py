@@ -1,0 +1,436 @@
+"""The connection budget of a process: how many PostgreSQL connections it may hold open.
+
+Why: every shard database has its own pool, and a pool keeps its connections after use, so a
+process that fanned out over 128 shards holds 128+ idle connections on the instances behind
+them until it exits. Four such processes filled a 200-connection instance, and the next
+connection was refused ("too many clients"). The budget counts the connections a process has
+OPEN (idle in a pool or in use), because that is what the server counts:
+
+* per instance (host:port; the shard databases of one instance share its ``max_connections``)
+  and in total over all instances;
+* a pool that needs a new connection while the budget is full first closes the least recently
+  used idle connection of another pool on the same instance (or anywhere, for the total), and
+  otherwise waits for one to be returned, up to the pool timeout, then raises
+  :class:`~mdb.errors.CapacityError` (retryable) naming the instance;
+* idle connections are closed after ``idle_timeout`` seconds by one small reaper thread, so a
+  quiet process gives its connections back.
+
+The cost sits where connections are created and closed (rare), not on the session path: a
+checkout of an idle pooled connection takes one lock, as QueuePool's does.
+
+A server that refuses a connection for capacity anyway (other processes, other clients) is
+retried with backoff for up to the pool timeout: a full server usually has a slot again soon.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from sqlalchemy.engine import URL
+from sqlalchemy.pool import ConnectionPoolEntry, Pool
+
+from mdb.errors import CapacityError
+
+__all__ = ["BudgetPool", "ConnectionBudget", "connect_patiently", "instance_of", "is_capacity_refusal"]
+
+log = logging.getLogger("mdb.budget")
+
+_TOO_MANY_CONNECTIONS = "53300"
+_CAPACITY_TEXT = ("too many clients already", "remaining connection slots are reserved", "too many connections for")
+"""PostgreSQL's words for 53300. At connect time libpq reports only the message (psycopg's
+error has no sqlstate then), so the text is what identifies it."""
+_REAP_INTERVAL_MAX = 30.0
+_REAP_INTERVAL_MIN = 0.05
+
+T = TypeVar("T")
+
+
+def is_capacity_refusal(error: BaseException | None) -> bool:
+    """True when a driver error says the server is full (SQLSTATE 53300), not that it is down."""
+    if error is None:
+        return False
+    if getattr(error, "sqlstate", None) == _TOO_MANY_CONNECTIONS:
+        return True
+    text = str(error).lower()
+    return any(words in text for words in _CAPACITY_TEXT)
+
+
+def instance_of(url: URL) -> str | None:
+    """``host:port`` of a PostgreSQL URL (the unit that ``max_connections`` limits); None otherwise."""
+    if url.get_backend_name() != "postgresql":
+        return None
+    host = url.host or url.query.get("host") or "localhost"
+    if isinstance(host, tuple):  # ?host=a&host=b: libpq tries them in order; budget them as one
+        host = ",".join(host)
+    return f"{host}:{url.port or 5432}"
+
+
+def connect_patiently(connect: Callable[[], T], deadline: float, where: str) -> T:
+    """``connect()``, retried with backoff while the server refuses for capacity, until ``deadline``.
+
+    The last refusal is raised as it came (the caller's error translation turns it into a
+    CapacityError); any other error is raised at once.
+    """
+    delay = 0.05
+    while True:
+        try:
+            return connect()
+        except Exception as exc:
+            if not is_capacity_refusal(exc) or time.monotonic() + delay > deadline:
+                raise
+            log.info("instance %s refused a connection for capacity; retrying in %.2f s", where, delay)
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
+class ConnectionBudget:
+    """Caps on the connections one process holds open: per instance and in total.
+
+    ``per_instance`` applies to every instance without a cap of its own (:meth:`cap`), ``None``
+    means no cap. Several Stores of one process share the budget when given the same object
+    (``Store(..., budget=b)``); by default each Store builds one from its map.
+    """
+
+    def __init__(self, per_instance: int | None = None, total: int | None = None) -> None:
+        for name, value in (("per_instance", per_instance), ("total", total)):
+            if value is not None and value < 1:
+                raise ValueError(f"connection budget: {name} must be at least 1, got {value}")
+        self.per_instance = per_instance
+        self.total = total
+        self._caps: dict[str, int] = {}
+        self._open: dict[str, int] = {}
+        self._open_total = 0
+        self._cond = threading.Condition(threading.Lock())
+        self._pools: weakref.WeakSet[BudgetPool] = weakref.WeakSet()
+        self.waiting = 0
+        self._idled = 0
+        """How many times a pool kept a connection idle while someone waited (see :meth:`acquire`)."""
+        """Threads waiting in :meth:`acquire`; a pool that keeps a returned connection idle wakes them."""
+
+    def __repr__(self) -> str:
+        return f"ConnectionBudget(per_instance={self.per_instance}, total={self.total}, open={self._open_total})"
+
+    def cap(self, instance: str, limit: int | None) -> None:
+        """Cap ``instance`` at ``limit`` connections (the smallest cap given wins; None: no change)."""
+        if limit is None:
+            return
+        with self._cond:
+            self._caps[instance] = min(limit, self._caps.get(instance, limit))
+
+    def limit_total(self, limit: int | None) -> None:
+        """Lower the total cap to ``limit`` (the smallest value given wins; None: no change)."""
+        if limit is not None:
+            with self._cond:
+                self.total = limit if self.total is None else min(self.total, limit)
+
+    def open_connections(self, instance: str | None = None) -> int:
+        """Connections this budget counts as open, on ``instance`` or in total."""
+        with self._cond:
+            return self._open_total if instance is None else self._open.get(instance, 0)
+
+    def register(self, pool: BudgetPool) -> None:
+        self._pools.add(pool)
+
+    def _instance_cap(self, instance: str) -> int | None:
+        """The smaller of the instance's own cap and the budget-wide ``per_instance`` (None: no cap)."""
+        caps = [c for c in (self._caps.get(instance), self.per_instance) if c is not None]
+        return min(caps) if caps else None
+
+    def _full(self, instance: str) -> str | None:
+        """Which cap a new connection to ``instance`` would exceed ("instance", "total"), or None."""
+        cap = self._instance_cap(instance)
+        if cap is not None and self._open.get(instance, 0) >= cap:
+            return "instance"
+        if self.total is not None and self._open_total >= self.total:
+            return "total"
+        return None
+
+    def acquire(self, instance: str, timeout: float) -> None:
+        """Count one more open connection to ``instance``; make room or wait for it, or raise.
+
+        Room is made by closing the least recently used idle connection of another pool (on
+        the same instance when the instance cap is full, anywhere when the total is).
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self.waiting += 1  # from here on, a connection going idle bumps _idled and wakes us
+        try:
+            while True:
+                with self._cond:
+                    full = self._full(instance)
+                    if full is None:
+                        self._open[instance] = self._open.get(instance, 0) + 1
+                        self._open_total += 1
+                        return
+                    idled = self._idled
+                if self._shed(instance if full == "instance" else None):
+                    continue
+                with self._cond:
+                    if self._full(instance) is None or self._idled != idled:
+                        continue  # room, or a connection went idle since the scan: look again
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise self._exhausted(instance, full, timeout)
+                    self._cond.wait(remaining)
+        finally:
+            with self._cond:
+                self.waiting -= 1
+
+    def wake(self) -> None:
+        """A connection became idle: the waiters may now close it to make room."""
+        with self._cond:
+            self._idled += 1
+            self._cond.notify_all()
+
+    def release(self, instance: str) -> None:
+        """One connection to ``instance`` was closed."""
+        with self._cond:
+            self._open[instance] = self._open.get(instance, 0) - 1
+            self._open_total -= 1
+            self._cond.notify_all()
+
+    def _shed(self, instance: str | None) -> bool:
+        """Close the oldest idle connection on ``instance`` (any instance: None); False if none is idle.
+
+        Tries every pool with an idle connection, oldest first: another thread may take or close
+        the one seen first, and stopping there would leave the caller asleep next to idle
+        connections nobody returns again (a lost wake-up). A False here means each idle
+        connection seen is now in use, and its return will wake the caller.
+        """
+        candidates: list[tuple[float, int, BudgetPool]] = []
+        for n, pool in enumerate(list(self._pools)):
+            if instance is not None and pool.instance != instance:
+                continue
+            since = pool.oldest_idle()
+            if since is not None:
+                candidates.append((since, n, pool))
+        return any(pool.close_idle(1) > 0 for _, _, pool in sorted(candidates))
+
+    def _exhausted(self, instance: str, full: str, timeout: float) -> CapacityError:
+        if full == "instance":
+            what = f"its cap of {self._instance_cap(instance)} connections to instance {instance}"
+        else:
+            what = f"its total cap of {self.total} connections"
+        return CapacityError(
+            f"connection budget: this process holds {what}, all in use, and none was returned within "
+            f"{timeout:g} s (retry later; raise the cap or lower the concurrency: docs/operations.md)",
+            instance=instance,
+        )
+
+
+class BudgetPool(Pool):
+    """A pool that keeps up to ``pool_size`` idle connections, opens at most ``pool_size +
+    max_overflow``, counts every open connection in a :class:`ConnectionBudget` and closes
+    connections idle longer than ``idle_timeout``.
+
+    Idle connections are reused newest first (LIFO), so under light load the older ones age
+    out. Without :meth:`attach` it behaves as a QueuePool with those sizes.
+    """
+
+    def __init__(
+        self, creator: Any, pool_size: int = 10, max_overflow: int = 20, timeout: float = 30.0, **kw: Any
+    ) -> None:
+        super().__init__(creator, **kw)
+        self._size = pool_size
+        self._max_overflow = max_overflow
+        self._timeout = timeout
+        self._idle: list[tuple[ConnectionPoolEntry, float]] = []  # oldest first; reuse takes the last
+        self._count = 0  # connection records that exist: idle or checked out
+        self._cond = threading.Condition(threading.Lock())
+        self._disposed = False
+        self.budget: ConnectionBudget | None = None
+        self.instance = ""
+        self.idle_timeout: float | None = None
+
+    def attach(self, budget: ConnectionBudget | None, instance: str, idle_timeout: float | None) -> BudgetPool:
+        """Count this pool's connections in ``budget`` as ``instance``'s; close idle ones after ``idle_timeout``."""
+        self.budget, self.instance, self.idle_timeout = budget, instance, idle_timeout
+        if budget is not None:
+            budget.register(self)
+        if idle_timeout is not None:
+            _REAPER.register(self)
+        return self
+
+    # -- checkout and return ----------------------------------------------------------------
+
+    def _do_get(self) -> ConnectionPoolEntry:
+        deadline = time.monotonic() + self._timeout
+        with self._cond:
+            while not self._idle and self._count >= self._size + self._max_overflow:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CapacityError(
+                        f"pool of instance {self.instance or '?'}: all {self._count} connections of this database "
+                        f"are in use and none was returned within {self._timeout:g} s (pool_size + max_overflow "
+                        f"is too small for this process's concurrency: docs/operations.md)",
+                        instance=self.instance or None,
+                    )
+                self._cond.wait(remaining)
+            if self._idle:
+                return self._idle.pop()[0]
+            self._count += 1
+        return self._open_new(deadline)
+
+    def _open_new(self, deadline: float) -> ConnectionPoolEntry:
+        """A new connection record; its slot in the pool (``_count``) is already taken."""
+        try:
+            if self.budget is not None:
+                self.budget.acquire(self.instance, max(0.0, deadline - time.monotonic()))
+            try:
+                return self._create_connection()
+            except BaseException:
+                if self.budget is not None:
+                    self.budget.release(self.instance)
+                raise
+        except BaseException:
+            with self._cond:
+                self._count -= 1
+                self._cond.notify()
+            raise
+
+    def _do_return_conn(self, record: ConnectionPoolEntry) -> None:
+        with self._cond:
+            keep = not self._disposed and len(self._idle) < self._size
+            if keep:
+                self._idle.append((record, time.monotonic()))
+            else:
+                self._count -= 1
+            self._cond.notify()
+        if not keep:
+            self._close_record(record)
+        elif self.budget is not None and self.budget.waiting:  # unlocked read: the common case pays nothing
+            self.budget.wake()
+
+    def _close_record(self, record: ConnectionPoolEntry) -> None:
+        try:
+            record.close()
+        finally:
+            if self.budget is not None:
+                self.budget.release(self.instance)
+
+    # -- idle connections -------------------------------------------------------------------
+
+    def oldest_idle(self) -> float | None:
+        """When the least recently returned idle connection was returned; None when none is idle."""
+        with self._cond:
+            return self._idle[0][1] if self._idle else None
+
+    def close_idle(self, limit: int | None = None, returned_before: float | None = None) -> int:
+        """Close up to ``limit`` idle connections, oldest first (only those returned before
+        ``returned_before``, when given); the number closed."""
+        with self._cond:
+            n = 0
+            while n < len(self._idle) and (limit is None or n < limit) and (
+                returned_before is None or self._idle[n][1] < returned_before
+            ):
+                n += 1
+            taken = [record for record, _ in self._idle[:n]]
+            del self._idle[:n]
+            self._count -= n
+            self._cond.notify_all()
+        for record in taken:
+            self._close_record(record)
+        return n
+
+    def reap(self, now: float) -> int:
+        """Close the connections idle for longer than ``idle_timeout``; the number closed."""
+        if self.idle_timeout is None:
+            return 0
+        return self.close_idle(returned_before=now - self.idle_timeout)
+
+    # -- Pool's interface -------------------------------------------------------------------
+
+    def recreate(self) -> BudgetPool:
+        self.logger.info("Pool recreating")
+        fresh = self.__class__(
+            self._creator,
+            pool_size=self._size,
+            max_overflow=self._max_overflow,
+            timeout=self._timeout,
+            recycle=self._recycle,
+            echo=self.echo,
+            pre_ping=self._pre_ping,
+            logging_name=self._orig_logging_name,
+            reset_on_return=self._reset_on_return,
+            _dispatch=self.dispatch,
+            dialect=self._dialect,
+        )
+        return fresh.attach(self.budget, self.instance, self.idle_timeout)
+
+    def dispose(self) -> None:
+        """Close the idle connections; connections in use are closed when they come back."""
+        with self._cond:
+            self._disposed = True
+        self.close_idle()
+        self.logger.info("Pool disposed. %s", self.status())
+
+    def status(self) -> str:
+        return (
+            f"BudgetPool instance={self.instance or '?'} size={self._size} overflow={self._max_overflow} "
+            f"open={self._count} idle={len(self._idle)}"
+        )
+
+    def size(self) -> int:
+        return self._size
+
+    def timeout(self) -> float:
+        return self._timeout
+
+    def checkedin(self) -> int:
+        return len(self._idle)
+
+    def checkedout(self) -> int:
+        return self._count - len(self._idle)
+
+
+class _Reaper:
+    """One daemon thread per process closing idle connections of every pool with an idle_timeout.
+
+    It wakes at half the smallest idle_timeout among the live pools (so a connection lives at
+    most 1.5 x its timeout once idle) and exits when no pool is left.
+    """
+
+    def __init__(self) -> None:
+        self._pools: weakref.WeakSet[BudgetPool] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def register(self, pool: BudgetPool) -> None:
+        with self._lock:
+            self._pools.add(pool)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="mdb-idle-reaper", daemon=True)
+                self._thread.start()
+            else:
+                self._wake.set()  # the new pool may have a shorter timeout
+
+    def _interval(self) -> float | None:
+        timeouts = [p.idle_timeout for p in list(self._pools) if p.idle_timeout is not None and not p._disposed]
+        if not timeouts:
+            return None
+        return min(_REAP_INTERVAL_MAX, max(_REAP_INTERVAL_MIN, min(timeouts) / 2))
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                interval = self._interval()
+                if interval is None:
+                    self._thread = None
+                    return
+            self._wake.wait(interval)
+            self._wake.clear()
+            now = time.monotonic()
+            for pool in list(self._pools):
+                try:
+                    pool.reap(now)
+                except Exception:  # one pool's close failing must not stop the reaping of the others
+                    log.warning("closing idle connections of %s failed", pool.status(), exc_info=True)
+
+
+_REAPER = _Reaper()
