@@ -114,7 +114,7 @@ servers:
   a: {primary: "postgresql+psycopg://u@10.0.0.1/a", engine: {max_connections_per_instance: 12}}
   b: {primary: "postgresql+psycopg://u@10.0.0.1:5432/b"}
   c: {primary: "postgresql+psycopg://u@10.0.0.2:6432/c", engine: {max_connections_total: 50}}
-  lite: {primary: "sqlite://"}
+  lite: {primary: "sqlite:///lite.db"}
 areas:
   central: {kind: central, shards: [a]}
 """
@@ -141,7 +141,7 @@ def test_map_caps_reach_the_budget_smallest_wins() -> None:
     ],
 )
 def test_bad_budget_settings_are_map_errors(engine: str, message: str) -> None:
-    text = f'version: 1\nservers:\n  pg: {{primary: "sqlite://", engine: {engine}}}\nareas:\n  central: {{kind: central, shards: [pg]}}\n'
+    text = f'version: 1\nservers:\n  pg: {{primary: "sqlite:///x.db", engine: {engine}}}\nareas:\n  central: {{kind: central, shards: [pg]}}\n'
     with pytest.raises(MdbError) as caught:
         parse_map(text, "bad.yaml")
     assert str(caught.value) == f"bad.yaml:3: servers.pg.engine.{message}"
