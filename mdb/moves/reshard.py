@@ -203,7 +203,7 @@ def reshard(
     journal.start(JournalEntry(
         move_id=reshard_id, kind="reshard", area=area, step="plan", status=RUNNING,
         params={"partition_start": str(start), "old_shards": old, "new_shards": list(new_shards), "parallel": parallel,
-                "max_pause": max_pause, "map_path": None if map_path is None else str(map_path)},
+                "max_pause": max_pause, "map_path": None if map_path is None else str(Path(map_path).resolve())},
         tables={name: [rows, 0] for name, rows in plan.rows_per_table().items()},
         briefcases_total=len(plan.moves), rows_total=plan.total_rows,
     ))
@@ -317,6 +317,25 @@ def _sweep(
     return plan
 
 
+def journaled_map_path(entry: JournalEntry, given: Path | None) -> str | None:
+    """The map file a resumed reshard rewrites: the absolute path it recorded when it started.
+
+    Resume may run from any folder, so a relative path would name a file in the wrong place
+    (it used to write a new map there and leave the real file at the old version). Entries
+    journaled by older versions hold the path as typed: resolved against the map given to
+    resume when the file names match, refused otherwise, before anything changes.
+    """
+    recorded: str | None = entry.params.get("map_path")
+    if recorded is None or Path(recorded).is_absolute():
+        return recorded
+    if given is not None and Path(given).name == Path(recorded).name:
+        return str(Path(given).resolve())
+    raise MdbError(
+        f"reshard {entry.move_id} recorded its map file as the relative path {recorded!r} (an older mdb) and the map given "
+        f"here is {'not a file' if given is None else str(given)!r}: run `mdb moves resume` with that map file ({Path(recorded).name})"
+    )
+
+
 def continue_reshard(
     store: Any,
     journal: Journal,
@@ -335,7 +354,7 @@ def continue_reshard(
     area, start = entry.area, GDID.parse(params["partition_start"])
     new_shards: list[str] = list(params["new_shards"])
     old_shards: list[str] = list(params["old_shards"])
-    map_path: str | None = params.get("map_path")
+    map_path = journaled_map_path(entry, store.map_path)
     max_pause = float(params.get("max_pause", DEFAULT_MAX_PAUSE))
     parallel = int(params.get("parallel", 1))
     tables = area_tables(store, area)
