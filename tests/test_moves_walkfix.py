@@ -73,3 +73,67 @@ def test_a_relative_path_journaled_by_an_older_mdb_resolves_against_the_given_ma
     assert journaled_map_path(entry, given) == str(given.resolve())
     with pytest.raises(MdbError, match=r"relative path 'my-map.yaml'.*run `mdb moves resume` with that map file \(my-map.yaml\)"):
         journaled_map_path(entry, tmp_path / "other.yaml")
+
+
+def _locked_error(tmp_path: Path) -> Exception:
+    """The real error SQLite gives a writer while another connection holds the file's write lock."""
+    import sqlite3
+
+    from sqlalchemy import create_engine
+
+    path = tmp_path / "locked.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE t (x INTEGER)")
+    holder.execute("BEGIN IMMEDIATE")
+    engine = create_engine(f"sqlite:///{path}", connect_args={"timeout": 0})
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("INSERT INTO t VALUES (1)")
+    except Exception as exc:  # returned to the caller, which asserts on it
+        return exc
+    finally:
+        holder.close()
+        engine.dispose()
+    raise AssertionError("the insert did not meet the lock")
+
+
+def test_database_is_locked_is_a_retryable_mdb_error(tmp_path: Path) -> None:
+    from mdb.dberrors import translate
+    from mdb.errors import TransactionConflictError
+
+    exc = _locked_error(tmp_path)
+    assert "database is locked" in str(exc)
+    mapped = translate("u1", exc)
+    assert isinstance(mapped, TransactionConflictError)
+    assert "server 'u1'" in str(mapped) and "database is locked" in str(mapped)
+
+
+def test_a_driver_error_no_translation_knows_is_one_line_not_a_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib
+
+    cli_app = importlib.import_module("mdb.cli.app")  # the module: `mdb.cli.app` the attribute is the Typer app
+    exc = _locked_error(tmp_path)
+
+    def raising(**_: object) -> int:
+        raise exc
+
+    monkeypatch.setattr(cli_app, "app", raising)
+    with pytest.raises(SystemExit) as ended:
+        cli_app.main()
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: database error: database is locked"
+
+
+def test_reshard_with_parallel_on_sqlite_runs_one_move_at_a_time_and_says_so(cluster: Cluster) -> None:
+    with cluster.store() as store:
+        for i in range(10, 40):
+            create_user(store, GDID(0, 0, i), orders=1, lines=1)
+    run = cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", "u1,u2,x", "--parallel", "4"], cwd=cluster.path.parent)
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert "note: --parallel runs as 1: SQLite lets one writer at a time into a file (u1, u2, x are SQLite)" in run.stderr
+    assert "Traceback" not in run.stderr
+    with cluster.store() as store:
+        [entry] = [e for e in Journal(store).entries() if e.kind == "reshard"]
+    assert entry.params["parallel"] == 1 and entry.status == "done"

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, fail, open_store
+from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, fail, open_store, warn
 from mdb.gdid import GDID
 from mdb.moves.plan import PlannedMove
 from mdb.moves.protocol import DEFAULT_MAX_PAUSE, move_briefcase
@@ -257,12 +257,15 @@ def reshard_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Move every briefcase of a partition whose shard changes under SHARDS, then write the new map."""
-    from mdb.moves.reshard import reshard
+    from mdb.moves.reshard import parallel_for, reshard
 
     new_shards = [s.strip() for s in shards.split(",") if s.strip()]
     if not new_shards:
         fail("--shards needs at least one server name")
     with _store(map_path) as store:
+        parallel, sqlite = parallel_for(store, area, _gdid(partition), new_shards, parallel)
+        if sqlite:
+            warn(f"--parallel runs as 1: SQLite lets one writer at a time into a file ({', '.join(sqlite)} are SQLite)")
         if dry_run or as_json:
             outcome = reshard(store, area, _gdid(partition), new_shards, dry_run=dry_run, parallel=parallel, max_pause=max_pause, map_path=map_path)
         else:

@@ -168,6 +168,22 @@ def _validate(store: Any, area: str, start: GDID, new_shards: list[str]) -> None
         raise RoutingError(f"--shards lists a server twice: {new_shards}")
 
 
+def parallel_for(store: Any, area: str, start: GDID, new_shards: list[str], parallel: int) -> tuple[int, list[str]]:
+    """How many moves a reshard runs at once, and the SQLite servers that made it 1.
+
+    SQLite lets one writer at a time into a file, and a move holds its source's write lock
+    while it writes the target: two moves in parallel wait on each other's files until the
+    busy timeout ends one with "database is locked". One at a time is as fast on SQLite.
+    """
+    if parallel <= 1:
+        return parallel, []
+    store.refresh()
+    _, _, old = find_partition(store.router, area, start)
+    known = [s for s in dict.fromkeys([*old, *new_shards]) if s in store.map.servers]
+    sqlite = [s for s in known if store.engines.is_sqlite(s)]
+    return (1, sqlite) if sqlite else (parallel, [])
+
+
 def reshard(
     store: Any,
     area: str,
@@ -196,6 +212,7 @@ def reshard(
             "let a running one finish, or run `mdb moves resume MAP` for an interrupted one"
         )
     plan = plan_reshard(store, tables, area, start, new_shards)
+    parallel, _ = parallel_for(store, area, start, new_shards, parallel)
     if dry_run:
         _prechecks(store, plan, tables, map_path, dry_run=True)
         return ReshardOutcome(None, plan, None, 0)
@@ -356,7 +373,7 @@ def continue_reshard(
     old_shards: list[str] = list(params["old_shards"])
     map_path = journaled_map_path(entry, store.map_path)
     max_pause = float(params.get("max_pause", DEFAULT_MAX_PAUSE))
-    parallel = int(params.get("parallel", 1))
+    parallel, _ = parallel_for(store, area, start, new_shards, int(params.get("parallel", 1)))  # journaled by an older mdb
     tables = area_tables(store, area)
     plan = first_plan
     report = plan
