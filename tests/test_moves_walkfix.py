@@ -137,3 +137,26 @@ def test_reshard_with_parallel_on_sqlite_runs_one_move_at_a_time_and_says_so(clu
     with cluster.store() as store:
         [entry] = [e for e in Journal(store).entries() if e.kind == "reshard"]
     assert entry.params["parallel"] == 1 and entry.status == "done"
+
+
+@pytest.mark.parametrize("extra", [[], ["--dry-run"]])
+def test_a_move_onto_a_model_with_a_new_column_lists_the_drift_not_a_driver_error(
+    cluster: Cluster, tmp_path: Path, extra: list[str]
+) -> None:
+    """The CLI (and a dry run) measured the briefcase by the models' columns before comparing
+    the schema, so the user saw "no such column: users.name" under another table's name."""
+    from sqlalchemy import create_engine, text
+
+    from mdb.engines import sqlalchemy_url
+
+    engine = create_engine(sqlalchemy_url(cluster.urls["u1"]))
+    with engine.begin() as conn:  # the database predates the model's `name` column
+        conn.execute(text("ALTER TABLE users DROP COLUMN name"))
+    engine.dispose()
+    gdid = next(g for g in USERS if g.sharding_value % 2 == 0)  # on u1 under [u1, u2]
+    run = cli(["move", str(cluster.path), "user", str(gdid), "--to", "x", *extra], cwd=tmp_path)
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    assert run.stderr.strip() == (
+        f"error: move of user/{gdid} from 'u1' to 'x': the tables on 'u1' differ from the models "
+        "(1 difference(s): users: column 'name' (VARCHAR(200)) is missing); nothing moved (run `mdb schema check MAP`)"
+    )

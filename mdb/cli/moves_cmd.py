@@ -63,29 +63,26 @@ def move_cmd(
     gid = _gdid(gdid)
     with _store(map_path) as store:
         progress: Progress | None = None
-        on_table = None
-        if not dry_run and not as_json:
-            store.refresh()
-            from mdb.moves.protocol import area_tables
-            from mdb.moves.copy import measure
+        task: Any = None
 
-            source = store.router.locate(area, gid).server
-            with store.transaction(source) as conn:
-                sizes = measure(conn, area_tables(store, area), gid)
+        def on_sizes(sizes: dict[str, tuple[int, int]]) -> None:
+            """A bar for a big move, sized by the move's own count (taken after its schema check)."""
+            nonlocal progress, task
             total = sum(r for r, _ in sizes.values())
-            if total >= BIG_MOVE_ROWS:
-                progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
-                task = progress.add_task(f"moving {area}/{gid} rows", total=total)
+            if dry_run or as_json or total < BIG_MOVE_ROWS:
+                return
+            progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+            task = progress.add_task(f"moving {area}/{gid} rows", total=total)
+            progress.start()
 
-                def on_table(name: str, rows: int) -> None:
-                    assert progress is not None
-                    progress.update(task, advance=rows, description=f"copied {name}")
+        def on_table(name: str, rows: int) -> None:
+            if progress is not None:
+                progress.update(task, advance=rows, description=f"copied {name}")
 
-                progress.start()
         try:
             # A MoveAbortedError (verification, --max-pause) is retryable: main() ends it with
             # exit 4, "aborted safely, retry later" (docs/cli.md), not 2, the code for bad input.
-            result = move_briefcase(store, area, gid, to, dry_run=dry_run, max_pause=max_pause, on_table=on_table)
+            result = move_briefcase(store, area, gid, to, dry_run=dry_run, max_pause=max_pause, on_table=on_table, on_sizes=on_sizes)
         finally:
             if progress is not None:
                 progress.stop()

@@ -43,7 +43,7 @@ from mdb.moves.freeze import freeze_partition, unfreeze_partition
 from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.lease import check_stop, describe_liveness, hold
 from mdb.moves.plan import PlannedMove, ReshardPlan, find_partition, plan_reshard
-from mdb.moves.protocol import DEFAULT_MAX_PAUSE, area_tables, check_max_pause, check_target_schema, move_briefcase
+from mdb.moves.protocol import DEFAULT_MAX_PAUSE, area_tables, check_max_pause, check_schemas, move_briefcase
 from mdb.partition_map import PartitionMap, parse_map
 from mdb.relocations import clear_relocation
 from mdb.system_tables import STATE_RESIDENT, briefcase_state
@@ -261,12 +261,9 @@ def _prechecks(store: Any, plan: ReshardPlan, tables: list[Any], map_path: str |
     """Every target's schema and the new map (through apply_map's dry run), before anything moves."""
     from mdb.map_edit import apply_map
 
-    for target in dict.fromkeys([*plan.new_shards, *(m.target for m in plan.moves)]):
-        with store.transaction(target) as conn:
-            check_target_schema(conn, target, tables, f"reshard of {plan.area} partition {plan.partition_start}")
-    for source in dict.fromkeys(m.source for m in plan.moves):
-        with store.transaction(source) as conn:  # reachable, and matching the models
-            check_target_schema(conn, source, tables, f"reshard of {plan.area} partition {plan.partition_start}")
+    targets = [*plan.new_shards, *(m.target for m in plan.moves)]
+    sources = [m.source for m in plan.moves]  # reachable, and matching the models
+    check_schemas(store, [*targets, *sources], tables, f"reshard of {plan.area} partition {plan.partition_start}")
     text = new_map_text(_store_map_text(store, None if map_path is None else str(map_path)), plan.area, plan.partition_start, plan.new_shards, _next_version(store))
     new_map = parse_map(text, "<new map>")
     apply_map(store, new_map, yaml_text=text, allow_reshard_of=(plan.area, plan.partition_start), dry_run=True)
