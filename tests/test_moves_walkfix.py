@@ -160,3 +160,50 @@ def test_a_move_onto_a_model_with_a_new_column_lists_the_drift_not_a_driver_erro
         f"error: move of user/{gdid} from 'u1' to 'x': the tables on 'u1' differ from the models "
         "(1 difference(s): users: column 'name' (VARCHAR(200)) is missing); nothing moved (run `mdb schema check MAP`)"
     )
+
+
+def _popen(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    full = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", *args], cwd=str(cwd), env=full,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_ctrl_c_of_a_reshard_names_it_and_the_resume_command(cluster: Cluster) -> None:
+    import time
+
+    proc = _popen(["reshard", cluster.path.name, "user", "--partition", "0:0:0", "--shards", "u1,u2,x"], cwd=cluster.path.parent,
+                  env={"MDB_FAULT_POINT": "reshard.after_first_move", "MDB_FAULT_ACTION": "sleep:600"})
+    try:
+        deadline = time.monotonic() + 120
+        entry = None
+        while entry is None and time.monotonic() < deadline:  # held alive after its first move
+            assert proc.poll() is None, proc.communicate()
+            with cluster.store() as store:
+                entry = next((e for e in Journal(store).entries(unfinished=True) if e.briefcases_done >= 1), None)
+            time.sleep(0.2)
+        assert entry is not None, "the reshard never finished its first move"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert (f"note: reshard {entry.move_id} interrupted at step moves: run `mdb moves resume map.yaml` to finish it "
+            f"(or `mdb moves cancel map.yaml {entry.move_id}` to undo it)") in err, err
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_ends_moves_status_watch_with_130_and_no_error_line(cluster: Cluster) -> None:
+    proc = _popen(["moves", "status", str(cluster.path), "--watch", "1"], cwd=cluster.path.parent)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline(), "the watch printed nothing"  # it is in its loop
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert "error" not in err and "Traceback" not in err, err

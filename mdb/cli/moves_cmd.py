@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, fail, open_store, warn
+from mdb.cli.app import EXIT_INTERRUPTED, EXIT_NOT_FOUND, app, console, emit_json, fail, open_store, warn
 from mdb.gdid import GDID
 from mdb.moves.plan import PlannedMove
 from mdb.moves.protocol import DEFAULT_MAX_PAUSE, move_briefcase
@@ -170,9 +170,10 @@ def status_cmd(
                 if watch is None:
                     return
                 time.sleep(watch)
-        except KeyboardInterrupt:  # how a --watch ends
+        except KeyboardInterrupt:  # how a --watch ends: 130 like every Ctrl-C (docs/cli.md), without an error line
             if watch is None:
                 raise
+            raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 def _print_status(running: list[MoveStatus], finished: list[MoveStatus]) -> None:
@@ -263,11 +264,15 @@ def reshard_cmd(
         parallel, sqlite = parallel_for(store, area, _gdid(partition), new_shards, parallel)
         if sqlite:
             warn(f"--parallel runs as 1: SQLite lets one writer at a time into a file ({', '.join(sqlite)} are SQLite)")
-        if dry_run or as_json:
-            outcome = reshard(store, area, _gdid(partition), new_shards, dry_run=dry_run, parallel=parallel, max_pause=max_pause, map_path=map_path)
-        else:
-            with _RichReshardProgress() as progress:
-                outcome = reshard(store, area, _gdid(partition), new_shards, parallel=parallel, max_pause=max_pause, map_path=map_path, progress=progress)
+        try:
+            if dry_run or as_json:
+                outcome = reshard(store, area, _gdid(partition), new_shards, dry_run=dry_run, parallel=parallel, max_pause=max_pause, map_path=map_path)
+            else:
+                with _RichReshardProgress() as progress:
+                    outcome = reshard(store, area, _gdid(partition), new_shards, parallel=parallel, max_pause=max_pause, map_path=map_path, progress=progress)
+        except KeyboardInterrupt:
+            _say_how_to_resume(store, area, map_path)
+            raise
     plan = outcome.plan
     if as_json:
         emit_json(outcome.to_json())
@@ -290,6 +295,20 @@ def reshard_cmd(
     if outcome.map_backup is not None:
         console.print(f"{map_path} was rewritten as YAML data (comments and layout are not kept); "
                       f"the previous file is at {outcome.map_backup}", markup=False, soft_wrap=True)  # a path to copy: unbroken
+
+
+def _say_how_to_resume(store: Store, area: str, map_path: str) -> None:
+    """After Ctrl-C, one stderr line naming the interrupted reshard and how to go on.
+
+    A reshard refuses to start while its area has an unfinished one, so the area's unfinished
+    reshard is this one; none means it was stopped before its journal row, with nothing to resume.
+    """
+    from mdb.moves.journal import Journal
+
+    for entry in Journal(store).entries(unfinished=True):
+        if entry.kind == "reshard" and entry.area == area:
+            warn(f"reshard {entry.move_id} interrupted at step {entry.step}: run `mdb moves resume {map_path}` to finish it "
+                 f"(or `mdb moves cancel {map_path} {entry.move_id}` to undo it)")
 
 
 class _RichReshardProgress:
