@@ -38,6 +38,9 @@ _UNREACHABLE = (
 # PostgreSQL aborts one transaction of a deadlock (40P01) or a serialization conflict (40001);
 # the transaction did nothing, so it is retryable as a whole.
 _CONFLICT_SQLSTATES = ("40P01", "40001")
+# SQLite's SQLITE_BUSY/SQLITE_LOCKED once the busy timeout ran out: another writer held the file.
+# The statement did nothing and the caller's transaction is rolled back, so it is retryable too.
+_SQLITE_BUSY = ("database is locked", "database table is locked")
 
 
 _STATEMENT_TABLE = re.compile(r'^\s*(?:INSERT\s+INTO|UPDATE|DELETE\s+FROM|SELECT\b.*?\bFROM)\s+"?([A-Za-z_][\w$]*)', re.I | re.S)
@@ -134,6 +137,8 @@ def translate(server: str, exc: BaseException) -> MdbError | None:
         return CapacityError(f"server {server!r} refused a connection: it is full, not down (retry later, or "
                              f"lower the connection budget, docs/operations.md): {detail}", server=server)
     lowered = str(getattr(exc, "orig", exc)).lower()
+    if any(s in lowered for s in _SQLITE_BUSY):
+        return TransactionConflictError(server, detail)
     if exc.connection_invalidated or any(s in lowered for s in _UNREACHABLE):
         return ServerUnavailableError(server, detail)
     if type(exc.orig).__name__ == "UndefinedColumn" or any(s in lowered for s in _MISSING_COLUMN):

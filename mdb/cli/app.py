@@ -33,6 +33,7 @@ from typer._click.exceptions import ClickException
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 from typer.models import DefaultPlaceholder
 
+from mdb.dberrors import describe
 from mdb.errors import MdbError, RetryableError, ServerUnavailableError
 from mdb.partition_map import PartitionMap, load_map, load_map_cached
 from mdb.store import Store
@@ -313,6 +314,9 @@ def main() -> None:
         if message:  # an empty one is "no arguments": the help text was already shown
             ctx = getattr(exc, "ctx", None)
             _error_line(message + (f" (see: {ctx.command_path} --help)" if ctx is not None else ""))
+        sys.exit(EXIT_REFUSED)
+    except DBAPIError as exc:  # a driver error no `translated` block knew: still one masked line, never a traceback
+        _error_line(f"database error: {describe(exc)}")
         sys.exit(EXIT_REFUSED)
     except Abort:
         _error_line("aborted")

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from mdb.cli.app import EXIT_NOT_FOUND, EXIT_UNAVAILABLE, app, console, emit_json, fail, open_store
+from mdb.cli.app import EXIT_INTERRUPTED, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, app, console, emit_json, fail, open_store, warn
 from mdb.gdid import GDID
 from mdb.moves.plan import PlannedMove
 from mdb.moves.protocol import DEFAULT_MAX_PAUSE, move_briefcase
@@ -63,29 +63,26 @@ def move_cmd(
     gid = _gdid(gdid)
     with _store(map_path) as store:
         progress: Progress | None = None
-        on_table = None
-        if not dry_run and not as_json:
-            store.refresh()
-            from mdb.moves.protocol import area_tables
-            from mdb.moves.copy import measure
+        task: Any = None
 
-            source = store.router.locate(area, gid).server
-            with store.transaction(source) as conn:
-                sizes = measure(conn, area_tables(store, area), gid)
+        def on_sizes(sizes: dict[str, tuple[int, int]]) -> None:
+            """A bar for a big move, sized by the move's own count (taken after its schema check)."""
+            nonlocal progress, task
             total = sum(r for r, _ in sizes.values())
-            if total >= BIG_MOVE_ROWS:
-                progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
-                task = progress.add_task(f"moving {area}/{gid} rows", total=total)
+            if dry_run or as_json or total < BIG_MOVE_ROWS:
+                return
+            progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+            task = progress.add_task(f"moving {area}/{gid} rows", total=total)
+            progress.start()
 
-                def on_table(name: str, rows: int) -> None:
-                    assert progress is not None
-                    progress.update(task, advance=rows, description=f"copied {name}")
+        def on_table(name: str, rows: int) -> None:
+            if progress is not None:
+                progress.update(task, advance=rows, description=f"copied {name}")
 
-                progress.start()
         try:
             # A MoveAbortedError (verification, --max-pause) is retryable: main() ends it with
             # exit 4, "aborted safely, retry later" (docs/cli.md), not 2, the code for bad input.
-            result = move_briefcase(store, area, gid, to, dry_run=dry_run, max_pause=max_pause, on_table=on_table)
+            result = move_briefcase(store, area, gid, to, dry_run=dry_run, max_pause=max_pause, on_table=on_table, on_sizes=on_sizes)
         finally:
             if progress is not None:
                 progress.stop()
@@ -179,9 +176,10 @@ def status_cmd(
                 if watch is None:
                     return
                 time.sleep(watch)
-        except KeyboardInterrupt:  # how a --watch ends
+        except KeyboardInterrupt:  # how a --watch ends: 130 like every Ctrl-C (docs/cli.md), without an error line
             if watch is None:
                 raise
+            raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 def _print_status(running: list[MoveStatus], finished: list[MoveStatus]) -> None:
@@ -263,17 +261,24 @@ def reshard_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Move every briefcase of a partition whose shard changes under SHARDS, then write the new map."""
-    from mdb.moves.reshard import reshard
+    from mdb.moves.reshard import parallel_for, reshard
 
     new_shards = [s.strip() for s in shards.split(",") if s.strip()]
     if not new_shards:
         fail("--shards needs at least one server name")
     with _store(map_path) as store:
-        if dry_run or as_json:
-            outcome = reshard(store, area, _gdid(partition), new_shards, dry_run=dry_run, parallel=parallel, max_pause=max_pause, map_path=map_path)
-        else:
-            with _RichReshardProgress() as progress:
-                outcome = reshard(store, area, _gdid(partition), new_shards, parallel=parallel, max_pause=max_pause, map_path=map_path, progress=progress)
+        parallel, sqlite = parallel_for(store, area, _gdid(partition), new_shards, parallel)
+        if sqlite:
+            warn(f"--parallel runs as 1: SQLite lets one writer at a time into a file ({', '.join(sqlite)} are SQLite)")
+        try:
+            if dry_run or as_json:
+                outcome = reshard(store, area, _gdid(partition), new_shards, dry_run=dry_run, parallel=parallel, max_pause=max_pause, map_path=map_path)
+            else:
+                with _RichReshardProgress() as progress:
+                    outcome = reshard(store, area, _gdid(partition), new_shards, parallel=parallel, max_pause=max_pause, map_path=map_path, progress=progress)
+        except KeyboardInterrupt:
+            _say_how_to_resume(store, area, map_path)
+            raise
     plan = outcome.plan
     if as_json:
         emit_json(outcome.to_json())
@@ -296,6 +301,20 @@ def reshard_cmd(
     if outcome.map_backup is not None:
         console.print(f"{map_path} was rewritten as YAML data (comments and layout are not kept); "
                       f"the previous file is at {outcome.map_backup}", markup=False, soft_wrap=True)  # a path to copy: unbroken
+
+
+def _say_how_to_resume(store: Store, area: str, map_path: str) -> None:
+    """After Ctrl-C, one stderr line naming the interrupted reshard and how to go on.
+
+    A reshard refuses to start while its area has an unfinished one, so the area's unfinished
+    reshard is this one; none means it was stopped before its journal row, with nothing to resume.
+    """
+    from mdb.moves.journal import Journal
+
+    for entry in Journal(store).entries(unfinished=True):
+        if entry.kind == "reshard" and entry.area == area:
+            warn(f"reshard {entry.move_id} interrupted at step {entry.step}: run `mdb moves resume {map_path}` to finish it "
+                 f"(or `mdb moves cancel {map_path} {entry.move_id}` to undo it)")
 
 
 class _RichReshardProgress:

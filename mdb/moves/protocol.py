@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -205,6 +205,18 @@ def check_target_schema(conn: Connection, target: str, tables: list[AreaTable], 
             f"{what}: the tables on {target!r} differ from the models ({len(differences)} difference(s): "
             f"{format_differences(differences)}); nothing moved (run `mdb schema check MAP`)"
         )
+
+
+def check_schemas(store: Any, servers: Iterable[str], tables: list[AreaTable], what: str) -> None:
+    """:func:`check_target_schema` on each server, once, before anything reads the briefcase's rows.
+
+    Measuring a briefcase selects the models' columns, so on a drifted table it fails with the
+    driver's "no such column" on whichever table the statement names first; compared first,
+    the refusal lists every difference, like a reshard's prechecks.
+    """
+    for server in dict.fromkeys(servers):
+        with store.transaction(server) as conn:
+            check_target_schema(conn, server, tables, what)
 
 
 def precheck(store: Any, area: str, gdid: GDID, source: str, target: str, tables: list[AreaTable], move_id: str) -> dict[str, Any] | None:
@@ -467,6 +479,7 @@ def move_briefcase(
     precopy_rows: int = PRECOPY_ROWS,
     journal: Journal | None = None,
     on_table: Callable[[str, int], None] | None = None,
+    on_sizes: Callable[[dict[str, tuple[int, int]]], None] | None = None,
     refresh: bool = True,
     source: str | None = None,
     reverse_of: str | None = None,
@@ -476,6 +489,8 @@ def move_briefcase(
     Raises :class:`MoveAbortedError` (source still authoritative, target copy removed) when
     verification fails or the pause would exceed ``max_pause``. ``reverse_of`` names the move of
     a cancelled reshard this one undoes (journaled, so it is not counted as the reshard's progress).
+    ``on_sizes`` gets the briefcase's rows per table once the schemas compared equal, before it
+    moves (the CLI sizes its progress bar with it instead of measuring a drifted table itself).
     """
     check_max_pause(max_pause)
     if refresh:
@@ -489,8 +504,12 @@ def move_briefcase(
     journal = journal or Journal(store)
     if reshard_id is None:
         _refuse_if_busy(store, journal, area, gdid)
+        # A reshard compared every source and target before its first move (its prechecks).
+        check_schemas(store, [target, source], tables, f"move of {area}/{gdid} from {source!r} to {target!r}")
     with store.transaction(source) as conn:
         sizes = measure(conn, tables, gdid, with_bytes=dry_run)  # a move measures bytes under the lock
+    if on_sizes is not None:
+        on_sizes(sizes)
     if dry_run:
         precheck(store, area, gdid, source, target, tables, "dry-run")
         return MoveResult(None, area, gdid, source, target, "dry-run", sizes)

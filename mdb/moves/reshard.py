@@ -43,7 +43,7 @@ from mdb.moves.freeze import freeze_partition, unfreeze_partition
 from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.lease import check_stop, describe_liveness, hold
 from mdb.moves.plan import PlannedMove, ReshardPlan, find_partition, plan_reshard
-from mdb.moves.protocol import DEFAULT_MAX_PAUSE, area_tables, check_max_pause, check_target_schema, move_briefcase
+from mdb.moves.protocol import DEFAULT_MAX_PAUSE, area_tables, check_max_pause, check_schemas, move_briefcase
 from mdb.partition_map import PartitionMap, parse_map
 from mdb.relocations import clear_relocation
 from mdb.system_tables import STATE_RESIDENT, briefcase_state
@@ -168,6 +168,22 @@ def _validate(store: Any, area: str, start: GDID, new_shards: list[str]) -> None
         raise RoutingError(f"--shards lists a server twice: {new_shards}")
 
 
+def parallel_for(store: Any, area: str, start: GDID, new_shards: list[str], parallel: int) -> tuple[int, list[str]]:
+    """How many moves a reshard runs at once, and the SQLite servers that made it 1.
+
+    SQLite lets one writer at a time into a file, and a move holds its source's write lock
+    while it writes the target: two moves in parallel wait on each other's files until the
+    busy timeout ends one with "database is locked". One at a time is as fast on SQLite.
+    """
+    if parallel <= 1:
+        return parallel, []
+    store.refresh()
+    _, _, old = find_partition(store.router, area, start)
+    known = [s for s in dict.fromkeys([*old, *new_shards]) if s in store.map.servers]
+    sqlite = [s for s in known if store.engines.is_sqlite(s)]
+    return (1, sqlite) if sqlite else (parallel, [])
+
+
 def reshard(
     store: Any,
     area: str,
@@ -196,6 +212,7 @@ def reshard(
             "let a running one finish, or run `mdb moves resume MAP` for an interrupted one"
         )
     plan = plan_reshard(store, tables, area, start, new_shards)
+    parallel, _ = parallel_for(store, area, start, new_shards, parallel)
     if dry_run:
         _prechecks(store, plan, tables, map_path, dry_run=True)
         return ReshardOutcome(None, plan, None, 0)
@@ -203,7 +220,7 @@ def reshard(
     journal.start(JournalEntry(
         move_id=reshard_id, kind="reshard", area=area, step="plan", status=RUNNING,
         params={"partition_start": str(start), "old_shards": old, "new_shards": list(new_shards), "parallel": parallel,
-                "max_pause": max_pause, "map_path": None if map_path is None else str(map_path)},
+                "max_pause": max_pause, "map_path": None if map_path is None else str(Path(map_path).resolve())},
         tables={name: [rows, 0] for name, rows in plan.rows_per_table().items()},
         briefcases_total=len(plan.moves), rows_total=plan.total_rows,
     ))
@@ -244,12 +261,9 @@ def _prechecks(store: Any, plan: ReshardPlan, tables: list[Any], map_path: str |
     """Every target's schema and the new map (through apply_map's dry run), before anything moves."""
     from mdb.map_edit import apply_map
 
-    for target in dict.fromkeys([*plan.new_shards, *(m.target for m in plan.moves)]):
-        with store.transaction(target) as conn:
-            check_target_schema(conn, target, tables, f"reshard of {plan.area} partition {plan.partition_start}")
-    for source in dict.fromkeys(m.source for m in plan.moves):
-        with store.transaction(source) as conn:  # reachable, and matching the models
-            check_target_schema(conn, source, tables, f"reshard of {plan.area} partition {plan.partition_start}")
+    targets = [*plan.new_shards, *(m.target for m in plan.moves)]
+    sources = [m.source for m in plan.moves]  # reachable, and matching the models
+    check_schemas(store, [*targets, *sources], tables, f"reshard of {plan.area} partition {plan.partition_start}")
     text = new_map_text(_store_map_text(store, None if map_path is None else str(map_path)), plan.area, plan.partition_start, plan.new_shards, _next_version(store))
     new_map = parse_map(text, "<new map>")
     apply_map(store, new_map, yaml_text=text, allow_reshard_of=(plan.area, plan.partition_start), dry_run=True)
@@ -317,6 +331,25 @@ def _sweep(
     return plan
 
 
+def journaled_map_path(entry: JournalEntry, given: Path | None) -> str | None:
+    """The map file a resumed reshard rewrites: the absolute path it recorded when it started.
+
+    Resume may run from any folder, so a relative path would name a file in the wrong place
+    (it used to write a new map there and leave the real file at the old version). Entries
+    journaled by older versions hold the path as typed: resolved against the map given to
+    resume when the file names match, refused otherwise, before anything changes.
+    """
+    recorded: str | None = entry.params.get("map_path")
+    if recorded is None or Path(recorded).is_absolute():
+        return recorded
+    if given is not None and Path(given).name == Path(recorded).name:
+        return str(Path(given).resolve())
+    raise MdbError(
+        f"reshard {entry.move_id} recorded its map file as the relative path {recorded!r} (an older mdb) and the map given "
+        f"here is {'not a file' if given is None else str(given)!r}: run `mdb moves resume` with that map file ({Path(recorded).name})"
+    )
+
+
 def continue_reshard(
     store: Any,
     journal: Journal,
@@ -335,9 +368,9 @@ def continue_reshard(
     area, start = entry.area, GDID.parse(params["partition_start"])
     new_shards: list[str] = list(params["new_shards"])
     old_shards: list[str] = list(params["old_shards"])
-    map_path: str | None = params.get("map_path")
+    map_path = journaled_map_path(entry, store.map_path)
     max_pause = float(params.get("max_pause", DEFAULT_MAX_PAUSE))
-    parallel = int(params.get("parallel", 1))
+    parallel, _ = parallel_for(store, area, start, new_shards, int(params.get("parallel", 1)))  # journaled by an older mdb
     tables = area_tables(store, area)
     plan = first_plan
     report = plan
