@@ -64,7 +64,9 @@ def test_a_clean_fleet_reports_clean(fleet: Cluster) -> None:
     with fleet.store() as store:
         report = fsck(store, "user")
     assert report.clean, [f.to_json() for f in report.findings]
-    assert report.briefcases == len(USERS) and report.central_indexes == ["user_email"]
+    # Every CENTRAL index declared in this process for the area is checked: the demo's, plus any
+    # other test module declared before this one ran.
+    assert report.briefcases == len(USERS) and "user_email" in report.central_indexes
     run = run_cli(["fsck", str(fleet.path), "user"])
     assert run.returncode == 0 and "clean" in run.stdout, (run.stdout, run.stderr)
 
