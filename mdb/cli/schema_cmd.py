@@ -35,6 +35,12 @@ schema_app = typer.Typer(help="Create, and check for drift, mdb's and the briefc
 app.add_typer(schema_app, name="schema")
 
 
+MapArg = Annotated[str, typer.Argument(metavar="MAP", help="partition map YAML")]
+ModelsOpt = Annotated[
+    list[str] | None,
+    typer.Option("--models", metavar="MODULE", help="also import this module for briefcase types (repeatable)"),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 ParallelOpt = Annotated[
     int,
     typer.Option("--parallel", min=1, max=MAX_PARALLEL, help="Servers worked on at once (1: one after the other)."),
@@ -142,12 +148,9 @@ def _print(reports: list[ShardReport], map_version: int) -> None:
 
 @schema_app.command("apply")
 def schema_apply(
-    map_path: Annotated[str, typer.Argument(metavar="MAP", help="partition map YAML")],
-    models: Annotated[
-        list[str] | None,
-        typer.Option("--models", metavar="MODULE", help="also import this module for briefcase types (repeatable)"),
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    map_path: MapArg,
+    models: ModelsOpt = None,
+    as_json: JsonOpt = False,
     parallel: ParallelOpt = DEFAULT_PARALLEL,
 ) -> None:
     """Create tables on every shard and stamp new shard layouts; idempotent. Exit 1 if a shard failed or drifted."""
@@ -187,12 +190,9 @@ def _print_check(reports: list[ShardReport], map_version: int) -> None:
 
 @schema_app.command("check")
 def schema_check(
-    map_path: Annotated[str, typer.Argument(metavar="MAP", help="partition map YAML")],
-    models: Annotated[
-        list[str] | None,
-        typer.Option("--models", metavar="MODULE", help="also import this module for briefcase types (repeatable)"),
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    map_path: MapArg,
+    models: ModelsOpt = None,
+    as_json: JsonOpt = False,
     parallel: ParallelOpt = DEFAULT_PARALLEL,
 ) -> None:
     """Compare every shard's tables with the models, changing nothing. Exit 1 on drift or a failed shard."""
