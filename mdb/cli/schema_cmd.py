@@ -146,6 +146,22 @@ def _print(reports: list[ShardReport], map_version: int) -> None:
     _summary(reports)
 
 
+def _check_json(report: ShardReport) -> dict[str, object]:
+    """A shard's report as ``schema check`` prints it: ``apply``'s without what apply wrote."""
+    return {k: v for k, v in _report_json(report).items() if k not in ("created", "stamped", "kept")}
+
+
+def _finish(reports: list[ShardReport], map_version: int, as_json: bool,
+            to_json: Callable[[ShardReport], dict[str, object]], show: Callable[[list[ShardReport], int], None]) -> None:
+    """Print the reports (JSON or tables); exit 1 when a shard failed or differs from the models."""
+    if as_json:
+        emit_json({"map_version": map_version, "ok": all(r.ok for r in reports), "shards": [to_json(r) for r in reports]})
+    else:
+        show(reports, map_version)
+    if not all(r.ok for r in reports):
+        raise typer.Exit(1)
+
+
 @schema_app.command("apply")
 def schema_apply(
     map_path: MapArg,
@@ -161,16 +177,7 @@ def schema_apply(
             reports = apply_schema(store, parallel=parallel, on_done=on_done)
     finally:
         store.close()
-    if as_json:
-        emit_json({
-            "map_version": pmap.version,
-            "ok": all(r.ok for r in reports),
-            "shards": [_report_json(r) for r in reports],
-        })
-    else:
-        _print(reports, pmap.version)
-    if not all(r.ok for r in reports):
-        raise typer.Exit(1)
+    _finish(reports, pmap.version, as_json, _report_json, _print)
 
 
 def _print_check(reports: list[ShardReport], map_version: int) -> None:
@@ -204,13 +211,4 @@ def schema_check(
             reports = check_schema(store, parallel=parallel, on_done=on_done)
     finally:
         store.close()
-    if as_json:
-        emit_json({
-            "map_version": pmap.version,
-            "ok": all(r.ok for r in reports),
-            "shards": [{k: v for k, v in _report_json(r).items() if k not in ("created", "stamped", "kept")} for r in reports],
-        })
-    else:
-        _print_check(reports, pmap.version)
-    if not all(r.ok for r in reports):
-        raise typer.Exit(1)
+    _finish(reports, pmap.version, as_json, _check_json, _print_check)

@@ -26,7 +26,7 @@ from types import TracebackType
 import psycopg
 from sqlalchemy.engine import URL, make_url
 
-from mdb.testing.postgres import HOST, _command_prefix, _make_owned_temp_dir, _unprivileged_user
+from mdb.testing.postgres import HOST, _command_prefix, _make_owned_temp_dir, _unprivileged_user, binary_unavailable_reason
 
 __all__ = ["DEFAULT_POOL_SIZE", "PgBouncer", "find_pgbouncer", "pgbouncer_unavailable_reason"]
 
@@ -55,20 +55,7 @@ def pgbouncer_unavailable_reason() -> str | None:
         if override:
             return f"no pgbouncer binary at MDB_PGBOUNCER={override}"
         return "no pgbouncer binary on PATH or in /usr/sbin; install the 'pgbouncer' system package"
-    try:
-        user = _unprivileged_user()
-    except RuntimeError as exc:
-        return str(exc)
-    if user is not None and shutil.which("setpriv") is None:
-        return "running as root needs setpriv (util-linux) to run PgBouncer as an unprivileged user"
-    command = [*_command_prefix(user), str(binary), "--version"]
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False, cwd="/")
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"cannot run {' '.join(command)}: {exc}"
-    if result.returncode != 0:
-        return f"{' '.join(command)} failed ({result.returncode}): {result.stderr.strip()}"
-    return None
+    return binary_unavailable_reason(binary, "PgBouncer")
 
 
 def _free_port() -> int:

