@@ -32,7 +32,7 @@ from sqlalchemy.pool import NullPool
 from mdb.budget import BudgetPool, ConnectionBudget, connect_patiently, instance_of
 from mdb.partition_map import EngineSpec, PartitionMap, ServerSpec
 from mdb.servers import ServerDirectory
-from mdb.urls import mask_url
+from mdb.urls import mask_url, sqlalchemy_url
 
 __all__ = ["BEGIN_PRELUDE", "BEGIN_RESULT", "EngineRegistry", "Prelude", "sqlalchemy_url"]
 
@@ -41,21 +41,6 @@ log = logging.getLogger("mdb.engines")
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 DEFAULT_ENGINE = EngineSpec(pool_size=10, max_overflow=20, pool_timeout=30.0, connect_timeout=10, idle_timeout=300.0)
 """What an engine gets for the settings a map leaves unset (docs/operations.md: the budget)."""
-
-
-def sqlalchemy_url(url: str) -> URL:
-    """Parse a map URL, choosing psycopg 3 for bare ``postgresql://`` URLs."""
-    parsed = make_url(url)
-    if parsed.drivername in ("postgresql", "postgres"):
-        parsed = parsed.set(drivername="postgresql+psycopg")
-    if parsed.get_backend_name() == "postgresql" and "password" in parsed.query:
-        # libpq's ?password= means the same as the userinfo password (and wins over it, as the
-        # dialect applies query args last). Kept in the query, SQLAlchemy would print it in
-        # repr(engine) and str(url); as the URL's password it is masked there.
-        value = parsed.query["password"]
-        password = value[-1] if isinstance(value, tuple) else value
-        parsed = parsed.difference_update_query(["password"]).set(password=password)
-    return parsed
 
 
 def _sqlite_setup(dbapi_connection: Any, _record: Any) -> None:

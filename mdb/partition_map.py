@@ -28,9 +28,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from mdb.errors import MapError
+from mdb.errors import MapError, RoutingError
 from mdb.gdid import GDID
-from mdb.urls import mask_secrets, mask_url
+from mdb.urls import MONGO, kind_of_url, mask_secrets, mask_url, sqlalchemy_url
 
 __all__ = [
     "AreaSpec",
@@ -180,6 +180,17 @@ class PartitionMap(_Strict):
                 engine = (spec.engine or EngineSpec()).over(self.engine_defaults)
                 self.servers[name] = spec.model_copy(update={"engine": engine})
         return self
+
+    def kind_of(self, server: str) -> str:
+        """The kind of server ``server`` is (``mdb.urls.SQL``, ``MONGO``; by its primary URL)."""
+        try:
+            return kind_of_url(self.servers[server].primary)
+        except KeyError:
+            raise RoutingError(f"unknown server {server!r} (known: {', '.join(sorted(self.servers))})") from None
+
+    def servers_of_kind(self, kind: str) -> list[str]:
+        """The servers of ``kind``, in map order."""
+        return [name for name, spec in self.servers.items() if kind_of_url(spec.primary) == kind]
 
     @property
     def central_area(self) -> str:
@@ -540,11 +551,8 @@ def _url_problem(url: str) -> str | None:
     """
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
-    from mdb.engines import sqlalchemy_url  # late: mdb.engines builds on this module
-    from mdb.mongo.clients import is_mongo_url
-
     shown = mask_url(url)
-    if is_mongo_url(url):
+    if kind_of_url(url) == MONGO:
         return _mongo_url_problem(url, shown)
     try:
         parsed = sqlalchemy_url(url)

@@ -74,7 +74,7 @@ CENTRAL_TABLE_MODULES: Final[tuple[str, ...]] = (
     "mdb.idgen",
     "mdb.central.indexes",
     "mdb.moves.journal",
-    "mdb.stats.central_tables",
+    "mdb.hot.central_tables",
 )
 """Modules that define tables on ``central_metadata``; add yours here."""
 

@@ -1,4 +1,4 @@
-"""Masking of secrets in connection URLs.
+"""Connection URLs: what kind of server one names, and masking the secrets in it.
 
 Every place that shows a URL to a person (repr, logs, errors, CLI output) goes through
 :func:`mask_url`, so a password never leaves the process in text. Masking never depends on the
@@ -10,8 +10,55 @@ error messages.
 from __future__ import annotations
 
 import re
+from typing import Final
 
-__all__ = ["mask_url", "mask_secrets"]
+from sqlalchemy.engine import URL, make_url
+
+__all__ = ["MONGO", "SQL", "kind_of_url", "mask_secrets", "mask_url", "register_kind", "sqlalchemy_url"]
+
+# -- server kinds ------------------------------------------------------------------------------
+# Every server of a map is of one kind (``sql``: PostgreSQL or SQLite through SQLAlchemy; ``mongo``:
+# MongoDB through pymongo), and the kind picks the backend that implements the server-side half
+# of every feature (:mod:`mdb.backends`). This is the one place that reads a URL's scheme: code
+# asks :func:`kind_of_url` (or ``PartitionMap.kind_of``), never tests a scheme or dialect itself.
+
+SQL: Final = "sql"
+MONGO: Final = "mongo"
+
+_SCHEMES: dict[str, str] = {"mongodb": MONGO, "mongodb+srv": MONGO}
+"""URL scheme -> kind, for every kind but SQL; any other scheme is a SQLAlchemy URL."""
+
+
+def register_kind(scheme: str, kind: str) -> None:
+    """Route URLs of ``scheme`` (e.g. ``mongodb``, without ``://``) to the backend of ``kind``."""
+    known = _SCHEMES.get(scheme.lower())
+    if known is not None and known != kind:
+        raise ValueError(f"URL scheme {scheme!r} is already served by kind {known!r}")
+    _SCHEMES[scheme.lower()] = kind
+
+
+def kind_of_url(url: str) -> str:
+    """The kind of server ``url`` names, by the text before ``://`` (SQL unless registered)."""
+    scheme, sep, _ = url.strip().partition("://")
+    return _SCHEMES.get(scheme.lower(), SQL) if sep else SQL
+
+
+def sqlalchemy_url(url: str) -> URL:
+    """Parse a SQL server's map URL, choosing psycopg 3 for bare ``postgresql://`` URLs."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() == "postgresql" and "password" in parsed.query:
+        # libpq's ?password= means the same as the userinfo password (and wins over it, as the
+        # dialect applies query args last). Kept in the query, SQLAlchemy would print it in
+        # repr(engine) and str(url); as the URL's password it is masked there.
+        value = parsed.query["password"]
+        password = value[-1] if isinstance(value, tuple) else value
+        parsed = parsed.difference_update_query(["password"]).set(password=password)
+    return parsed
+
+
+# -- masking -----------------------------------------------------------------------------------
 
 # In free text a URL is recognised by its "://"; the scheme before it may be missing or misspelled.
 _USERINFO = re.compile(r"(?P<head>(?:[a-zA-Z][a-zA-Z0-9+.\-]*)?://[^:/@\s]*):(?P<secret>[^@\s]*)@")

@@ -25,7 +25,7 @@ from sqlalchemy import func, select, text
 from mdb import GDID, EngineRegistry, MdbError, ServerUnavailableError, Store, parse_map
 from mdb.budget import ConnectionBudget, instance_of
 from mdb.demo.models import User, UserBriefcase
-from mdb.engines import sqlalchemy_url
+from mdb.urls import sqlalchemy_url
 from mdb.errors import CapacityError, RetryableError
 from mdb.schema import apply_schema
 from mdb.testing.postgres import PostgresServer

@@ -12,7 +12,8 @@ import sqlalchemy as sa
 
 from mdb import EngineRegistry, MdbError, RoutingError, load_map, parse_map
 from mdb.budget import BudgetPool
-from mdb.engines import SQLITE_BUSY_TIMEOUT_MS, sqlalchemy_url
+from mdb.engines import SQLITE_BUSY_TIMEOUT_MS
+from mdb.urls import sqlalchemy_url
 from mdb.partition_map import EngineSpec, ServerSpec
 
 SECRET = "Hunter2-secret"

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from mdb import GDID, Store
 from mdb.demo.models import DemoBase, Order, User, UserBriefcase
-from mdb.engines import sqlalchemy_url
+from mdb.urls import sqlalchemy_url
 from mdb.errors import QueryError
 from mdb.fanout import fan_out_aggregate, fan_out_servers
 from mdb.relocations import set_relocation

@@ -16,7 +16,7 @@ from movehelp import Cluster, create_user, locations, make_cluster, run_cli
 from mdb.fleet.balance import balance
 from mdb.gdid import GDID
 from mdb.moves.copy import measure
-from mdb.moves.protocol import area_tables
+from mdb.moves.move import area_tables
 
 SHARDS = ["u1", "u2", "u3", "u4"]
 USERS = [GDID(0, 0, i) for i in range(1, 25)]

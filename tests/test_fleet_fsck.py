@@ -23,7 +23,7 @@ from mdb.demo.repositories import EmailIndex
 from mdb.fleet.fsck import RESUME, FsckReport, fsck
 from mdb.gdid import GDID
 from mdb.moves.copy import copy_rows
-from mdb.moves.protocol import area_tables, move_briefcase
+from mdb.moves.move import area_tables, move_briefcase
 from mdb.ownership import FREEZE_GDID
 from mdb.relocations import set_relocation
 from mdb.store import Store

@@ -489,7 +489,7 @@ def test_sqlite_literal_binds(sqlite_engine: sa.Engine) -> None:
 
 @pytest.fixture
 def pg_engine(pg_url: str) -> sa.Engine:
-    from mdb.engines import sqlalchemy_url
+    from mdb.urls import sqlalchemy_url
 
     engine = sa.create_engine(sqlalchemy_url(pg_url))
     metadata.create_all(engine)

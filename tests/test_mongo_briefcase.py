@@ -10,7 +10,7 @@ from mongohelp import MongoEnv, UserDocs
 from mdb import GDID, CrossBriefcaseError, SchemaError, StaleRouteError
 from mdb.errors import BriefcaseMovingError
 from mdb.mongo import DocumentBriefcaseType, MongoIndex
-from mdb.mongo.shardmeta import GUARD, LAYOUT, STATE, set_guard, state_id
+from mdb.mongo.shard_state import GUARD, LAYOUT, STATE, set_guard, state_id
 from mdb.system_tables import STATE_GONE, STATE_INCOMING
 
 BOTH = pytest.mark.parametrize("transactions", [True, False], ids=["txn", "no-txn"])

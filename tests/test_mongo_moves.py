@@ -16,7 +16,7 @@ from mdb.moves.journal import DONE, ROLLED_BACK, Journal
 from mdb.mongo import MongoStore, moves
 from mdb.mongo.hot import MongoCounter, MongoStatsLock
 from mdb.mongo.moves import HOOK_POINTS, MoveVerificationError, checksums, move_documents, resume_mongo_moves
-from mdb.mongo.shardmeta import STATE, state_id
+from mdb.mongo.shard_state import STATE, state_id
 from mongohelp import MongoEnv, UserDocs
 
 UID = GDID(0, 0, 4)  # v mod 3 = 1 -> m2

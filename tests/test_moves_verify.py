@@ -26,7 +26,7 @@ from sqlalchemy.engine import Connection
 from mdb.demo.models import OrderLineItem
 from mdb.gdid import GDID
 from mdb.errors import MoveAbortedError
-from mdb.moves import move_briefcase, protocol, verify
+from mdb.moves import move as move_module, move_briefcase, verify
 from mdb.moves.journal import ABORTED, Journal
 from mdb.system_tables import briefcase_state
 
@@ -115,7 +115,7 @@ def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
 
 @pytest.mark.parametrize("kind", sorted(TAMPER))
 def test_a_copy_that_dropped_altered_or_added_a_row_is_caught(cluster: Cluster, split: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_copy = protocol.copy_rows
+    real_copy = move_module.copy_rows
     tampered: list[GDID] = []
 
     def bad_copy(src: Connection, dst: Connection, *args: Any, **kwargs: Any) -> dict[str, int]:
@@ -123,7 +123,7 @@ def test_a_copy_that_dropped_altered_or_added_a_row_is_caught(cluster: Cluster, 
         tampered.append(TAMPER[kind](dst))  # same target transaction: commits with the copy
         return counts
 
-    monkeypatch.setattr(protocol, "copy_rows", bad_copy)
+    monkeypatch.setattr(move_module, "copy_rows", bad_copy)
     with cluster.store() as store:
         before = snapshot(store, SERVERS)
         with pytest.raises(MoveAbortedError) as caught:
@@ -141,7 +141,7 @@ def test_a_write_past_the_lock_is_not_deleted_uncopied(pg_source_cluster: Cluste
     """Something writes to the source without the briefcase lock after the checksums were taken
     (the move deletes only after both sides' checksums exist): the commit point's delete would
     remove a row that was never copied, so the move aborts."""
-    real_delete = protocol.delete_rows
+    real_delete = move_module.delete_rows
     rogue = GDID(0, 3, 77)
 
     def delete_after_a_rogue_write(conn: Connection, *args: Any, **kwargs: Any) -> dict[str, int]:
@@ -150,7 +150,7 @@ def test_a_write_past_the_lock_is_not_deleted_uncopied(pg_source_cluster: Cluste
             rogue_conn.execute(insert(LINES).values({**row, "line_id": rogue}))
         return real_delete(conn, *args, **kwargs)
 
-    monkeypatch.setattr(protocol, "delete_rows", delete_after_a_rogue_write)
+    monkeypatch.setattr(move_module, "delete_rows", delete_after_a_rogue_write)
     with pg_source_cluster.store() as store:
         with pytest.raises(MoveAbortedError) as caught:
             move_briefcase(store, "user", USER, "u2", precopy_rows=10**9)
@@ -172,8 +172,8 @@ def test_a_tampered_precopy_is_repaired_under_the_lock(
     rows only of the ranges that differ; either way exactly the 3 differing rows are redone.
     """
     if blocks == "blocks":
-        monkeypatch.setattr(protocol, "RESYNC_BLOCK", 2)
-    real_copy = protocol.copy_rows
+        monkeypatch.setattr(move_module, "RESYNC_BLOCK", 2)
+    real_copy = move_module.copy_rows
 
     def bad_precopy(src: Connection, dst: Connection, *args: Any, **kwargs: Any) -> dict[str, int]:
         counts = real_copy(src, dst, *args, **kwargs)
@@ -181,7 +181,7 @@ def test_a_tampered_precopy_is_repaired_under_the_lock(
             tamper(dst)
         return counts
 
-    monkeypatch.setattr(protocol, "copy_rows", bad_precopy)
+    monkeypatch.setattr(move_module, "copy_rows", bad_precopy)
     caplog.set_level(logging.INFO, logger="mdb.moves")
     with cluster.store() as store:
         before = snapshot(store, SERVERS)
@@ -202,8 +202,8 @@ def test_writes_between_the_precopy_and_the_lock_are_resynced(
     """The application changes the source after the pre-copy (before the lock): an added, an
     altered and a deleted row all arrive, and nothing else is redone."""
     if blocks == "blocks":
-        monkeypatch.setattr(protocol, "RESYNC_BLOCK", 2)
-    real_fault_point = protocol.fault_point
+        monkeypatch.setattr(move_module, "RESYNC_BLOCK", 2)
+    real_fault_point = move_module.fault_point
 
     def writes_after_the_precopy(name: str) -> None:
         if name == "move.after_precopy":  # the pre-copy is committed, the lock not yet taken
@@ -212,7 +212,7 @@ def test_writes_between_the_precopy_and_the_lock_are_resynced(
                     tamper(conn)
         real_fault_point(name)
 
-    monkeypatch.setattr(protocol, "fault_point", writes_after_the_precopy)
+    monkeypatch.setattr(move_module, "fault_point", writes_after_the_precopy)
     caplog.set_level(logging.INFO, logger="mdb.moves")
     with cluster.store() as store:
         result = move_briefcase(store, "user", USER, "u2", precopy_rows=1)
@@ -237,7 +237,7 @@ def test_a_statement_that_would_outlast_max_pause_is_cancelled_and_the_move_abor
     target transaction) is cancelled at the bound instead of being waited for, and the move is
     aborted with the source authoritative."""
     cluster = _cluster(request, tmp_path, "postgres")
-    real_copy = protocol.copy_rows
+    real_copy = move_module.copy_rows
     finished: list[bool] = []
 
     def slow_target(src: Connection, dst: Connection, *args: Any, **kwargs: Any) -> dict[str, int]:
@@ -246,7 +246,7 @@ def test_a_statement_that_would_outlast_max_pause_is_cancelled_and_the_move_abor
         finished.append(True)
         return counts
 
-    monkeypatch.setattr(protocol, "copy_rows", slow_target)
+    monkeypatch.setattr(move_module, "copy_rows", slow_target)
     with cluster.store() as store:
         before = snapshot(store, SERVERS)
         with pytest.raises(MoveAbortedError, match=r"cancelled at --max-pause 0\.50s \(canceling statement due to statement timeout\)"):

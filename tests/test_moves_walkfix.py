@@ -147,7 +147,7 @@ def test_a_move_onto_a_model_with_a_new_column_lists_the_drift_not_a_driver_erro
     the schema, so the user saw "no such column: users.name" under another table's name."""
     from sqlalchemy import create_engine, text
 
-    from mdb.engines import sqlalchemy_url
+    from mdb.urls import sqlalchemy_url
 
     engine = create_engine(sqlalchemy_url(cluster.urls["u1"]))
     with engine.begin() as conn:  # the database predates the model's `name` column

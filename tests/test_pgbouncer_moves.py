@@ -28,7 +28,7 @@ from test_moves_online import _transactions
 
 from mdb.errors import RetryableError
 from mdb.gdid import GDID
-from mdb.moves.protocol import move_briefcase
+from mdb.moves.move import move_briefcase
 from mdb.moves.reshard import reshard
 from mdb.testing.pgbouncer import PgBouncer
 

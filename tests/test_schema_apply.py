@@ -19,7 +19,7 @@ from sqlalchemy import create_engine, inspect, select, update
 from typer.testing import CliRunner
 
 from mdb.cli import app
-from mdb.engines import sqlalchemy_url
+from mdb.urls import sqlalchemy_url
 from mdb.partition_map import load_map
 from mdb.router import Router
 from mdb.system_tables import shard_layout

@@ -35,10 +35,10 @@ from typer.testing import CliRunner
 
 from mdb.cli import app
 from mdb.demo.models import User, UserBriefcase
-from mdb.engines import sqlalchemy_url
+from mdb.urls import sqlalchemy_url
 from mdb.errors import SchemaError
 from mdb.gdid import GDID
-from mdb.moves.protocol import move_briefcase
+from mdb.moves.move import move_briefcase
 from mdb.moves.reshard import reshard
 from mdb.schema_diff import Difference, compare_tables
 from mdb.sqltypes import GDIDType

@@ -28,8 +28,8 @@ from test_stats_support import (
 from mdb.errors import CrossBriefcaseError, MdbError, RoutingError, StatsError
 from mdb.gdid import GDID
 from mdb.schema import apply_schema
-from mdb.stats import Counters, central, derived_gdid, run_snapshots
-from mdb.stats.place import Place
+from mdb.hot import Counters, central, derived_gdid, run_snapshots
+from mdb.hot.scope import Scope
 from mdb.store import Store
 
 ALICE = GDID(0, 0, 7)
@@ -115,7 +115,7 @@ def test_places_refuse_the_wrong_table_shape_shard_or_mode(store: Store) -> None
         with pytest.raises(TypeError, match="bare connection"):
             CENTRAL_COUNTERS.add(conn, "tvl", staker_count=1)  # type: ignore[arg-type]
         with pytest.raises(MdbError, match="not in a transaction"):
-            CENTRAL_COUNTERS.add(Place(conn, "c1"), "tvl", staker_count=1)
+            CENTRAL_COUNTERS.add(Scope(conn, "c1"), "tvl", staker_count=1)
     finally:
         conn.close()
 
@@ -134,7 +134,7 @@ def test_stats_lock_applies_each_calculation_once_and_new_kinds_later(store: Sto
 
 
 def test_stats_lock_effect_that_raises_leaves_no_record(store: Store) -> None:
-    def boom(place: Place) -> None:
+    def boom(place: Scope) -> None:
         CENTRAL_COUNTERS.add(place, "tvl", total_value_locked=100)
         raise RuntimeError("effect failed")
 

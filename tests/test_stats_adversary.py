@@ -33,8 +33,8 @@ from mdb.cli import app
 from mdb.errors import FoldError, StatsError
 from mdb.gdid import GDID
 from mdb.schema import apply_schema
-from mdb.stats import central, derived_gdid, run_snapshots
-from mdb.stats.tables import DERIVED_AUTHORITY
+from mdb.hot import central, derived_gdid, run_snapshots
+from mdb.hot.tables import DERIVED_AUTHORITY
 from mdb.store import Store
 
 ALICE, BOB = GDID(0, 0, 7), GDID(0, 0, 8)

@@ -31,7 +31,7 @@ from test_stats_support import (
 from mdb.errors import RetryableError, StatsError, TransactionConflictError
 from mdb.gdid import GDID
 from mdb.schema import apply_schema
-from mdb.stats import Counters, central
+from mdb.hot import Counters, central
 from mdb.store import Store
 
 USER = GDID(0, 0, 3)

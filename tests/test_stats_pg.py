@@ -41,8 +41,8 @@ from mdb.cli import app
 from mdb.gdid import GDID
 from mdb.moves import move_briefcase
 from mdb.schema import apply_schema
-from mdb.stats import Counters, central, run_snapshots
-from mdb.stats.place import Place
+from mdb.hot import Counters, central, run_snapshots
+from mdb.hot.scope import Scope
 from mdb.store import Store
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -323,7 +323,7 @@ def test_snapshot_plus_tail_equals_full_replay_with_late_commits(store: Store, o
             elif op == "open_late":
                 conn = store.connect(server)
                 conn.begin()
-                CENTRAL_LOG.append(Place(conn, server, store=store), stream, GDID(0, 6, next(_ids)), "vote", {"amount": value})
+                CENTRAL_LOG.append(Scope(conn, server, store=store), stream, GDID(0, 6, next(_ids)), "vote", {"amount": value})
                 open_txns.append((conn, value))
             elif op in ("commit_late", "rollback_late") and open_txns:
                 conn, amount = open_txns.pop(value % len(open_txns))

@@ -15,9 +15,9 @@ from mdb.briefcase import BriefcaseType
 from mdb.errors import RetryableError
 from mdb.gdid import GDID
 from mdb.sqltypes import GDIDType
-from mdb.stats import Counters, EventLog, StatsLock, SumFold, central, counter_models, event_log_models, stats_lock_models
-from mdb.stats.central_tables import CENTRAL_EVENT_LOG, CENTRAL_STATS_LOCK
-from mdb.stats.tables import counter_tables
+from mdb.hot import Counters, EventLog, StatsLock, SumFold, central, counter_models, event_log_models, stats_lock_models
+from mdb.hot.central_tables import CENTRAL_EVENT_LOG, CENTRAL_STATS_LOCK
+from mdb.hot.tables import counter_tables
 from mdb.store import Store
 from mdb.system_tables import central_metadata
 

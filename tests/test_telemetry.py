@@ -31,8 +31,8 @@ from mdb.demo.models import User, UserBriefcase
 from mdb.demo.repositories import EmailIndex
 from mdb.errors import MoveAbortedError, ServerUnavailableError
 from mdb.gdid import GDID
-from mdb.moves import protocol
-from mdb.moves.protocol import move_briefcase
+from mdb.moves import move as move_module
+from mdb.moves.move import move_briefcase
 from mdb.moves.reshard import reshard
 from mdb.schema import apply_schema
 from mdb.store import Store
@@ -263,7 +263,7 @@ def test_a_move_whose_copy_does_not_verify_counts_a_verification_failure(
     gdid = store.new_gdid(UserBriefcase)
     create_user(store, gdid)
     target = "b" if store.router.locate("user", gdid).server == "a" else "a"
-    real_fault_point = protocol.fault_point
+    real_fault_point = move_module.fault_point
 
     def tamper_with_the_target(name: str) -> None:
         if name == "move.after_copy_commit":
@@ -271,7 +271,7 @@ def test_a_move_whose_copy_does_not_verify_counts_a_verification_failure(
                 conn.execute(update(User.__table__).where(User.__table__.c.user_id == gdid).values(name="tampered"))
         real_fault_point(name)
 
-    monkeypatch.setattr(protocol, "fault_point", tamper_with_the_target)
+    monkeypatch.setattr(move_module, "fault_point", tamper_with_the_target)
     otel.spans.clear()
     before = otel.values()
     with pytest.raises(MoveAbortedError, match="verification failed"):

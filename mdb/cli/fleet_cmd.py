@@ -16,7 +16,7 @@ from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, fail, open_stor
 from mdb.fleet.balance import MEASURES, AreaBalance, Measure, balance
 from mdb.fleet.fsck import FsckReport, fsck
 from mdb.fleet.rebalance import PlannedMove, RebalancePlan, apply_plan, plan_rebalance
-from mdb.moves.protocol import DEFAULT_MAX_PAUSE, MoveResult
+from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult
 from mdb.store import Store
 
 __all__: list[str] = []

@@ -18,7 +18,7 @@ from rich.table import Table
 from mdb.cli.app import EXIT_INTERRUPTED, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, app, console, emit_json, fail, open_store, warn
 from mdb.gdid import GDID
 from mdb.moves.plan import PlannedMove
-from mdb.moves.protocol import DEFAULT_MAX_PAUSE, move_briefcase
+from mdb.moves.move import DEFAULT_MAX_PAUSE, move_briefcase
 from mdb.moves.reshard import ReshardCounts
 from mdb.moves.resume import FAILED, HELD, resume_all
 from mdb.moves.status import MoveStatus, move_status, where

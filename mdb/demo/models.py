@@ -16,7 +16,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from mdb.briefcase import BriefcaseType
 from mdb.gdid import GDID
 from mdb.sqltypes import GDIDType
-from mdb.stats import EventLog, SumFold, event_log_models
+from mdb.hot import EventLog, SumFold, event_log_models
 
 __all__ = [
     "AccountAuthorizationHistory",
@@ -137,7 +137,7 @@ class Balance(DemoBase):
     __table_args__ = (ForeignKeyConstraint(["user_id"], ["users.user_id"]),)
 
 
-# The user's ledger as an event log (mdb.stats): money movements are appended, never updated;
+# The user's ledger as an event log (mdb.hot): money movements are appended, never updated;
 # balances are read as the latest snapshot + the events after it (docs/hot-data.md).
 LEDGER_TABLES, LEDGER_MODELS = event_log_models(DemoBase, "ledger_events", key_column="user_id")
 

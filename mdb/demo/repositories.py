@@ -22,7 +22,7 @@ from mdb.central.indexes import CentralIndex, strip_casefold
 from mdb.demo.models import LEDGER, Address, Order, OrderLineItem, Transaction, User, UserBriefcase
 from mdb.gdid import GDID
 from mdb.repository import Repository
-from mdb.stats import run_snapshots
+from mdb.hot import run_snapshots
 
 LEDGER_STREAM = "ledger"
 

@@ -21,7 +21,7 @@ from sqlalchemy.engine import Connection
 
 from mdb.fleet.scan import BriefcaseSize, briefcase_sizes
 from mdb.moves.copy import AreaTable, is_postgres
-from mdb.moves.protocol import area_tables
+from mdb.moves.move import area_tables
 from mdb.mongo.clients import is_mongo_url
 
 __all__ = ["MEASURES", "AreaBalance", "Measure", "ServerBalance", "area_servers", "balance", "skew_of"]

@@ -11,7 +11,7 @@ shard are never held in memory). Findings:
 - ``leftover_copy``: rows on a server the briefcase is not routed to, every one of them equal
   (per-row checksum, :func:`mdb.moves.verify.row_digests`) to the row the owner holds: a copy
   left by a failed move. ``--repair`` deletes them on that server under the briefcase's write
-  lock (:func:`mdb.moves.protocol.locked_source`), checking again under the lock first.
+  lock (:func:`mdb.moves.move.locked_source`), checking again under the lock first.
 - ``misplaced``: rows on a server the briefcase is not routed to that the owner lacks or holds
   differently: possibly the only copy, so never deleted; a person decides.
 - ``stale_fence``: a fence (``gone``) on the very server the router sends the briefcase to: its
@@ -42,7 +42,7 @@ from mdb.gdid import GDID
 from mdb.moves import verify
 from mdb.moves.copy import AreaTable, delete_rows, measure
 from mdb.moves.journal import Journal, JournalEntry
-from mdb.moves.protocol import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, area_tables, locked_source
+from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, area_tables, locked_source
 from mdb.system_tables import STATE_FROZEN, STATE_GONE, STATE_INCOMING, briefcase_state
 
 __all__ = ["Finding", "FsckReport", "fsck"]

@@ -7,7 +7,7 @@ measure (a bounded heap: memory does not grow with the shard). Then, greedily, u
 whose size is closest to what would bring one of them to the mean, among those smaller than
 the gap between them (each such move lowers the spread; none left: the plan ends). Moves land
 as ordinary relocations. Applying runs each planned move through
-:func:`mdb.moves.protocol.move_briefcase` one at a time, with its ``max_pause`` bound (the move
+:func:`mdb.moves.move.move_briefcase` one at a time, with its ``max_pause`` bound (the move
 machinery's throttle on how long a briefcase's writes may pause).
 
 Not built: a reshard proposal (a new shard list for a partition) when single moves cannot
@@ -24,7 +24,7 @@ from typing import Any
 from mdb.fleet.balance import Measure, area_servers, is_mongo, skew_of
 from mdb.fleet.scan import BriefcaseSize, briefcase_sizes
 from mdb.gdid import GDID
-from mdb.moves.protocol import DEFAULT_MAX_PAUSE, MoveResult, area_tables, move_briefcase
+from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult, area_tables, move_briefcase
 
 __all__ = ["CANDIDATES", "PlannedMove", "RebalancePlan", "apply_plan", "plan_rebalance"]
 

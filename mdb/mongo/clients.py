@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from mdb.errors import RoutingError, ServerUnavailableError
 from mdb.partition_map import PartitionMap, ServerSpec
 from mdb.servers import ServerDirectory
-from mdb.urls import mask_secrets, mask_url
+from mdb.urls import MONGO, kind_of_url, mask_secrets, mask_url
 
 __all__ = [
     "ClientFactory",
@@ -31,7 +31,6 @@ __all__ = [
     "supports_transactions",
 ]
 
-MONGO_SCHEMES = ("mongodb://", "mongodb+srv://")
 DEFAULT_DATABASE = "mdb"
 
 ClientFactory = Callable[..., Any]
@@ -39,7 +38,7 @@ ClientFactory = Callable[..., Any]
 
 
 def is_mongo_url(url: str) -> bool:
-    return url.strip().lower().startswith(MONGO_SCHEMES)
+    return kind_of_url(url) == MONGO
 
 
 def mongo_servers(pmap: PartitionMap) -> list[str]:

@@ -21,7 +21,7 @@ The ``_id`` texts are not hashed, so two keys can only share one if the text is 
 is not: the GDID hex is always 24 characters, a slot is digits, and state and calculation may
 not contain ``:``, so splitting off the prefix and then from the right recovers every part (an
 event id or counter name may contain ``:``). Names are checked as on SQL (no control
-characters; :func:`mdb.stats.tables.check_name`), K is an int, deltas fit 64 bits.
+characters; :func:`mdb.hot.tables.check_name`), K is an int, deltas fit 64 bits.
 
 Differences from the SQL counters, on purpose: K is not persisted but given per process
 (``MongoCounter(name, slots=K)``) and a read sums every slot document there is, so a new K
@@ -40,7 +40,7 @@ from typing import Any, Final
 
 from mdb.errors import StatsError
 from mdb.mongo.store import DocumentBriefcase
-from mdb.stats.tables import LABEL_LENGTH, NAME_LENGTH, check_name
+from mdb.hot.tables import LABEL_LENGTH, NAME_LENGTH, check_name
 
 __all__ = ["COUNTERS", "STATS_LOCK", "MongoCounter", "MongoStatsLock"]
 

@@ -35,7 +35,7 @@ from mdb.errors import MdbError, RoutingError
 from mdb.gdid import GDID
 from mdb.moves.journal import DONE, ROLLED_BACK, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.mongo.hot import COUNTERS, STATS_LOCK
-from mdb.mongo.shardmeta import GUARD, STATE, guard_ids, set_guard, state_id
+from mdb.mongo.shard_state import GUARD, STATE, guard_ids, set_guard, state_id
 from mdb.mongo.types import DocumentBriefcaseType
 from mdb.router import Router
 from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT

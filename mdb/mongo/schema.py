@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mdb.mongo.hot import COUNTERS, STATS_LOCK
-from mdb.mongo.shardmeta import STATE, stamp_layout
+from mdb.mongo.shard_state import STATE, stamp_layout
 from mdb.router import Router, ShardLayout
 
 if TYPE_CHECKING:

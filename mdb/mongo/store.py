@@ -25,7 +25,7 @@ from mdb.fanout import ShardFailure, fan_out_servers
 from mdb.gdid import GDID
 from mdb.mongo.clients import ClientFactory, MongoClients
 from mdb.mongo.collection import BriefcaseCollection, _decode
-from mdb.mongo.shardmeta import check_guard, excluded_gdids, ownership_rows
+from mdb.mongo.shard_state import check_guard, excluded_gdids, ownership_rows
 from mdb.mongo.types import DocumentBriefcaseType, document_types_by_area, encode, registered_document_types
 from mdb.ownership import check_ownership
 from mdb.retry import SessionRetry

@@ -7,7 +7,7 @@ and :func:`status` report on the live system. See docs/moves.md.
 """
 
 from mdb.moves.journal import Journal, JournalEntry
-from mdb.moves.protocol import MoveResult, move_briefcase
+from mdb.moves.move import MoveResult, move_briefcase
 from mdb.moves.resume import ResumeOutcome, resume_all
 
 __all__ = [

@@ -5,7 +5,7 @@ possible and means: its moves that are not past their commit point are rolled ba
 ``mdb moves resume`` rolls them back (:func:`mdb.moves.resume.resolve_move`; one past it is
 finalized forward, it already happened), the partition is unfrozen, and its finished moves are
 either moved back (``move_back``: a reverse move of each through the same
-:func:`mdb.moves.protocol.move_briefcase`, journaled under the reshard with ``reverse_of``) or
+:func:`mdb.moves.move.move_briefcase`, journaled under the reshard with ``reverse_of``) or
 left where they are as ordinary relocations, which old-map processes follow. From
 ``map_apply`` on the new map may already be in force; such a reshard can only be finished.
 
@@ -27,7 +27,7 @@ from mdb.moves.faults import fault_point
 from mdb.moves.freeze import unfreeze_partition
 from mdb.moves.journal import CANCELLED, DONE, FINISHED, RUNNING, Journal, JournalEntry
 from mdb.moves.lease import hold, me, request_stop
-from mdb.moves.protocol import DEFAULT_MAX_PAUSE, move_briefcase
+from mdb.moves.move import DEFAULT_MAX_PAUSE, move_briefcase
 from mdb.moves.resume import resolve_move
 
 __all__ = ["CANCEL_STEP", "CANCELLABLE_STEPS", "CancelOutcome", "cancel", "finish_cancel"]

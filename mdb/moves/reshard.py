@@ -43,7 +43,7 @@ from mdb.moves.freeze import freeze_partition, unfreeze_partition
 from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.lease import check_stop, describe_liveness, hold
 from mdb.moves.plan import PlannedMove, ReshardPlan, find_partition, plan_reshard
-from mdb.moves.protocol import DEFAULT_MAX_PAUSE, area_tables, check_max_pause, check_schemas, move_briefcase
+from mdb.moves.move import DEFAULT_MAX_PAUSE, area_tables, check_max_pause, check_schemas, move_briefcase
 from mdb.partition_map import PartitionMap, parse_map
 from mdb.relocations import clear_relocation
 from mdb.system_tables import STATE_RESIDENT, briefcase_state

@@ -19,7 +19,7 @@ from mdb.errors import MoveLeaseHeldError, ServerUnavailableError
 from mdb.moves.faults import fault_point
 from mdb.moves.journal import ROLLED_BACK, Journal, JournalEntry
 from mdb.moves.lease import hold, lease_owner_id
-from mdb.moves.protocol import (
+from mdb.moves.move import (
     DEFAULT_LOCK_WAIT,
     DEFAULT_MAX_PAUSE,
     _state,

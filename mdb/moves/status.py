@@ -17,7 +17,7 @@ from mdb.errors import MdbError
 from mdb.gdid import GDID
 from mdb.moves.journal import RUNNING, Journal, JournalEntry
 from mdb.moves.lease import Holder, describe, liveness
-from mdb.moves.protocol import _state, area_tables
+from mdb.moves.move import _state, area_tables
 from mdb.relocations import relocations
 
 __all__ = ["BriefcaseWhere", "MoveStatus", "move_status", "status_of", "where"]

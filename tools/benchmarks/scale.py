@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 
 from benchmarks import BenchContext, Result, compare
 from mdb.demo.models import Order, User, UserBriefcase
-from mdb.engines import sqlalchemy_url
+from mdb.urls import sqlalchemy_url
 from mdb.gdid import GDID
 from mdb.schema import apply_schema
 from mdb.store import Store

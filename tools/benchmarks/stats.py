@@ -18,8 +18,8 @@ import yaml
 from benchmarks import BenchContext, Result, compare
 from mdb.gdid import GDID
 from mdb.schema import apply_schema
-from mdb.stats import Counters, EventLog, SumFold, central
-from mdb.stats.central_tables import CENTRAL_COUNTERS, CENTRAL_EVENT_LOG
+from mdb.hot import Counters, EventLog, SumFold, central
+from mdb.hot.central_tables import CENTRAL_COUNTERS, CENTRAL_EVENT_LOG
 from mdb.store import Store
 
 SECTION = "stats"

@@ -7,7 +7,7 @@ own family with ``counter_tables(central_metadata, "name", values=[...])`` at im
 
 from __future__ import annotations
 
-from mdb.stats.tables import counter_tables, event_log_tables, stats_lock_tables
+from mdb.hot.tables import counter_tables, event_log_tables, stats_lock_tables
 from mdb.system_tables import central_metadata
 
 __all__ = ["CENTRAL_COUNTERS", "CENTRAL_EVENT_LOG", "CENTRAL_STATS_LOCK"]

@@ -49,8 +49,8 @@ from mdb.errors import FoldError, RoutingError, SchemaError, StatsError
 from mdb.fanout import fan_out_servers
 from mdb.gdid import GDID
 from mdb.session import BriefcaseSession
-from mdb.stats.place import Place, central, dialect_insert, insert_once, place_of
-from mdb.stats.tables import LABEL_LENGTH, NAME_LENGTH, EventLogTables, check_name, derived_gdid
+from mdb.hot.scope import Scope, central, dialect_insert, insert_once, place_of
+from mdb.hot.tables import LABEL_LENGTH, NAME_LENGTH, EventLogTables, check_name, derived_gdid
 from mdb.system_tables import STATE_INCOMING, briefcase_state
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ class EventLog:
 
     # -- writers ------------------------------------------------------------------------------------
 
-    def append(self, target: Place | BriefcaseSession, stream: str, event_id: GDID, kind: str, payload: Mapping[str, Any]) -> bool:
+    def append(self, target: Scope | BriefcaseSession, stream: str, event_id: GDID, kind: str, payload: Mapping[str, Any]) -> bool:
         """Append one event; False when an event with this id is already in the log (a redelivery)."""
         if not isinstance(event_id, GDID):
             raise StatsError(f"event id must be a GDID (from store.gdids(...)), got {event_id!r}")
@@ -200,7 +200,7 @@ class EventLog:
 
     # -- readers ------------------------------------------------------------------------------------
 
-    def read(self, target: Place | BriefcaseSession, stream: str) -> StreamState:
+    def read(self, target: Scope | BriefcaseSession, stream: str) -> StreamState:
         """Latest snapshot + the events after it."""
         place = self._place(target, stream, write=False)
         seq, state = self._latest(place.conn, self._conds(place, self.tables.snapshots, stream))
@@ -214,7 +214,7 @@ class EventLog:
             state = self._apply(state, *event, where=place.where, stream=stream, server=place.server, seq=seq)
         return StreamState(state, seq, len(tail))
 
-    def replay(self, target: Place | BriefcaseSession, stream: str) -> State:
+    def replay(self, target: Scope | BriefcaseSession, stream: str) -> State:
         """The whole log folded from the initial state (what a snapshot + tail read must equal)."""
         place = self._place(target, stream, write=False)
         ev = self.tables.events
@@ -230,7 +230,7 @@ class EventLog:
 
     # -- the snapshot job ---------------------------------------------------------------------------
 
-    def snapshot(self, target: Place | BriefcaseSession, stream: str) -> SnapshotResult:
+    def snapshot(self, target: Scope | BriefcaseSession, stream: str) -> SnapshotResult:
         """Fold the stream's unmarked events into its next snapshot (nothing new: no snapshot)."""
         place = self._place(target, stream, write=True)
         snaps, ev = self.tables.snapshots, self.tables.events
@@ -327,14 +327,14 @@ class EventLog:
 
     # -- helpers ------------------------------------------------------------------------------------
 
-    def _place(self, target: Place | BriefcaseSession, stream: str, *, write: bool) -> Place:
+    def _place(self, target: Scope | BriefcaseSession, stream: str, *, write: bool) -> Scope:
         check_name("stream", stream, NAME_LENGTH, write=write)
         place = place_of(target)
         place.check(self.tables.tables, self.tables.key_column, write=write)
         place.check_routed(stream)
         return place
 
-    def _conds(self, place: Place, table: Any, stream: str) -> list[Any]:
+    def _conds(self, place: Scope, table: Any, stream: str) -> list[Any]:
         return [*(table.c[k] == v for k, v in place.key_values().items()), table.c.stream == stream]
 
     def _latest(self, conn: Connection, snap_conds: Sequence[Any]) -> tuple[int, State]:

@@ -5,11 +5,11 @@ data that moves with it: declare the tables with the ``*_models`` factories and 
 classes in the BriefcaseType's children). See docs/hot-data.md.
 """
 
-from mdb.stats.counters import Counters
-from mdb.stats.event_log import EventLog, Fold, SnapshotResult, StreamState, SumFold, registered_logs, run_snapshots
-from mdb.stats.place import Place, central
-from mdb.stats.stats_lock import StatsLock
-from mdb.stats.tables import (
+from mdb.hot.counters import Counters
+from mdb.hot.event_log import EventLog, Fold, SnapshotResult, StreamState, SumFold, registered_logs, run_snapshots
+from mdb.hot.scope import Scope, central
+from mdb.hot.stats_lock import StatsLock
+from mdb.hot.tables import (
     CounterTables,
     EventLogTables,
     StatsLockTables,
@@ -28,7 +28,7 @@ __all__ = [
     "EventLog",
     "EventLogTables",
     "Fold",
-    "Place",
+    "Scope",
     "SnapshotResult",
     "StatsLock",
     "StatsLockTables",

@@ -14,9 +14,9 @@ Row ids that are not application GDIDs (a counter slot, a snapshot, a lock recor
 *derived* GDIDs (:func:`derived_gdid`): a hash of the row's natural key, so the primary key
 stays a GDID, nothing auto-increments and a row keeps its id when its briefcase moves. The
 natural key also has a unique constraint. Two unique indexes mean a conflict clause with a
-target covers only one of them; see :mod:`mdb.stats.counters` (slot rows are created with K
+target covers only one of them; see :mod:`mdb.hot.counters` (slot rows are created with K
 and increments only UPDATE them) and the target-less ``DO NOTHING`` of
-:func:`mdb.stats.place.insert_once`, which also turns a derived-id clash (the id already held
+:func:`mdb.hot.scope.insert_once`, which also turns a derived-id clash (the id already held
 by a row with another natural key) into an error instead of "already there".
 
 Names that become parts of a derived id (counter ids, streams, event ids, states,

@@ -1,6 +1,6 @@
 """Where a hot-data operation runs: one open transaction, in a briefcase or on a CENTRAL shard.
 
-Every operation of :mod:`mdb.stats` takes a *place* instead of a bare connection, so that:
+Every operation of :mod:`mdb.hot` takes a *place* instead of a bare connection, so that:
 
 - the effect of a calculation, its stats-lock record and the business write share ONE
   transaction (a place exists only inside an open transaction, and operations refuse a
@@ -31,11 +31,11 @@ from mdb.session import BriefcaseSession
 if TYPE_CHECKING:
     from mdb.store import Store
 
-__all__ = ["Place", "central", "central_server", "dialect_insert", "insert_once", "place_of"]
+__all__ = ["Scope", "central", "central_server", "dialect_insert", "insert_once", "place_of"]
 
 
 @dataclass(frozen=True)
-class Place:
+class Scope:
     """An open transaction on ``server``: a briefcase's (``key`` set) or a CENTRAL shard's."""
 
     conn: Connection
@@ -93,12 +93,12 @@ class Place:
         return {self.btype.key: self.key}
 
 
-def place_of(target: Place | BriefcaseSession) -> Place:
-    if isinstance(target, Place):
+def place_of(target: Scope | BriefcaseSession) -> Scope:
+    if isinstance(target, Scope):
         return target
     if isinstance(target, BriefcaseSession):
         ctx = target.briefcase
-        return Place(target.connection(), ctx.placement.server, ctx.gdid, ctx.btype, None, ctx.readonly)
+        return Scope(target.connection(), ctx.placement.server, ctx.gdid, ctx.btype, None, ctx.readonly)
     raise TypeError(
         f"expected a BriefcaseSession or a stats.central(...) place, got {type(target).__name__} "
         "(a bare connection could be outside a transaction or on the wrong shard)"
@@ -106,23 +106,23 @@ def place_of(target: Place | BriefcaseSession) -> Place:
 
 
 @contextmanager
-def central(store: Store, key: str, *, readonly: bool = False) -> Iterator[Place]:
+def central(store: Store, key: str, *, readonly: bool = False) -> Iterator[Scope]:
     """One transaction on the CENTRAL shard of ``key`` (commit on success, rollback on error)."""
     server = store.router.locate_central(key).server
     with store.transaction(server, readonly=readonly) as conn:
-        yield Place(conn, server, store=store, readonly=readonly)
+        yield Scope(conn, server, store=store, readonly=readonly)
 
 
 @contextmanager
-def central_server(store: Store, server: str) -> Iterator[Place]:
+def central_server(store: Store, server: str) -> Iterator[Scope]:
     """A transaction on one named CENTRAL server (for jobs that walk every CENTRAL shard)."""
     if server not in store.router.central_servers():
         raise RoutingError(f"server {server!r} is not a CENTRAL shard (CENTRAL: {store.router.central_servers()})")
     with store.transaction(server) as conn:
-        yield Place(conn, server, store=None)
+        yield Scope(conn, server, store=None)
 
 
-def dialect_insert(place: Place, table: Table) -> Any:
+def dialect_insert(place: Scope, table: Table) -> Any:
     """INSERT with ON CONFLICT support for the place's backend (PostgreSQL or SQLite)."""
     name = place.conn.dialect.name
     if name == "postgresql":
@@ -136,7 +136,7 @@ def dialect_insert(place: Place, table: Table) -> Any:
     raise MdbError(f"hot-data tables need PostgreSQL or SQLite (ON CONFLICT), not {name!r}")
 
 
-def insert_once(place: Place, table: Table, id_column: str, values: Mapping[str, Any], natural: Sequence[str]) -> bool:
+def insert_once(place: Scope, table: Table, id_column: str, values: Mapping[str, Any], natural: Sequence[str]) -> bool:
     """Insert a row with a derived id unless its natural key is already there; True if inserted.
 
     ``ON CONFLICT DO NOTHING`` without a target, because the row is unique twice (derived id

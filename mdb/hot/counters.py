@@ -1,7 +1,7 @@
 """Logically sharded counters: one hot total spread over K rows so writers rarely collide.
 
 A counter ``C`` is stored as up to K slot rows ``C:0 .. C:K-1`` of a counter family (see
-:func:`mdb.stats.tables.counter_tables`); every row holds all the family's named values. An
+:func:`mdb.hot.tables.counter_tables`); every row holds all the family's named values. An
 increment picks a slot at random and adds every given value in ONE statement
 (``UPDATE .. SET v = v + :delta WHERE counter = :c AND slot = :n``) on a slot row created at
 zero together with K, so two concurrent writers only wait for each other when they pick the
@@ -46,8 +46,8 @@ from sqlalchemy import func, select, update
 
 from mdb.errors import StatsError
 from mdb.session import BriefcaseSession
-from mdb.stats.place import Place, dialect_insert, insert_once, place_of
-from mdb.stats.tables import NAME_LENGTH, CounterTables, check_name, derived_gdid
+from mdb.hot.scope import Scope, dialect_insert, insert_once, place_of
+from mdb.hot.tables import NAME_LENGTH, CounterTables, check_name, derived_gdid
 
 __all__ = ["DEFAULT_MAX_K_AGE", "MAX_SLOTS", "Counters"]
 
@@ -86,7 +86,7 @@ class Counters:
 
     # -- configuration ----------------------------------------------------------------------------
 
-    def configure(self, target: Place | BriefcaseSession, counter: str, slots: int) -> int:
+    def configure(self, target: Scope | BriefcaseSession, counter: str, slots: int) -> int:
         """Set K of ``counter`` (creating it); growing is allowed, shrinking is refused. Returns K."""
         _check_slots(slots, "slots (K)")
         place = self._place(target, counter, write=True)
@@ -106,14 +106,14 @@ class Counters:
         self._remember(place, counter, slots)
         return slots
 
-    def slots(self, target: Place | BriefcaseSession, counter: str) -> int:
+    def slots(self, target: Scope | BriefcaseSession, counter: str) -> int:
         """K of ``counter`` as persisted (``default_slots`` when it was never configured)."""
         place = self._place(target, counter, write=False)
         return self._load_slots(place, counter)
 
     # -- increments and reads ---------------------------------------------------------------------
 
-    def add(self, target: Place | BriefcaseSession, counter: str, **deltas: int) -> int:
+    def add(self, target: Scope | BriefcaseSession, counter: str, **deltas: int) -> int:
         """Add ``deltas`` (value name -> amount) to one slot, in one statement; returns the slot.
 
         The slot is random, and the same for every increment of ``counter`` in one transaction.
@@ -137,7 +137,7 @@ class Counters:
             raise StatsError(f"counter {counter!r} in {place.where}: slot row {slot} could not be created")
         return slot
 
-    def read(self, target: Place | BriefcaseSession, counter: str) -> dict[str, int]:
+    def read(self, target: Scope | BriefcaseSession, counter: str) -> dict[str, int]:
         """The counter's totals: every value summed over its slot rows (0 for a counter never written)."""
         place = self._place(target, counter, write=False)
         rows = self.tables.rows
@@ -145,7 +145,7 @@ class Counters:
         got = place.conn.execute(select(*sums).where(*self._where(place, rows, counter))).one()
         return {name: int(v) for name, v in zip(self.tables.values, got)}
 
-    def slot_rows(self, target: Place | BriefcaseSession, counter: str) -> dict[int, dict[str, int]]:
+    def slot_rows(self, target: Scope | BriefcaseSession, counter: str) -> dict[int, dict[str, int]]:
         """slot -> values of the counter's rows (for inspection and tests)."""
         place = self._place(target, counter, write=False)
         rows = self.tables.rows
@@ -156,7 +156,7 @@ class Counters:
 
     # -- helpers ------------------------------------------------------------------------------------
 
-    def _place(self, target: Place | BriefcaseSession, counter: str, *, write: bool) -> Place:
+    def _place(self, target: Scope | BriefcaseSession, counter: str, *, write: bool) -> Scope:
         check_name("counter id", counter, NAME_LENGTH, write=write)
         place = place_of(target)
         place.check(self.tables.tables, self.tables.key_column, write=write)
@@ -175,7 +175,7 @@ class Counters:
             if amount not in _INT64:
                 raise StatsError(f"counter {counter!r}: value {name!r} = {amount} is outside the 64-bit integer range")
 
-    def _slot_for(self, place: Place, counter: str, k: int) -> int:
+    def _slot_for(self, place: Scope, counter: str, k: int) -> int:
         """The slot this transaction increments ``counter`` in: picked once, then reused.
 
         K only grows, so a slot picked under an earlier K stays valid.
@@ -188,7 +188,7 @@ class Counters:
                 chosen[key] = self._random.randrange(k)
             return chosen[key]
 
-    def _create_slot_rows(self, place: Place, counter: str, slots: int) -> None:
+    def _create_slot_rows(self, place: Scope, counter: str, slots: int) -> None:
         """Create the zero rows of slots 0..K-1 together with K, so increments only ever update.
 
         ON CONFLICT DO NOTHING with no target covers both unique indexes (primary key and
@@ -213,30 +213,30 @@ class Counters:
                 f"are already used by other rows of {rows.name!r} (a derived-id clash)"
             )
 
-    def _where(self, place: Place, table: Any, counter: str) -> list[Any]:
+    def _where(self, place: Scope, table: Any, counter: str) -> list[Any]:
         conds = [table.c[k] == v for k, v in place.key_values().items()]
         return [*conds, table.c.counter == counter]
 
-    def _cache_key(self, place: Place, counter: str) -> tuple[Any, Any, str]:
+    def _cache_key(self, place: Scope, counter: str) -> tuple[Any, Any, str]:
         # The database itself (its engine's URL), not the server's name: a name can come to mean
         # another database (a changed URL in a new map version, a test's fresh database), and K,
         # which only grows within one database, would then be carried over as the larger K.
         return (place.conn.engine.url, place.key, counter)
 
-    def _remember(self, place: Place, counter: str, slots: int) -> None:
+    def _remember(self, place: Scope, counter: str, slots: int) -> None:
         key = self._cache_key(place, counter)
         with self._lock:
             known = self._slots.get(key, (0, 0.0))[0]
             self._slots[key] = (max(slots, known), time.monotonic())
 
-    def _current_slots(self, place: Place, counter: str) -> int:
+    def _current_slots(self, place: Scope, counter: str) -> int:
         """K for an increment: the cached K while it is younger than ``max_k_age``, else re-read."""
         cached = self._slots.get(self._cache_key(place, counter))
         if cached is not None and time.monotonic() - cached[1] < self.max_k_age:
             return cached[0]
         return self._load_slots(place, counter, persist=True)
 
-    def _load_slots(self, place: Place, counter: str, *, persist: bool = False) -> int:
+    def _load_slots(self, place: Scope, counter: str, *, persist: bool = False) -> int:
         cfg = self.tables.config
         query = select(cfg.c.slots).where(*self._where(place, cfg, counter))
         k = place.conn.execute(query).scalar()

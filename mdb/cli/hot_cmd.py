@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mdb.cli.app import app, console, emit_json, fail, open_store
-from mdb.stats.event_log import EventLog, SnapshotResult, registered_logs, run_snapshots
+from mdb.hot.event_log import EventLog, SnapshotResult, registered_logs, run_snapshots
 from mdb.store import Store
 
 __all__ = ["snapshot"]

@@ -7,7 +7,7 @@ THE SAME TRANSACTION as the calculation's effect: one row per (event id, state, 
 inserted with ``ON CONFLICT DO NOTHING RETURNING`` (no conflict target: any unique index); a returned row says this delivery is
 the first. When no row is returned, the record of this very triple must exist; if the derived
 lock id is held by another triple instead, that is an error, never "already applied"
-(:func:`mdb.stats.place.insert_once`). A concurrent duplicate waits on the unique index until the first commits (then sees
+(:func:`mdb.hot.scope.insert_once`). A concurrent duplicate waits on the unique index until the first commits (then sees
 the conflict and skips) or rolls back (then it applies). New calculation kinds are new rows,
 so old records never need rewriting.
 
@@ -25,8 +25,8 @@ from typing import Any
 from sqlalchemy import select
 
 from mdb.session import BriefcaseSession
-from mdb.stats.place import Place, insert_once, place_of
-from mdb.stats.tables import LABEL_LENGTH, NAME_LENGTH, StatsLockTables, check_name, derived_gdid
+from mdb.hot.scope import Scope, insert_once, place_of
+from mdb.hot.tables import LABEL_LENGTH, NAME_LENGTH, StatsLockTables, check_name, derived_gdid
 
 __all__ = ["StatsLock"]
 
@@ -42,11 +42,11 @@ class StatsLock:
 
     def apply(
         self,
-        target: Place | BriefcaseSession,
+        target: Scope | BriefcaseSession,
         event_id: str,
         state: str,
         calculation: str,
-        effect: Callable[[Place], Any],
+        effect: Callable[[Scope], Any],
     ) -> bool:
         """Run ``effect(place)`` unless ``calculation`` was already applied for ``event_id:state``.
 
@@ -68,7 +68,7 @@ class StatsLock:
             effect(place)
         return True
 
-    def applied(self, target: Place | BriefcaseSession, event_id: str, state: str) -> set[str]:
+    def applied(self, target: Scope | BriefcaseSession, event_id: str, state: str) -> set[str]:
         """The calculations already applied for ``event_id:state`` here."""
         _check_names(event_id, state, None, write=False)
         place = place_of(target)
