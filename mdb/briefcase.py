@@ -28,7 +28,7 @@ from sqlalchemy import Column, Identity, Integer, Sequence as SqlSequence, Table
 from sqlalchemy.exc import NoInspectionAvailable
 
 from mdb.errors import GDIDError, SchemaError
-from mdb.idgen import sequence_key
+from mdb.gdid import sequence_key
 from mdb.sqltypes import GDIDType
 
 __all__ = ["BriefcaseType", "registered_types", "types_by_area"]

@@ -9,6 +9,7 @@ tests outside the project check them.
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Callable
 from itertools import repeat
@@ -16,7 +17,7 @@ from typing import Any, ClassVar, Final
 
 from mdb.errors import GDIDError
 
-__all__ = ["GDID", "GDIDError"]
+__all__ = ["GDID", "GDIDError", "check_sequence_name", "sequence_key"]
 
 MAX_ERA: Final = 2**32 - 1
 MAX_AUTHORITY: Final = 15
@@ -258,3 +259,21 @@ def _trusted_run(era: int, raw_start: int, count: int) -> list[GDID]:
     deque(map(_set_era, ids, repeat(era, count)), maxlen=0)
     deque(map(_set_raw, ids, range(raw_start, raw_start + count)), maxlen=0)
     return ids
+
+
+_SEQUENCE_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,63}$")
+
+
+def check_sequence_name(kind: str, value: str) -> None:
+    """Refuse a GDID sequence's scope or name that could not be a CENTRAL key part (``kind`` names which)."""
+    if not isinstance(value, str) or not _SEQUENCE_NAME.match(value):
+        raise GDIDError(
+            f"invalid GDID {kind} {value!r}: use 1-63 characters from letters, digits and _ . : -"
+        )
+
+
+def sequence_key(scope: str, sequence: str) -> str:
+    """The CENTRAL key of a GDID sequence row: ``"{scope}/{sequence}"`` (names cannot hold '/')."""
+    check_sequence_name("scope", scope)
+    check_sequence_name("sequence", sequence)
+    return f"{scope}/{sequence}"

@@ -26,9 +26,9 @@ import re
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from sqlalchemy import BigInteger, Column, ColumnElement, DateTime, String, Table, and_, case, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
@@ -46,12 +46,14 @@ from mdb.gdid import (
     _set_era,
     _set_raw,
     _trusted_run,
+    check_sequence_name,
+    sequence_key,
 )
+from mdb.briefcase import BriefcaseType
+from mdb.cluster import Cluster
 from mdb.router import Router
 from mdb.system_tables import central_metadata
 
-if TYPE_CHECKING:
-    from mdb.store import Store
 
 __all__ = [
     "AUTHORITY_ENV",
@@ -81,7 +83,6 @@ LOW_WATER: Final = 0.25
 GROWTH_LIMIT: Final = 64
 """By default a block may grow to 64 times the configured size (see ``max_block_size``)."""
 
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,63}$")
 
 sequences = Table(
     "mdb_gdid_sequences",
@@ -121,20 +122,6 @@ class SequenceState:
     era: int
     next_counter: int
     last_block: Block
-
-
-def _check_name(kind: str, value: str) -> None:
-    if not isinstance(value, str) or not _NAME.match(value):
-        raise GDIDError(
-            f"invalid GDID {kind} {value!r}: use 1-63 characters from letters, digits and _ . : -"
-        )
-
-
-def sequence_key(scope: str, sequence: str) -> str:
-    """The CENTRAL key of a sequence row: ``"{scope}/{sequence}"`` (names cannot hold '/')."""
-    _check_name("scope", scope)
-    _check_name("sequence", sequence)
-    return f"{scope}/{sequence}"
 
 
 def _check_block_size(size: int) -> int:
@@ -260,12 +247,12 @@ name rule), so such a sequence is never counted in an area's high-water mark."""
 
 def row_scope(scope: str) -> str:
     """The scope of child-row id sequences of ``scope`` (an area or a repository's scope)."""
-    _check_name("scope", scope)
+    check_sequence_name("scope", scope)
     return scope + ROW_SCOPE_SUFFIX
 
 
 def start_above(
-    store: Store, scope: str, sequence: str, *, scopes: Iterable[str] = (), older: Iterable[tuple[str, str]] = ()
+    store: Cluster, scope: str, sequence: str, *, scopes: Iterable[str] = (), older: Iterable[tuple[str, str]] = ()
 ) -> SequenceState | None:
     """Move sequence (scope, sequence) past every id that the given sequences issued (never back).
 
@@ -350,7 +337,7 @@ class GdidGenerator:
     @classmethod
     def for_store(
         cls,
-        store: Store,
+        store: Cluster,
         scope: str,
         sequence: str,
         *,
@@ -499,12 +486,12 @@ class GdidGenerator:
 _NEVER: Final = 1 << 200
 """A low-water mark no raw id reaches: no prefetch is due."""
 
-_registry: weakref.WeakKeyDictionary[Store, dict[tuple[str, str], GdidGenerator]] = weakref.WeakKeyDictionary()
+_registry: weakref.WeakKeyDictionary[Cluster, dict[tuple[str, str], GdidGenerator]] = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()
 
 
 def generator_for(
-    store: Store,
+    store: Cluster,
     scope: str,
     sequence: str,
     *,
@@ -531,3 +518,43 @@ def generator_for(
     if block_size is not None and block_size != gen.block_size:
         raise GDIDError(f"GDID generator {scope}/{sequence} already uses block size {gen.block_size}, not {block_size}")
     return gen
+
+
+class Ids:
+    """The GDID sequences of one cluster as application code draws them (``store.ids``, ``store.new_gdid``).
+
+    Root ids come from one sequence per briefcase type and child-row ids from ``{scope}:rows/...``;
+    on first use per cluster each sequence is moved past the older sequences that issued the same
+    kind of id (:func:`start_above`), so upgrading mdb never re-issues an id.
+    """
+
+    def __init__(self, cluster: Cluster) -> None:
+        self._cluster = cluster
+        self._taken_over: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def sequence(
+        self, scope: str, sequence: str, *, authority: int | None = None, block_size: int | None = None
+    ) -> GdidGenerator:
+        """The cached generator of exactly this CENTRAL sequence (:func:`generator_for`)."""
+        return generator_for(self._cluster, scope, sequence, authority=authority, block_size=block_size)
+
+    def of(self, btype: type[BriefcaseType]) -> GdidGenerator:
+        """``btype``'s root-id generator: sequence ``{area}/{btype.id_sequence}``, past every older ``{area}/*``."""
+        return self._taken_over_generator(btype.area, btype.id_sequence, scopes=[btype.area])
+
+    def rows(self, scope: str | type[BriefcaseType], sequence: str) -> GdidGenerator:
+        """The child-row id generator ``{scope}:rows/{sequence}``, past the older ``{scope}/{sequence}``."""
+        name = scope if isinstance(scope, str) else scope.area
+        return self._taken_over_generator(row_scope(name), sequence, older=[(name, sequence)])
+
+    def _taken_over_generator(
+        self, scope: str, sequence: str, *, scopes: Sequence[str] = (), older: Sequence[tuple[str, str]] = ()
+    ) -> GdidGenerator:
+        key = (scope, sequence)
+        if key not in self._taken_over:
+            with self._lock:
+                if key not in self._taken_over:
+                    start_above(self._cluster, scope, sequence, scopes=scopes, older=older)
+                    self._taken_over.add(key)
+        return self.sequence(scope, sequence)

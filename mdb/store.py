@@ -28,7 +28,7 @@ from mdb.engines import BEGIN_PRELUDE, BEGIN_RESULT, EngineRegistry
 from mdb.errors import QueryError, RetryableError, RoutingError
 from mdb.fanout import FanOutResult, ShardFailure, fan_out, warm_up
 from mdb.gdid import GDID
-from mdb.idgen import GdidGenerator, generator_for, row_scope, start_above
+from mdb.idgen import GdidGenerator, Ids
 from mdb.ownership import check_ownership, ownership_prelude
 from mdb.partition_map import PartitionMap, load_map_cached
 from mdb.relocations import load_relocations
@@ -68,10 +68,8 @@ class Store:
         self.move_wait_seconds = move_wait_seconds
         self._relocations_loaded = False
         self._refresh_lock = threading.Lock()
-        self._taken_over: set[tuple[str, str]] = set()
-        """Sequences this Store has moved past their older sequences (:meth:`ids`, :meth:`row_ids`)."""
-        self._take_over_lock = threading.Lock()
-        self.central = Central(self)
+        self._ids = Ids(self)
+        self.central = Central(self, new_gdid=self.new_gdid)
         """CENTRAL indexes, cache and atomic creation (:mod:`mdb.central`)."""
 
     @classmethod
@@ -244,7 +242,7 @@ class Store:
         type's one root sequence) and child-row ids from :meth:`row_ids`; drawing keys from any
         other sequence of the area can hand out ids that :meth:`ids` hands out too.
         """
-        return generator_for(self, scope, sequence, authority=authority, block_size=block_size)
+        return self._ids.sequence(scope, sequence, authority=authority, block_size=block_size)
 
     def ids(self, btype: type[BriefcaseType]) -> GdidGenerator:
         """The generator of ``btype``'s root GDIDs: CENTRAL sequence ``{area}/{btype.id_sequence}``.
@@ -254,11 +252,11 @@ class Store:
         scope ``{area}``: older mdb versions drew root ids from ``{area}/{TypeName}`` and the
         README tour from ``{area}/ids``, so a new sequence must not re-issue what those did.
         """
-        return self._taken_over_generator(btype.area, btype.id_sequence, scopes=[btype.area])
+        return self._ids.of(btype)
 
     def new_gdid(self, btype: type[BriefcaseType]) -> GDID:
         """A fresh root GDID (briefcase key) for ``btype``, from :meth:`ids`."""
-        return self.ids(btype).next()
+        return self._ids.of(btype).next()
 
     def row_ids(self, scope: str | type[BriefcaseType], sequence: str) -> GdidGenerator:
         """The generator of child-row ids: CENTRAL sequence ``{scope}:rows/{sequence}``.
@@ -268,19 +266,7 @@ class Store:
         Store the sequence is moved past ``{scope}/{sequence}``, where older versions of
         :class:`~mdb.repository.Repository` drew the same ids.
         """
-        name = scope if isinstance(scope, str) else scope.area
-        return self._taken_over_generator(row_scope(name), sequence, older=[(name, sequence)])
-
-    def _taken_over_generator(
-        self, scope: str, sequence: str, *, scopes: Sequence[str] = (), older: Sequence[tuple[str, str]] = ()
-    ) -> GdidGenerator:
-        key = (scope, sequence)
-        if key not in self._taken_over:
-            with self._take_over_lock:
-                if key not in self._taken_over:
-                    start_above(self, scope, sequence, scopes=scopes, older=older)
-                    self._taken_over.add(key)
-        return self.gdids(scope, sequence)
+        return self._ids.rows(scope, sequence)
 
     # -- briefcase sessions ------------------------------------------------------------------
 

@@ -24,14 +24,24 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from functools import wraps
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from opentelemetry import metrics, trace
 
 from mdb.errors import BriefcaseMovingError, StaleRouteError
 
 if TYPE_CHECKING:
-    from mdb.session import BriefcaseSession
+    from mdb.router import Placement
+
+
+class _RoutedSession(Protocol):
+    """What the session counter needs of a briefcase session: where it was routed."""
+
+    @property
+    def placement(self) -> Placement: ...
+
+
+_S = TypeVar("_S", bound=_RoutedSession)
 
 __all__ = [
     "central_lookup",
@@ -140,19 +150,19 @@ NO_SERVER = "-"
 """The server label of a session that failed before it was routed to one."""
 
 
-class _ObservedSession(AbstractContextManager["BriefcaseSession"]):
+class _ObservedSession(AbstractContextManager[_S], Generic[_S]):
     """Wraps a briefcase session's context manager: counts it by outcome and spans it when traced."""
 
     __slots__ = ("_inner", "_area", "_server", "_span", "_token")
 
-    def __init__(self, inner: AbstractContextManager[BriefcaseSession], area: str) -> None:
+    def __init__(self, inner: AbstractContextManager[_S], area: str) -> None:
         self._inner = inner
         self._area = area
         self._server = NO_SERVER
         self._span: trace.Span | None = None
         self._token: object = None
 
-    def __enter__(self) -> BriefcaseSession:
+    def __enter__(self) -> _S:
         span = _tracer.start_span("mdb.briefcase", attributes={"mdb.area": self._area})
         if span.is_recording():  # only with an SDK: the no-op path skips the context switch
             self._span = span
@@ -190,16 +200,16 @@ class _ObservedSession(AbstractContextManager["BriefcaseSession"]):
             self._span = None
 
 
-_SessionMethod = Callable[..., AbstractContextManager["BriefcaseSession"]]
+_SessionMethod = Callable[..., AbstractContextManager[_S]]
 
 
-def observed_session(method: _SessionMethod) -> _SessionMethod:
+def observed_session(method: _SessionMethod[_S]) -> _SessionMethod[_S]:
     """Decorate ``Store.briefcase``: each session counted by (area, server, outcome), spanned when traced."""
 
     @wraps(method)
     def briefcase(
         store: Any, btype: Any, gdid: Any, *, readonly: bool = False, exclusive: bool = False
-    ) -> AbstractContextManager[BriefcaseSession]:
+    ) -> AbstractContextManager[_S]:
         # Store.briefcase's own signature (no *args/**kwargs to repack: this runs per session).
         if not sdk_installed():  # nothing would record it: the session as it is, no wrapper
             return method(store, btype, gdid, readonly=readonly, exclusive=exclusive)

@@ -31,17 +31,16 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from sqlalchemy import delete, inspect as sa_inspect
 
 from mdb.briefcase import BriefcaseType
-from mdb.central.indexes import STATE_LIVE, CentralIndex
+from mdb.central.cache import CentralCache
+from mdb.central.indexes import STATE_LIVE, CentralIndex, IndexRef, IndexRow
+from mdb.cluster import Cluster
 from mdb.errors import DuplicateKeyError, SchemaError
 from mdb.gdid import GDID
-
-if TYPE_CHECKING:
-    from mdb.central.service import Central, IndexRef, IndexRow
 
 __all__ = ["CRASH_ENV", "STEPS", "create_entity", "hook"]
 
@@ -57,6 +56,21 @@ def _step(name: str) -> None:
         hook(name)
     if os.environ.get(CRASH_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Central(Protocol):
+    """What creation needs of :class:`mdb.central.service.Central` (which calls it, so cannot be imported here)."""
+
+    cluster: Cluster
+    cache: CentralCache
+
+    def index(self, ref: IndexRef) -> type[CentralIndex]: ...
+    def briefcase_type(self, index: type[CentralIndex]) -> type[BriefcaseType]: ...
+    def next_gdid(self, btype: type[BriefcaseType]) -> GDID: ...
+    def reserve(self, idx: type[CentralIndex], nkey: str, gdid: GDID) -> IndexRow: ...
+    def set_state(self, row: IndexRow, state: str) -> int: ...
+    def delete_entry(self, row: IndexRow, *, only_if_created_at: bool = False) -> int: ...
+    def add(self, index: IndexRef, key: str, gdid: GDID | str) -> None: ...
 
 
 def _objects(result: Any | Sequence[Any]) -> list[Any]:
@@ -132,9 +146,9 @@ def create_entity(
     reserved: list[IndexRow] = []
     try:
         for idx, nkey in pairs:
-            reserved.append(central._reserve(idx, nkey, gid))
+            reserved.append(central.reserve(idx, nkey, gid))
         _step("reserved")
-        with central.store.briefcase(btype, gid) as session:
+        with central.cluster.briefcase(btype, gid) as session:
             session.add_all(objects)
             session.flush()
             _step("writing")
@@ -143,7 +157,7 @@ def create_entity(
         _release(central, reserved, exc)
         raise
     for row in reserved:
-        if not central._set_state(row, STATE_LIVE):
+        if not central.set_state(row, STATE_LIVE):
             # A reader took the entry for dangling (this creation outlived the grace period):
             # put it back; if someone else holds the key now, the key is theirs.
             try:
@@ -158,7 +172,7 @@ def create_entity(
 
 def _delete_briefcase(central: Central, btype: type[BriefcaseType], gid: GDID) -> None:
     """Remove a briefcase that lost its key to another creator (children first)."""
-    with central.store.briefcase(btype, gid) as session:
+    with central.cluster.briefcase(btype, gid) as session:
         for table in reversed(btype.tables):
             session.execute(delete(table).where(btype.key_column(table) == gid))
 
@@ -167,6 +181,6 @@ def _release(central: Central, reserved: list[IndexRow], exc: BaseException) -> 
     """Undo this creation's reservations after a failure before the briefcase committed."""
     for row in reserved:
         try:
-            central._delete_row(row, only_if_created_at=True)
+            central.delete_entry(row, only_if_created_at=True)
         except Exception as cleanup:  # the entry stays pending and unconfirmed: repair deletes it
             exc.add_note(f"could not release CENTRAL entry {row.index_name}/{row.key!r}: {cleanup}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import unicodedata
 from collections.abc import Callable
 from types import FunctionType
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, NamedTuple
 
 from sqlalchemy import Column, Float, Index, String, Table
 
@@ -35,6 +35,9 @@ __all__ = [
     "STATE_LIVE",
     "STATE_PENDING",
     "CentralIndex",
+    "IndexRef",
+    "IndexRow",
+    "RootProbe",
     "casefold",
     "central_index",
     "exact",
@@ -182,3 +185,23 @@ def index_by_name(name: str) -> type[CentralIndex]:
             f"unknown CENTRAL index {name!r} (declared: {known}); import the module that declares it "
             "(the map's models: list or --models)"
         ) from None
+
+
+# -- entries: one row of mdb_central_index, as the service and its creation protocol pass it around --
+
+IndexRef = type[CentralIndex] | str
+
+
+class IndexRow(NamedTuple):
+    index_name: str
+    key: str
+    slot: GDID
+    gdid: GDID
+    state: str
+    created_at: float
+
+
+class RootProbe(NamedTuple):
+    exists: bool
+    key: str | None
+    """The root column's value after the index's normalization (None without a root column)."""

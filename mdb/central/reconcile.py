@@ -24,19 +24,16 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import insert, select
 
 from mdb.briefcase import BriefcaseType
-from mdb.central.indexes import STATE_LIVE, STATE_PENDING, CentralIndex, central_index
-from mdb.central.service import IndexRow
+from mdb.central.indexes import STATE_LIVE, STATE_PENDING, CentralIndex, IndexRow, central_index
+from mdb.central.service import Central
 from mdb.errors import DuplicateRowError
 from mdb.gdid import GDID
 from mdb.parallel import DEFAULT_PARALLEL, run_each
-
-if TYPE_CHECKING:
-    from mdb.central.service import Central
 
 __all__ = ["CheckReport", "Problem", "check", "repair"]
 
@@ -99,10 +96,10 @@ def _entries(central: Central, names: list[str], parallel: int) -> list[IndexRow
     stmt = select(c.index_name, c.key, c.slot, c.gdid, c.state, c.created_at).where(c.index_name.in_(names))
 
     def read(server: str) -> list[IndexRow]:
-        with central.store.transaction(server) as conn:
+        with central.cluster.transaction(server) as conn:
             return [IndexRow(*r) for r in conn.execute(stmt)]
 
-    per_server = run_each(list(central.store.router.central_servers()), read, parallel=parallel, name="mdb-central-check")
+    per_server = run_each(list(central.cluster.router.central_servers()), read, parallel=parallel, name="mdb-central-check")
     return [row for rows in per_server for row in rows]
 
 
@@ -111,7 +108,7 @@ def _roots(central: Central, btype: type[BriefcaseType], columns: list[str], par
 
     ``parallel`` shards are read at a time: each read is mostly waiting on its server.
     """
-    router = central.store.router
+    router = central.cluster.router
     table = btype.tables[0]
     key = table.c[btype.key]
     servers = list(dict.fromkeys([
@@ -122,7 +119,7 @@ def _roots(central: Central, btype: type[BriefcaseType], columns: list[str], par
 
     def read(server: str) -> dict[GDID, dict[str, Any]]:
         found: dict[GDID, dict[str, Any]] = {}
-        with central.store.transaction(server, readonly=False) as conn:
+        with central.cluster.transaction(server, readonly=False) as conn:
             for row in conn.execute(stmt):
                 gdid = row[0]
                 if router.locate(btype.area, gdid).server == server:
@@ -221,14 +218,14 @@ def repair(central: Central, indexes: Iterable[type[CentralIndex]], *, grace: fl
     for problem in sorted(before.problems, key=lambda p: order[p.kind]):
         row = rows.get((problem.index, problem.key, problem.gdid))
         if problem.kind in ("dangling", "stale") and row is not None:
-            central._delete_row(row)
+            central.delete_entry(row)
         elif problem.kind == "unfinished" and row is not None:
-            central._set_state(row, STATE_LIVE)
+            central.set_state(row, STATE_LIVE)
             central.cache.invalidate((row.index_name, row.key))
         elif problem.kind == "missing":
             idx = central.index(problem.index)
             try:
-                with central.store.transaction(central.server_of(problem.key)) as conn:
+                with central.cluster.transaction(central.server_of(problem.key)) as conn:
                     conn.execute(insert(central_index).values(
                         index_name=idx.name, key=problem.key, slot=idx.slot(problem.gdid), gdid=problem.gdid,
                         state=STATE_LIVE, created_at=time.time(),

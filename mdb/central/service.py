@@ -12,39 +12,29 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from sqlalchemy import delete, insert, inspect as sa_inspect, select, update
 
 from mdb import telemetry
 from mdb.briefcase import BriefcaseType
+from mdb.cluster import Cluster
+from mdb.central.creation import create_entity
 from mdb.central.cache import CacheStats, CentralCache
-from mdb.central.indexes import STATE_LIVE, STATE_PENDING, CentralIndex, central_index, index_by_name
+from mdb.central.indexes import (
+    STATE_LIVE,
+    STATE_PENDING,
+    CentralIndex,
+    IndexRef,
+    IndexRow,
+    RootProbe,
+    central_index,
+    index_by_name,
+)
 from mdb.errors import DuplicateKeyError, DuplicateRowError, RoutingError, SchemaError
 from mdb.gdid import GDID
 
-if TYPE_CHECKING:
-    from mdb.store import Store
-
 __all__ = ["Central", "IndexRow", "RootProbe"]
-
-IndexRef = type[CentralIndex] | str
-
-
-class IndexRow(NamedTuple):
-    index_name: str
-    key: str
-    slot: GDID
-    gdid: GDID
-    state: str
-    created_at: float
-
-
-class RootProbe(NamedTuple):
-    exists: bool
-    key: str | None
-    """The root column's value after the index's normalization (None without a root column)."""
-
 
 class Central:
     """The CENTRAL index API of one Store; see the module docstring for the entry states.
@@ -56,14 +46,16 @@ class Central:
 
     def __init__(
         self,
-        store: Store,
+        cluster: Cluster,
         *,
+        new_gdid: Callable[[type[BriefcaseType]], GDID],
         cache_size: int = 100_000,
         ttl: float = 30.0,
         grace: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.store = store
+        self.cluster = cluster
+        self._new_gdid = new_gdid
         self.cache = CentralCache(cache_size, ttl, clock)
         self.grace = grace
 
@@ -85,7 +77,7 @@ class Central:
         """The briefcase type an index points at: declared, or the one type of its area here."""
         if index.briefcase is not None:
             return index.briefcase
-        types = self.store.types_of(index.area)
+        types = self.cluster.types_of(index.area)
         if index.root_column is not None:
             types = [t for t in types if index.root_column in t.tables[0].c]
         if len(types) != 1:
@@ -96,7 +88,7 @@ class Central:
         return types[0]
 
     def server_of(self, normalized_key: str) -> str:
-        return self.store.router.locate_central(normalized_key).server
+        return self.cluster.router.locate_central(normalized_key).server
 
     def _row(self, index: type[CentralIndex], nkey: str, slot: GDID | None = None) -> list[IndexRow]:
         c = central_index.c
@@ -105,7 +97,7 @@ class Central:
         )
         if slot is not None:
             stmt = stmt.where(c.slot == slot)
-        with self.store.transaction(self.server_of(nkey)) as conn:
+        with self.cluster.transaction(self.server_of(nkey)) as conn:
             return [IndexRow(*r) for r in conn.execute(stmt)]
 
     def probe_root(self, index: type[CentralIndex], gdid: GDID, *, readonly: bool = False) -> RootProbe:
@@ -114,7 +106,7 @@ class Central:
         table = btype.tables[0]
         key_col = table.c[btype.key]
         column = table.c[index.root_column] if index.root_column is not None else key_col
-        with self.store.briefcase(btype, gdid, readonly=readonly) as session:
+        with self.cluster.briefcase(btype, gdid, readonly=readonly) as session:
             row = session.execute(select(column).where(key_col == gdid)).first()
         if row is None:
             return RootProbe(False, None)
@@ -128,16 +120,17 @@ class Central:
     def confirms(self, index: type[CentralIndex], probe: RootProbe, nkey: str) -> bool:
         return probe.exists and (index.root_column is None or probe.key == nkey)
 
-    def _set_state(self, row: IndexRow, state: str) -> int:
+    def set_state(self, row: IndexRow, state: str) -> int:
+        """Set exactly this entry's state (same GDID); 0 when a reader deleted it as dangling meanwhile."""
         c = central_index.c
-        with self.store.transaction(self.server_of(row.key)) as conn:
+        with self.cluster.transaction(self.server_of(row.key)) as conn:
             return conn.execute(
                 update(central_index)
                 .where(c.index_name == row.index_name, c.key == row.key, c.slot == row.slot, c.gdid == row.gdid)
                 .values(state=state)
             ).rowcount
 
-    def _delete_row(self, row: IndexRow, *, only_if_created_at: bool = False) -> int:
+    def delete_entry(self, row: IndexRow, *, only_if_created_at: bool = False) -> int:
         """Delete exactly this entry (same GDID; with ``only_if_created_at``, same reservation too)."""
         c = central_index.c
         stmt = delete(central_index).where(
@@ -145,14 +138,14 @@ class Central:
         )
         if only_if_created_at:
             stmt = stmt.where(c.state == STATE_PENDING, c.created_at == row.created_at)
-        with self.store.transaction(self.server_of(row.key)) as conn:
+        with self.cluster.transaction(self.server_of(row.key)) as conn:
             count = conn.execute(stmt).rowcount
         self.cache.invalidate((row.index_name, row.key))
         return count
 
     def _insert(self, index: type[CentralIndex], nkey: str, gdid: GDID, state: str) -> IndexRow:
         row = IndexRow(index.name, nkey, index.slot(gdid), gdid, state, time.time())
-        with self.store.transaction(self.server_of(nkey)) as conn:
+        with self.cluster.transaction(self.server_of(nkey)) as conn:
             conn.execute(insert(central_index).values(**row._asdict()))
         self.cache.invalidate((index.name, nkey))
         return row
@@ -167,10 +160,10 @@ class Central:
         if row.state == STATE_LIVE:
             return row.gdid
         if self.confirms(index, self.probe_root(index, row.gdid), row.key):
-            self._set_state(row, STATE_LIVE)
+            self.set_state(row, STATE_LIVE)
             return row.gdid
         if time.time() - row.created_at > self.grace:
-            self._delete_row(row, only_if_created_at=True)
+            self.delete_entry(row, only_if_created_at=True)
         return None
 
     # -- reads -------------------------------------------------------------------------------
@@ -236,8 +229,8 @@ class Central:
             c.index_name == idx.name, c.gdid == gid
         )
         rows: list[IndexRow] = []
-        for server in self.store.router.central_servers():
-            with self.store.transaction(server) as conn:
+        for server in self.cluster.router.central_servers():
+            with self.cluster.transaction(server) as conn:
                 rows.extend(IndexRow(*r) for r in conn.execute(stmt))
         return sorted(row.key for row in rows if self.resolve(idx, row) is not None)
 
@@ -263,7 +256,7 @@ class Central:
                     continue  # deleted in between: try again
                 if rows[0].gdid == gid:
                     if rows[0].state != STATE_LIVE:
-                        self._set_state(rows[0], STATE_LIVE)
+                        self.set_state(rows[0], STATE_LIVE)
                     return
                 holder = self.resolve(idx, rows[0])
                 if holder is None and not self._row(idx, nkey, idx.slot(gid)):
@@ -279,7 +272,7 @@ class Central:
         stmt = delete(central_index).where(c.index_name == idx.name, c.key == nkey)
         if gdid is not None:
             stmt = stmt.where(c.gdid == (gdid if isinstance(gdid, GDID) else GDID.parse(gdid)))
-        with self.store.transaction(self.server_of(nkey)) as conn:
+        with self.cluster.transaction(self.server_of(nkey)) as conn:
             count = conn.execute(stmt).rowcount
         self.cache.invalidate((idx.name, nkey))
         return count > 0
@@ -306,17 +299,17 @@ class Central:
             return gdid
         old_row = rows[0]
         if idx.root_column is not None:
-            self._set_state(old_row, STATE_PENDING)
+            self.set_state(old_row, STATE_PENDING)
         try:
-            new_row = self._reserve(idx, new, gdid)
+            new_row = self.reserve(idx, new, gdid)
         except DuplicateKeyError:
             if idx.root_column is not None:
-                self._set_state(old_row, STATE_LIVE)
+                self.set_state(old_row, STATE_LIVE)
             raise
         if idx.root_column is not None:
             self._set_root(idx, gdid, new_key)
-        self._delete_row(old_row)
-        self._set_state(new_row, STATE_LIVE)
+        self.delete_entry(old_row)
+        self.set_state(new_row, STATE_LIVE)
         self.cache.invalidate((idx.name, new))
         return gdid
 
@@ -325,13 +318,13 @@ class Central:
         model = btype.root
         mapper = sa_inspect(model)
         attr = mapper.get_property_by_column(mapper.local_table.c[idx.root_column]).key
-        with self.store.briefcase(btype, gdid) as session:
+        with self.cluster.briefcase(btype, gdid) as session:
             obj = session.get(model, gdid)
             if obj is None:
                 raise RoutingError(f"briefcase {btype.area}/{gdid} has no root row")
             setattr(obj, attr, raw_key)
 
-    def _reserve(self, idx: type[CentralIndex], nkey: str, gdid: GDID) -> IndexRow:
+    def reserve(self, idx: type[CentralIndex], nkey: str, gdid: GDID) -> IndexRow:
         """Insert a pending entry; the primary key decides between concurrent reservations.
 
         A conflicting entry that turns out dangling (unconfirmed, older than the grace period)
@@ -354,7 +347,7 @@ class Central:
 
     def next_gdid(self, btype: type[BriefcaseType]) -> GDID:
         """A new GDID for a briefcase of ``btype``: the type's root sequence (``store.new_gdid``)."""
-        return self.store.new_gdid(btype)
+        return self._new_gdid(btype)
 
     def create(
         self,
@@ -365,6 +358,4 @@ class Central:
         gdid: GDID | str | None = None,
     ) -> GDID:
         """Create a briefcase and its unique keys atomically (see :mod:`mdb.central.creation`)."""
-        from mdb.central.creation import create_entity
-
         return create_entity(self, btype, factory, keys, gdid=gdid)

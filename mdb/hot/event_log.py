@@ -55,7 +55,7 @@ from mdb.system_tables import STATE_INCOMING, briefcase_state
 
 if TYPE_CHECKING:
     from mdb.briefcase import BriefcaseType
-    from mdb.store import Store
+    from mdb.cluster import Cluster
 
 __all__ = [
     "EventLog",
@@ -278,7 +278,7 @@ class EventLog:
 
     # -- cross-briefcase reads ----------------------------------------------------------------------
 
-    def read_all(self, store: Store, area: str, stream: str) -> dict[GDID, State]:
+    def read_all(self, store: Cluster, area: str, stream: str) -> dict[GDID, State]:
         """Every briefcase's state of ``stream`` in ``area`` (a leaderboard), shard by shard.
 
         Each shard is read in one transaction with one MVCC snapshot (REPEATABLE READ on
@@ -344,7 +344,7 @@ class EventLog:
             return 0, self.fold.initial()
         return int(row[0]), dict(row[1])
 
-    def _briefcase_type(self, store: Store, area: str) -> type[BriefcaseType]:
+    def _briefcase_type(self, store: Cluster, area: str) -> type[BriefcaseType]:
         for btype in store.types_of(area):
             if self.tables.events in btype.tables:
                 if self.tables.snapshots not in btype.tables:
@@ -357,7 +357,7 @@ def _snapshot_id(stream: str, seq: int) -> GDID:
     return derived_gdid("snapshot", stream, seq)
 
 
-def run_snapshots(store: Store, log: EventLog, where: str, *, stream: str | None = None) -> list[SnapshotResult]:
+def run_snapshots(store: Cluster, log: EventLog, where: str, *, stream: str | None = None) -> list[SnapshotResult]:
     """One snapshot pass of ``log`` over ``where`` (an area name, or ``central``).
 
     Finds streams with unmarked events on every shard, then snapshots each in its own

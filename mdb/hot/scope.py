@@ -29,7 +29,7 @@ from mdb.gdid import GDID
 from mdb.session import BriefcaseSession
 
 if TYPE_CHECKING:
-    from mdb.store import Store
+    from mdb.cluster import Cluster
 
 __all__ = ["Scope", "central", "central_server", "dialect_insert", "insert_once", "place_of"]
 
@@ -42,7 +42,7 @@ class Scope:
     server: str
     key: GDID | None = None
     btype: type[BriefcaseType] | None = None
-    store: Store | None = None
+    store: Cluster | None = None
     readonly: bool = False
 
     @property
@@ -106,7 +106,7 @@ def place_of(target: Scope | BriefcaseSession) -> Scope:
 
 
 @contextmanager
-def central(store: Store, key: str, *, readonly: bool = False) -> Iterator[Scope]:
+def central(store: Cluster, key: str, *, readonly: bool = False) -> Iterator[Scope]:
     """One transaction on the CENTRAL shard of ``key`` (commit on success, rollback on error)."""
     server = store.router.locate_central(key).server
     with store.transaction(server, readonly=readonly) as conn:
@@ -114,7 +114,7 @@ def central(store: Store, key: str, *, readonly: bool = False) -> Iterator[Scope
 
 
 @contextmanager
-def central_server(store: Store, server: str) -> Iterator[Scope]:
+def central_server(store: Cluster, server: str) -> Iterator[Scope]:
     """A transaction on one named CENTRAL server (for jobs that walk every CENTRAL shard)."""
     if server not in store.router.central_servers():
         raise RoutingError(f"server {server!r} is not a CENTRAL shard (CENTRAL: {store.router.central_servers()})")
