@@ -37,6 +37,8 @@ __all__ = ["ApplyReport", "StampChange", "apply_map", "live_diff"]
 
 @dataclass(frozen=True)
 class StampChange:
+    """One layout stamp the apply wrote, rewrote or deleted: what ``mdb map apply`` shows the operator."""
+
     server: str
     area: str
     action: Literal["added", "changed", "removed"]
@@ -46,6 +48,8 @@ class StampChange:
 
 @dataclass
 class ApplyReport:
+    """What an apply checked and changed (the diff, prepared servers, stamps, where the map was recorded)."""
+
     old_version: int
     new_version: int
     diff: MapDiff
@@ -274,7 +278,7 @@ def apply_map(
     return report
 
 
-def _undo(target: Store, undo: list[tuple[str, str, ShardLayout | None]], version: int, lock_timeout: float) -> list[str]:
+def _undo(target: Cluster, undo: list[tuple[str, str, ShardLayout | None]], version: int, lock_timeout: float) -> list[str]:
     problems = []
     for server, area, previous in reversed(undo):
         try:
