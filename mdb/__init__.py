@@ -23,7 +23,9 @@ from mdb.errors import (
 from mdb.fanout import FanOutResult, ShardFailure
 from mdb.gdid import GDID
 from mdb.idgen import GdidGenerator
-from mdb.map_edit import ApplyReport, MapDiff, apply_map, diff_maps, high_water_marks
+from mdb.maps.apply import ApplyReport, apply_map
+from mdb.maps.diff import MapDiff, diff_maps
+from mdb.maps.high_water import high_water_marks
 from mdb.partition_map import PartitionMap, load_map, parse_map
 from mdb.router import CentralPlacement, Placement, Router, ShardLayout
 from mdb.session import BriefcaseSession

@@ -70,7 +70,7 @@ briefcase_state = Table(
 
 CENTRAL_TABLE_MODULES: Final[tuple[str, ...]] = (
     "mdb.relocations",
-    "mdb.map_edit",
+    "mdb.maps.history",
     "mdb.idgen",
     "mdb.central.indexes",
     "mdb.moves.journal",

@@ -145,7 +145,7 @@ def test_child_row_ids_do_not_raise_the_areas_high_water_mark(sqlite_store: Stor
     """Old code drew Repository ids from scope ``user``: 3,000 line ids put the mark at 0:0:3000
     with one user, and a partition at 0:0:2000 was refused."""
     from mdb.demo.repositories import OrderRepository, UserRepository
-    from mdb.map_edit import high_water_marks
+    from mdb.maps.high_water import high_water_marks
 
     user = UserRepository(sqlite_store).register("hw@example.com", "hw")
     OrderRepository(sqlite_store).new_ids("order_line", 3000)

@@ -23,7 +23,9 @@ from mdb.cli import app
 from mdb.demo.models import Address, User, UserBriefcase
 from mdb.errors import MapEditError
 from mdb.gdid import GDID
-from mdb.map_edit import apply_map, high_water_marks, maps_table
+from mdb.maps.apply import apply_map
+from mdb.maps.high_water import high_water_marks
+from mdb.maps.history import maps_table
 from mdb.partition_map import load_map
 from mdb.schema import apply_schema
 from mdb.store import Store

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from mdb.errors import MapEditError, MapError, RoutingError
 from mdb.gdid import GDID
-from mdb.map_edit import _literal_secret, diff_maps, recordable_yaml
+from mdb.maps.diff import diff_maps
+from mdb.maps.text import _literal_secret, recordable_yaml
 from mdb.partition_map import PartitionMap, parse_map
 from mdb.router import Router
 

@@ -6,7 +6,8 @@ import pytest
 
 from mdb.engines import EngineRegistry
 from mdb.errors import MapEditError, MapError
-from mdb.map_edit import diff_maps, recordable_yaml
+from mdb.maps.diff import diff_maps
+from mdb.maps.text import recordable_yaml
 from mdb.partition_map import parse_map
 from mdb.urls import mask_url
 

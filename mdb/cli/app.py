@@ -35,6 +35,7 @@ from typer.models import DefaultPlaceholder
 
 from mdb.dberrors import describe
 from mdb.errors import MdbError, RetryableError, ServerUnavailableError
+from mdb.maps.history import load_applied_map
 from mdb.partition_map import PartitionMap, load_map, load_map_cached
 from mdb.store import Store
 from mdb.urls import mask_secrets
@@ -216,8 +217,6 @@ def read_map_file(path: str) -> PartitionMap:
 
 def _newest_map(pmap: PartitionMap, map_path: str) -> PartitionMap:
     """``pmap``, or the newer map applied in CENTRAL: what ``Store.refresh`` adopts."""
-    from mdb.map_edit import load_applied_map  # late: map_edit builds on mdb.schema and the Store
-
     probe = Store(pmap, types=[], map_path=map_path)
     try:
         applied = load_applied_map(probe, pmap)

@@ -21,7 +21,11 @@ from rich.table import Table
 from mdb.cli.app import EXIT_NOT_FOUND, EXIT_REFUSED, console, emit_json, fail, map_app, open_map, open_store, read_map_file
 from mdb.errors import GDIDError
 from mdb.gdid import GDID
-from mdb.map_edit import ApplyReport, MapDiff, applied_maps, apply_map, diff_maps, high_water_marks, live_diff, newest_applied
+from mdb.maps.apply import ApplyReport, apply_map, live_diff
+from mdb.maps.diff import MapDiff, diff_maps
+from mdb.maps.high_water import high_water_marks
+from mdb.maps.history import applied_maps, newest_applied
+from mdb.maps.text import write_map_file
 from mdb.partition_map import PartitionMap, read_map_text
 from mdb.store import Store
 
@@ -216,7 +220,5 @@ def map_pull(
     if output is None:
         sys.stdout.write(applied.yaml if applied.yaml.endswith("\n") else applied.yaml + "\n")
         return
-    tmp = output.with_name(output.name + ".tmp")
-    tmp.write_text(applied.yaml, encoding="utf-8")
-    tmp.replace(output)  # atomic: a Store re-reading the file never sees half of it
+    write_map_file(output, applied.yaml)
     console.print(f"wrote map version {applied.version} (applied {applied.applied_at or '-'}) to {output}", markup=False)

@@ -4,7 +4,7 @@ Order, chosen so that no moment exists where a session is routed to a server tha
 hold the data:
 
 1. plan and precheck everything (every target's schema, the new map through
-   :func:`mdb.map_edit.apply_map` in dry-run) before the first briefcase moves;
+   :func:`mdb.maps.apply.apply_map` in dry-run) before the first briefcase moves;
 2. move each briefcase to its shard under the NEW list (``v mod len(new)``) with the ordinary
    move protocol: until the new map exists the target is a relocation ('resident' row +
    relocation entry), so old-map and new-map processes alike find it; the old shard keeps a
@@ -33,11 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
 from sqlalchemy import and_, delete, select
 
 from mdb.errors import MdbError, MoveAbortedError, RoutingError
 from mdb.gdid import GDID
+from mdb.maps.apply import apply_map
+from mdb.maps.history import applied_maps, newest_applied
+from mdb.maps.text import new_map_text, rewrite_map_file
 from mdb.moves.faults import fault_point
 from mdb.moves.freeze import freeze_partition, unfreeze_partition
 from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
@@ -140,26 +142,6 @@ class ReshardOutcome:
                 "rows_moved": self.rows_moved, "map_backup": self.map_backup, "plan": self.plan.to_json()}
 
 
-def new_map_text(current_text: str, area: str, start: GDID, new_shards: list[str], version: int) -> str:
-    """The map file text with the partition's new shard list and a new version.
-
-    Edited as plain YAML data without expanding ``${NAME}``, so no secret lands in the text.
-    """
-    data = yaml.safe_load(current_text)
-    spec = data.get("areas", {}).get(area)
-    if spec is None:
-        raise RoutingError(f"the map has no area {area!r}")
-    sets = spec.get("range_sets") or [{"breakpoint": "0:0:0", "partitions": spec.get("partitions", [])}]
-    for rs in sets:
-        base = GDID.parse(str(rs["breakpoint"])).sharding_value
-        for part in rs["partitions"]:
-            if GDID.from_sharding_value(base + GDID.parse(str(part["start"])).sharding_value) == start:
-                part["shards"] = list(new_shards)
-                data["version"] = version
-                return yaml.safe_dump(data, sort_keys=False)
-    raise RoutingError(f"area {area!r} has no partition starting at {start}")
-
-
 def _validate(store: Any, area: str, start: GDID, new_shards: list[str]) -> None:
     unknown = [s for s in new_shards if s not in store.map.servers]
     if unknown:
@@ -238,8 +220,6 @@ def _store_map_text(store: Any, map_path: str | None) -> str:
     applied map in CENTRAL is newer than the file (``mdb map apply`` does not rewrite the file),
     that map's recorded text, so the reshard never sees the file's older partitions as removed.
     """
-    from mdb.map_edit import newest_applied  # late: map_edit builds on the Store
-
     applied = newest_applied(store)
     if map_path is not None and Path(map_path).is_file():
         text = Path(map_path).read_text(encoding="utf-8")
@@ -251,16 +231,12 @@ def _store_map_text(store: Any, map_path: str | None) -> str:
 
 
 def _next_version(store: Any) -> int:
-    from mdb.map_edit import applied_maps
-
     versions = [v for v, _ in applied_maps(store)]
     return max([store.map.version, *versions]) + 1
 
 
 def _prechecks(store: Any, plan: ReshardPlan, tables: list[Any], map_path: str | Path | None, *, dry_run: bool) -> tuple[PartitionMap, str]:
     """Every target's schema and the new map (through apply_map's dry run), before anything moves."""
-    from mdb.map_edit import apply_map
-
     targets = [*plan.new_shards, *(m.target for m in plan.moves)]
     sources = [m.source for m in plan.moves]  # reachable, and matching the models
     check_schemas(store, [*targets, *sources], tables, f"reshard of {plan.area} partition {plan.partition_start}")
@@ -475,8 +451,6 @@ def _frozen_phase(
 
 def _apply_new_map(store: Any, journal: Journal, entry: JournalEntry, map_path: str | None) -> int:
     """Apply the journaled new map (once), then write it to the map file; idempotent."""
-    from mdb.map_edit import applied_maps, apply_map
-
     params = entry.params
     area, start, new_shards = entry.area, GDID.parse(params["partition_start"]), list(params["new_shards"])
     text = params.get("new_map_yaml")
@@ -490,35 +464,14 @@ def _apply_new_map(store: Any, journal: Journal, entry: JournalEntry, map_path: 
         apply_map(store, new_map, yaml_text=text, allow_reshard_of=(area, start))
     fault_point("reshard.after_map_apply")
     if map_path is not None:
-        path = Path(map_path)
-        old_text = path.read_text(encoding="utf-8") if path.is_file() else None
-        current = None if old_text is None else parse_map(old_text, str(path))
-        if current is None or current.version < new_map.version:
-            if old_text is not None:
-                params["map_backup"] = str(_backup_map_file(path, old_text, current.version if current else 0, entry.move_id))
-                journal.update(entry.move_id, params=params)
-            tmp = path.with_suffix(path.suffix + ".tmp")
-            tmp.write_text(text, encoding="utf-8")
-            tmp.replace(path)
+        def journal_backup(backup: Path) -> None:
+            params["map_backup"] = str(backup)
+            journal.update(entry.move_id, params=params)
+
+        rewrite_map_file(Path(map_path), text, new_map.version, tag=entry.move_id, on_backup=journal_backup)
     fault_point("reshard.after_map_file")
     store.refresh()
     return new_map.version
-
-
-def _backup_map_file(path: Path, text: str, version: int, reshard_id: str) -> Path:
-    """Keep the map file as it was (comments, layout) beside it before it is rewritten.
-
-    The new version is written as YAML data, which keeps ``${NAME}`` references but not
-    comments or layout; the copy lets the operator carry them over. Named after the old
-    version and the reshard, so a resumed reshard or a later one never overwrites it.
-    """
-    backup = path.with_name(f"{path.stem}.v{version}.before-{reshard_id}{path.suffix}")
-    if not backup.exists():
-        tmp = backup.with_name(backup.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(backup)
-    log.warning("map file %s rewritten for map version %d without its comments; the previous file is kept at %s", path, version + 1, backup)
-    return backup
 
 
 def _cleanup(store: Any, area: str, start: GDID) -> None:

@@ -1,0 +1,290 @@
+"""Applying a map version: stamping its layouts onto every shard, under a lock, with undo.
+
+:func:`apply_map` is the only code that stamps a new layout onto shards (docs/design.md
+invariant 4). It checks the new map against the newest applied one (:mod:`mdb.maps.history`)
+with the live high-water marks (:mod:`mdb.maps.high_water`) through the pure diff
+(:mod:`mdb.maps.diff`), writes nothing unless every change is accepted, and records the map
+in CENTRAL so every Store picks it up on refresh. A tool: it opens a Store on the new map to
+reach servers the old one does not name, and prepares their tables with :mod:`mdb.schema`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from sqlalchemy import delete, insert, select
+from sqlalchemy import inspect as sa_inspect
+from sqlalchemy.engine import Connection
+
+from mdb import dberrors
+from mdb.cluster import Cluster
+from mdb.errors import MapEditError, MdbError
+from mdb.gdid import GDID
+from mdb.maps.diff import MapDiff, diff_maps
+from mdb.maps.high_water import high_water_marks, stored_high_water
+from mdb.maps.history import AppliedMap, maps_server, maps_table, newest_applied
+from mdb.maps.text import recordable_yaml
+from mdb.partition_map import PartitionMap, read_map_text
+from mdb.router import Router, ShardLayout
+from mdb.schema import create_tables, server_tables, stamp_layout
+from mdb.store import Store
+from mdb.system_tables import shard_layout
+
+__all__ = ["ApplyReport", "StampChange", "apply_map", "live_diff"]
+
+
+@dataclass(frozen=True)
+class StampChange:
+    """One layout stamp the apply wrote, rewrote or deleted: what ``mdb map apply`` shows the operator."""
+
+    server: str
+    area: str
+    action: Literal["added", "changed", "removed"]
+    old: str | None
+    new: str | None
+
+
+@dataclass
+class ApplyReport:
+    """What an apply checked and changed (the diff, prepared servers, stamps, where the map was recorded)."""
+
+    old_version: int
+    new_version: int
+    diff: MapDiff
+    prepared: dict[str, list[str]] = field(default_factory=dict)
+    """server -> tables created on it (servers the new map adds or gives a new role)."""
+    stamps: list[StampChange] = field(default_factory=list)
+    recorded_on: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "old_version": self.old_version,
+            "new_version": self.new_version,
+            "diff": self.diff.to_json(),
+            "prepared": self.prepared,
+            "stamps": [{"server": s.server, "area": s.area, "action": s.action, "old": s.old, "new": s.new} for s in self.stamps],
+            "recorded_on": self.recorded_on,
+        }
+
+
+def _fmt_layout(layout: ShardLayout | None) -> str | None:
+    if layout is None:
+        return None
+    return f"[{layout.partition_start}, {layout.partition_end or 'open'}) shard {layout.shard_index} of {layout.shard_count}"
+
+
+def _read_stamps(conn: Connection) -> dict[str, ShardLayout]:
+    if not sa_inspect(conn).has_table(shard_layout.name):
+        return {}
+    rows = conn.execute(select(shard_layout)).mappings()
+    return {
+        r["area"]: ShardLayout(r["area"], r["partition_start"], r["partition_end"], r["shard_index"], r["shard_count"])
+        for r in rows
+    }
+
+
+def _lock_layout(conn: Connection, lock_timeout: float) -> None:
+    """Wait for every in-flight session on this shard, and hold off new ones until commit.
+
+    Every session reads ``mdb_shard_layout`` in its ownership check, so on PostgreSQL it holds
+    ACCESS SHARE on that table until it ends: ACCESS EXCLUSIVE waits for all of them and
+    blocks the checks of new ones, which after our commit read the new stamp. On SQLite the
+    transaction's BEGIN IMMEDIATE already serializes us with every writer.
+    """
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{int(lock_timeout * 1000)}ms'")
+        conn.exec_driver_sql(f"LOCK TABLE {shard_layout.name} IN ACCESS EXCLUSIVE MODE")
+
+
+def _write_stamp(conn: Connection, server: str, area: str, layout: ShardLayout | None, version: int) -> None:
+    if layout is None:
+        conn.execute(delete(shard_layout).where(shard_layout.c.area == area))
+        return
+    problem = stamp_layout(conn, layout, version, replace=True)
+    if problem:  # replace=True never refuses; a problem here is a bug, not an operator error
+        raise MapEditError(f"server {server!r}: {problem}")
+
+
+def _shrink_check(cluster: Cluster, conn: Connection, server: str, area: str, live: ShardLayout, new: ShardLayout | None) -> None:
+    """Under the lock: refuse when a GDID this shard stores would fall outside its new range."""
+    if new is None:
+        return  # leaving the area happens only in a reshard, which moved the briefcases first
+    end_shrinks = new.partition_end is not None and (
+        live.partition_end is None or new.partition_end.sharding_value < live.partition_end.sharding_value
+    )
+    if not end_shrinks:
+        return
+    existing = set(sa_inspect(conn).get_table_names())
+    cols = [bt.key_column(bt.tables[0]) for bt in cluster.types_of(area) if bt.tables[0].name in existing]
+    top = stored_high_water(conn, cols)
+    assert new.partition_end is not None
+    if top is not None and top >= new.partition_end.sharding_value:
+        raise MapEditError(
+            f"server {server!r} stores GDID {GDID.from_sharding_value(top)} of area {area!r}, at or above the new partition end "
+            f"{new.partition_end} (written after the high-water mark was read): choose a start above it"
+        )
+
+
+def _live_diff(
+    cluster: Cluster, new_map: PartitionMap, allow_reshard_of: tuple[str, GDID] | None, margin: int
+) -> tuple[MapDiff, PartitionMap, AppliedMap | None]:
+    cluster.refresh()
+    old_applied = newest_applied(cluster)
+    old_map = old_applied.parse(cluster.map) if old_applied else cluster.map
+    relocated_to = set(cluster.router.relocations.values())
+    marks = high_water_marks(cluster, margin=margin)
+    diff = diff_maps(old_map, new_map, marks, allow_reshard_of=allow_reshard_of, relocated_to=relocated_to)
+    return diff, old_map, old_applied
+
+
+def live_diff(
+    cluster: Cluster, new_map: PartitionMap, *, allow_reshard_of: tuple[str, GDID] | None = None, margin: int = 0
+) -> MapDiff:
+    """``diff_maps`` from the newest applied map (else the cluster's) to ``new_map``, with live marks.
+
+    What ``apply_map`` checks first; never raises for a refused change (see ``MapDiff.ok``).
+    """
+    return _live_diff(cluster, new_map.resolved_in(cluster.map.folder), allow_reshard_of, margin)[0]
+
+
+def apply_map(
+    cluster: Cluster,
+    new_map: PartitionMap,
+    *,
+    yaml_text: str | None = None,
+    allow_reshard_of: tuple[str, GDID] | None = None,
+    margin: int = 0,
+    lock_timeout: float = 10.0,
+    dry_run: bool = False,
+) -> ApplyReport:
+    """Validate ``new_map`` against the live system and stamp it onto every shard, safely.
+
+    The old side is the newest map recorded in CENTRAL (else the cluster's own map). Nothing is
+    written unless :func:`diff_maps` accepts every change under the live high-water marks.
+    Then, in this order (each step keeps every process, old map or new, from writing a
+    briefcase to a shard that will not own it):
+
+    1. Every server of the new map is reached and its stamps read (a down server stops the
+       apply before anything changes).
+    2. Servers that are new or gain a role get their tables (``schema.server_tables``).
+    3. Stamps that did not exist are written: servers joining an area. No process routes there
+       by default under the old map, so this is invisible until the map is published.
+    4. Stamps that change are rewritten, one shard at a time, each under a lock that waits
+       for the shard's in-flight sessions and re-checks that no stored GDID falls outside the
+       new range (GDIDs written since the marks were read). After this an old process meets
+       the new stamp, raises StaleRouteError and refreshes; it cannot write to the wrong shard.
+    5. Stamps of servers that leave an area (a reshard) are deleted the same way.
+    6. The map text is recorded in CENTRAL; refreshing Stores adopt it (retrying processes
+       that met a new stamp in steps 4-5 succeed from here on).
+
+    ``dry_run`` does every check (refusing like a real run) and returns before step 1.
+
+    A failure in steps 3-5 restores every stamp already written (tables created stay; they
+    are empty) and raises MapEditError. A crash between 4 and 6 leaves old processes refused
+    (retryably) for the changed ranges, never misrouted; running the apply again finishes it.
+    """
+    # A map given as text (a reshard's) has relative SQLite paths; they mean what the Store's do.
+    new_map = new_map.resolved_in(cluster.map.folder)
+    diff, old_map, old_applied = _live_diff(cluster, new_map, allow_reshard_of, margin)
+    report = ApplyReport(old_map.version, new_map.version, diff)
+    diff.raise_if_refused()
+    known = [old_applied.yaml] if old_applied else []
+    if cluster.map_path is not None and Path(cluster.map_path).is_file():
+        known.append(read_map_text(cluster.map_path))
+    text = recordable_yaml(new_map, yaml_text, known)
+    if dry_run:
+        return report
+
+    target = Store(new_map, types=cluster.types)
+    try:
+        old_router, new_router = Router(old_map), Router(new_map)
+        new_layouts: dict[str, dict[str, ShardLayout]] = {}
+        for server, layout in new_router.layouts():
+            if layout.area != new_map.central_area:
+                new_layouts.setdefault(server, {})[layout.area] = layout
+        old_roles: dict[str, set[str]] = {}
+        for server, layout in old_router.layouts():
+            old_roles.setdefault(server, set()).add(layout.area)
+
+        # 1. reach every server, read live stamps
+        live: dict[str, dict[str, ShardLayout]] = {}
+        for server in new_map.servers:
+            with target.transaction(server) as conn:
+                live[server] = _read_stamps(conn)
+        areas = set(new_router.area_names())
+
+        # 2. tables on new servers and servers with a new role
+        for server in new_map.servers:
+            new_roles = set(new_layouts.get(server, {}))
+            if server in new_router.central_servers():
+                new_roles.add(new_map.central_area)
+            if server in old_map.servers and new_roles <= old_roles.get(server, set()):
+                continue
+            all_layouts = [l for s, l in new_router.layouts() if s == server]
+            _, tables = server_tables(target, new_router, server, all_layouts)
+            with target.transaction(server) as conn:
+                report.prepared[server] = create_tables(conn, tables)
+
+        plan_add: list[tuple[str, str, ShardLayout]] = []
+        plan_change: list[tuple[str, str, ShardLayout, ShardLayout | None]] = []
+        for server, wanted in new_layouts.items():
+            for area, layout in wanted.items():
+                current = live.get(server, {}).get(area)
+                if current is None:
+                    plan_add.append((server, area, layout))
+                elif current != layout:
+                    plan_change.append((server, area, current, layout))
+        for server, stamps in live.items():
+            for area, current in stamps.items():
+                if area in areas and area not in new_layouts.get(server, {}):
+                    plan_change.append((server, area, current, None))
+
+        undo: list[tuple[str, str, ShardLayout | None]] = []
+        try:
+            # 3. new stamps: nobody routes here yet
+            for server, area, layout in plan_add:
+                with target.transaction(server) as conn:
+                    _write_stamp(conn, server, area, layout, new_map.version)
+                undo.append((server, area, None))
+                report.stamps.append(StampChange(server, area, "added", None, _fmt_layout(layout)))
+            # 4./5. changed and removed stamps, each under the shard's layout lock
+            for server, area, current, new_layout in plan_change:
+                with target.transaction(server) as conn:
+                    _lock_layout(conn, lock_timeout)
+                    _shrink_check(cluster, conn, server, area, current, new_layout)
+                    _write_stamp(conn, server, area, new_layout, new_map.version)
+                undo.append((server, area, current))
+                action: Literal["changed", "removed"] = "changed" if new_layout is not None else "removed"
+                report.stamps.append(StampChange(server, area, action, _fmt_layout(current), _fmt_layout(new_layout)))
+        except Exception as exc:
+            problems = _undo(target, undo, old_map.version, lock_timeout)
+            detail = str(exc) if isinstance(exc, MdbError) else f"{type(exc).__name__}: {dberrors.describe(exc)}"
+            restored = "every stamp written so far was restored" if not problems else (
+                "restoring stamps FAILED on: " + "; ".join(problems) + " (run the apply again to finish)"
+            )
+            raise MapEditError(f"map version {new_map.version} not applied: {detail}; {restored}") from exc
+
+        # 6. publish
+        server = maps_server(new_map)
+        with target.transaction(server) as conn:
+            create_tables(conn, [maps_table])
+            conn.execute(insert(maps_table).values(version=new_map.version, yaml=text))
+        report.recorded_on = server
+    finally:
+        target.close()
+    cluster.refresh()
+    return report
+
+
+def _undo(target: Cluster, undo: list[tuple[str, str, ShardLayout | None]], version: int, lock_timeout: float) -> list[str]:
+    problems = []
+    for server, area, previous in reversed(undo):
+        try:
+            with target.transaction(server) as conn:
+                _lock_layout(conn, lock_timeout)
+                _write_stamp(conn, server, area, previous, version)
+        except Exception as exc:  # reported to the operator in the MapEditError, never dropped
+            problems.append(f"server {server!r} area {area!r}: {exc}")
+    return problems
