@@ -29,6 +29,7 @@ from mdb.errors import QueryError, RetryableError, RoutingError
 from mdb.fanout import FanOutResult, ShardFailure, fan_out, warm_up
 from mdb.gdid import GDID
 from mdb.idgen import GdidGenerator, Ids
+from mdb.maps.history import load_applied_map
 from mdb.ownership import check_ownership, ownership_prelude
 from mdb.partition_map import PartitionMap, load_map_cached
 from mdb.relocations import load_relocations
@@ -125,8 +126,6 @@ class Store:
 
     def _newest_applied_map(self, current: PartitionMap) -> PartitionMap | None:
         """A map newer than ``current`` that `mdb map apply` recorded in CENTRAL, if any."""
-        from mdb.map_edit import load_applied_map  # late: map_edit builds on mdb.schema, which imports this module
-
         if self._central_on_mongo(Router(current)):
             return None  # map history (mdb_maps) is kept on SQL CENTRAL servers only
         return load_applied_map(self, current)
