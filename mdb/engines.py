@@ -4,8 +4,10 @@ Engines know nothing of GDIDs or areas; they only turn the map's server names in
 connections. SQLite files get WAL and a busy timeout (so concurrent writers wait instead of
 failing), PostgreSQL URLs are forced onto psycopg 3. On both, mdb issues BEGIN itself (driver
 autocommit mode plus the dialect's ``do_begin``) so that a transaction can carry a prelude,
-the briefcase ownership check, without an extra round trip. URLs are masked in every repr and
-error.
+the briefcase ownership check, without an extra round trip. The engine only knows WHEN to run
+a prelude (a typed hook: :class:`BeginPrelude`, handed over with :func:`set_prelude` and its
+rows read with :func:`take_result`); WHAT it runs, the check's SQL, lives in
+:mod:`mdb.ownership`. URLs are masked in every repr and error.
 
 Pool sizes, recycling and the PostgreSQL connect timeout come from the map's ``engine:``
 settings (:class:`mdb.partition_map.EngineSpec`) over the defaults below. The connect timeout

@@ -39,7 +39,7 @@ from mdb.router import Placement
 from mdb.system_tables import STATE_FROZEN, STATE_GONE, STATE_INCOMING, STATE_RESIDENT
 
 __all__ = [
-    "FREEZE_GDID", "Prelude", "check_ownership", "install_pg_functions", "lock_key_sql", "ownership_prelude",
+    "FREEZE_GDID", "OwnershipCheck", "Prelude", "check_ownership", "install_pg_functions", "lock_key_sql", "ownership_prelude",
     "partition_lock_key_sql",
 ]
 
@@ -318,6 +318,32 @@ def ownership_prelude(backend: str, placement: Placement, lock: bool, exclusive:
     if lock:
         params["start"] = str(start)
     return Prelude((_SQLITE_WRITE if lock else _SQLITE_READ,), params=params)
+
+
+@dataclass(frozen=True)
+class OwnershipCheck:
+    """A session's ownership check as a :class:`mdb.engines.BeginPrelude` for any SQL engine.
+
+    The engine's BEGIN calls the method of its own kind, so the caller (the Store) needs no
+    ``dialect.name`` branch: the check is rendered for the kind that runs it
+    (:func:`ownership_prelude`), when it runs.
+    """
+
+    placement: Placement
+    lock: bool
+    exclusive: bool = False
+
+    def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:
+        return self._rendered("postgresql").begin_postgresql(connection, prepared)
+
+    def begin_postgresql_pooled(self, connection: psycopg.Connection[Any]) -> Rows | None:
+        return self._rendered("postgresql").begin_postgresql_pooled(connection)
+
+    def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
+        return self._rendered("sqlite").begin_sqlite(cursor, begin)
+
+    def _rendered(self, backend: str) -> Prelude:
+        return ownership_prelude(backend, self.placement, self.lock, self.exclusive)
 
 
 def _gdid(value: Any) -> GDID | None:
