@@ -15,11 +15,9 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy as sa
-from test_stale_routing import Cluster, pg_cluster, sqlite_cluster  # noqa: F401  (the fixtures)
 
 from mdb.engines import BeginPrelude, EngineRegistry, PreparedNames, Rows, prelude_of, set_prelude, take_result
-from mdb.gdid import GDID
-from mdb.ownership import OwnershipCheck, Prelude, check_ownership, ownership_prelude
+from mdb.ownership import Prelude
 from mdb.partition_map import ServerSpec
 
 
@@ -140,27 +138,3 @@ def test_postgres_pooled_engine_sends_the_unprepared_form(pg_url: str) -> None:
     finally:
         reg.dispose()
 
-
-# -- the ownership check through the hook, with no dialect branch in the caller ------------------
-
-
-@pytest.mark.parametrize("kind", ["postgresql", "sqlite"])
-@pytest.mark.parametrize(("lock", "exclusive"), [(False, False), (True, False), (True, True)])
-def test_ownership_check_runs_the_rendering_of_the_engines_kind(
-    kind: str, lock: bool, exclusive: bool, request: pytest.FixtureRequest
-) -> None:
-    """:class:`~mdb.ownership.OwnershipCheck` returns, on each kind, the row its kind's rendering returns."""
-    cluster: Cluster = request.getfixturevalue("pg_cluster" if kind == "postgresql" else "sqlite_cluster")
-    store = cluster.store()
-    placement = store.router.locate("user", GDID(0, 0, 7))
-    readonly = not lock
-    rows = []
-    for prelude in (OwnershipCheck(placement, lock, exclusive), ownership_prelude(kind, placement, lock, exclusive)):
-        with store.connect(placement.server, readonly) as conn:
-            assert conn.dialect.name == kind
-            set_prelude(conn, prelude)
-            conn.begin()
-            rows.append(take_result(conn))
-            check_ownership(rows[-1], placement, store.router.version)  # stamped as routed: no error
-            conn.rollback()
-    assert rows[0] == rows[1] and rows[0] is not None and len(rows[0]) == 1
