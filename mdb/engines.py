@@ -4,8 +4,10 @@ Engines know nothing of GDIDs or areas; they only turn the map's server names in
 connections. SQLite files get WAL and a busy timeout (so concurrent writers wait instead of
 failing), PostgreSQL URLs are forced onto psycopg 3. On both, mdb issues BEGIN itself (driver
 autocommit mode plus the dialect's ``do_begin``) so that a transaction can carry a prelude,
-the briefcase ownership check, without an extra round trip. URLs are masked in every repr and
-error.
+the briefcase ownership check, without an extra round trip. The engine only knows WHEN to run
+a prelude (a typed hook: :class:`BeginPrelude`, handed over with :func:`set_prelude` and its
+rows read with :func:`take_result`); WHAT it runs, the check's SQL, lives in
+:mod:`mdb.ownership`. URLs are masked in every repr and error.
 
 Pool sizes, recycling and the PostgreSQL connect timeout come from the map's ``engine:``
 settings (:class:`mdb.partition_map.EngineSpec`) over the defaults below. The connect timeout
@@ -16,17 +18,17 @@ powered-off host, which takes minutes, and every command touching that server ha
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
-from psycopg import pq
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import Connection
 from sqlalchemy.pool import NullPool
 
 from mdb.budget import BudgetPool, ConnectionBudget, connect_patiently, instance_of
@@ -34,7 +36,10 @@ from mdb.partition_map import EngineSpec, PartitionMap, ServerSpec
 from mdb.servers import ServerDirectory
 from mdb.urls import mask_url, sqlalchemy_url
 
-__all__ = ["BEGIN_PRELUDE", "BEGIN_RESULT", "EngineRegistry", "Prelude", "sqlalchemy_url"]
+__all__ = [
+    "BEGIN_PRELUDE", "BEGIN_RESULT", "BeginPrelude", "EngineRegistry", "PreparedNames", "Rows", "prelude_of", "set_prelude",
+    "sqlalchemy_url", "take_result",
+]
 
 log = logging.getLogger("mdb.engines")
 
@@ -57,120 +62,108 @@ def _sqlite_setup(dbapi_connection: Any, _record: Any) -> None:
         cursor.close()
 
 
-BEGIN_PRELUDE = "mdb.begin_prelude"
-"""``Connection.info`` key: a :class:`Prelude` to run right after BEGIN."""
-BEGIN_RESULT = "mdb.begin_result"
-"""``Connection.info`` key where the rows of the prelude's last statement are left."""
+_PRELUDE = "mdb.begin_prelude"
+"""``info`` key (per pooled DBAPI connection): the :class:`BeginPrelude` the next BEGIN runs."""
+_RESULT = "mdb.begin_result"
+"""``info`` key where the rows of the prelude's last statement are left."""
 _PREPARED = "mdb.prepared"
-"""DBAPI-connection ``info`` key: the names of our prepared statements known to exist on it, or
-None when that is unknown (a PREPARE failed half-way, or they went missing)."""
+"""``info`` key: the connection's :class:`PreparedNames`."""
+
+BEGIN_PRELUDE = _PRELUDE
+"""Deprecated: the raw key; use :func:`set_prelude` / :func:`prelude_of`. Kept until mdb.store uses those."""
+BEGIN_RESULT = _RESULT
+"""Deprecated: the raw key; use :func:`take_result`. Kept until mdb.store uses it."""
+
+Rows = list[tuple[Any, ...]]
+"""What a prelude's last statement returned."""
 
 
-@dataclass(frozen=True)
-class Prelude:
-    """Statements to run right after BEGIN, in the same round trip.
+@dataclass
+class PreparedNames:
+    """The server-side prepared statements known to exist on one DBAPI connection.
 
-    ``prepare`` maps the names of server-side prepared statements the statements ``EXECUTE``
-    to their definitions, ``(argument types) AS query`` (PostgreSQL only). They are prepared
-    once per pooled connection, on first use and outside any transaction, so a session pays
-    for parsing and planning the prelude once per connection instead of once per BEGIN.
+    Kept with the pooled connection (it lives as long as the server session does), so a prelude
+    prepares its statements once per connection. ``known`` is None when that is unknown: a
+    PREPARE failed half-way (PREPARE is not transactional) or the statements went missing.
     """
 
-    statements: tuple[str, ...]
-    prepare: Mapping[str, str] = field(default_factory=dict)
-    params: Mapping[str, Any] = field(default_factory=dict)
-    """Named parameters of the statements (SQLite only: a PostgreSQL prelude travels as one
-    simple-protocol string, which takes none, so its values are inlined)."""
-    unprepared: tuple[str, ...] = ()
-    """The same with no prepared statement behind them (PostgreSQL): what an engine behind a
-    transaction-pooling pooler sends, where nothing prepared outlives a transaction."""
+    known: set[str] | None = field(default_factory=set)
 
 
-def _last_rows(cursor: Any) -> list[tuple[Any, ...]] | None:
-    """Rows of the last result of a multi-statement string (psycopg), skipping the others.
+class BeginPrelude(Protocol):
+    """Work a transaction does right after BEGIN, in the SAME round trip (the ownership check).
 
-    Checks the result status instead of ``description``, which builds column objects.
+    The engine calls the method of its kind from the dialect's ``do_begin``; the prelude sends
+    BEGIN itself, together with its statements, and returns the rows of its last statement
+    (None when it returned none). What the statements are, and how their rows read, is the
+    prelude's business (:mod:`mdb.ownership`); the engine only knows when to call it.
     """
-    while cursor.nextset():
-        pass
-    result = cursor.pgresult
-    return cursor.fetchall() if result is not None and result.status == pq.ExecStatus.TUPLES_OK else None
+
+    def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:
+        """BEGIN on a direct PostgreSQL connection, where statements prepared earlier persist."""
+        ...
+
+    def begin_postgresql_pooled(self, connection: psycopg.Connection[Any]) -> Rows | None:
+        """BEGIN behind a transaction-pooling pooler: nothing prepared may be relied on."""
+        ...
+
+    def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
+        """``begin`` (``BEGIN`` or ``BEGIN IMMEDIATE``) and the statements on SQLite."""
+        ...
 
 
-def _pg_prepare(fairy: Any, prepare: Mapping[str, str]) -> None:
-    """Prepare the statements this connection lacks, in one round trip before BEGIN.
+def set_prelude(conn: Connection, prelude: BeginPrelude) -> None:
+    """Make the next BEGIN on ``conn`` run ``prelude`` (taken by that BEGIN, never run twice)."""
+    conn.info[_PRELUDE] = prelude
 
-    PREPARE is not transactional: of several in one string, those before a failure stay. So
-    after a failure, or when statements went missing, the next call first asks the server
-    which ones exist instead of trusting the record.
-    """
-    known: set[str] | None = fairy.info.get(_PREPARED, set())  # absent: a new connection
-    with fairy.driver_connection.cursor() as cursor:
-        try:
-            if known is None:
-                cursor.execute("SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)", (list(prepare),))
-                known = {name for (name,) in cursor.fetchall()}
-            missing = [name for name in prepare if name not in known]
-            if missing:
-                cursor.execute("; ".join(f"PREPARE {name} {prepare[name]}" for name in missing))
-                known.update(missing)
-        except BaseException:
-            fairy.info[_PREPARED] = None
-            raise
-    fairy.info[_PREPARED] = known
+
+def prelude_of(conn: Connection) -> BeginPrelude | None:
+    """The prelude set on ``conn`` that no BEGIN has taken yet (to set it on a replacement connection)."""
+    prelude: BeginPrelude | None = conn.info.get(_PRELUDE)
+    return prelude
+
+
+def take_result(conn: Connection) -> Rows | None:
+    """The rows the prelude of the last BEGIN on ``conn`` returned, removed (None: no prelude ran)."""
+    rows: Rows | None = conn.info.pop(_RESULT, None)
+    return rows
+
+
+def _prepared(fairy: Any) -> PreparedNames:
+    names: PreparedNames | None = fairy.info.get(_PREPARED)
+    if names is None:  # a new connection: nothing prepared on it yet
+        names = fairy.info[_PREPARED] = PreparedNames()
+    return names
 
 
 def _pg_begin(fairy: Any) -> None:
     # The engine runs in driver autocommit mode and every transaction starts here, so that a
-    # prelude (the briefcase ownership check) travels with BEGIN in ONE round trip: psycopg
-    # sends a parameterless multi-statement string with the simple query protocol.
-    prelude: Prelude | None = fairy.info.pop(BEGIN_PRELUDE, None)
+    # prelude (the briefcase ownership check) travels with BEGIN in ONE round trip.
+    prelude: BeginPrelude | None = fairy.info.pop(_PRELUDE, None)
     if prelude is None:
         fairy.driver_connection.execute("BEGIN")
         return
-    known = fairy.info.get(_PREPARED)
-    if known is None or not known.issuperset(prelude.prepare):
-        _pg_prepare(fairy, prelude.prepare)
-    text = "; ".join(["BEGIN", *prelude.statements])
-    with fairy.driver_connection.cursor() as cursor:
-        try:
-            cursor.execute(text)
-        except psycopg.errors.InvalidSqlStatementName:
-            # Our statements were dropped behind our back. psycopg itself does it: a ROLLBACK
-            # on a connection where it auto-prepared statements sends DEALLOCATE ALL. So do
-            # DISCARD ALL and a pooler that swaps server sessions. Prepare them again, once.
-            cursor.execute("ROLLBACK")
-            fairy.info[_PREPARED] = None
-            _pg_prepare(fairy, prelude.prepare)
-            cursor.execute(text)
-        fairy.info[BEGIN_RESULT] = _last_rows(cursor)
+    fairy.info[_RESULT] = prelude.begin_postgresql(fairy.driver_connection, _prepared(fairy))
 
 
 def _pg_begin_pooled(fairy: Any) -> None:
     # Behind a transaction-pooling pooler each transaction may run on another server session,
-    # so nothing may be prepared on one: the prelude's unprepared form (the ownership check as
-    # a call of its PL/pgSQL function), still one simple-protocol string with BEGIN, still one
-    # round trip.
-    prelude: Prelude | None = fairy.info.pop(BEGIN_PRELUDE, None)
+    # so the prelude may rely on nothing prepared on one; still one round trip.
+    prelude: BeginPrelude | None = fairy.info.pop(_PRELUDE, None)
     if prelude is None:
         fairy.driver_connection.execute("BEGIN")
         return
-    with fairy.driver_connection.cursor() as cursor:
-        cursor.execute("; ".join(["BEGIN", *(prelude.unprepared or prelude.statements)]))
-        fairy.info[BEGIN_RESULT] = _last_rows(cursor)
+    fairy.info[_RESULT] = prelude.begin_postgresql_pooled(fairy.driver_connection)
 
 
 def _sqlite_begin(fairy: Any, begin: str) -> None:
+    prelude: BeginPrelude | None = fairy.info.pop(_PRELUDE, None)
     cursor = fairy.driver_connection.cursor()
     try:
-        cursor.execute(begin)
-        prelude: Prelude | None = fairy.info.pop(BEGIN_PRELUDE, None)
-        if prelude is not None:
-            rows = None
-            for statement in prelude.statements:
-                cursor.execute(statement, prelude.params)
-                rows = cursor.fetchall() if cursor.description is not None else rows
-            fairy.info[BEGIN_RESULT] = rows
+        if prelude is None:
+            cursor.execute(begin)
+        else:
+            fairy.info[_RESULT] = prelude.begin_sqlite(cursor, begin)
     finally:
         cursor.close()
 

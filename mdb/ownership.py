@@ -4,7 +4,8 @@ A process routes with the map and relocations it has cached; that cache may be s
 session asks the shard itself, inside the session's own transaction: "is this briefcase still
 here?" (no fence, no unfinished incoming copy) and "do you own it under the layout I routed
 with?" (area, partition start and end, shard index, shard count). On PostgreSQL the check is a
-prelude sent with BEGIN in one simple-protocol string (see ``mdb.engines``), as ``EXECUTE`` of
+prelude sent with BEGIN in one simple-protocol string (:class:`Prelude`, which the engine's BEGIN
+runs through the typed hook :class:`mdb.engines.BeginPrelude`), as ``EXECUTE`` of
 statements prepared once per pooled connection (:data:`PG_PREPARED`), after a shared
 advisory lock on the briefcase, so a move's exclusive lock makes new sessions wait and the
 check, a later statement with a fresh snapshot, then sees the fence the move committed. Behind
@@ -21,22 +22,121 @@ Read-only sessions ignore the marker: reads cannot strand a briefcase.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sqlite3
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
+from psycopg import pq
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from mdb.engines import Prelude
+from mdb.engines import PreparedNames, Rows
 from mdb.errors import BriefcaseMovingError, StaleRouteError
 from mdb.gdid import GDID
 from mdb.router import Placement
 from mdb.system_tables import STATE_FROZEN, STATE_GONE, STATE_INCOMING, STATE_RESIDENT
 
-__all__ = ["FREEZE_GDID", "check_ownership", "lock_key_sql", "ownership_prelude", "partition_lock_key_sql"]
+__all__ = [
+    "FREEZE_GDID", "OwnershipCheck", "Prelude", "check_ownership", "install_pg_functions", "lock_key_sql", "ownership_prelude",
+    "partition_lock_key_sql",
+]
 
 FREEZE_GDID = GDID(0, 0, 0)
 """The state-row key of a partition freeze marker: the zero GDID is never a briefcase."""
+
+
+@dataclass(frozen=True)
+class Prelude:
+    """The ownership check's statements, run right after BEGIN in the same round trip.
+
+    A :class:`mdb.engines.BeginPrelude`: the engine's BEGIN calls the method of its kind. On
+    PostgreSQL it sends BEGIN and the statements as ONE parameterless multi-statement string,
+    which psycopg sends with the simple query protocol: one round trip.
+
+    ``prepare`` maps the names of server-side prepared statements the statements ``EXECUTE``
+    to their definitions, ``(argument types) AS query`` (PostgreSQL only). They are prepared
+    once per pooled connection, on first use and outside any transaction, so a session pays
+    for parsing and planning the check once per connection instead of once per BEGIN.
+    """
+
+    statements: tuple[str, ...]
+    prepare: Mapping[str, str] = field(default_factory=dict)
+    params: Mapping[str, Any] = field(default_factory=dict)
+    """Named parameters of the statements (SQLite only: a PostgreSQL prelude travels as one
+    simple-protocol string, which takes none, so its values are inlined)."""
+    unprepared: tuple[str, ...] = ()
+    """The same with no prepared statement behind them (PostgreSQL): what an engine behind a
+    transaction-pooling pooler sends, where nothing prepared outlives a transaction."""
+
+    def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:
+        """BEGIN and the ``EXECUTE`` statements, after preparing what this connection lacks."""
+        known = prepared.known
+        if known is None or not known.issuperset(self.prepare):
+            _pg_prepare(connection, prepared, self.prepare)
+        sql = "; ".join(["BEGIN", *self.statements])
+        with connection.cursor() as cursor:
+            try:
+                cursor.execute(sql)
+            except psycopg.errors.InvalidSqlStatementName:
+                # Our statements were dropped behind our back. psycopg itself does it: a ROLLBACK
+                # on a connection where it auto-prepared statements sends DEALLOCATE ALL. So do
+                # DISCARD ALL and a pooler that swaps server sessions. Prepare them again, once.
+                cursor.execute("ROLLBACK")
+                prepared.known = None
+                _pg_prepare(connection, prepared, self.prepare)
+                cursor.execute(sql)
+            return _last_rows(cursor)
+
+    def begin_postgresql_pooled(self, connection: psycopg.Connection[Any]) -> Rows | None:
+        """BEGIN and the unprepared form (the check as a call of its PL/pgSQL function)."""
+        with connection.cursor() as cursor:
+            cursor.execute("; ".join(["BEGIN", *(self.unprepared or self.statements)]))
+            return _last_rows(cursor)
+
+    def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
+        """``begin``, then the statements with their named parameters (sqlite3 caches the texts)."""
+        cursor.execute(begin)
+        rows: Rows | None = None
+        for statement in self.statements:
+            cursor.execute(statement, self.params)
+            rows = cursor.fetchall() if cursor.description is not None else rows
+        return rows
+
+
+def _last_rows(cursor: psycopg.Cursor[Any]) -> Rows | None:
+    """Rows of the last result of a multi-statement string (psycopg), skipping the others.
+
+    Checks the result status instead of ``description``, which builds column objects.
+    """
+    while cursor.nextset():
+        pass
+    result = cursor.pgresult
+    return cursor.fetchall() if result is not None and result.status == pq.ExecStatus.TUPLES_OK else None
+
+
+def _pg_prepare(connection: psycopg.Connection[Any], prepared: PreparedNames, prepare: Mapping[str, str]) -> None:
+    """Prepare the statements this connection lacks, in one round trip before BEGIN.
+
+    PREPARE is not transactional: of several in one string, those before a failure stay. So
+    after a failure, or when statements went missing, the next call first asks the server
+    which ones exist instead of trusting the record.
+    """
+    known = prepared.known
+    with connection.cursor() as cursor:
+        try:
+            if known is None:
+                cursor.execute("SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)", (list(prepare),))
+                known = {name for (name,) in cursor.fetchall()}
+            missing = [name for name in prepare if name not in known]
+            if missing:
+                cursor.execute("; ".join(f"PREPARE {name} {prepare[name]}" for name in missing))
+                known.update(missing)
+        except BaseException:
+            prepared.known = None
+            raise
+    prepared.known = known
 
 
 def _pg_bytea(gdid: GDID) -> str:
@@ -218,6 +318,32 @@ def ownership_prelude(backend: str, placement: Placement, lock: bool, exclusive:
     if lock:
         params["start"] = str(start)
     return Prelude((_SQLITE_WRITE if lock else _SQLITE_READ,), params=params)
+
+
+@dataclass(frozen=True)
+class OwnershipCheck:
+    """A session's ownership check as a :class:`mdb.engines.BeginPrelude` for any SQL engine.
+
+    The engine's BEGIN calls the method of its own kind, so the caller (the Store) needs no
+    ``dialect.name`` branch: the check is rendered for the kind that runs it
+    (:func:`ownership_prelude`), when it runs.
+    """
+
+    placement: Placement
+    lock: bool
+    exclusive: bool = False
+
+    def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:
+        return self._rendered("postgresql").begin_postgresql(connection, prepared)
+
+    def begin_postgresql_pooled(self, connection: psycopg.Connection[Any]) -> Rows | None:
+        return self._rendered("postgresql").begin_postgresql_pooled(connection)
+
+    def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
+        return self._rendered("sqlite").begin_sqlite(cursor, begin)
+
+    def _rendered(self, backend: str) -> Prelude:
+        return ownership_prelude(backend, self.placement, self.lock, self.exclusive)
 
 
 def _gdid(value: Any) -> GDID | None:

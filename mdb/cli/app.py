@@ -17,12 +17,15 @@ live here so that every command behaves alike:
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import re
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version as package_version
+from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
@@ -52,6 +55,7 @@ __all__ = [
     "err_console",
     "exit_code",
     "fail",
+    "import_models",
     "main",
     "map_app",
     "open_map",
@@ -268,6 +272,32 @@ def open_map(map_path: str) -> PartitionMap:
         return pmap
 
 
+def import_models(modules: list[str], map_path: str | None = None) -> None:
+    """Import the modules that declare briefcase types, so they register; a bad name fails clearly.
+
+    The current folder is on the import path, as it is for ``python -m``: an application run
+    from its own folder names ``myapp.models`` and it is found without setting PYTHONPATH (a
+    console script, unlike ``python``, does not put the current folder there). So is the map
+    file's folder, after it: a map kept beside its application is found from any folder, as its
+    relative SQLite paths are.
+    """
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
+    folders = [here]
+    if map_path is not None:
+        beside = str(Path(map_path).resolve().parent)
+        if beside not in folders:
+            folders.append(beside)
+            if beside not in sys.path:
+                sys.path.append(beside)  # after the current folder and PYTHONPATH: those win
+    for module in dict.fromkeys(modules):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            fail(f"cannot import models module {module!r}: {exc} (looked in {' and '.join(folders)} and on PYTHONPATH)")
+
+
 def open_store(map_path: str, models: Sequence[str] | None = None, *, tool: bool = False, **kwargs: Any) -> Store:
     """A Store on the map the system runs, for every command that talks to the servers.
 
@@ -279,7 +309,6 @@ def open_store(map_path: str, models: Sequence[str] | None = None, *, tool: bool
     pmap = _newest_map(load_map_cached(map_path), map_path)  # the Store's first refresh reuses this parse
     if "types" not in kwargs:
         from mdb.briefcase import registered_types
-        from mdb.cli.schema_cmd import import_models  # late: schema_cmd registers on this app
 
         import_models([*pmap.models, *(models or [])], map_path)
         kwargs["types"] = registered_types()

@@ -10,10 +10,6 @@ a model change that was never applied to the databases is seen before a write fa
 
 from __future__ import annotations
 
-import importlib
-import os
-from pathlib import Path
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Annotated
@@ -29,7 +25,7 @@ from mdb.parallel import DEFAULT_PARALLEL, MAX_PARALLEL
 from mdb.schema import ShardReport, apply_schema, check_schema
 from mdb.urls import mask_secrets
 
-__all__ = ["ParallelOpt", "import_models", "schema_app", "shard_progress"]
+__all__ = ["ParallelOpt", "schema_app", "shard_progress"]
 
 schema_app = typer.Typer(help="Create, and check for drift, mdb's and the briefcase types' tables on every shard.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
@@ -59,32 +55,6 @@ def shard_progress(what: str, total: int) -> Iterator[Callable[[ShardReport], No
 
     with progress:
         yield on_done
-
-
-def import_models(modules: list[str], map_path: str | None = None) -> None:
-    """Import the modules that declare briefcase types, so they register; a bad name fails clearly.
-
-    The current folder is on the import path, as it is for ``python -m``: an application run
-    from its own folder names ``myapp.models`` and it is found without setting PYTHONPATH (a
-    console script, unlike ``python``, does not put the current folder there). So is the map
-    file's folder, after it: a map kept beside its application is found from any folder, as its
-    relative SQLite paths are.
-    """
-    here = os.getcwd()
-    if "" not in sys.path and here not in sys.path:
-        sys.path.insert(0, here)
-    folders = [here]
-    if map_path is not None:
-        beside = str(Path(map_path).resolve().parent)
-        if beside not in folders:
-            folders.append(beside)
-            if beside not in sys.path:
-                sys.path.append(beside)  # after the current folder and PYTHONPATH: those win
-    for module in dict.fromkeys(modules):
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            fail(f"cannot import models module {module!r}: {exc} (looked in {' and '.join(folders)} and on PYTHONPATH)")
 
 
 def _status(report: ShardReport) -> str:

@@ -11,22 +11,19 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from rich.console import Console
-from rich.table import Table
 
 from mdb.central.cache import CacheStats
 from mdb.demo.models import UserBriefcase
 from mdb.demo.repositories import EmailIndex, LedgerRepository, LineItem, OrderRepository, UserRepository
 from mdb.errors import DuplicateKeyError, MdbError
 from mdb.gdid import GDID
-from mdb.partition_map import PartitionMap
 from mdb.schema import apply_schema
 from mdb.store import Store
 
-__all__ = ["DemoReport", "ShardCount", "demo_map_yaml", "email_for", "print_report", "run_demo", "shard_counts", "write_demo_map"]
+__all__ = ["DemoReport", "ShardCount", "demo_map_yaml", "email_for", "run_demo", "shard_counts", "write_demo_map"]
 
 SECOND_PARTITION = 200
 DOMAIN = "demo.example"
@@ -122,8 +119,12 @@ def _populate(users: UserRepository, orders: OrderRepository, ledger: LedgerRepo
         ledger.record_transaction(gdid, rng.randint(-2000, 5000), f"demo {k}")
 
 
-def run_demo(store: Store, n_users: int, *, progress: Console | None = None) -> DemoReport:
-    """Apply the schema, register ``n_users`` new users with their data, and measure what happened."""
+def run_demo(store: Store, n_users: int, *, progress: Callable[[int], None] | None = None) -> DemoReport:
+    """Apply the schema, register ``n_users`` new users with their data, and measure what happened.
+
+    ``progress(registered)`` is called every 100 users registered: the library reports, the
+    caller (the CLI) decides how to show it, so the library never prints.
+    """
     if n_users < 0:
         raise MdbError(f"--users must not be negative, got {n_users}")
     t0 = time.perf_counter()
@@ -146,7 +147,7 @@ def run_demo(store: Store, n_users: int, *, progress: Console | None = None) -> 
         _populate(users, orders, ledger, gdid, number)
         report.registered.append(gdid)
         if progress is not None and len(report.registered) % 100 == 0:
-            progress.print(f"  registered {len(report.registered)} users ...", markup=False)
+            progress(len(report.registered))
     report.seconds_register = time.perf_counter() - t1
     report.ledger_events_folded = ledger.snapshot_balances()
     report.shards = shard_counts(store)
@@ -180,60 +181,3 @@ def _samples(report: DemoReport) -> list[GDID]:
         return []
     picks = {got[0], got[len(got) // 2], got[-1]}
     return sorted(picks)
-
-
-def print_report(console: Console, report: DemoReport, pmap: PartitionMap, map_path: Path | None) -> None:
-    if map_path is not None:
-        console.print(f"map: {map_path} (version {report.map_version})", markup=False)
-    console.print(
-        f"registered {len(report.registered)} new users (numbers from {report.first_number}), "
-        f"skipped {len(report.skipped)} already-taken emails",
-        markup=False,
-    )
-    table = Table(title="user area: briefcases and rows per shard")
-    for col in ("partition start", "shard", "server", "briefcases", "rows"):
-        table.add_column(col, justify="right" if col in ("briefcases", "rows") else "left")
-    for s in report.shards:
-        table.add_row(str(s.partition_start), f"{s.shard_index} of {s.shard_count}", s.server,
-                      str(s.briefcases), str(s.rows))
-    table.add_row("", "", "total", str(sum(s.briefcases for s in report.shards)), str(sum(s.rows for s in report.shards)))
-    console.print(table)
-    holding = sorted({str(s.partition_start) for s in report.shards if s.briefcases})
-    console.print(f"partitions holding users: {', '.join(holding) or 'none'}", markup=False)
-
-    reads = Table(title="routed reads explained (GDID -> partition -> shard -> server)")
-    for col in ("user GDID", "v", "partition (start <= v)", "shard (v mod n)", "server", "orders", "balance"):
-        reads.add_column(col)
-    for r in report.reads:
-        gdid = r["gdid"]
-        assert isinstance(gdid, GDID)
-        reads.add_row(str(gdid), str(gdid.sharding_value), str(r["partition_start"]), str(r["shard"]),
-                      str(r["server"]), str(r["orders"]), f"{int(str(r['balance_cents'])) / 100:.2f}")
-    console.print(reads)
-
-    lookups = Table(title=f"CENTRAL lookups by email (index {EmailIndex.name}, normalize=strip_casefold)")
-    for col in ("email asked", "normalized key", "CENTRAL shard", "user GDID", "ms"):
-        lookups.add_column(col, no_wrap=True, overflow="ellipsis")
-    from mdb.router import Router
-
-    router = Router(pmap)
-    for email, gdid, seconds in report.lookups:
-        key = EmailIndex.key_of(email)
-        lookups.add_row(f'"{email}"', key, router.locate_central(key).server, str(gdid) if gdid else "(none)",
-                        f"{seconds * 1000:.2f}")
-    console.print(lookups)
-    c = report.cache
-    if c is not None:
-        console.print(
-            f"cache: {c.hits} hits ({c.negative_hits} negative), {c.misses} misses, {c.stale} stale, "
-            f"{c.size} entries (max {c.max_entries}, ttl {c.ttl:g}s)",
-            markup=False,
-        )
-    console.print(f"ledger snapshot pass: {report.ledger_events_folded} events folded (balances = snapshot + tail)", markup=False)
-    rate = len(report.registered) / report.seconds_register if report.seconds_register else 0.0
-    console.print(
-        f"time: {report.seconds_total:.2f}s total (schema {report.seconds_schema:.2f}s, "
-        f"registration with data {report.seconds_register:.2f}s = {rate:.0f} users/s)",
-        markup=False,
-    )
-

@@ -1,0 +1,140 @@
+"""The engines' BEGIN hook: a typed prelude set on a connection runs once, with BEGIN, and its rows are taken.
+
+The hook (:func:`mdb.engines.set_prelude`, :func:`mdb.engines.take_result`) is the one way
+code hands the engine work to do right after BEGIN; what the work is lives with its owner
+(the ownership check's SQL in :mod:`mdb.ownership`). These tests drive the hook with preludes
+of their own, so they pin the engine's side of the contract, not the check's.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+from mdb.engines import BeginPrelude, EngineRegistry, PreparedNames, Rows, prelude_of, set_prelude, take_result
+from mdb.ownership import Prelude
+from mdb.partition_map import ServerSpec
+
+
+class Recording:
+    """A prelude that records how the engine called it and returns one row naming the call."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[str] = []
+        self.fail = fail
+
+    def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:
+        self.calls.append("postgresql")
+        connection.execute("BEGIN")
+        return [("postgresql",)]
+
+    def begin_postgresql_pooled(self, connection: psycopg.Connection[Any]) -> Rows | None:
+        self.calls.append("postgresql_pooled")
+        connection.execute("BEGIN")
+        return [("postgresql_pooled",)]
+
+    def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
+        self.calls.append(begin)
+        cursor.execute(begin)
+        if self.fail:
+            raise RuntimeError("the prelude failed")
+        return [("sqlite",)]
+
+
+def _hook(prelude: BeginPrelude) -> BeginPrelude:
+    return prelude  # mypy: Recording and ownership.Prelude both satisfy the engines' protocol
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Any:
+    reg = EngineRegistry({"s": ServerSpec(primary=f"sqlite:///{tmp_path / 's.db'}")})
+    yield reg
+    reg.dispose()
+
+
+@pytest.mark.parametrize(("readonly", "begin"), [(False, "BEGIN IMMEDIATE"), (True, "BEGIN")])
+def test_sqlite_prelude_runs_once_with_begin(registry: EngineRegistry, readonly: bool, begin: str) -> None:
+    prelude = Recording()
+    with registry.engine("s", readonly=readonly).connect() as conn:
+        set_prelude(conn, _hook(prelude))
+        assert prelude_of(conn) is prelude
+        conn.begin()
+        assert prelude.calls == [begin]
+        assert prelude_of(conn) is None  # taken by that BEGIN
+        assert take_result(conn) == [("sqlite",)]
+        assert take_result(conn) is None  # taken once
+        conn.rollback()
+        conn.begin()  # the next transaction of the same pooled connection runs no prelude
+        assert prelude.calls == [begin] and take_result(conn) is None
+        conn.rollback()
+
+
+def test_a_failed_prelude_is_not_run_by_the_next_transaction(registry: EngineRegistry) -> None:
+    failing = Recording(fail=True)
+    with registry.engine("s").connect() as conn:
+        set_prelude(conn, failing)
+        with pytest.raises(RuntimeError, match="the prelude failed"):
+            conn.begin()
+    with registry.engine("s").connect() as conn:  # the same pooled DBAPI connection
+        conn.begin()
+        assert failing.calls == ["BEGIN IMMEDIATE"] and take_result(conn) is None
+        conn.rollback()
+
+
+@pytest.mark.postgres
+def test_postgres_prelude_prepares_once_and_survives_deallocate(pg_url: str) -> None:
+    """The ownership check's :class:`~mdb.ownership.Prelude` through the hook, with a statement of its own."""
+    probe = Prelude(("EXECUTE mdb_test_probe(41)",), {"mdb_test_probe": "(integer) AS SELECT $1 + 1"},
+                    unprepared=("SELECT 41 + 1",))
+    reg = EngineRegistry({"pg": ServerSpec(primary=pg_url)})
+    try:
+        engine = reg.engine("pg")
+        for _ in range(2):
+            with engine.connect() as conn:
+                set_prelude(conn, _hook(probe))
+                conn.begin()
+                assert take_result(conn) == [(42,)]
+                prepared = conn.exec_driver_sql(
+                    "SELECT count(*) FROM pg_prepared_statements WHERE name = 'mdb_test_probe'"
+                ).scalar_one()
+                assert prepared == 1
+                assert conn.in_transaction()
+                conn.rollback()
+        with engine.connect() as conn:
+            conn.exec_driver_sql("DEALLOCATE mdb_test_probe")  # dropped behind the prelude's back
+            conn.commit()
+            set_prelude(conn, probe)
+            conn.begin()
+            assert take_result(conn) == [(42,)]  # prepared again, once
+            conn.rollback()
+    finally:
+        reg.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_pooled_engine_sends_the_unprepared_form(pg_url: str) -> None:
+    """Behind a transaction pooler nothing is prepared: the prelude's unprepared statements run."""
+    probe = Prelude(("EXECUTE mdb_test_absent(1)",), {"mdb_test_absent": "(integer) AS SELECT $1"},
+                    unprepared=("SELECT 'unprepared'",))
+    reg = EngineRegistry({"pg": ServerSpec(primary=pg_url, pooler="transaction")})
+    try:
+        with reg.engine("pg").connect() as conn:
+            set_prelude(conn, probe)
+            conn.begin()
+            assert take_result(conn) == [("unprepared",)]
+            assert conn.exec_driver_sql("SELECT count(*) FROM pg_prepared_statements").scalar_one() == 0
+            conn.rollback()
+            recording = Recording()
+            set_prelude(conn, recording)
+            conn.begin()
+            assert recording.calls == ["postgresql_pooled"] and take_result(conn) == [("postgresql_pooled",)]
+            assert conn.execute(sa.text("SELECT 1")).scalar_one() == 1
+            conn.rollback()
+    finally:
+        reg.dispose()
+
