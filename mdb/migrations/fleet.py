@@ -58,6 +58,7 @@ __all__ = [
     "fleet_status",
     "migrate",
     "targets",
+    "work_targets",
 ]
 
 DEFAULT_LOCK_TIMEOUT: Final = 5.0
@@ -104,6 +105,11 @@ def targets(cluster: Cluster, areas: list[str] | None = None) -> list[Target]:
                 add(server, "relocation target")
         out += [Target(area, s, tuple(r)) for s, r in roles.items() if cluster.map.kind_of(s) == SQL]
     return out
+
+
+def work_targets(cluster: Cluster, root: Path, areas: list[str] | None = None) -> list[Target]:
+    """The targets ``fleet_status`` and ``migrate`` work on: those of ``areas`` (default: every area with a history)."""
+    return targets(cluster, list(_histories(cluster, root, areas)))
 
 
 def _histories(cluster: Cluster, root: Path, areas: list[str] | None) -> dict[str, ScriptDirectory]:
