@@ -23,6 +23,7 @@ from typing import Any
 import alembic
 from alembic.autogenerate import RevisionContext
 from alembic.config import Config
+from alembic.runtime.environment import EnvironmentContext
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
@@ -153,16 +154,20 @@ def make_revision(
         if cluster.map.kind_of(server) != SQL:
             raise SchemaError(f"reference server {server!r} is not a SQL server")
         metadatas: list[MetaData] = list(dict.fromkeys(t.metadata for t in tables))
-        with cluster.transaction(server) as conn:
-            context = MigrationContext.configure(conn, opts={
-                "version_table": version_table(area),
-                "target_metadata": metadatas,
-                "include_object": include_only({t.name for t in tables}),
-                "compare_type": True,
-                "script": script,
-            })
+        def retrieve(revision: Any, context: MigrationContext) -> list[Any]:
+            revision_context.run_autogenerate(revision, context)
+            return []
+
+        config = _config(area_dir(root, area))
+        with cluster.transaction(server) as conn, EnvironmentContext(
+            config, script, fn=retrieve, template_args=revision_context.template_args, revision_context=revision_context
+        ) as environment:
+            environment.configure(
+                connection=conn, version_table=version_table(area), target_metadata=metadatas,
+                include_object=include_only({t.name for t in tables}), compare_type=True,
+            )
             try:
-                revision_context.run_autogenerate(context.get_current_heads(), context)
+                environment.run_migrations()
             except CommandError as exc:
                 raise SchemaError(f"area {area!r}: reference shard {server!r}: {exc} (bring it to head first: mdb migrate up MAP)") from exc
     return [Path(s.path) for s in revision_context.generate_scripts() if s is not None]
