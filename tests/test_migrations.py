@@ -30,10 +30,10 @@ from mdb.demo.models import UserBriefcase
 from mdb.errors import SchemaError
 from mdb.gdid import GDID
 from mdb.migrations import ledger
-from mdb.migrations.fleet import fleet_status, migrate
-from mdb.migrations.revisions import current_revision, require_same_revision, stamp_revision, version_table
+from mdb.migrations.fleet import fleet_status, migrate, stamp_created
+from mdb.migrations.revisions import current_revision, lock_out_migrations, lock_out_moves, require_same_revision, stamp_revision, version_table
 from mdb.migrations.scripts import make_revision, open_history
-from mdb.schema import apply_schema
+from mdb.schema import apply_schema, create_tables
 from mdb.sqltypes import GDIDType
 from mdb.store import Store
 from mdb.urls import sqlalchemy_url
@@ -323,10 +323,10 @@ def test_a_column_added_by_hand_is_drift_and_a_move_across_revisions_is_refused(
         assert migrate(store, fleet.root, canary="u1", parallel=1, to="b2", areas=["notes"]).ok
         with store.transaction("u2") as source, store.transaction("s") as target:
             assert require_same_revision("notes", "u2", source, "s", target) == "b2"
-        assert migrate(store, fleet.root, direction="down", to="a1", areas=["notes"], dry_run=True).ok
-    # The spare was left behind (as a spare prepared before the rollout would be): back to a1 by hand.
-    fleet.sql("s", "DROP INDEX ix_mig_notes_priority", "ALTER TABLE mig_notes DROP COLUMN priority",
-              f"UPDATE {version_table('notes')} SET version_num = 'a1'")
+        # The spare goes back to a1 (down, on that server only): a move from u2 to it is refused.
+        down = migrate(store, fleet.root, direction="down", to="a1", areas=["notes"], servers=["s"])
+        assert [(r.server, r.before, r.after, r.steps) for r in down.results] == [("s", "b2", "a1", ["b2"])]
+        assert "priority" not in fleet.columns_of("s")
     with fleet.store() as store:
         with store.transaction("u2") as source, store.transaction("s") as target:
             with pytest.raises(SchemaError, match=r"source server 'u2' is at revision b2 but target server 's' is at a1"):
@@ -375,3 +375,42 @@ def test_ledger_table_is_created_on_demand_in_central(fleet: Fleet) -> None:
         with store.transaction("c") as conn:
             rows = ledger.last_run(conn)
     assert {(r.run_id, r.server, r.outcome, r.target) for r in rows} == {(run.run_id, s, "done", "a1") for s in SERVERS}
+
+
+def test_a_migration_never_runs_on_a_server_a_move_is_copying_on(fleet: Fleet) -> None:
+    fleet.write_revision("a1_create", REV1)
+    with fleet.store() as store:
+        with store.transaction("u2") as copying:  # a move's copy holds the schema lock shared
+            lock_out_migrations(copying, "u2")
+            run = migrate(store, fleet.root, parallel=1)
+        with store.transaction("u3") as migrating:  # and a migration holds it exclusive: no move copies then
+            lock_out_moves(migrating, "u3")
+            with pytest.raises(SchemaError, match="a schema migration is running"), store.transaction("u3") as copying:
+                lock_out_migrations(copying, "u3")
+    assert [(r.server, r.outcome) for r in run.results][:3] == [("u1", "done"), ("u2", "failed"), ("u3", "not started")]
+    assert "a move is copying briefcases to or from it" in (run.failed[0].detail or "")
+
+
+def test_schema_apply_on_a_new_server_records_head_and_the_cli_writes_a_revision(fleet: Fleet) -> None:
+    fleet.write_revision("a1_create", REV1)
+    fleet.write_revision("b2_priority", REV2)
+    with fleet.store() as store:
+        assert migrate(store, fleet.root, servers=SHARDS).ok
+        with store.transaction("s") as conn:  # the spare's notes tables made from the models, as schema apply does
+            created = create_tables(conn, list(NoteBriefcase.tables))
+            assert created == ["mig_notes"]
+            assert stamp_created(conn, fleet.root, "notes", ["mig_notes"], created) == "b2"
+        with store.transaction("u1") as conn:  # tables already there: nothing is stamped
+            assert stamp_created(conn, fleet.root, "notes", ["mig_notes"], []) is None
+        status = fleet_status(store, fleet.root)
+        assert [(s.server, s.state) for s in status.servers] == [(s, "at head") for s in SERVERS]
+
+    code, out, err = fleet.cli("revision", str(fleet.map_path), "notes", "-m", "nothing yet")
+    assert code == 0, (out, err)
+    written = Path(out.split("wrote ", 1)[1].strip())
+    assert written.parent == fleet.root / "notes" / "versions" and "down_revision: Union[str, Sequence[str], None] = 'b2'" in written.read_text()
+    code, out, err = fleet.cli("up", str(fleet.map_path), "--dry-run", "--json")
+    assert code == 0, (out, err)
+    assert {s["outcome"] for s in json.loads(out)["servers"]} == {"planned"}
+    code, out, err = fleet.cli("down", str(fleet.map_path), "--to", "nope")
+    assert code == 2 and "nope" in err, (out, err)

@@ -37,6 +37,7 @@ ScriptsOpt = Annotated[
     str | None,
     typer.Option("--scripts", metavar="DIR", help="folder of the histories, one per area (default: migrations/ beside the map)"),
 ]
+ServerOpt = Annotated[list[str] | None, typer.Option("--server", help="only this server (repeatable; default: every server of the areas)")]
 AreaOpt = Annotated[list[str] | None, typer.Option("--area", help="only this area (repeatable; default: every area with a history)")]
 ParallelOpt = Annotated[int, typer.Option("--parallel", min=1, max=MAX_PARALLEL, help="Servers migrated at once.")]
 ModelsOpt = Annotated[
@@ -184,13 +185,14 @@ def _print_run(run: MigrationRun) -> None:
         console.print(f"all {len(run.results)} servers at the target", markup=False)
 
 
-def _run(map_path: str, direction: str, to: str | None, area: list[str] | None, parallel: int, canary: str | None,
+def _run(map_path: str, direction: str, to: str | None, area: list[str] | None, server: list[str] | None, parallel: int, canary: str | None,
          dry_run: bool, lock_timeout: float, as_json: bool, scripts: str | None, models: list[str] | None) -> None:
     store = open_store(map_path, models, tool=True)
     try:
         root = _root(store, scripts)
-        with _progress(f"migrate {direction}", len(work_targets(store, root, area))) as on_done:
-            run = migrate(store, root, direction=direction, to=to, areas=area, parallel=parallel, canary=canary,
+        total = len([t for t in work_targets(store, root, area) if server is None or t.server in server])
+        with _progress(f"migrate {direction}", total) as on_done:
+            run = migrate(store, root, direction=direction, to=to, areas=area, servers=server, parallel=parallel, canary=canary,
                           dry_run=dry_run, lock_timeout=lock_timeout, on_done=on_done)
     finally:
         store.close()
@@ -215,6 +217,7 @@ def migrate_up(
     map_path: MapArg,
     to: Annotated[str | None, typer.Option("--to", metavar="REV", help="target revision (default: head)")] = None,
     area: AreaOpt = None,
+    server: ServerOpt = None,
     parallel: ParallelOpt = DEFAULT_PARALLEL,
     canary: CanaryOpt = None,
     dry_run: DryRunOpt = False,
@@ -224,7 +227,7 @@ def migrate_up(
     models: ModelsOpt = None,
 ) -> None:
     """Upgrade every server, canary first; the first failure stops new starts. Rerun after any crash."""
-    _run(map_path, "up", to, area, parallel, canary, dry_run, lock_timeout, as_json, scripts, models)
+    _run(map_path, "up", to, area, server, parallel, canary, dry_run, lock_timeout, as_json, scripts, models)
 
 
 @migrate_app.command("down")
@@ -232,6 +235,7 @@ def migrate_down(
     map_path: MapArg,
     to: Annotated[str, typer.Option("--to", metavar="REV", help="revision to go back to (or: base)")],
     area: AreaOpt = None,
+    server: ServerOpt = None,
     parallel: ParallelOpt = DEFAULT_PARALLEL,
     canary: CanaryOpt = None,
     dry_run: DryRunOpt = False,
@@ -241,4 +245,4 @@ def migrate_down(
     models: ModelsOpt = None,
 ) -> None:
     """Downgrade every server to --to, with the guarantees of up (for revisions that have a downgrade)."""
-    _run(map_path, "down", to, area, parallel, canary, dry_run, lock_timeout, as_json, scripts, models)
+    _run(map_path, "down", to, area, server, parallel, canary, dry_run, lock_timeout, as_json, scripts, models)

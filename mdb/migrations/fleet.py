@@ -36,13 +36,14 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
 from sqlalchemy import text
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from mdb.cluster import Cluster
 from mdb.dberrors import describe
 from mdb.errors import MdbError, SchemaError
 from mdb.migrations import ledger
-from mdb.migrations.revisions import current_revision, version_table
+from mdb.migrations.revisions import current_revision, lock_out_moves, stamp_revision, version_table
 from mdb.migrations.scripts import area_dir, area_tables, open_history
 from mdb.moves.faults import fault_point
 from mdb.parallel import DEFAULT_PARALLEL, run_each
@@ -57,6 +58,7 @@ __all__ = [
     "Target",
     "fleet_status",
     "migrate",
+    "stamp_created",
     "targets",
     "work_targets",
 ]
@@ -342,6 +344,7 @@ def _migrate_one(
         with cluster.transaction(target.server) as conn:
             if not cluster.engines.is_sqlite(target.server):  # PostgreSQL: never queue behind a long transaction
                 conn.execute(text(_lock_timeout_sql(lock_timeout)))
+                lock_out_moves(conn, target.server)
             result.before = current_revision(conn, target.area)
             if direction == "up":
                 result.steps = _pending(script, target.area, result.before, destination)
@@ -381,6 +384,7 @@ def migrate(
     direction: str = "up",
     to: str | None = None,
     areas: list[str] | None = None,
+    servers: list[str] | None = None,
     parallel: int = DEFAULT_PARALLEL,
     canary: str | None = None,
     dry_run: bool = False,
@@ -391,7 +395,8 @@ def migrate(
 
     ``to`` defaults to head going up; going down it is required (a revision, or ``base``), and
     with several areas it must name a revision of each, so give ``areas`` then. The canary (a
-    server name) runs first and alone. Returns every target's outcome in map order.
+    server name) runs first and alone. ``servers`` limits the run to those servers (a move
+    bringing its target to the source's revision). Returns every target's outcome in map order.
     """
     if direction not in ("up", "down"):
         raise ValueError(f"direction must be 'up' or 'down', got {direction!r}")
@@ -401,6 +406,11 @@ def migrate(
     destinations = {area: _resolve(script, area, to, direction) for area, script in histories.items()}
     _lock_timeout_sql(lock_timeout)  # a bad value fails before any server is touched
     work = targets(cluster, list(histories))
+    if servers is not None:
+        unknown = sorted(set(servers) - {t.server for t in work})
+        if unknown:
+            raise SchemaError(f"server(s) {', '.join(unknown)} hold no tables of the areas being migrated")
+        work = [t for t in work if t.server in servers]
     if canary is not None and canary not in {t.server for t in work}:
         raise SchemaError(f"canary {canary!r} is not a SQL server of any area being migrated")
     run = MigrationRun(uuid.uuid4().hex, direction, destinations, [], dry_run)
@@ -436,3 +446,20 @@ def migrate(
         by_key[(result.area, result.server)] = result
     run.results = [by_key[(t.area, t.server)] for t in work]
     return run
+
+
+def stamp_created(conn: Connection, root: Path, area: str, tables: list[str], created: list[str]) -> str | None:
+    """After ``schema apply`` created ``area``'s tables on a server from the models: record head there.
+
+    The models are the head of the history (a model change ships with its revision), so a
+    server whose area tables were all created just now is at head, and running the history on
+    it would add columns that exist. A server where only some were created (or none) is left
+    alone: ``mdb migrate status`` shows it. Returns the revision stamped, None when nothing was
+    (no history for the area, or the tables were not all new).
+    """
+    if not tables or not set(tables) <= set(created) or not (area_dir(root, area) / "versions").is_dir():
+        return None
+    head = _one_head(open_history(root, area), area)
+    if head is not None:
+        stamp_revision(conn, area, head)
+    return head

@@ -12,16 +12,29 @@ move protocol and ``schema apply`` can call it without depending on the fleet ru
 
 from __future__ import annotations
 
-from sqlalchemy import Column, MetaData, String, Table
+from sqlalchemy import Column, MetaData, String, Table, text
 from sqlalchemy.engine import Connection
 
 from alembic.runtime.migration import MigrationContext
 from mdb.errors import SchemaError
 
-__all__ = ["VERSION_TABLE_PREFIX", "current_revision", "require_same_revision", "stamp_revision", "version_table"]
+__all__ = [
+    "SCHEMA_LOCK_KEY",
+    "VERSION_TABLE_PREFIX",
+    "current_revision",
+    "lock_out_migrations",
+    "lock_out_moves",
+    "require_same_revision",
+    "stamp_revision",
+    "version_table",
+]
 
 VERSION_TABLE_PREFIX = "alembic_version_"
 """Every area's version table starts so (``schema check`` should not call these tables extra)."""
+
+
+SCHEMA_LOCK_KEY = 0x6D64626D69677261  # "mdbmigra": one PostgreSQL advisory lock key per server
+"""A migration holds it exclusive on a server, a move's copy shared: the two never overlap on one server."""
 
 
 def version_table(area: str) -> str:
@@ -78,3 +91,24 @@ def require_same_revision(area: str, source: str, source_conn: Connection, targe
             f"(bring them to the same revision first: mdb migrate up MAP)"
         )
     return have_source
+
+
+def lock_out_moves(conn: Connection, server: str) -> None:
+    """Take the server's schema lock exclusive for this transaction (PostgreSQL), or refuse at once.
+
+    Called by a migration before it changes a server's tables: a move copying into or out of
+    the server holds the lock shared (:func:`lock_out_migrations`), and a copy running while a
+    column appears would write rows of the old shape into the new table.
+    """
+    if not conn.execute(text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY}).scalar():
+        raise SchemaError(f"server {server!r}: a move is copying briefcases to or from it; migrate it after the move ends")
+
+
+def lock_out_migrations(conn: Connection, server: str) -> None:
+    """Take the server's schema lock shared for this transaction (PostgreSQL), or refuse at once.
+
+    For a move's copy (on the source and on the target): several moves may run at once on one
+    server, a migration may not run during any of them.
+    """
+    if not conn.execute(text("SELECT pg_try_advisory_xact_lock_shared(:key)"), {"key": SCHEMA_LOCK_KEY}).scalar():
+        raise SchemaError(f"server {server!r}: a schema migration is running on it; move after it ends (mdb migrate status MAP)")
