@@ -30,9 +30,9 @@ from mdb.demo.models import UserBriefcase
 from mdb.errors import SchemaError
 from mdb.gdid import GDID
 from mdb.migrations import ledger
-from mdb.migrations.fleet import fleet_status, migrate, stamp_created
+from mdb.migrations.fleet import fleet_status, migrate
 from mdb.migrations.revisions import current_revision, lock_out_migrations, lock_out_moves, require_same_revision, stamp_revision, version_table
-from mdb.migrations.scripts import make_revision, open_history
+from mdb.migrations.scripts import make_revision, open_history, stamp_created
 from mdb.schema import apply_schema, create_tables
 from mdb.sqltypes import GDIDType
 from mdb.store import Store

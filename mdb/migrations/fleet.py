@@ -36,15 +36,14 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
 from sqlalchemy import text
-from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from mdb.cluster import Cluster
 from mdb.dberrors import describe
 from mdb.errors import MdbError, SchemaError
 from mdb.migrations import ledger
-from mdb.migrations.revisions import current_revision, lock_out_moves, stamp_revision, version_table
-from mdb.migrations.scripts import area_dir, area_tables, open_history
+from mdb.migrations.revisions import current_revision, lock_out_moves, version_table
+from mdb.migrations.scripts import area_dir, area_tables, one_head, open_history
 from mdb.moves.faults import fault_point
 from mdb.parallel import DEFAULT_PARALLEL, run_each
 from mdb.schema_diff import Difference, compare_tables
@@ -58,7 +57,6 @@ __all__ = [
     "Target",
     "fleet_status",
     "migrate",
-    "stamp_created",
     "targets",
     "work_targets",
 ]
@@ -123,13 +121,6 @@ def _histories(cluster: Cluster, root: Path, areas: list[str] | None) -> dict[st
     if areas is not None:
         return {a: open_history(root, a) for a in names}
     return {a: open_history(root, a) for a in names if (area_dir(root, a) / "versions").is_dir()}
-
-
-def _one_head(script: ScriptDirectory, area: str) -> str | None:
-    heads = script.get_heads()
-    if len(heads) > 1:
-        raise SchemaError(f"area {area!r}: the history has several heads ({', '.join(heads)}): merge them first (alembic merge)")
-    return heads[0] if heads else None
 
 
 def _pending(script: ScriptDirectory, area: str, current: str | None, upper: str | None) -> list[str]:
@@ -212,7 +203,7 @@ def fleet_status(
     reported with the reason and the others are still read.
     """
     histories = _histories(cluster, root, areas)
-    heads = {area: _one_head(script, area) for area, script in histories.items()}
+    heads = {area: one_head(script, area) for area, script in histories.items()}
     tables = {area: area_tables(cluster, area) for area in histories}
 
     def one(target: Target) -> ServerStatus:
@@ -315,7 +306,7 @@ def _resolve(script: ScriptDirectory, area: str, wanted: str | None, direction: 
     if wanted is None:
         if direction == "down":
             raise SchemaError("mdb migrate down needs --to REV (or --to base)")
-        return _one_head(script, area)
+        return one_head(script, area)
     if wanted == "base":
         return None
     try:
@@ -447,19 +438,3 @@ def migrate(
     run.results = [by_key[(t.area, t.server)] for t in work]
     return run
 
-
-def stamp_created(conn: Connection, root: Path, area: str, tables: list[str], created: list[str]) -> str | None:
-    """After ``schema apply`` created ``area``'s tables on a server from the models: record head there.
-
-    The models are the head of the history (a model change ships with its revision), so a
-    server whose area tables were all created just now is at head, and running the history on
-    it would add columns that exist. A server where only some were created (or none) is left
-    alone: ``mdb migrate status`` shows it. Returns the revision stamped, None when nothing was
-    (no history for the area, or the tables were not all new).
-    """
-    if not tables or not set(tables) <= set(created) or not (area_dir(root, area) / "versions").is_dir():
-        return None
-    head = _one_head(open_history(root, area), area)
-    if head is not None:
-        stamp_revision(conn, area, head)
-    return head

@@ -28,13 +28,14 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
 from sqlalchemy import MetaData, Table
+from sqlalchemy.engine import Connection
 
 from mdb.cluster import Cluster
 from mdb.errors import SchemaError
-from mdb.migrations.revisions import version_table
+from mdb.migrations.revisions import stamp_revision, version_table
 from mdb.urls import SQL
 
-__all__ = ["area_dir", "area_tables", "include_only", "make_revision", "open_history", "scripts_root"]
+__all__ = ["area_dir", "area_tables", "include_only", "make_revision", "one_head", "open_history", "scripts_root", "stamp_created"]
 
 _ENV_PY = '''"""Run this area's history by hand on ONE database: alembic -c alembic.ini -x url=URL upgrade head.
 
@@ -171,3 +172,28 @@ def make_revision(
             except CommandError as exc:
                 raise SchemaError(f"area {area!r}: reference shard {server!r}: {exc} (bring it to head first: mdb migrate up MAP)") from exc
     return [Path(s.path) for s in revision_context.generate_scripts() if s is not None]
+
+
+def one_head(script: ScriptDirectory, area: str) -> str | None:
+    """The head of ``area``'s history (None: no revision yet); several heads are refused."""
+    heads = script.get_heads()
+    if len(heads) > 1:
+        raise SchemaError(f"area {area!r}: the history has several heads ({', '.join(heads)}): merge them first (alembic merge)")
+    return heads[0] if heads else None
+
+
+def stamp_created(conn: Connection, root: Path, area: str, tables: list[str], created: list[str]) -> str | None:
+    """After ``schema apply`` created ``area``'s tables on a server from the models: record head there.
+
+    The models are the head of the history (a model change ships with its revision), so a
+    server whose area tables were all created just now is at head, and running the history on
+    it would add columns that exist. A server where only some were created (or none) is left
+    alone: ``mdb migrate status`` shows it. Returns the revision stamped, None when nothing was
+    (no history for the area, or the tables were not all new).
+    """
+    if not tables or not set(tables) <= set(created) or not (area_dir(root, area) / "versions").is_dir():
+        return None
+    head = one_head(open_history(root, area), area)
+    if head is not None:
+        stamp_revision(conn, area, head)
+    return head
