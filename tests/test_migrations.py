@@ -414,3 +414,13 @@ def test_schema_apply_on_a_new_server_records_head_and_the_cli_writes_a_revision
     assert {s["outcome"] for s in json.loads(out)["servers"]} == {"planned"}
     code, out, err = fleet.cli("down", str(fleet.map_path), "--to", "nope")
     assert code == 2 and "nope" in err, (out, err)
+
+
+def test_a_revision_whose_code_raises_fails_its_server_and_stops_the_rollout(fleet: Fleet) -> None:
+    fleet.write_revision("a1_create", REV1)
+    fleet.write_revision("b2_bug", REV2.replace('    op.add_column(', '    raise RuntimeError("boom")\n    op.add_column(', 1))
+    with fleet.store() as store:
+        run = migrate(store, fleet.root, parallel=1)
+    assert [(r.server, r.outcome) for r in run.results] == [("u1", "failed")] + [(s, "not started") for s in SERVERS[1:]]
+    assert "the revision raised RuntimeError: boom" in (run.failed[0].detail or "")
+    assert fleet.revision_of("u1") is None  # a1 ran in the same transaction: rolled back with b2

@@ -357,7 +357,12 @@ def _migrate_one(
                 "version_table": version_table(target.area), "script": script, "fn": steps, "transactional_ddl": True,
             })
             with _operations(context):
-                context.run_migrations()
+                try:
+                    context.run_migrations()
+                except (MdbError, DBAPIError, CommandError):
+                    raise
+                except Exception as exc:  # the revision file's own code failed (it is application code): this server failed
+                    raise SchemaError(f"server {target.server!r}: the revision raised {type(exc).__name__}: {exc}") from exc
             result.after = current_revision(conn, target.area)
         result.outcome = DONE
         fault_point("migrate.after_server")
@@ -422,11 +427,15 @@ def migrate(
         return result
 
     def done(result: ServerResult) -> None:
-        if central is not None:
-            with cluster.transaction(central) as conn:
-                ledger.finish(conn, run.run_id, result.area, result.server, result.outcome, result.before, result.detail)
-        if on_done is not None:
-            on_done(result)
+        try:
+            if central is not None:
+                with cluster.transaction(central) as conn:
+                    ledger.finish(conn, run.run_id, result.area, result.server, result.outcome, result.before, result.detail)
+            if on_done is not None:
+                on_done(result)
+        except BaseException:
+            stop.set()  # the pool still drains what it was given: start none of it (CENTRAL down, Ctrl-C)
+            raise
 
     first = [t for t in work if t.server == canary]
     rest = [t for t in work if t.server != canary]
