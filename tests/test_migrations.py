@@ -16,6 +16,7 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -424,3 +425,28 @@ def test_a_revision_whose_code_raises_fails_its_server_and_stops_the_rollout(fle
     assert [(r.server, r.outcome) for r in run.results] == [("u1", "failed")] + [(s, "not started") for s in SERVERS[1:]]
     assert "the revision raised RuntimeError: boom" in (run.failed[0].detail or "")
     assert fleet.revision_of("u1") is None  # a1 ran in the same transaction: rolled back with b2
+
+
+def test_status_lists_each_replica_with_the_revision_it_replayed(
+    pg_replica_pair: Any, pg_databases: Callable[[int], list[str]], tmp_path: Path
+) -> None:
+    central, other = pg_databases(2)
+    urls = {"c": central, "u1": pg_replica_pair.primary_url, "u2": other}
+    data = map_dict(urls, central=["c"], partitions=[("0:0:0", ["u1", "u2"])], replicas={"u1": pg_replica_pair.replica_url},
+                    extra_areas={"notes": [("0:0:0", ["u1", "u2"])]})
+    map_path = tmp_path / "map.yaml"
+    map_path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    fleet = Fleet(urls, map_path, tmp_path / "migrations")
+    fleet.write_revision("a1_create", REV1)
+    fleet.write_revision("b2_priority", REV2)
+    with Store.from_yaml(map_path, types=[UserBriefcase]) as store:
+        assert all(r.ok for r in apply_schema(store))
+    with fleet.store() as store:
+        run = migrate(store, fleet.root)
+        assert [(r.server, r.outcome) for r in run.results] == [("u1", "done"), ("u2", "done")]  # a replica is never migrated
+        pg_replica_pair.wait_for_replay()
+        status = fleet_status(store, fleet.root)
+    assert [(s.server, s.replica, s.current, s.state) for s in status.servers] == [
+        ("u1", False, "b2", "at head"), ("u1", True, "b2", "at head"), ("u2", False, "b2", "at head"),
+    ]
+    assert all(s.drift_checked for s in status.servers)

@@ -96,7 +96,7 @@ def migrate_revision(
 
 
 def _status_json(s: ServerStatus) -> dict[str, object]:
-    return {"area": s.area, "server": s.server, "roles": list(s.roles), "current": s.current, "head": s.head,
+    return {"area": s.area, "server": s.server, "replica": s.replica, "roles": list(s.roles), "current": s.current, "head": s.head,
             "pending": s.pending, "state": s.state, "drift_checked": s.drift_checked,
             "differences": [d.to_json() for d in s.differences],
             "error": None if s.error is None else mask_secrets(s.error), "ok": s.ok}
@@ -115,7 +115,8 @@ def _print_status(status: FleetStatus) -> None:
             state = f"[yellow]drift[/yellow]: {escape('; '.join(str(d) for d in s.differences))}"
         else:
             state = "[green]at head[/green]"
-        table.add_row(escape(s.area), escape(s.server), escape(", ".join(s.roles)), escape(s.current or "base"),
+        table.add_row(escape(s.area), escape(s.server + (" (replica)" if s.replica else "")), escape(", ".join(s.roles)),
+                      escape(s.current or "base"),
                       escape(" ".join(s.pending) or "-"), state)
     console.print(table)
     unfinished = [r for r in status.last_run if r.outcome != "done" and r.outcome != "already"]
@@ -140,7 +141,8 @@ def migrate_status(
     store = open_store(map_path, models, tool=True)
     try:
         root = _root(store, scripts)
-        with _progress("migrate status", len(work_targets(store, root, area))) as on_done:
+        total = sum(1 + store.engines.has_replica(t.server) for t in work_targets(store, root, area))
+        with _progress("migrate status", total) as on_done:
             status = fleet_status(store, root, areas=area, parallel=parallel, on_done=on_done)
     finally:
         store.close()

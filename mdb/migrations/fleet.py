@@ -155,6 +155,8 @@ class ServerStatus:
     drift_checked: bool = False
     """True when the tables were compared with the models (the server is at head: the models are the head)."""
     error: str | None = None
+    replica: bool = False
+    """The server's read-only replica (read, never migrated: it replays what its primary ran)."""
 
     @property
     def state(self) -> str:
@@ -199,6 +201,9 @@ def fleet_status(
 ) -> FleetStatus:
     """Every target's revision, its pending revisions and, at head, its drift from the models.
 
+    A server with a replica is listed twice, the second time read on the replica (``replica``):
+    a replica that lags shows the revision it has replayed so far.
+
     A fleet at mixed revisions is a state, not an error; a server that cannot be read is
     reported with the reason and the others are still read.
     """
@@ -206,10 +211,11 @@ def fleet_status(
     heads = {area: one_head(script, area) for area, script in histories.items()}
     tables = {area: area_tables(cluster, area) for area in histories}
 
-    def one(target: Target) -> ServerStatus:
-        status = ServerStatus(target.area, target.server, target.roles, head=heads[target.area])
+    def one(item: tuple[Target, bool]) -> ServerStatus:
+        target, replica = item
+        status = ServerStatus(target.area, target.server, target.roles, head=heads[target.area], replica=replica)
         try:
-            with cluster.transaction(target.server, readonly=False) as conn:
+            with cluster.transaction(target.server, readonly=replica) as conn:
                 status.current = current_revision(conn, target.area)
                 status.pending = _pending(histories[target.area], target.area, status.current, status.head)
                 if status.current == status.head:
@@ -219,7 +225,9 @@ def fleet_status(
             status.error = _failure(target.server, exc)
         return status
 
-    servers = run_each(targets(cluster, list(histories)), one, parallel=parallel, on_done=on_done, name="mdb-migrate-status")
+    items = [(t, replica) for t in targets(cluster, list(histories))
+             for replica in (False, True) if not replica or cluster.engines.has_replica(t.server)]
+    servers = run_each(items, one, parallel=parallel, on_done=on_done, name="mdb-migrate-status")
     central = _central_sql(cluster)
     last: list[ledger.LedgerRow] = []
     if central is not None:
