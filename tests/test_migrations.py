@@ -450,3 +450,24 @@ def test_status_lists_each_replica_with_the_revision_it_replayed(
         ("u1", False, "b2", "at head"), ("u1", True, "b2", "at head"), ("u2", False, "b2", "at head"),
     ]
     assert all(s.drift_checked for s in status.servers)
+
+
+def test_up_to_an_older_revision_leaves_servers_past_it_alone_and_an_unknown_revision_fails_its_server(fleet: Fleet) -> None:
+    fleet.write_revision("a1_create", REV1)
+    fleet.write_revision("b2_priority", REV2)
+    with fleet.store() as store:
+        assert migrate(store, fleet.root, servers=["u1", "u2"]).ok
+        older = migrate(store, fleet.root, to="a1", parallel=1)
+        assert [(r.server, r.before, r.after, r.outcome) for r in older.results] == [
+            ("u1", "b2", "b2", "already"), ("u2", "b2", "b2", "already"), ("u3", None, "a1", "done"),
+            ("u4", None, "a1", "done"), ("s", None, "a1", "done"),
+        ]
+        assert older.results[0].detail == "at b2, already past a1 going up"
+        fleet.sql("u4", f"UPDATE {version_table('notes')} SET version_num = 'zz99'")  # a revision from another branch of the code
+        run = migrate(store, fleet.root, parallel=1)
+        assert [(r.server, r.outcome) for r in run.results] == [
+            ("u1", "already"), ("u2", "already"), ("u3", "done"), ("u4", "failed"), ("s", "not started"),
+        ]
+        assert "zz99" in (run.failed[0].detail or "")
+        status = {s.server: s for s in fleet_status(store, fleet.root).servers}
+        assert status["u4"].state == "failed" and "zz99" in (status["u4"].error or "")

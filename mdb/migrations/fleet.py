@@ -34,6 +34,7 @@ from typing import Any, Final
 from alembic.operations import Operations
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.script.revision import RangeNotAncestorError, RevisionError
 from alembic.util.exc import CommandError
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
@@ -129,14 +130,26 @@ def _pending(script: ScriptDirectory, area: str, current: str | None, upper: str
         return []
     try:
         revisions = list(script.iterate_revisions(upper, current or "base"))
-    except CommandError as exc:
-        raise SchemaError(f"area {area!r}: revision {current} is not in the history at {script.dir}: {exc}") from exc
+    except (CommandError, RevisionError) as exc:
+        raise SchemaError(f"area {area!r}: cannot go from revision {current or 'base'} to {upper} with the history at {script.dir}: {exc}") from exc
     return [r.revision for r in reversed(revisions) if r.revision != current]
+
+
+def _beyond(script: ScriptDirectory, area: str, lower: str | None, upper: str | None) -> bool:
+    """True when ``lower`` is a descendant of ``upper`` (strictly): the server is past the target."""
+    if lower == upper or lower is None:
+        return False
+    try:
+        return bool(list(script.iterate_revisions(lower, upper or "base")))
+    except RangeNotAncestorError:  # the answer "no": lower is not above upper
+        return False
 
 
 def _failure(server: str, exc: Exception) -> str:
     if isinstance(exc, DBAPIError):
         return f"server {server!r}: {describe(exc)}"
+    if isinstance(exc, RevisionError):  # the server is at a revision this history does not have
+        return f"server {server!r}: {exc}"
     return str(exc)
 
 
@@ -345,10 +358,14 @@ def _migrate_one(
                 conn.execute(text(_lock_timeout_sql(lock_timeout)))
                 lock_out_moves(conn, target.server)
             result.before = current_revision(conn, target.area)
-            if direction == "up":
-                result.steps = _pending(script, target.area, result.before, destination)
-            else:
-                result.steps = list(reversed(_pending(script, target.area, destination, result.before)))
+            lower, upper = (result.before, destination) if direction == "up" else (destination, result.before)
+            if _beyond(script, target.area, lower, upper):  # e.g. `up --to a1` on a server at b2: left alone
+                result.outcome, result.after = ALREADY, result.before
+                result.detail = f"at {result.before or 'base'}, already past {destination or 'base'} going {direction}"
+                return result
+            result.steps = _pending(script, target.area, lower, upper)
+            if direction == "down":
+                result.steps.reverse()
             if not result.steps:
                 result.outcome, result.after = ALREADY, result.before
                 return result
@@ -374,7 +391,7 @@ def _migrate_one(
             result.after = current_revision(conn, target.area)
         result.outcome = DONE
         fault_point("migrate.after_server")
-    except (MdbError, DBAPIError, CommandError) as exc:
+    except (MdbError, DBAPIError, CommandError, RevisionError) as exc:
         result.outcome, result.detail = FAILED, _failure(target.server, exc)
     finally:
         result.seconds = time.monotonic() - started
