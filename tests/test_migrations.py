@@ -343,6 +343,9 @@ def test_a_column_added_by_hand_is_drift_and_a_move_across_revisions_is_refused(
         {"table": "mig_notes", "kind": "extra column", "detail": "column 'added_by_hand' (nullable) is not in the model"}
     ]
     assert all(servers[s]["state"] == "at head" for s in SERVERS if s != "u2")
+    code, out, err = fleet.cli("status", str(fleet.map_path))
+    assert code == 1 and "drift: mig_notes: column 'added_by_hand' (nullable) is not in the model" in out, (out, err)
+    assert "last run" in out and "5 of 5 servers done" in out
 
 
 def test_a_server_that_holds_a_lock_fails_within_the_lock_timeout(fleet: Fleet) -> None:
