@@ -1,0 +1,114 @@
+"""The Alembic revision of an area on one server: read it, stamp it, and refuse a move across two.
+
+Alembic keeps the revision a database is at in its version table; mdb gives every area its
+own (``alembic_version_<area>``) because one server holds several areas (a spare holds every
+area's tables, a CENTRAL shard may be a user shard too) and their histories are independent.
+That table on each server is the truth a rerun after a crash relies on: nothing else records
+which servers a rollout already did.
+
+This module depends on SQLAlchemy and Alembic only (a connection in, a revision out), so the
+move protocol and ``schema apply`` can call it without depending on the fleet runner.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Column, MetaData, String, Table, text
+from sqlalchemy.engine import Connection
+
+from alembic.runtime.migration import MigrationContext
+from mdb.errors import SchemaError
+
+__all__ = [
+    "SCHEMA_LOCK_KEY",
+    "VERSION_TABLE_PREFIX",
+    "current_revision",
+    "lock_out_migrations",
+    "lock_out_moves",
+    "require_same_revision",
+    "stamp_revision",
+    "version_table",
+]
+
+VERSION_TABLE_PREFIX = "alembic_version_"
+"""Every area's version table starts so (``schema check`` should not call these tables extra)."""
+
+
+SCHEMA_LOCK_KEY = 0x6D64626D69677261  # "mdbmigra": one PostgreSQL advisory lock key per server
+"""A migration holds it exclusive on a server, a move's copy shared: the two never overlap on one server."""
+
+
+def version_table(area: str) -> str:
+    """The name of ``area``'s Alembic version table."""
+    return VERSION_TABLE_PREFIX + area
+
+
+def _context(conn: Connection, area: str) -> MigrationContext:
+    return MigrationContext.configure(conn, opts={"version_table": version_table(area)})
+
+
+def current_revision(conn: Connection, area: str) -> str | None:
+    """The revision ``area`` is at on ``conn``'s server; None when never migrated (no version table or no row).
+
+    A history with several heads at once is refused: mdb rolls out one line of revisions (merge
+    branches with ``alembic merge`` first), so "the revision of a server" is one value.
+    """
+    heads = _context(conn, area).get_current_heads()
+    if len(heads) > 1:
+        raise SchemaError(f"area {area!r} is at several revisions at once ({', '.join(heads)}): merge the branches first")
+    return heads[0] if heads else None
+
+
+def stamp_revision(conn: Connection, area: str, revision: str | None) -> None:
+    """Record ``revision`` as the area's revision on ``conn``'s server without running a migration.
+
+    For a server whose tables were just created from the models (``schema apply`` on a new or
+    spare server): the models are the head of the history, so the server is at head already and
+    running the history on it would add columns that exist.
+    """
+    if _context(conn, area).get_current_heads() == ((revision,) if revision else ()):
+        return
+    # The table as Alembic creates it (alembic.runtime.migration: version_num VARCHAR(32) primary key).
+    table = Table(version_table(area), MetaData(), Column("version_num", String(32), primary_key=True, nullable=False))
+    table.create(conn, checkfirst=True)
+    conn.execute(table.delete())
+    if revision is not None:
+        conn.execute(table.insert().values(version_num=revision))
+
+
+def require_same_revision(area: str, source: str, source_conn: Connection, target: str, target_conn: Connection) -> str | None:
+    """Refuse (SchemaError) to copy ``area``'s tables between servers at different revisions.
+
+    A move copies rows column for column: a target one revision behind lacks the new column
+    (the copy fails halfway or drops data), one ahead has a NOT NULL column the source's rows do
+    not fill. Returns the revision both are at. The fix is named: ``mdb migrate up``.
+    """
+    have_source = current_revision(source_conn, area)
+    have_target = current_revision(target_conn, area)
+    if have_source != have_target:
+        raise SchemaError(
+            f"area {area!r}: source server {source!r} is at revision {have_source or 'base'} but target server "
+            f"{target!r} is at {have_target or 'base'}; a move needs both at one revision "
+            f"(bring them to the same revision first: mdb migrate up MAP)"
+        )
+    return have_source
+
+
+def lock_out_moves(conn: Connection, server: str) -> None:
+    """Take the server's schema lock exclusive for this transaction (PostgreSQL), or refuse at once.
+
+    Called by a migration before it changes a server's tables: a move copying into or out of
+    the server holds the lock shared (:func:`lock_out_migrations`), and a copy running while a
+    column appears would write rows of the old shape into the new table.
+    """
+    if not conn.execute(text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY}).scalar():
+        raise SchemaError(f"server {server!r}: a move is copying briefcases to or from it; migrate it after the move ends")
+
+
+def lock_out_migrations(conn: Connection, server: str) -> None:
+    """Take the server's schema lock shared for this transaction (PostgreSQL), or refuse at once.
+
+    For a move's copy (on the source and on the target): several moves may run at once on one
+    server, a migration may not run during any of them.
+    """
+    if not conn.execute(text("SELECT pg_try_advisory_xact_lock_shared(:key)"), {"key": SCHEMA_LOCK_KEY}).scalar():
+        raise SchemaError(f"server {server!r}: a schema migration is running on it; move after it ends (mdb migrate status MAP)")
