@@ -17,20 +17,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from sqlalchemy import Table, insert, inspect as sa_inspect, select
+from sqlalchemy import Table, inspect as sa_inspect, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
+from mdb.backends.sql import stamp_layout
 from mdb.briefcase import registered_types
 from mdb.dberrors import describe
 from mdb.errors import MdbError
-from mdb.mongo.clients import is_mongo_url
 from mdb.ownership import install_pg_functions
 from mdb.parallel import DEFAULT_PARALLEL, run_each
 from mdb.router import Router, ShardLayout
 from mdb.schema_diff import Difference, compare_tables
 from mdb.store import Store
 from mdb.system_tables import load_system_tables, shard_layout
+from mdb.urls import MONGO, SQL
 
 __all__ = ["ShardReport", "apply_schema", "check_schema", "create_tables", "known_tables", "server_tables", "stamp_layout"]
 
@@ -68,33 +69,6 @@ def create_tables(conn: Connection, tables: list[Table]) -> list[str]:
     if conn.dialect.name == "postgresql":  # the ownership check behind a transaction pooler (docs/operations.md)
         install_pg_functions(conn)
     return created
-
-
-def stamp_layout(conn: Connection, layout: ShardLayout, map_version: int, *, replace: bool) -> str | None:
-    """Write the layout stamp for ``layout.area``; returns a problem text if refused."""
-    row = conn.execute(select(shard_layout).where(shard_layout.c.area == layout.area)).mappings().first()
-    values = dict(
-        partition_start=layout.partition_start,
-        partition_end=layout.partition_end,
-        shard_index=layout.shard_index,
-        shard_count=layout.shard_count,
-        map_version=map_version,
-    )
-    if row is None:
-        conn.execute(insert(shard_layout).values(area=layout.area, **values))
-        return None
-    current = (row["partition_start"], row["partition_end"], row["shard_index"], row["shard_count"])
-    wanted = (layout.partition_start, layout.partition_end, layout.shard_index, layout.shard_count)
-    if current == wanted:
-        return None
-    if not replace:
-        return (
-            f"area {layout.area!r} is stamped {current[0]}..{current[1] or 'open'} shard {current[2]} of {current[3]} "
-            f"(map version {row['map_version']}) but this map says {wanted[0]}..{wanted[1] or 'open'} shard "
-            f"{wanted[2]} of {wanted[3]}: a layout change is applied with `mdb map apply`"
-        )
-    conn.execute(shard_layout.update().where(shard_layout.c.area == layout.area).values(**values))
-    return None
 
 
 def server_tables(
@@ -170,7 +144,7 @@ def check_schema(
             _shard_failed(server, report, exc)
         return report
 
-    servers = [s for s in store.map.servers if not is_mongo_url(store.map.servers[s].primary)]
+    servers = store.map.servers_of_kind(SQL)
     return run_each(servers, one, parallel=parallel, on_done=on_done, name="mdb-schema-check")
 
 
@@ -193,7 +167,7 @@ def _apply_server(
     """One server's part of ``apply_schema``: its failure is recorded on its report."""
     pmap = store.map
     report = ShardReport(server, store.engines.masked_url(server))
-    if is_mongo_url(pmap.servers[server].primary):
+    if pmap.kind_of(server) == MONGO:
         _apply_mongo(store, router, server, layouts, report)
         return report
     report.roles, tables = server_tables(store, router, server, layouts)

@@ -22,7 +22,7 @@ from sqlalchemy.engine import Connection
 from mdb.fleet.scan import BriefcaseSize, briefcase_sizes
 from mdb.moves.copy import AreaTable, is_postgres
 from mdb.moves.move import area_tables
-from mdb.mongo.clients import is_mongo_url
+from mdb.urls import MONGO
 
 __all__ = ["MEASURES", "AreaBalance", "Measure", "ServerBalance", "area_servers", "balance", "skew_of"]
 
@@ -93,10 +93,6 @@ def area_servers(store: Any, area: str) -> list[str]:
     return out
 
 
-def is_mongo(store: Any, server: str) -> bool:
-    return is_mongo_url(str(store.map.servers[server].primary))
-
-
 def disk_bytes(conn: Connection, tables: Sequence[AreaTable]) -> int | None:
     """On-disk size of the area's tables on this server (None where the server cannot say)."""
     names = [at.name for at in tables]
@@ -116,7 +112,7 @@ def disk_bytes(conn: Connection, tables: Sequence[AreaTable]) -> int | None:
 
 def measure_server(store: Any, server: str, tables: Sequence[AreaTable], top: int) -> ServerBalance:
     """One server's totals, its ``top`` largest briefcases (a bounded heap) and its disk bytes."""
-    if is_mongo(store, server):
+    if store.map.kind_of(server) == MONGO:  # document servers: no SQL tables to scan
         return ServerBalance(server, measured=False)
     out = ServerBalance(server)
     heap: list[tuple[int, int, bytes, BriefcaseSize]] = []
@@ -139,7 +135,7 @@ def balance(store: Any, area: str, *, top: int = 5) -> AreaBalance:
     """Measure every server of ``area`` (fresh map and relocations first)."""
     store.refresh()
     servers = area_servers(store, area)
-    if all(is_mongo(store, s) for s in servers):  # document areas: no SQL tables to scan
+    if all(store.map.kind_of(s) == MONGO for s in servers):  # document areas: no SQL tables to scan
         return AreaBalance(area, [ServerBalance(s, measured=False) for s in servers], top)
     tables = area_tables(store, area)
     return AreaBalance(area, [measure_server(store, s, tables, top) for s in servers], top)

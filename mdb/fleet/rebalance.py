@@ -21,10 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mdb.fleet.balance import Measure, area_servers, is_mongo, skew_of
+from mdb.fleet.balance import Measure, area_servers, skew_of
 from mdb.fleet.scan import BriefcaseSize, briefcase_sizes
 from mdb.gdid import GDID
 from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult, area_tables, move_briefcase
+from mdb.urls import MONGO
 
 __all__ = ["CANDIDATES", "PlannedMove", "RebalancePlan", "apply_plan", "plan_rebalance"]
 
@@ -73,7 +74,7 @@ def _survey(store: Any, area: str, by: Measure) -> tuple[dict[str, int], dict[st
     totals: dict[str, int] = {}
     candidates: dict[str, list[tuple[int, GDID]]] = {}
     for server in area_servers(store, area):
-        if is_mongo(store, server):
+        if store.map.kind_of(server) == MONGO:
             continue
         total = 0
         heap: list[tuple[int, bytes, GDID]] = []

@@ -1,4 +1,4 @@
-"""CENTRAL indexes and the relocation directory on MongoDB CENTRAL servers.
+"""CENTRAL indexes on MongoDB CENTRAL servers (the relocation directory is the backend's: :mod:`mdb.backends.mongo`).
 
 :mod:`mdb.central`'s storage is SQL, so when a map's CENTRAL servers are MongoDB servers the
 same decisions are kept here on documents: an index is declared with :class:`mdb.central.CentralIndex`
@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
+from mdb.backends.mongo import RELOCATIONS
 from mdb.central.indexes import STATE_LIVE, CentralIndex, index_by_name
 from mdb.errors import DuplicateKeyError
 from mdb.gdid import GDID
@@ -25,10 +26,9 @@ from mdb.router import Router
 if TYPE_CHECKING:
     from mdb.mongo.store import MongoStore
 
-__all__ = ["INDEX", "RELOCATIONS", "MongoCentral", "ensure_central_collections", "load_relocations_mongo"]
+__all__ = ["INDEX", "RELOCATIONS", "MongoCentral", "ensure_central_collections"]
 
 INDEX: Final = "mdb_central_index"
-RELOCATIONS: Final = "mdb_relocations"
 
 
 def ensure_central_collections(db: Any, existing: set[str], created: list[str]) -> None:
@@ -39,15 +39,6 @@ def ensure_central_collections(db: Any, existing: set[str], created: list[str]) 
             created.append(name)
     db[INDEX].create_index([("index_name", 1), ("key", 1), ("slot", 1)], name="mdb_index_key_slot", unique=True)
     db[INDEX].create_index([("index_name", 1), ("gdid", 1)], name="mdb_index_gdid")
-
-
-def load_relocations_mongo(mongo: MongoStore, router: Router) -> dict[tuple[str, GDID], str]:
-    """The relocation directory from every MongoDB CENTRAL shard (what Store.refresh loads)."""
-    out: dict[tuple[str, GDID], str] = {}
-    for server in router.central_servers():
-        for doc in mongo.database(server)[RELOCATIONS].find({}):
-            out[(doc["area"], GDID.from_bytes(doc["gdid"]))] = doc["server"]
-    return out
 
 
 def _index(ref: type[CentralIndex] | str) -> type[CentralIndex]:
@@ -131,17 +122,3 @@ class MongoCentral:
         write()
         self.add(idx, key, gdid)
         return gdid
-
-
-def set_relocation_mongo(mongo: MongoStore, area: str, gdid: GDID, server: str) -> None:
-    router = Router(mongo.store.map)
-    db = mongo.database(router.locate_central(bytes(gdid)).server)
-    db[RELOCATIONS].replace_one({"_id": f"{area}:{gdid.hex}"}, {"area": area, "gdid": bytes(gdid), "server": server}, upsert=True)
-
-
-def clear_relocation_mongo(mongo: MongoStore, area: str, gdid: GDID) -> None:
-    router = Router(mongo.store.map)
-    db = mongo.database(router.locate_central(bytes(gdid)).server)
-    db[RELOCATIONS].delete_one({"_id": f"{area}:{gdid.hex}"})
-
-

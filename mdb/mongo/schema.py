@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mdb.mongo.hot import COUNTERS, STATS_LOCK
-from mdb.mongo.shard_state import STATE, stamp_layout
+from mdb.backends.mongo import LAYOUT, stamp_layout
+from mdb.mongo.shard_state import GUARD, STATE
 from mdb.router import Router, ShardLayout
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def apply_mongo_server(mongo: MongoStore, router: Router, server: str, layouts: 
         areas = router.area_names()
     existing = set(db.list_collection_names())
     created: list[str] = []
-    for name in ("mdb_shard_layout", STATE, "mdb_briefcase_guard", COUNTERS, STATS_LOCK):
+    for name in (LAYOUT, STATE, GUARD, COUNTERS, STATS_LOCK):
         _ensure(db, name, existing, created)
     db[STATE].create_index([("area", 1), ("state", 1)], name="mdb_area_state")
     for area in areas:  # hot-data documents are found by briefcase key (and moved with it)
@@ -59,7 +60,7 @@ def apply_mongo_server(mongo: MongoStore, router: Router, server: str, layouts: 
                 for index in dtype.indexes_of(coll):
                     handle.create_index(list(index.keys), name=index.index_name, unique=index.unique, **dict(index.options))
     report.created = created
-    stamped = {d["_id"] for d in db["mdb_shard_layout"].find({}, {"_id": 1})}
+    stamped = {d["_id"] for d in db[LAYOUT].find({}, {"_id": 1})}
     for layout in layouts:
         problem = stamp_layout(db, layout, pmap.version, replace=False)
         if problem:
