@@ -47,7 +47,7 @@ from mdb.system_tables import STATE_INCOMING, briefcase_state
 from mdb.urls import SQL, mask_secrets
 
 if TYPE_CHECKING:
-    from mdb.store import Store
+    from mdb.cluster import Cluster
 
 __all__ = [
     "FanOutResult", "ShardFailure", "SortKey", "SortTerm", "fan_out", "fan_out_aggregate", "fan_out_servers",
@@ -158,7 +158,7 @@ def _briefcase_columns(statement: Select[Any], keys: dict[str, str]) -> list[tup
     return out
 
 
-def _restrict(statement: Select[Any], store: Store, area: str, from_gdid: GDID | None) -> Select[Any]:
+def _restrict(statement: Select[Any], store: Cluster, area: str, from_gdid: GDID | None) -> Select[Any]:
     """Add the 'not incoming here' filter (and the from-GDID range) for every briefcase table."""
     keys = {t.name: btype.key for btype in store.types_of(area) for t in btype.tables}
     columns = _briefcase_columns(statement, keys)
@@ -345,7 +345,7 @@ def _selects_entities(statement: Select[Any]) -> bool:
     return any(d["entity"] is not None and d["expr"] is d["entity"] for d in statement.column_descriptions)
 
 
-def _run(store: Store, server: str, statement: Select[Any], readonly: bool, orm: bool) -> list[Row[Any]]:
+def _run(store: Cluster, server: str, statement: Select[Any], readonly: bool, orm: bool) -> list[Row[Any]]:
     """One shard's rows. Columns-only statements skip the ORM Session: its per-execution setup
     was a large part of the per-shard Python cost, which threads cannot overlap (the GIL)."""
     with telemetry.fanout_shard(server), store.transaction(server, readonly) as conn:
@@ -372,7 +372,7 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return pool
 
 
-def _dedupe_by_url(store: Store, servers: list[str], readonly: bool) -> list[str]:
+def _dedupe_by_url(store: Cluster, servers: list[str], readonly: bool) -> list[str]:
     # Two server names for one database would count its rows twice.
     seen: set[str] = set()
     out = []
@@ -386,7 +386,7 @@ def _dedupe_by_url(store: Store, servers: list[str], readonly: bool) -> list[str
 
 
 def _gather(
-    store: Store,
+    store: Cluster,
     servers: list[str],
     build: Callable[[str], Select[Any]],
     readonly: bool,
@@ -448,7 +448,7 @@ def gather(
 
 
 def fan_out(
-    store: Store,
+    store: Cluster,
     area: str,
     statement: Select[Any],
     *,
@@ -495,13 +495,13 @@ def fan_out(
     return FanOutResult(rows, failed, servers)
 
 
-def _warm(store: Store, server: str, readonly: bool) -> None:
+def _warm(store: Cluster, server: str, readonly: bool) -> None:
     with store.transaction(server, readonly) as conn:
         conn.exec_driver_sql("SELECT 1")
 
 
 def warm_up(
-    store: Store, area: str | None = None, *, readonly: bool = False, max_workers: int | None = None
+    store: Cluster, area: str | None = None, *, readonly: bool = False, max_workers: int | None = None
 ) -> list[ShardFailure]:
     """Open a pooled connection to every shard of ``area`` (default: every SQL server), in parallel.
 
@@ -526,7 +526,7 @@ def warm_up(
     return failed
 
 
-def fan_out_aggregate(store: Store, area: str, statement: Select[Any], **kwargs: Any) -> FanOutResult:
+def fan_out_aggregate(store: Cluster, area: str, statement: Select[Any], **kwargs: Any) -> FanOutResult:
     """``fan_out(..., aggregate=True)``: combine count/sum/min/max/avg across shards."""
     return fan_out(store, area, statement, aggregate=True, **kwargs)
 
@@ -629,7 +629,7 @@ def _average(total: Any, count: int) -> Any:
 
 
 def _aggregate(
-    store: Store,
+    store: Cluster,
     servers: list[str],
     statement: Select[Any],
     restricted: Select[Any],

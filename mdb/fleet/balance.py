@@ -19,6 +19,7 @@ from typing import Any, Literal
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from mdb.cluster import Cluster
 from mdb.fleet.scan import BriefcaseSize, briefcase_sizes
 from mdb.moves.copy import AreaTable, is_postgres
 from mdb.moves.move import area_tables
@@ -84,7 +85,7 @@ def skew_of(values: dict[str, int | float]) -> dict[str, float]:
     return {k: (v - mean) / mean if mean else 0.0 for k, v in values.items()}
 
 
-def area_servers(store: Any, area: str) -> list[str]:
+def area_servers(store: Cluster, area: str) -> list[str]:
     """The area's servers in map order, then relocation targets outside the layout (they hold briefcases too)."""
     out = list(dict.fromkeys(store.router.area_servers(area)))
     for (a, _), server in sorted(store.router.relocations.items(), key=lambda item: item[1]):
@@ -110,7 +111,7 @@ def disk_bytes(conn: Connection, tables: Sequence[AreaTable]) -> int | None:
     return None
 
 
-def measure_server(store: Any, server: str, tables: Sequence[AreaTable], top: int) -> ServerBalance:
+def measure_server(store: Cluster, server: str, tables: Sequence[AreaTable], top: int) -> ServerBalance:
     """One server's totals, its ``top`` largest briefcases (a bounded heap) and its disk bytes."""
     if store.map.kind_of(server) == MONGO:  # document servers: no SQL tables to scan
         return ServerBalance(server, measured=False)
@@ -131,7 +132,7 @@ def measure_server(store: Any, server: str, tables: Sequence[AreaTable], top: in
     return out
 
 
-def balance(store: Any, area: str, *, top: int = 5) -> AreaBalance:
+def balance(store: Cluster, area: str, *, top: int = 5) -> AreaBalance:
     """Measure every server of ``area`` (fresh map and relocations first)."""
     store.refresh()
     servers = area_servers(store, area)
