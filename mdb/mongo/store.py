@@ -30,6 +30,7 @@ from mdb.mongo.types import DocumentBriefcaseType, encode, registered_document_t
 from mdb.ownership import check_ownership
 from mdb.retry import SessionRetry
 from mdb.router import Placement, Router
+from mdb.urls import MONGO
 
 if TYPE_CHECKING:
     from mdb.store import Store
@@ -224,7 +225,8 @@ class MongoStore:
         for f, d in order:
             if d not in (1, -1):
                 raise QueryError(f"fan-out on {area}.{collection}: sort direction of {f!r} must be 1 or -1, got {d!r}")
-        servers = [s for s in fan_out_servers(self.store.router, area) if self.clients.is_mongo(s)]
+        router = self.store.router
+        servers = [s for s in fan_out_servers(router, area) if router.map.kind_of(s) == MONGO]
         per_shard = None if limit is None else limit + skip
 
         def run(server: str) -> list[dict[str, Any]]:
@@ -249,8 +251,9 @@ class MongoStore:
         if dtype is None:
             raise QueryError(f"fan-out: area {area!r} has no document collection {collection!r}")
         total = 0
-        for server in fan_out_servers(self.store.router, area):
-            if not self.clients.is_mongo(server):
+        router = self.store.router
+        for server in fan_out_servers(router, area):
+            if router.map.kind_of(server) != MONGO:
                 continue
             db = self.database(server)
             where: dict[str, Any] = encode(dict(filter or {}))
