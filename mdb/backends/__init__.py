@@ -14,13 +14,28 @@ import importlib
 import threading
 from collections.abc import Callable
 
-from mdb.backends.base import Backend, DocumentServers, HasDocuments, Servers, documents_of, open_routed
+from mdb.backends.base import (
+    Backend,
+    CollectionSpec,
+    DocumentServers,
+    HasDocuments,
+    IndexSpec,
+    SchemaOutcome,
+    Servers,
+    ServerSchema,
+    documents_of,
+    open_routed,
+)
 from mdb.errors import RoutingError
 from mdb.partition_map import PartitionMap
 from mdb.urls import MONGO, SQL
 
 __all__ = [
     "Backend",
+    "CollectionSpec",
+    "IndexSpec",
+    "SchemaOutcome",
+    "ServerSchema",
     "DocumentServers",
     "HasDocuments",
     "Servers",

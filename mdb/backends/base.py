@@ -15,10 +15,12 @@ satisfies it structurally.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
+from sqlalchemy import Table
 from sqlalchemy.engine import Connection
 
 from mdb.errors import MdbError, RetryableError
@@ -27,7 +29,10 @@ from mdb.partition_map import PartitionMap
 from mdb.retry import SessionRetry
 from mdb.router import Placement, Router, ShardLayout
 
-__all__ = ["Backend", "DocumentServers", "HasDocuments", "Servers", "open_routed"]
+__all__ = [
+    "Backend", "CollectionSpec", "DocumentServers", "HasDocuments", "IndexSpec", "SchemaOutcome", "ServerSchema",
+    "Servers", "documents_of", "open_routed",
+]
 
 
 class Servers(Protocol):
@@ -82,6 +87,61 @@ class HasDocuments(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class IndexSpec:
+    """A secondary index of a document collection: keys (field, direction), name, uniqueness, options."""
+
+    keys: Sequence[tuple[str, Any]]
+    name: str
+    unique: bool = False
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CollectionSpec:
+    """A document collection a server must hold, with its indexes."""
+
+    name: str
+    indexes: Sequence[IndexSpec] = ()
+
+
+@dataclass
+class ServerSchema:
+    """What one server must hold, computed from the map and the declared types by ``mdb.schema``.
+
+    Each backend reads the part of its kind: tables (SQL) or collections (MongoDB); the layouts
+    are stamped where the server has none yet.
+    """
+
+    layouts: list[ShardLayout]
+    map_version: int
+    tables: list[Table] = field(default_factory=list)
+    known_tables: set[str] = field(default_factory=set)
+    """Every table mdb knows of, so a table of another area is not reported as extra (SQL)."""
+    collections: list[CollectionSpec] = field(default_factory=list)
+
+
+@dataclass
+class SchemaOutcome:
+    """What applying a :class:`ServerSchema` did on one server, and how it still differs."""
+
+    created: list[str] = field(default_factory=list)
+    stamped: list[str] = field(default_factory=list)
+    """Areas whose layout stamp this run wrote."""
+    kept: list[str] = field(default_factory=list)
+    """Areas already stamped with the same layout (nothing written)."""
+    problems: list[str] = field(default_factory=list)
+    differences: list[Any] = field(default_factory=list)
+    """How the server's tables differ from the models (SQL; :class:`mdb.schema_diff.Difference`)."""
+
+    def record_stamp(self, area: str, problem: str | None, already: set[str]) -> None:
+        """File one area's stamp result: a refusal, a stamp kept, or a stamp written."""
+        if problem:
+            self.problems.append(problem)
+        else:
+            (self.kept if area in already else self.stamped).append(area)
+
+
 class Backend(ABC):
     """The server-side half of every feature, for the servers of one kind.
 
@@ -109,6 +169,13 @@ class Backend(ABC):
     @abstractmethod
     def set_relocation(self, cluster: Servers, server: str, area: str, gdid: GDID, target: str | None) -> None:
         """Point ``area``/``gdid`` at ``target`` in the directory on CENTRAL ``server`` (None clears it)."""
+
+    @abstractmethod
+    def apply_schema(self, cluster: Servers, server: str, schema: ServerSchema) -> SchemaOutcome:
+        """Create what ``server`` is missing of ``schema`` (idempotent), stamp new layouts, report drift.
+
+        A stamp that differs from the map is a problem, never overwritten (``mdb map apply``).
+        """
 
     @abstractmethod
     def translate(self, cluster: Servers, server: str, exc: Exception) -> MdbError | None:

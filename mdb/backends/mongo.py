@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Final
 
-from mdb.backends.base import Backend, Servers, documents_of
+from mdb.backends.base import Backend, SchemaOutcome, Servers, ServerSchema, documents_of
 from mdb.errors import MdbError
 from mdb.gdid import GDID
 from mdb.router import ShardLayout
@@ -67,6 +67,22 @@ class MongoBackend(Backend):
             directory.delete_one(key)
         else:
             directory.replace_one(key, {"area": area, "gdid": bytes(gdid), "server": target}, upsert=True)
+
+    def apply_schema(self, cluster: Servers, server: str, schema: ServerSchema) -> SchemaOutcome:
+        outcome = SchemaOutcome()
+        db = documents_of(cluster).database(server)
+        existing = set(db.list_collection_names())
+        for spec in schema.collections:  # creating an index that exists is a no-op
+            if spec.name not in existing:
+                db.create_collection(spec.name)
+                existing.add(spec.name)
+                outcome.created.append(spec.name)
+            for index in spec.indexes:
+                db[spec.name].create_index(list(index.keys), name=index.name, unique=index.unique, **dict(index.options))
+        already = {d["_id"] for d in db[LAYOUT].find({}, {"_id": 1})}
+        for layout in schema.layouts:
+            outcome.record_stamp(layout.area, stamp_layout(db, layout, schema.map_version, replace=False), already)
+        return outcome
 
     def translate(self, cluster: Servers, server: str, exc: Exception) -> MdbError | None:
         return documents_of(cluster).translate(server, exc)

@@ -12,17 +12,20 @@ from __future__ import annotations
 from typing import ClassVar
 
 from sqlalchemy import Column, DateTime, String, Table, delete, func, insert, select, update
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Connection
 
-from mdb.backends.base import Backend, Servers
+from mdb.backends.base import Backend, SchemaOutcome, Servers, ServerSchema
 from mdb.errors import MdbError
 from mdb.gdid import GDID
+from mdb.ownership import install_pg_functions
 from mdb.router import ShardLayout
+from mdb.schema_diff import compare_tables
 from mdb.sqltypes import GDIDType
 from mdb.system_tables import central_metadata, shard_layout
 from mdb.urls import SQL
 
-__all__ = ["SqlBackend", "relocation_rows", "relocations", "stamp_layout", "write_relocation"]
+__all__ = ["SqlBackend", "create_tables", "relocation_rows", "relocations", "stamp_layout", "write_relocation"]
 
 relocations = Table(
     "mdb_relocations",
@@ -83,6 +86,17 @@ def stamp_layout(conn: Connection, layout: ShardLayout, map_version: int, *, rep
     return None
 
 
+def create_tables(conn: Connection, tables: list[Table]) -> list[str]:
+    """Create the missing ones of ``tables`` (checkfirst); returns the names it created."""
+    existing = set(sa_inspect(conn).get_table_names())
+    created = [t.name for t in tables if t.name not in existing]
+    for metadata in {t.metadata for t in tables}:
+        metadata.create_all(conn, tables=[t for t in tables if t.metadata is metadata], checkfirst=True)
+    if conn.dialect.name == "postgresql":  # the ownership check behind a transaction pooler (docs/operations.md)
+        install_pg_functions(conn)
+    return created
+
+
 class SqlBackend(Backend):
     """Servers reached through SQLAlchemy; every unit of work is one transaction on the server."""
 
@@ -101,6 +115,16 @@ class SqlBackend(Backend):
     def set_relocation(self, cluster: Servers, server: str, area: str, gdid: GDID, target: str | None) -> None:
         with cluster.transaction(server) as conn:
             write_relocation(conn, area, gdid, target)
+
+    def apply_schema(self, cluster: Servers, server: str, schema: ServerSchema) -> SchemaOutcome:
+        outcome = SchemaOutcome()
+        with cluster.transaction(server) as conn:
+            outcome.created = create_tables(conn, schema.tables)
+            already = set(conn.execute(select(shard_layout.c.area)).scalars())
+            for layout in schema.layouts:
+                outcome.record_stamp(layout.area, stamp_layout(conn, layout, schema.map_version, replace=False), already)
+            outcome.differences = list(compare_tables(conn, schema.tables, known=schema.known_tables))
+        return outcome
 
     def translate(self, cluster: Servers, server: str, exc: Exception) -> MdbError | None:
         # Store.transaction already turned driver errors into mdb errors naming the server.

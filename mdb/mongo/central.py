@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
+from mdb.backends.base import CollectionSpec, IndexSpec
 from mdb.backends.mongo import RELOCATIONS
 from mdb.central.indexes import STATE_LIVE, CentralIndex, index_by_name
 from mdb.errors import DuplicateKeyError
@@ -27,19 +28,20 @@ from mdb.router import Router
 if TYPE_CHECKING:
     from mdb.mongo.store import MongoStore
 
-__all__ = ["INDEX", "RELOCATIONS", "MongoCentral", "ensure_central_collections"]
+__all__ = ["INDEX", "RELOCATIONS", "MongoCentral", "central_collections"]
 
 INDEX: Final = "mdb_central_index"
 
 
-def ensure_central_collections(db: Any, existing: set[str], created: list[str]) -> None:
-    for name in (INDEX, RELOCATIONS):
-        if name not in existing:
-            db.create_collection(name)
-            existing.add(name)
-            created.append(name)
-    db[INDEX].create_index([("index_name", 1), ("key", 1), ("slot", 1)], name="mdb_index_key_slot", unique=True)
-    db[INDEX].create_index([("index_name", 1), ("gdid", 1)], name="mdb_index_gdid")
+def central_collections() -> list[CollectionSpec]:
+    """The collections (and indexes) a MongoDB CENTRAL server holds: index entries and the relocation directory."""
+    return [
+        CollectionSpec(INDEX, [
+            IndexSpec([("index_name", 1), ("key", 1), ("slot", 1)], "mdb_index_key_slot", unique=True),
+            IndexSpec([("index_name", 1), ("gdid", 1)], "mdb_index_gdid"),
+        ]),
+        CollectionSpec(RELOCATIONS),
+    ]
 
 
 def _index(ref: type[CentralIndex] | str) -> type[CentralIndex]:
