@@ -9,8 +9,8 @@ from mdb import GDID, DuplicateKeyError, Store
 from mdb.central.indexes import CentralIndex, exact, strip_casefold
 from mdb.mongo import MongoStore
 from mdb.mongo.central import INDEX, MongoCentral
-from mdb.relocations import set_relocation
 from mdb.mongo.shard_state import STATE, state_id
+from mdb.relocations import set_relocation
 from mdb.router import Router
 from mdb.system_tables import STATE_GONE, STATE_RESIDENT
 
