@@ -22,7 +22,7 @@ relocation entry per GDID).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from sqlalchemy import Column, Identity, Integer, Sequence as SqlSequence, Table, inspect as sa_inspect
 from sqlalchemy.exc import NoInspectionAvailable
@@ -49,6 +49,20 @@ class BriefcaseType:
     # Filled in at declaration.
     models: ClassVar[tuple[type[Any], ...]]
     tables: ClassVar[tuple[Table, ...]]
+
+    @classmethod
+    def clash_with(cls, other: type[BriefcaseType]) -> str | None:
+        """Two types of one area share its GDID space (so one sequence) and may not share a table."""
+        if cls.id_sequence != other.id_sequence:
+            return (
+                f"briefcase types {cls.__name__} and {other.__name__} of area {cls.area!r} draw root GDIDs "
+                f"from different sequences ({cls.id_sequence!r}, {other.id_sequence!r}): they share the area's "
+                "GDID space, so they must share one sequence"
+            )
+        shared = {t.name for t in other.tables} & {t.name for t in cls.tables}
+        if shared:
+            return f"briefcase types {cls.__name__} and {other.__name__} of area {cls.area!r} share tables {sorted(shared)}"
+        return None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -117,22 +131,31 @@ def registered_types() -> list[type[BriefcaseType]]:
     return list(_REGISTRY.values())
 
 
-def types_by_area(types: Sequence[type[BriefcaseType]]) -> dict[str, list[type[BriefcaseType]]]:
-    """Group types by area, refusing two types of one area that share a table name or differ in id sequence."""
-    out: dict[str, list[type[BriefcaseType]]] = {}
+class AreaType(Protocol):
+    """A declared type of some area (a SQL briefcase type, a document briefcase type)."""
+
+    area: ClassVar[str]
+
+    @classmethod
+    def clash_with(cls, other: Any) -> str | None:
+        """Why this type and ``other``, of the same area, cannot be served together (None: they can)."""
+        ...
+
+
+T = TypeVar("T", bound=AreaType)
+
+
+def types_by_area(types: Sequence[type[T]]) -> dict[str, list[type[T]]]:
+    """Group types by area, refusing two types of one area that clash (:meth:`BriefcaseType.clash_with`).
+
+    One grouping for SQL and document briefcase types: each kind says itself what makes two of
+    its types of one area incompatible (shared tables or collections, different id sequences).
+    """
+    out: dict[str, list[type[T]]] = {}
     for btype in types:
         for other in out.get(btype.area, []):
-            if other.id_sequence != btype.id_sequence:
-                raise SchemaError(
-                    f"briefcase types {other.__name__} and {btype.__name__} of area {btype.area!r} draw root GDIDs "
-                    f"from different sequences ({other.id_sequence!r}, {btype.id_sequence!r}): they share the area's "
-                    "GDID space, so they must share one sequence"
-                )
-            shared = {t.name for t in btype.tables} & {t.name for t in other.tables}
-            if shared:
-                raise SchemaError(
-                    f"briefcase types {other.__name__} and {btype.__name__} of area {btype.area!r} "
-                    f"share tables {sorted(shared)}"
-                )
+            problem = other.clash_with(btype)
+            if problem is not None:
+                raise SchemaError(problem)
         out.setdefault(btype.area, []).append(btype)
     return out

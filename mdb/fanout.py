@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from decimal import Decimal
 from itertools import chain, islice
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Enum, String, and_, func, or_, select
 from sqlalchemy import inspect as sa_inspect
@@ -39,16 +39,20 @@ from sqlalchemy.sql.schema import Table
 from sqlalchemy.sql.selectable import Alias, Join, Select
 
 from mdb import telemetry
+from mdb.backends import Servers, backend_of
 from mdb.errors import CapacityError, MdbError, QueryError
 from mdb.gdid import GDID, MAX_AUTHORITY, MAX_COUNTER, MAX_ERA
 from mdb.router import Router
 from mdb.system_tables import STATE_INCOMING, briefcase_state
-from mdb.urls import mask_secrets
+from mdb.urls import SQL, mask_secrets
 
 if TYPE_CHECKING:
-    from mdb.store import Store
+    from mdb.cluster import Cluster
 
-__all__ = ["FanOutResult", "ShardFailure", "fan_out", "fan_out_aggregate", "fan_out_servers", "warm_up"]
+__all__ = [
+    "FanOutResult", "ShardFailure", "SortKey", "SortTerm", "fan_out", "fan_out_aggregate", "fan_out_servers",
+    "gather", "merge_sorted", "warm_up",
+]
 
 AGGREGATES = frozenset({"count", "sum", "min", "max", "avg"})
 # Aggregates that cannot be combined from per-shard partial results: refused, not mis-combined.
@@ -59,6 +63,7 @@ _OTHER_AGGREGATES = frozenset(
 )
 DEFAULT_MAX_WORKERS = 16
 _BINARY_COLLATIONS = frozenset({"C", "POSIX", "BINARY", "UCS_BASIC"})
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -153,7 +158,7 @@ def _briefcase_columns(statement: Select[Any], keys: dict[str, str]) -> list[tup
     return out
 
 
-def _restrict(statement: Select[Any], store: Store, area: str, from_gdid: GDID | None) -> Select[Any]:
+def _restrict(statement: Select[Any], store: Cluster, area: str, from_gdid: GDID | None) -> Select[Any]:
     """Add the 'not incoming here' filter (and the from-GDID range) for every briefcase table."""
     keys = {t.name: btype.key for btype in store.types_of(area) for t in btype.tables}
     columns = _briefcase_columns(statement, keys)
@@ -277,25 +282,49 @@ def _shard_order_by(orders: list[_Order], backend: str) -> list[ColumnElement[An
     return terms
 
 
-class _SortKey:
-    """Row ordering of the merge: per term, direction and NULL placement as the shards used."""
+@dataclass(frozen=True)
+class SortTerm:
+    """Direction and NULL placement of one sort term, as every shard sorted by it."""
 
-    __slots__ = ("values", "orders")
+    descending: bool
+    nulls_first: bool = False
 
-    def __init__(self, row: Row[Any], orders: list[_Order]) -> None:
-        self.values = [o.get(row) for o in orders]
-        self.orders = orders
 
-    def __lt__(self, other: _SortKey) -> bool:
-        for o, a, b in zip(self.orders, self.values, other.values):
+class SortKey:
+    """Ordering of merged results (SQL rows, documents): term by term, as the shards sorted.
+
+    ``values`` are what each term compares (a SQL value, or a document field's BSON sort key);
+    ``None`` sorts by the term's NULL placement.
+    """
+
+    __slots__ = ("values", "terms")
+
+    def __init__(self, values: Sequence[Any], terms: Sequence[SortTerm]) -> None:
+        self.values = values
+        self.terms = terms
+
+    def __lt__(self, other: SortKey) -> bool:
+        for t, a, b in zip(self.terms, self.values, other.values):
             if a is None or b is None:
                 if a is None and b is None:
                     continue
-                return (a is None) == o.nulls_first
+                return (a is None) == t.nulls_first
             if a == b:
                 continue
-            return bool(a > b) if o.descending else bool(a < b)
+            return bool(a > b) if t.descending else bool(a < b)
         return False
+
+
+def _row_key(orders: list[_Order]) -> Callable[[Row[Any]], SortKey]:
+    """The merge key of a SQL row under ``orders``."""
+    terms = [SortTerm(o.descending, o.nulls_first) for o in orders]
+    return lambda row: SortKey([o.get(row) for o in orders], terms)
+
+
+def merge_sorted(streams: Sequence[Sequence[R]], key: Callable[[R], SortKey] | None, offset: int, limit: int | None) -> list[R]:
+    """K-way merge of per-shard sorted ``streams`` (concatenation without ``key``), then OFFSET/LIMIT once."""
+    merged: Iterator[R] = heapq.merge(*streams, key=key) if key is not None else chain.from_iterable(streams)
+    return list(islice(merged, offset, None if limit is None else offset + limit))
 
 
 def _limits(statement: Select[Any]) -> tuple[int | None, int]:
@@ -316,7 +345,7 @@ def _selects_entities(statement: Select[Any]) -> bool:
     return any(d["entity"] is not None and d["expr"] is d["entity"] for d in statement.column_descriptions)
 
 
-def _run(store: Store, server: str, statement: Select[Any], readonly: bool, orm: bool) -> list[Row[Any]]:
+def _run(store: Cluster, server: str, statement: Select[Any], readonly: bool, orm: bool) -> list[Row[Any]]:
     """One shard's rows. Columns-only statements skip the ORM Session: its per-execution setup
     was a large part of the per-shard Python cost, which threads cannot overlap (the GIL)."""
     with telemetry.fanout_shard(server), store.transaction(server, readonly) as conn:
@@ -343,7 +372,7 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return pool
 
 
-def _dedupe_by_url(store: Store, servers: list[str], readonly: bool) -> list[str]:
+def _dedupe_by_url(store: Cluster, servers: list[str], readonly: bool) -> list[str]:
     # Two server names for one database would count its rows twice.
     seen: set[str] = set()
     out = []
@@ -357,7 +386,7 @@ def _dedupe_by_url(store: Store, servers: list[str], readonly: bool) -> list[str
 
 
 def _gather(
-    store: Store,
+    store: Cluster,
     servers: list[str],
     build: Callable[[str], Select[Any]],
     readonly: bool,
@@ -372,16 +401,41 @@ def _gather(
             statement = build(backend)
             statements[backend] = (statement, _selects_entities(statement))
         per_server[server] = statements[backend]
-    results: list[list[Row[Any]]] = []
+    return gather(
+        store, servers, lambda s: _run(store, s, per_server[s][0], readonly, per_server[s][1]),
+        allow_partial=allow_partial, max_workers=max_workers,
+    )
+
+
+def gather(
+    cluster: Servers,
+    servers: Sequence[str],
+    one: Callable[[str], list[R]],
+    *,
+    allow_partial: bool,
+    max_workers: int | None,
+) -> tuple[list[list[R]], list[ShardFailure]]:
+    """Run ``one(server)`` on every server in parallel; its results in server order, plus the failed shards.
+
+    The one gather of SQL and document fan-outs. A server's error is asked of its backend
+    (:meth:`~mdb.backends.base.Backend.translate`): an error of the server (unreachable, a
+    schema problem) is a failed shard, anything else is a bug and raised as it is. Failed
+    shards are raised (the first, the others in a note) unless ``allow_partial``; a
+    :class:`~mdb.errors.CapacityError` (a full server or budget) is raised even then, since the
+    shard is there, only busy, and dropping its rows silently would be wrong.
+    """
+    results: list[list[R]] = []
     errors: list[tuple[str, MdbError]] = []
     pool = _pool(max(1, max_workers or DEFAULT_MAX_WORKERS))
-    futures = [(s, pool.submit(_run, store, s, per_server[s][0], readonly, per_server[s][1])) for s in servers]
+    futures = [(s, pool.submit(one, s)) for s in servers]
     for server, future in futures:
         try:
             results.append(future.result())
-        except MdbError as exc:  # translated: names the server, masked
-            errors.append((server, exc))
-    # A full server (or budget) is not a failed shard: allow_partial would silently drop its rows.
+        except Exception as exc:
+            translated = backend_of(cluster.map, server).translate(cluster, server, exc)
+            if translated is None:
+                raise
+            errors.append((server, translated))  # names the server, masked
     capacity = [(s, e) for s, e in errors if isinstance(e, CapacityError)]
     if capacity or (errors and not allow_partial):
         errors = capacity + [(s, e) for s, e in errors if not isinstance(e, CapacityError)]
@@ -394,7 +448,7 @@ def _gather(
 
 
 def fan_out(
-    store: Store,
+    store: Cluster,
     area: str,
     statement: Select[Any],
     *,
@@ -437,22 +491,17 @@ def fan_out(
         return shard
 
     per_shard, failed = _gather(store, servers, build, readonly, allow_partial, max_workers)
-    merged: Iterator[Row[Any]]
-    if orders:
-        merged = heapq.merge(*per_shard, key=lambda row: _SortKey(row, orders))
-    else:
-        merged = chain.from_iterable(per_shard)
-    rows = list(islice(merged, offset, None if limit is None else offset + limit))
+    rows = merge_sorted(per_shard, _row_key(orders) if orders else None, offset, limit)
     return FanOutResult(rows, failed, servers)
 
 
-def _warm(store: Store, server: str, readonly: bool) -> None:
+def _warm(store: Cluster, server: str, readonly: bool) -> None:
     with store.transaction(server, readonly) as conn:
         conn.exec_driver_sql("SELECT 1")
 
 
 def warm_up(
-    store: Store, area: str | None = None, *, readonly: bool = False, max_workers: int | None = None
+    store: Cluster, area: str | None = None, *, readonly: bool = False, max_workers: int | None = None
 ) -> list[ShardFailure]:
     """Open a pooled connection to every shard of ``area`` (default: every SQL server), in parallel.
 
@@ -462,12 +511,10 @@ def warm_up(
     trip. A shard that cannot be reached is returned (masked), not raised: a warm-up must not
     stop a deploy, and the first real session reports the same error in context.
     """
-    from mdb.mongo.clients import is_mongo_url  # late: keeps this module's imports light
-
     if area is not None:
         servers = fan_out_servers(store.router, area)
     else:
-        servers = [s for s, spec in store.map.servers.items() if not is_mongo_url(spec.primary)]
+        servers = store.map.servers_of_kind(SQL)
     pool = _pool(max(1, max_workers or DEFAULT_MAX_WORKERS))
     futures = [(s, pool.submit(_warm, store, s, readonly)) for s in servers]
     failed = []
@@ -479,7 +526,7 @@ def warm_up(
     return failed
 
 
-def fan_out_aggregate(store: Store, area: str, statement: Select[Any], **kwargs: Any) -> FanOutResult:
+def fan_out_aggregate(store: Cluster, area: str, statement: Select[Any], **kwargs: Any) -> FanOutResult:
     """``fan_out(..., aggregate=True)``: combine count/sum/min/max/avg across shards."""
     return fan_out(store, area, statement, aggregate=True, **kwargs)
 
@@ -582,7 +629,7 @@ def _average(total: Any, count: int) -> Any:
 
 
 def _aggregate(
-    store: Store,
+    store: Cluster,
     servers: list[str],
     statement: Select[Any],
     restricted: Select[Any],
@@ -621,5 +668,5 @@ def _aggregate(
     merged: IteratorResult[Any] = IteratorResult(SimpleResultMetaData(names), iter(tuples))  # rows of any shape
     rows = list(merged.all())
     if orders:
-        rows.sort(key=lambda row: _SortKey(row, orders))
+        rows.sort(key=_row_key(orders))
     return rows[offset: None if limit is None else offset + limit], failed

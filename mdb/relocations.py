@@ -1,52 +1,57 @@
 """The relocation directory: which briefcases live somewhere other than their default shard.
 
-Kept in CENTRAL, one row per relocated briefcase, sharded over the CENTRAL shards by the
+Kept in CENTRAL, one entry per relocated briefcase, sharded over the CENTRAL shards by the
 GDID's 12 bytes like any CENTRAL key. Stores load the whole directory into their router and
 reload it when a session meets a fence; correctness never depends on that copy being fresh,
 because every session checks ownership on the shard itself (docs/design.md invariant 2).
+
+Where the entries are kept (SQL rows, MongoDB documents) is the CENTRAL servers' backend's
+business (:mod:`mdb.backends`); these two functions are the directory's whole interface.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-from sqlalchemy import Column, DateTime, String, Table, delete, func, insert, select, update
+from mdb.backends import Servers, backend_of
 from sqlalchemy.engine import Connection
 
+from mdb.backends.sql import relocations, write_relocation
 from mdb.gdid import GDID
-from mdb.sqltypes import GDIDType
-from mdb.system_tables import central_metadata
+from mdb.router import Router
 
 __all__ = ["clear_relocation", "load_relocations", "relocations", "set_relocation"]
 
-relocations = Table(
-    "mdb_relocations",
-    central_metadata,
-    Column("area", String(63), primary_key=True),
-    Column("gdid", GDIDType, primary_key=True),
-    Column("server", String(63), nullable=False),
-    Column("changed_at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
-)
+
+def load_relocations(cluster: Servers, router: Router | None = None) -> dict[tuple[str, GDID], str]:
+    """The whole directory, from every CENTRAL shard of ``router``'s map (default: the cluster's map).
+
+    ``router`` is given by a refresh that is building a new router and must read the CENTRAL
+    shards of the map it is switching to, not of the one it routes with.
+    """
+    router = Router(cluster.map) if router is None else router
+    out: dict[tuple[str, GDID], str] = {}
+    for server in router.central_servers():
+        out.update(backend_of(router.map, server).load_relocations(cluster, server))
+    return out
 
 
-def load_relocations(conn: Connection) -> Mapping[tuple[str, GDID], str]:
-    """The directory entries on one CENTRAL shard: (area, gdid) -> server."""
-    return {
-        (area, gdid): server
-        for area, gdid, server in conn.execute(select(relocations.c.area, relocations.c.gdid, relocations.c.server))
-    }
+def set_relocation(cluster: Servers | Connection, area: str, gdid: GDID, server: str | None) -> None:
+    """Record that ``area``/``gdid`` lives on ``server``; ``None`` removes the entry (back on its default shard).
 
-
-def set_relocation(conn: Connection, area: str, gdid: GDID, server: str) -> None:
-    """Upsert one entry on the CENTRAL shard that owns ``gdid`` (the caller picks ``conn``)."""
-    changed = conn.execute(
-        update(relocations)
-        .where(relocations.c.area == area, relocations.c.gdid == gdid)
-        .values(server=server, changed_at=func.current_timestamp())
-    ).rowcount
-    if not changed:
-        conn.execute(insert(relocations).values(area=area, gdid=gdid, server=server))
+    Written on the CENTRAL shard that owns the GDID's bytes, in its own unit of work. Given a
+    SQL connection (the older row-level form, still used by the SQL move protocol until it
+    calls this with its cluster), the entry is written on that connection.
+    """
+    if isinstance(cluster, Connection):
+        write_relocation(cluster, area, gdid, server)
+        return
+    router = Router(cluster.map)  # pure: CENTRAL placement needs no relocations
+    central = router.locate_central(gdid).server
+    backend_of(cluster.map, central).set_relocation(cluster, central, area, gdid, server)
 
 
 def clear_relocation(conn: Connection, area: str, gdid: GDID) -> None:
-    conn.execute(delete(relocations).where(relocations.c.area == area, relocations.c.gdid == gdid))
+    """The older row-level removal on a CENTRAL connection: ``set_relocation(conn, area, gdid, None)``.
+
+    Kept for the move protocol's callers until they call :func:`set_relocation` with their cluster.
+    """
+    write_relocation(conn, area, gdid, None)

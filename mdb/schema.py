@@ -17,20 +17,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from sqlalchemy import Table, insert, inspect as sa_inspect, select
-from sqlalchemy.engine import Connection
+from sqlalchemy import Table
 from sqlalchemy.exc import DBAPIError
 
+from mdb.backends import ServerSchema, backend_of
+from mdb.backends.sql import create_tables, stamp_layout
 from mdb.briefcase import registered_types
 from mdb.dberrors import describe
 from mdb.errors import MdbError
-from mdb.mongo.clients import is_mongo_url
-from mdb.ownership import install_pg_functions
 from mdb.parallel import DEFAULT_PARALLEL, run_each
 from mdb.router import Router, ShardLayout
 from mdb.schema_diff import Difference, compare_tables
 from mdb.store import Store
-from mdb.system_tables import load_system_tables, shard_layout
+from mdb.system_tables import load_system_tables
+from mdb.urls import MONGO, SQL
 
 __all__ = ["ShardReport", "apply_schema", "check_schema", "create_tables", "known_tables", "server_tables", "stamp_layout"]
 
@@ -57,44 +57,6 @@ class ShardReport:
 
 def _tables_for(store: Store, areas: Iterable[str]) -> list[Table]:
     return [t for area in areas for btype in store.types_of(area) for t in btype.tables]
-
-
-def create_tables(conn: Connection, tables: list[Table]) -> list[str]:
-    """Create the missing ones of ``tables`` (checkfirst); returns the names it created."""
-    existing = set(sa_inspect(conn).get_table_names())
-    created = [t.name for t in tables if t.name not in existing]
-    for metadata in {t.metadata for t in tables}:
-        metadata.create_all(conn, tables=[t for t in tables if t.metadata is metadata], checkfirst=True)
-    if conn.dialect.name == "postgresql":  # the ownership check behind a transaction pooler (docs/operations.md)
-        install_pg_functions(conn)
-    return created
-
-
-def stamp_layout(conn: Connection, layout: ShardLayout, map_version: int, *, replace: bool) -> str | None:
-    """Write the layout stamp for ``layout.area``; returns a problem text if refused."""
-    row = conn.execute(select(shard_layout).where(shard_layout.c.area == layout.area)).mappings().first()
-    values = dict(
-        partition_start=layout.partition_start,
-        partition_end=layout.partition_end,
-        shard_index=layout.shard_index,
-        shard_count=layout.shard_count,
-        map_version=map_version,
-    )
-    if row is None:
-        conn.execute(insert(shard_layout).values(area=layout.area, **values))
-        return None
-    current = (row["partition_start"], row["partition_end"], row["shard_index"], row["shard_count"])
-    wanted = (layout.partition_start, layout.partition_end, layout.shard_index, layout.shard_count)
-    if current == wanted:
-        return None
-    if not replace:
-        return (
-            f"area {layout.area!r} is stamped {current[0]}..{current[1] or 'open'} shard {current[2]} of {current[3]} "
-            f"(map version {row['map_version']}) but this map says {wanted[0]}..{wanted[1] or 'open'} shard "
-            f"{wanted[2]} of {wanted[3]}: a layout change is applied with `mdb map apply`"
-        )
-    conn.execute(shard_layout.update().where(shard_layout.c.area == layout.area).values(**values))
-    return None
 
 
 def server_tables(
@@ -170,46 +132,38 @@ def check_schema(
             _shard_failed(server, report, exc)
         return report
 
-    servers = [s for s in store.map.servers if not is_mongo_url(store.map.servers[s].primary)]
+    servers = store.map.servers_of_kind(SQL)
     return run_each(servers, one, parallel=parallel, on_done=on_done, name="mdb-schema-check")
 
 
-def _apply_mongo(store: Store, router: Router, server: str, layouts: list[ShardLayout], report: ShardReport) -> None:
-    """A MongoDB server: collections, indexes and stamps through :mod:`mdb.mongo.schema`."""
-    from mdb.mongo.schema import apply_mongo_server  # late: pymongo is an optional dependency
+def _server_schema(
+    store: Store, router: Router, server: str, layouts: list[ShardLayout], known: set[str]
+) -> tuple[list[str], ServerSchema]:
+    """(roles, what ``server`` must hold) under ``router``'s map, in the terms of the server's kind."""
+    if store.map.kind_of(server) == MONGO:
+        from mdb.mongo.schema import server_collections  # late: pymongo is an optional dependency
 
-    try:
-        apply_mongo_server(store.mongo, router, server, layouts, report)
-    except Exception as exc:
-        translated = store.mongo.translate(server, exc)
-        if translated is None:
-            raise
-        report.error = str(translated)
+        roles, collections = server_collections(store.mongo, router, server, layouts)
+        return roles, ServerSchema(layouts, store.map.version, collections=collections)
+    roles, tables = server_tables(store, router, server, layouts)
+    return roles, ServerSchema(layouts, store.map.version, tables=tables, known_tables=known)
 
 
 def _apply_server(
     store: Store, router: Router, server: str, layouts: list[ShardLayout], known: set[str]
 ) -> ShardReport:
-    """One server's part of ``apply_schema``: its failure is recorded on its report."""
-    pmap = store.map
+    """One server's part of ``apply_schema``, done by its backend: its failure is recorded on its report."""
     report = ShardReport(server, store.engines.masked_url(server))
-    if is_mongo_url(pmap.servers[server].primary):
-        _apply_mongo(store, router, server, layouts, report)
-        return report
-    report.roles, tables = server_tables(store, router, server, layouts)
+    backend = backend_of(store.map, server)
+    report.roles, schema = _server_schema(store, router, server, layouts, known)
     try:
-        with store.transaction(server) as conn:
-            report.created = create_tables(conn, tables)
-            already = set(conn.execute(select(shard_layout.c.area)).scalars())
-            for layout in layouts:
-                problem = stamp_layout(conn, layout, pmap.version, replace=False)
-                if problem:
-                    report.problems.append(problem)
-                else:
-                    (report.kept if layout.area in already else report.stamped).append(layout.area)
-            report.differences = compare_tables(conn, tables, known=known)
-    except (MdbError, DBAPIError) as exc:  # this shard's failure, the others proceed
-        _shard_failed(server, report, exc)
+        outcome = backend.apply_schema(store, server, schema)
+    except Exception as exc:  # this shard's failure, the others proceed
+        translated = backend.translate(store, server, exc)
+        _shard_failed(server, report, exc if translated is None else translated)
+        return report
+    report.created, report.stamped, report.kept = outcome.created, outcome.stamped, outcome.kept
+    report.problems, report.differences = outcome.problems, outcome.differences
     return report
 
 

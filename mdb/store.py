@@ -21,11 +21,12 @@ from sqlalchemy.exc import DBAPIError
 
 from mdb import telemetry
 from mdb.briefcase import BriefcaseType, registered_types, types_by_area
+from mdb.backends import open_routed
 from mdb.budget import ConnectionBudget
 from mdb.central.service import Central
 from mdb.dberrors import translated
 from mdb.engines import BEGIN_PRELUDE, BEGIN_RESULT, EngineRegistry
-from mdb.errors import QueryError, RetryableError, RoutingError
+from mdb.errors import QueryError, RoutingError
 from mdb.fanout import FanOutResult, ShardFailure, fan_out, warm_up
 from mdb.gdid import GDID
 from mdb.idgen import GdidGenerator, Ids
@@ -34,7 +35,8 @@ from mdb.ownership import check_ownership, ownership_prelude
 from mdb.partition_map import PartitionMap, load_map_cached
 from mdb.relocations import load_relocations
 from mdb.retry import SessionRetry
-from mdb.router import Router
+from mdb.router import Placement, Router
+from mdb.urls import MONGO
 from mdb.session import _INFO_KEY, BriefcaseContext, BriefcaseSession
 
 __all__ = ["Store"]
@@ -132,21 +134,12 @@ class Store:
 
     @staticmethod
     def _central_on_mongo(router: Router) -> bool:
-        """True when the CENTRAL servers are MongoDB servers (their directory lives in :mod:`mdb.mongo`)."""
-        from mdb.mongo.clients import is_mongo_url
-
-        return any(is_mongo_url(router.map.servers[s].primary) for s in router.central_servers())
+        """True when the CENTRAL servers are MongoDB servers (SQL-only CENTRAL features are skipped)."""
+        return any(router.map.kind_of(s) == MONGO for s in router.central_servers())
 
     def _load_relocations(self, router: Router) -> dict[tuple[str, GDID], str]:
-        if self._central_on_mongo(router):
-            from mdb.mongo.central import load_relocations_mongo
-
-            return load_relocations_mongo(self.mongo, router)
-        out: dict[tuple[str, GDID], str] = {}
-        for server in router.central_servers():
-            with self.transaction(server) as conn:
-                out.update(load_relocations(conn))
-        return out
+        """The directory from the CENTRAL servers of ``router``'s map, through their backend."""
+        return load_relocations(self, router)
 
     def types_of(self, area: str) -> list[type[BriefcaseType]]:
         return self.types_by_area.get(area, [])
@@ -304,30 +297,26 @@ class Store:
     def _open(
         self, btype: type[BriefcaseType], gdid: GDID, readonly: bool, exclusive: bool = False
     ) -> tuple[BriefcaseSession, Connection]:
-        retry = SessionRetry(self.move_wait_seconds, self.max_stale_retries)
-        while True:
-            router = self.router
-            placement = router.locate(btype.area, gdid)
+        def attempt(router: Router, placement: Placement) -> tuple[BriefcaseSession, Connection]:
             conn = self.connect(placement.server, readonly)
-            backend = conn.dialect.name
-            conn.info[BEGIN_PRELUDE] = ownership_prelude(backend, placement, lock=not readonly, exclusive=exclusive)
+            dialect = conn.dialect.name  # PostgreSQL and SQLite run the check differently (mdb.ownership)
+            conn.info[BEGIN_PRELUDE] = ownership_prelude(dialect, placement, lock=not readonly, exclusive=exclusive)
             try:
                 with translated(placement.server):
                     conn = self._begin(conn, placement.server, readonly)
                 check_ownership(conn.info.pop(BEGIN_RESULT, None), placement, router.version)
-            except RetryableError as exc:
-                conn.close()
-                telemetry.ownership_refused(btype.area, placement.server, exc)
-                retry.wait_or_raise(exc)
-                telemetry.stale_retry(btype.area, placement.server, exc)
-                self.refresh()
-                continue
             except BaseException:
                 conn.close()
                 raise
             session = BriefcaseSession(bind=conn, join_transaction_mode="rollback_only", expire_on_commit=False)
             session.info[_INFO_KEY] = BriefcaseContext(btype, gdid, placement, readonly)
             return session, conn
+
+        return open_routed(
+            self, btype.area, gdid, attempt, SessionRetry(self.move_wait_seconds, self.max_stale_retries),
+            on_refused=lambda placement, exc: telemetry.ownership_refused(btype.area, placement.server, exc),
+            on_retry=lambda placement, exc: telemetry.stale_retry(btype.area, placement.server, exc),
+        )
 
     # -- document briefcases on MongoDB servers ----------------------------------------------
 

@@ -294,8 +294,7 @@ def test_relocated_briefcases_included_and_incoming_copies_excluded(
             src.execute(delete(Order.__table__).where(Order.__table__.c.user_id == moved))
             src.execute(delete(User.__table__).where(User.__table__.c.user_id == moved))
             dst.execute(insert(briefcase_state).values(area="user", gdid=moved, state=STATE_RESIDENT))
-        with store.transaction("u1") as central:
-            set_relocation(central, "user", moved, "spare")
+        set_relocation(store, "user", moved, "spare")
         store.refresh()
         assert "spare" in fan_out_servers(store.router, "user")
         assert "spare" not in fan_out_servers(store.router, "user", GDID(0, 0, 1000))

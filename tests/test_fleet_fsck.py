@@ -135,8 +135,7 @@ def test_a_relocation_entry_pointing_at_no_briefcase_is_reported_and_nothing_is_
     cluster = build(tmp_sqlite_urls(5), tmp_path)
     g = GDID(0, 0, 8)  # on u1
     with cluster.store() as store:
-        with store.transaction(store.router.locate_central(g).server) as conn:
-            set_relocation(conn, "user", g, "u3")
+        set_relocation(store, "user", g, "u3")
         before = snapshot(store, SHARDS)
         report = fsck(store, "user", repair=True)
         assert _found(report) == {

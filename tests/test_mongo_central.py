@@ -8,8 +8,9 @@ from mongohelp import MongoEnv, UserDocs
 from mdb import GDID, DuplicateKeyError, Store
 from mdb.central.indexes import CentralIndex, exact, strip_casefold
 from mdb.mongo import MongoStore
-from mdb.mongo.central import INDEX, MongoCentral, set_relocation_mongo
+from mdb.mongo.central import INDEX, MongoCentral
 from mdb.mongo.shard_state import STATE, state_id
+from mdb.relocations import set_relocation
 from mdb.router import Router
 from mdb.system_tables import STATE_GONE, STATE_RESIDENT
 
@@ -87,7 +88,7 @@ def test_relocation_directory_on_mongo_central_routes_sessions(mongo_env: MongoE
     sid = state_id("docs", uid)
     store.mongo.database("m1")[STATE].insert_one({"_id": sid, "area": "docs", "gdid": bytes(uid), "state": STATE_RESIDENT, "peer": "m2"})
     store.mongo.database("m2")[STATE].insert_one({"_id": sid, "area": "docs", "gdid": bytes(uid), "state": STATE_GONE, "peer": "m1"})
-    set_relocation_mongo(store.mongo, "docs", uid, "m1")
+    set_relocation(store, "docs", uid, "m1")
     fresh = Store.from_yaml(store.map_path, types=[])
     MongoStore.attach(fresh, client_factory=mongo_env.factory, types=[UserDocs])
     assert fresh.router.locate("docs", uid).server == "m1"

@@ -219,8 +219,7 @@ def move_by_hand(store: Store, gdid: GDID, source: str, target: str, target_stat
     with store.transaction(source) as src, store.transaction(target) as dst:
         copy_briefcase(src, dst, gdid)
         set_state(dst, gdid, target_state)
-    with store.transaction("central") as conn:
-        set_relocation(conn, "user", gdid, target)
+    set_relocation(store, "user", gdid, target)
     with store.transaction(source) as src:
         delete_briefcase(src, gdid)
         set_state(src, gdid, STATE_GONE, peer=target)
@@ -252,8 +251,7 @@ def test_a_relocation_without_resident_record_is_refused(cluster: Cluster) -> No
     """The directory alone is not trusted: the target must say the briefcase lives there."""
     gdid = GDID(0, 0, 6)
     store = cluster.store(max_stale_retries=1)
-    with store.transaction("central") as conn:
-        set_relocation(conn, "user", gdid, "x")
+    set_relocation(store, "user", gdid, "x")
     store.refresh()
     with pytest.raises(StaleRouteError, match="the relocation directory points here but the server holds no resident record"):
         create_user(store, gdid)
@@ -346,8 +344,7 @@ def test_session_waits_for_a_moves_lock_then_follows_the_fence(pg_cluster: Clust
             with admin.transaction("x") as dst:
                 copy_briefcase(move, dst, gdid)
                 set_state(dst, gdid, STATE_RESIDENT)
-            with admin.transaction("central") as conn:
-                set_relocation(conn, "user", gdid, "x")
+            set_relocation(admin, "user", gdid, "x")
             delete_briefcase(move, gdid)
             set_state(move, gdid, STATE_GONE, peer="x")
         # committed: the waiting session gets its lock, its check sees the fence (fresh snapshot)

@@ -20,10 +20,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from mdb.cli.app import app, console, emit_json, err_console, fail, open_store
-from mdb.mongo.clients import is_mongo_url
 from mdb.parallel import DEFAULT_PARALLEL, MAX_PARALLEL
 from mdb.schema import ShardReport, apply_schema, check_schema
-from mdb.urls import mask_secrets
+from mdb.urls import SQL, mask_secrets
 
 __all__ = ["ParallelOpt", "schema_app", "shard_progress"]
 
@@ -176,7 +175,7 @@ def schema_check(
     store = open_store(map_path, models)
     pmap = store.map
     try:
-        sql_servers = [s for s, spec in pmap.servers.items() if not is_mongo_url(spec.primary)]  # check skips MongoDB
+        sql_servers = pmap.servers_of_kind(SQL)  # check skips MongoDB
         with shard_progress("schema check", len(sql_servers)) as on_done:
             reports = check_schema(store, parallel=parallel, on_done=on_done)
     finally:

@@ -19,10 +19,11 @@ from typing import Any, Literal
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from mdb.cluster import Cluster
 from mdb.fleet.scan import BriefcaseSize, briefcase_sizes
 from mdb.moves.copy import AreaTable, is_postgres
 from mdb.moves.move import area_tables
-from mdb.mongo.clients import is_mongo_url
+from mdb.urls import MONGO
 
 __all__ = ["MEASURES", "AreaBalance", "Measure", "ServerBalance", "area_servers", "balance", "skew_of"]
 
@@ -84,17 +85,13 @@ def skew_of(values: dict[str, int | float]) -> dict[str, float]:
     return {k: (v - mean) / mean if mean else 0.0 for k, v in values.items()}
 
 
-def area_servers(store: Any, area: str) -> list[str]:
+def area_servers(store: Cluster, area: str) -> list[str]:
     """The area's servers in map order, then relocation targets outside the layout (they hold briefcases too)."""
     out = list(dict.fromkeys(store.router.area_servers(area)))
     for (a, _), server in sorted(store.router.relocations.items(), key=lambda item: item[1]):
         if a == area and server not in out:
             out.append(server)
     return out
-
-
-def is_mongo(store: Any, server: str) -> bool:
-    return is_mongo_url(str(store.map.servers[server].primary))
 
 
 def disk_bytes(conn: Connection, tables: Sequence[AreaTable]) -> int | None:
@@ -114,9 +111,9 @@ def disk_bytes(conn: Connection, tables: Sequence[AreaTable]) -> int | None:
     return None
 
 
-def measure_server(store: Any, server: str, tables: Sequence[AreaTable], top: int) -> ServerBalance:
+def measure_server(store: Cluster, server: str, tables: Sequence[AreaTable], top: int) -> ServerBalance:
     """One server's totals, its ``top`` largest briefcases (a bounded heap) and its disk bytes."""
-    if is_mongo(store, server):
+    if store.map.kind_of(server) == MONGO:  # document servers: no SQL tables to scan
         return ServerBalance(server, measured=False)
     out = ServerBalance(server)
     heap: list[tuple[int, int, bytes, BriefcaseSize]] = []
@@ -135,11 +132,11 @@ def measure_server(store: Any, server: str, tables: Sequence[AreaTable], top: in
     return out
 
 
-def balance(store: Any, area: str, *, top: int = 5) -> AreaBalance:
+def balance(store: Cluster, area: str, *, top: int = 5) -> AreaBalance:
     """Measure every server of ``area`` (fresh map and relocations first)."""
     store.refresh()
     servers = area_servers(store, area)
-    if all(is_mongo(store, s) for s in servers):  # document areas: no SQL tables to scan
+    if all(store.map.kind_of(s) == MONGO for s in servers):  # document areas: no SQL tables to scan
         return AreaBalance(area, [ServerBalance(s, measured=False) for s in servers], top)
     tables = area_tables(store, area)
     return AreaBalance(area, [measure_server(store, s, tables, top) for s in servers], top)

@@ -36,7 +36,7 @@ from sqlalchemy.engine import Connection
 
 from mdb.central.indexes import CentralIndex, registered_indexes
 from mdb.central.reconcile import check as central_check
-from mdb.fleet.balance import area_servers, is_mongo
+from mdb.fleet.balance import area_servers
 from mdb.fleet.scan import STREAM_BATCH, briefcase_sizes
 from mdb.gdid import GDID
 from mdb.moves import verify
@@ -44,6 +44,7 @@ from mdb.moves.copy import AreaTable, delete_rows, measure
 from mdb.moves.journal import Journal, JournalEntry
 from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, area_tables, locked_source
 from mdb.system_tables import STATE_FROZEN, STATE_GONE, STATE_INCOMING, briefcase_state
+from mdb.urls import SQL
 
 __all__ = ["Finding", "FsckReport", "fsck"]
 
@@ -221,7 +222,7 @@ def fsck(store: Any, area: str, *, repair: bool = False) -> FsckReport:
     store.refresh()
     servers = area_servers(store, area)
     report = FsckReport(area, servers)
-    sql_servers = [s for s in servers if not is_mongo(store, s)]
+    sql_servers = [s for s in servers if store.map.kind_of(s) == SQL]
     report.not_checked = [s for s in servers if s not in sql_servers]
     if not sql_servers:
         return report

@@ -21,10 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mdb.fleet.balance import Measure, area_servers, is_mongo, skew_of
+from mdb.cluster import Cluster
+from mdb.fleet.balance import Measure, area_servers, skew_of
 from mdb.fleet.scan import BriefcaseSize, briefcase_sizes
 from mdb.gdid import GDID
 from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult, area_tables, move_briefcase
+from mdb.urls import MONGO
 
 __all__ = ["CANDIDATES", "PlannedMove", "RebalancePlan", "apply_plan", "plan_rebalance"]
 
@@ -67,13 +69,13 @@ def _value(b: BriefcaseSize, by: Measure) -> int:
     return b.bytes if by == "bytes" else b.rows if by == "rows" else 1
 
 
-def _survey(store: Any, area: str, by: Measure) -> tuple[dict[str, int], dict[str, list[tuple[int, GDID]]]]:
+def _survey(store: Cluster, area: str, by: Measure) -> tuple[dict[str, int], dict[str, list[tuple[int, GDID]]]]:
     """server -> total, and server -> its CANDIDATES largest (size, gdid) briefcases routed to it."""
     tables = area_tables(store, area)
     totals: dict[str, int] = {}
     candidates: dict[str, list[tuple[int, GDID]]] = {}
     for server in area_servers(store, area):
-        if is_mongo(store, server):
+        if store.map.kind_of(server) == MONGO:
             continue
         total = 0
         heap: list[tuple[int, bytes, GDID]] = []
@@ -99,7 +101,7 @@ def _best(candidates: list[tuple[int, GDID]], gap: int, ideal: float) -> int | N
     return min(fitting)[1] if fitting else None
 
 
-def plan_rebalance(store: Any, area: str, *, by: Measure = "bytes", max_moves: int = 100) -> RebalancePlan:
+def plan_rebalance(store: Cluster, area: str, *, by: Measure = "bytes", max_moves: int = 100) -> RebalancePlan:
     """Greedy single-briefcase moves from the most to the least loaded server (see the module doc)."""
     store.refresh()
     before, candidates = _survey(store, area, by)
@@ -134,7 +136,7 @@ def _collapse(moves: list[PlannedMove]) -> list[PlannedMove]:
 
 
 def apply_plan(
-    store: Any, plan: RebalancePlan, *, max_pause: float = DEFAULT_MAX_PAUSE,
+    store: Cluster, plan: RebalancePlan, *, max_pause: float = DEFAULT_MAX_PAUSE,
     on_move: Callable[[PlannedMove, MoveResult], None] | None = None,
 ) -> list[MoveResult]:
     """Run the plan's moves one at a time through the move machinery; stops at the first error (it propagates)."""

@@ -1,4 +1,4 @@
-"""CENTRAL indexes and the relocation directory on MongoDB CENTRAL servers.
+"""CENTRAL indexes on MongoDB CENTRAL servers (the relocation directory is the backend's: :mod:`mdb.backends.mongo`).
 
 :mod:`mdb.central`'s storage is SQL, so when a map's CENTRAL servers are MongoDB servers the
 same decisions are kept here on documents: an index is declared with :class:`mdb.central.CentralIndex`
@@ -17,37 +17,31 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
+from mdb.backends.base import CollectionSpec, IndexSpec
+from mdb.backends.mongo import RELOCATIONS
 from mdb.central.indexes import STATE_LIVE, CentralIndex, index_by_name
 from mdb.errors import DuplicateKeyError
 from mdb.gdid import GDID
+from mdb.relocations import set_relocation
 from mdb.router import Router
 
 if TYPE_CHECKING:
     from mdb.mongo.store import MongoStore
 
-__all__ = ["INDEX", "RELOCATIONS", "MongoCentral", "ensure_central_collections", "load_relocations_mongo"]
+__all__ = ["INDEX", "RELOCATIONS", "MongoCentral", "central_collections"]
 
 INDEX: Final = "mdb_central_index"
-RELOCATIONS: Final = "mdb_relocations"
 
 
-def ensure_central_collections(db: Any, existing: set[str], created: list[str]) -> None:
-    for name in (INDEX, RELOCATIONS):
-        if name not in existing:
-            db.create_collection(name)
-            existing.add(name)
-            created.append(name)
-    db[INDEX].create_index([("index_name", 1), ("key", 1), ("slot", 1)], name="mdb_index_key_slot", unique=True)
-    db[INDEX].create_index([("index_name", 1), ("gdid", 1)], name="mdb_index_gdid")
-
-
-def load_relocations_mongo(mongo: MongoStore, router: Router) -> dict[tuple[str, GDID], str]:
-    """The relocation directory from every MongoDB CENTRAL shard (what Store.refresh loads)."""
-    out: dict[tuple[str, GDID], str] = {}
-    for server in router.central_servers():
-        for doc in mongo.database(server)[RELOCATIONS].find({}):
-            out[(doc["area"], GDID.from_bytes(doc["gdid"]))] = doc["server"]
-    return out
+def central_collections() -> list[CollectionSpec]:
+    """The collections (and indexes) a MongoDB CENTRAL server holds: index entries and the relocation directory."""
+    return [
+        CollectionSpec(INDEX, [
+            IndexSpec([("index_name", 1), ("key", 1), ("slot", 1)], "mdb_index_key_slot", unique=True),
+            IndexSpec([("index_name", 1), ("gdid", 1)], "mdb_index_gdid"),
+        ]),
+        CollectionSpec(RELOCATIONS),
+    ]
 
 
 def _index(ref: type[CentralIndex] | str) -> type[CentralIndex]:
@@ -134,14 +128,10 @@ class MongoCentral:
 
 
 def set_relocation_mongo(mongo: MongoStore, area: str, gdid: GDID, server: str) -> None:
-    router = Router(mongo.store.map)
-    db = mongo.database(router.locate_central(bytes(gdid)).server)
-    db[RELOCATIONS].replace_one({"_id": f"{area}:{gdid.hex}"}, {"area": area, "gdid": bytes(gdid), "server": server}, upsert=True)
+    """Older name of ``mdb.relocations.set_relocation(store, area, gdid, server)``, kept for mdb.mongo.moves."""
+    set_relocation(mongo.store, area, gdid, server)
 
 
 def clear_relocation_mongo(mongo: MongoStore, area: str, gdid: GDID) -> None:
-    router = Router(mongo.store.map)
-    db = mongo.database(router.locate_central(bytes(gdid)).server)
-    db[RELOCATIONS].delete_one({"_id": f"{area}:{gdid.hex}"})
-
-
+    """Older name of ``mdb.relocations.set_relocation(store, area, gdid, None)``, kept for mdb.mongo.moves."""
+    set_relocation(mongo.store, area, gdid, None)

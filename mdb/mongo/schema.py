@@ -1,68 +1,55 @@
-"""``mdb schema apply`` on MongoDB servers: collections, indexes and the first layout stamp.
+"""``mdb schema apply`` on MongoDB servers: which collections and indexes a server holds.
 
-Called by :func:`mdb.schema.apply_schema` for every server whose URL is ``mongodb://``; it
-mirrors the SQL rules: every MongoDB server gets mdb's shard collections, CENTRAL servers the
-CENTRAL collections, each server its areas' document collections (a spare server every
-area's), and a layout stamp where it has none. Creating an index that exists is a no-op.
+:func:`mdb.schema.apply_schema` asks this module what a MongoDB server must hold and hands the
+result to the server's backend (:class:`mdb.backends.mongo.MongoBackend`), which creates what
+is missing and writes the first layout stamps. The rules mirror the SQL ones: every MongoDB
+server gets mdb's shard collections, CENTRAL servers the CENTRAL collections, each server its
+areas' document collections (a spare server every area's).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from mdb.backends.base import CollectionSpec, IndexSpec
+from mdb.backends.mongo import LAYOUT
 from mdb.mongo.hot import COUNTERS, STATS_LOCK
-from mdb.mongo.shard_state import STATE, stamp_layout
+from mdb.mongo.shard_state import GUARD, STATE
 from mdb.router import Router, ShardLayout
 
 if TYPE_CHECKING:
     from mdb.mongo.store import MongoStore
-    from mdb.schema import ShardReport
 
-__all__ = ["apply_mongo_server"]
-
-
-def _ensure(db: Any, name: str, existing: set[str], created: list[str]) -> Any:
-    if name not in existing:
-        db.create_collection(name)
-        existing.add(name)
-        created.append(name)
-    return db[name]
+__all__ = ["server_collections"]
 
 
-def apply_mongo_server(mongo: MongoStore, router: Router, server: str, layouts: list[ShardLayout], report: ShardReport) -> None:
-    """Prepare one MongoDB server; fills ``report`` (roles, created, stamped, kept, problems)."""
-    from mdb.mongo.central import ensure_central_collections
+def server_collections(
+    mongo: MongoStore, router: Router, server: str, layouts: list[ShardLayout]
+) -> tuple[list[str], list[CollectionSpec]]:
+    """(roles, collections) of one MongoDB server under ``router``'s map, in creation order."""
+    from mdb.mongo.central import central_collections
 
-    pmap = mongo.store.map
-    db = mongo.database(server)
     is_central = server in router.central_servers()
     areas = [l.area for l in layouts]
-    report.roles = (["central"] if is_central else []) + areas
-    if not report.roles:
-        report.roles.append("spare")
+    roles = (["central"] if is_central else []) + areas
+    if not roles:
+        roles.append("spare")
         areas = router.area_names()
-    existing = set(db.list_collection_names())
-    created: list[str] = []
-    for name in ("mdb_shard_layout", STATE, "mdb_briefcase_guard", COUNTERS, STATS_LOCK):
-        _ensure(db, name, existing, created)
-    db[STATE].create_index([("area", 1), ("state", 1)], name="mdb_area_state")
-    for area in areas:  # hot-data documents are found by briefcase key (and moved with it)
-        for dtype in mongo.types_of(area):
-            db[COUNTERS].create_index([(dtype.key, 1), ("counter", 1)], name=f"mdb_{dtype.key}_counter")
-            db[STATS_LOCK].create_index([(dtype.key, 1), ("event_id", 1), ("state", 1)], name=f"mdb_{dtype.key}_event")
+    dtypes = [dtype for area in areas for dtype in mongo.types_of(area)]
+    # hot-data documents are found by briefcase key (and moved with it)
+    collections = [
+        CollectionSpec(LAYOUT),
+        CollectionSpec(STATE, [IndexSpec([("area", 1), ("state", 1)], "mdb_area_state")]),
+        CollectionSpec(GUARD),
+        CollectionSpec(COUNTERS, [IndexSpec([(d.key, 1), ("counter", 1)], f"mdb_{d.key}_counter") for d in dtypes]),
+        CollectionSpec(STATS_LOCK, [
+            IndexSpec([(d.key, 1), ("event_id", 1), ("state", 1)], f"mdb_{d.key}_event") for d in dtypes
+        ]),
+    ]
     if is_central:
-        ensure_central_collections(db, existing, created)
-    for area in areas:
-        for dtype in mongo.types_of(area):
-            for coll in dtype.collections:
-                handle = _ensure(db, coll, existing, created)
-                for index in dtype.indexes_of(coll):
-                    handle.create_index(list(index.keys), name=index.index_name, unique=index.unique, **dict(index.options))
-    report.created = created
-    stamped = {d["_id"] for d in db["mdb_shard_layout"].find({}, {"_id": 1})}
-    for layout in layouts:
-        problem = stamp_layout(db, layout, pmap.version, replace=False)
-        if problem:
-            report.problems.append(problem)
-        else:
-            (report.kept if layout.area in stamped else report.stamped).append(layout.area)
+        collections += central_collections()
+    for dtype in dtypes:
+        for coll in dtype.collections:
+            indexes = [IndexSpec(list(i.keys), i.index_name, i.unique, dict(i.options)) for i in dtype.indexes_of(coll)]
+            collections.append(CollectionSpec(coll, indexes))
+    return roles, collections

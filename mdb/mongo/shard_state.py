@@ -13,9 +13,10 @@ from __future__ import annotations
 import random
 from typing import Any, Final
 
+from mdb.backends.mongo import LAYOUT
 from mdb.errors import BriefcaseMovingError
 from mdb.gdid import GDID
-from mdb.router import Placement, ShardLayout
+from mdb.router import Placement
 from mdb.system_tables import STATE_GONE, STATE_INCOMING
 
 __all__ = [
@@ -27,11 +28,9 @@ __all__ = [
     "set_guard",
     "excluded_gdids",
     "ownership_rows",
-    "stamp_layout",
     "state_id",
 ]
 
-LAYOUT: Final = "mdb_shard_layout"
 STATE: Final = "mdb_briefcase_state"
 GUARD: Final = "mdb_briefcase_guard"
 SYSTEM_COLLECTIONS: Final = (LAYOUT, STATE, GUARD)
@@ -101,27 +100,3 @@ def excluded_gdids(db: Any, area: str) -> list[bytes]:
     """Briefcases whose documents here are not authoritative: incoming copies and fenced leftovers."""
     docs = db[STATE].find({"area": area, "state": {"$in": [STATE_INCOMING, STATE_GONE]}}, {"gdid": 1})
     return [d["gdid"] for d in docs]
-
-
-def stamp_layout(db: Any, layout: ShardLayout, map_version: int, *, replace: bool) -> str | None:
-    """Write the layout stamp of ``layout.area``; returns a problem text if refused (as the SQL one)."""
-    wanted = {
-        "partition_start": bytes(layout.partition_start),
-        "partition_end": None if layout.partition_end is None else bytes(layout.partition_end),
-        "shard_index": layout.shard_index,
-        "shard_count": layout.shard_count,
-    }
-    row = db[LAYOUT].find_one({"_id": layout.area})
-    if row is None:
-        db[LAYOUT].insert_one({"_id": layout.area, **wanted, "map_version": map_version})
-        return None
-    current = {k: row.get(k) for k in wanted}
-    if current == wanted:
-        return None
-    if not replace:
-        return (
-            f"area {layout.area!r} is stamped differently (map version {row.get('map_version')}) than this map says "
-            f"(shard {layout.shard_index} of {layout.shard_count}): a layout change is applied with `mdb map apply`"
-        )
-    db[LAYOUT].update_one({"_id": layout.area}, {"$set": {**wanted, "map_version": map_version}})
-    return None

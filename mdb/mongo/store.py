@@ -12,24 +12,25 @@ Readonly contexts read the map's replica URL, or the primary's URL with ``second
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from mdb.backends import open_routed
 from mdb.errors import MdbError, QueryError, RetryableError, RoutingError
-from mdb.fanout import ShardFailure, fan_out_servers
+from mdb.fanout import ShardFailure, SortKey, SortTerm, fan_out_servers, gather, merge_sorted
 from mdb.gdid import GDID
 from mdb.mongo.clients import ClientFactory, MongoClients
 from mdb.mongo.collection import BriefcaseCollection, _decode
 from mdb.mongo.shard_state import check_guard, excluded_gdids, ownership_rows
-from mdb.mongo.types import DocumentBriefcaseType, document_types_by_area, encode, registered_document_types
+from mdb.briefcase import types_by_area
+from mdb.mongo.types import DocumentBriefcaseType, encode, registered_document_types
 from mdb.ownership import check_ownership
 from mdb.retry import SessionRetry
-from mdb.router import Placement
+from mdb.router import Placement, Router
+from mdb.urls import MONGO
 
 if TYPE_CHECKING:
     from mdb.store import Store
@@ -103,7 +104,7 @@ class MongoStore:
         self.clients = MongoClients(store.map.servers, client_factory, transactions=transactions)
         self._map_version = store.map.version
         self.types: list[type[DocumentBriefcaseType]] = list(registered_document_types() if types is None else types)
-        self.types_by_area = document_types_by_area(self.types)
+        self.types_by_area = types_by_area(self.types)
 
     @classmethod
     def attach(
@@ -169,10 +170,7 @@ class MongoStore:
             ctx.session.end_session()
 
     def _open(self, dtype: type[DocumentBriefcaseType], gdid: GDID, readonly: bool) -> DocumentBriefcase:
-        retry = SessionRetry(self.store.move_wait_seconds, self.store.max_stale_retries)
-        while True:
-            router = self.store.router
-            placement = router.locate(dtype.area, gdid)
+        def attempt(router: Router, placement: Placement) -> DocumentBriefcase:
             server = placement.server
             db = self.database(server, readonly)
             transactional = not readonly and self.clients.transactions(server)
@@ -187,11 +185,9 @@ class MongoStore:
                 if not readonly:  # readers may read the source during a move: it is authoritative until the fence
                     check_guard(db, placement, txn)
                 check_ownership(ownership_rows(db, placement, txn), placement, router.version)
-            except RetryableError as exc:
+            except RetryableError:
                 session.end_session()
-                retry.wait_or_raise(exc)
-                self.store.refresh()
-                continue
+                raise
             except Exception as exc:
                 session.end_session()
                 translated = self.translate(server, exc)
@@ -199,6 +195,9 @@ class MongoStore:
                     raise translated from None
                 raise
             return DocumentBriefcase(dtype, gdid, placement, readonly, transactional, session, db)
+
+        retry = SessionRetry(self.store.move_wait_seconds, self.store.max_stale_retries)
+        return open_routed(self.store, dtype.area, gdid, attempt, retry)
 
     # -- fan-out reads ---------------------------------------------------------------------------
 
@@ -226,7 +225,8 @@ class MongoStore:
         for f, d in order:
             if d not in (1, -1):
                 raise QueryError(f"fan-out on {area}.{collection}: sort direction of {f!r} must be 1 or -1, got {d!r}")
-        servers = [s for s in fan_out_servers(self.store.router, area) if self.clients.is_mongo(s)]
+        router = self.store.router
+        servers = [s for s in fan_out_servers(router, area) if router.map.kind_of(s) == MONGO]
         per_shard = None if limit is None else limit + skip
 
         def run(server: str) -> list[dict[str, Any]]:
@@ -240,24 +240,9 @@ class MongoStore:
                 if d is not None
             ]
 
-        results: list[list[dict[str, Any]]] = []
-        failed: list[ShardFailure] = []
-        with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(servers) or 1))) as pool:
-            futures = [(s, pool.submit(run, s)) for s in servers]
-            for server, future in futures:
-                try:
-                    results.append(future.result())
-                except Exception as exc:
-                    translated = self.translate(server, exc)
-                    if translated is None:
-                        raise
-                    if not allow_partial:
-                        raise translated from None
-                    failed.append(ShardFailure(server, str(translated)))
-        merged = heapq.merge(*results, key=lambda doc: _SortKey(doc, order))
-        docs = list(merged)[skip:]
-        if limit is not None:
-            docs = docs[:limit]
+        results, failed = gather(self.store, servers, run, allow_partial=allow_partial, max_workers=max_workers)
+        terms = [SortTerm(descending=d == -1) for _, d in order]
+        docs = merge_sorted(results, lambda doc: SortKey([_bson_key(_get(doc, f)) for f, _ in order], terms), skip, limit)
         return FanOutDocuments(docs, failed, servers)
 
     def fan_out_count(self, area: str, collection: str, filter: Mapping[str, Any] | None = None) -> int:
@@ -266,8 +251,9 @@ class MongoStore:
         if dtype is None:
             raise QueryError(f"fan-out: area {area!r} has no document collection {collection!r}")
         total = 0
-        for server in fan_out_servers(self.store.router, area):
-            if not self.clients.is_mongo(server):
+        router = self.store.router
+        for server in fan_out_servers(router, area):
+            if router.map.kind_of(server) != MONGO:
                 continue
             db = self.database(server)
             where: dict[str, Any] = encode(dict(filter or {}))
@@ -315,16 +301,3 @@ def _get(doc: Mapping[str, Any], path: str) -> Any:
         value = value.get(part)
     return value
 
-
-class _SortKey:
-    __slots__ = ("values", "order")
-
-    def __init__(self, doc: Mapping[str, Any], order: Sequence[tuple[str, int]]) -> None:
-        self.values = [_bson_key(_get(doc, f)) for f, _ in order]
-        self.order = order
-
-    def __lt__(self, other: _SortKey) -> bool:
-        for (_, direction), a, b in zip(self.order, self.values, other.values):
-            if a != b:
-                return (a < b) if direction == 1 else (a > b)
-        return False

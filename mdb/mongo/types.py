@@ -38,7 +38,6 @@ __all__ = [
     "decode_gdid",
     "encode",
     "registered_document_types",
-    "document_types_by_area",
 ]
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
@@ -71,6 +70,17 @@ class DocumentBriefcaseType:
 
     collections: ClassVar[tuple[str, ...]]
     """Root first, then the children (filled in at declaration)."""
+
+    @classmethod
+    def clash_with(cls, other: type[DocumentBriefcaseType]) -> str | None:
+        """Two document types of one area may not share a collection (whose documents would they be?)."""
+        shared = set(other.collections) & set(cls.collections)
+        if shared:
+            return (
+                f"document briefcase types {cls.__name__} and {other.__name__} of area {cls.area!r} "
+                f"share collections {sorted(shared)}"
+            )
+        return None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -125,21 +135,6 @@ def _check_index(type_name: str, key: str, collections: Sequence[str], index: Mo
 
 def registered_document_types() -> list[type[DocumentBriefcaseType]]:
     return list(_REGISTRY.values())
-
-
-def document_types_by_area(types: Sequence[type[DocumentBriefcaseType]]) -> dict[str, list[type[DocumentBriefcaseType]]]:
-    """Group by area, refusing two types of one area that share a collection."""
-    out: dict[str, list[type[DocumentBriefcaseType]]] = {}
-    for dtype in types:
-        for other in out.get(dtype.area, []):
-            shared = set(dtype.collections) & set(other.collections)
-            if shared:
-                raise SchemaError(
-                    f"document briefcase types {other.__name__} and {dtype.__name__} of area {dtype.area!r} "
-                    f"share collections {sorted(shared)}"
-                )
-        out.setdefault(dtype.area, []).append(dtype)
-    return out
 
 
 def encode(value: Any) -> Any:

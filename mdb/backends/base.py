@@ -1,0 +1,228 @@
+"""The backend interface: what a feature needs from one server of a given kind.
+
+Every feature that touches a server's own data (ownership and briefcase state, layout stamps,
+the relocation directory on CENTRAL, fan-out) used to be written twice, once for SQL and once
+for MongoDB, and chosen by scattered URL tests. Here it is one interface with one
+implementation per server kind (:mod:`mdb.backends.sql`, :mod:`mdb.backends.mongo`), picked by
+the server's kind (``PartitionMap.kind_of``) through the registry in :mod:`mdb.backends`: adding
+a server kind means one new module, not a branch in every feature.
+
+This module sits below the Store and the features (``mdb.cluster`` included), so it cannot name
+:class:`mdb.cluster.Cluster`; :class:`Servers` is the part of it backends use, and every Cluster
+satisfies it structurally.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
+
+from sqlalchemy import Table
+from sqlalchemy.engine import Connection
+
+from mdb.errors import MdbError, RetryableError
+from mdb.gdid import GDID
+from mdb.partition_map import PartitionMap
+from mdb.retry import SessionRetry
+from mdb.router import Placement, Router, ShardLayout
+
+__all__ = [
+    "Backend", "CollectionSpec", "DocumentServers", "HasDocuments", "IndexSpec", "SchemaOutcome", "ServerSchema",
+    "Servers", "documents_of", "open_routed",
+]
+
+
+class Servers(Protocol):
+    """What a backend needs of a cluster (a structural subset of :class:`mdb.cluster.Cluster`)."""
+
+    @property
+    def map(self) -> PartitionMap:
+        """The map routed with now: which servers exist and of which kind."""
+        ...
+
+    @property
+    def router(self) -> Router:
+        """The router with the relocation directory (the routed-open loop locates with it)."""
+        ...
+
+    def refresh(self) -> None:
+        """Re-read the map and the relocation directory after a stale route."""
+        ...
+
+    def transaction(self, server: str, readonly: bool = False) -> AbstractContextManager[Connection]:
+        """A SQL connection in one transaction on ``server`` (SQL backend only)."""
+        ...
+
+
+class DocumentServers(Protocol):
+    """The MongoDB clients of a cluster (implemented by :class:`mdb.mongo.store.MongoStore`).
+
+    Kept here, not read from the Store's private attributes, so the MongoDB backend depends on
+    three methods instead of the whole document layer above it.
+    """
+
+    def database(self, server: str, readonly: bool = False) -> Any:
+        """The mdb database on ``server`` (a pymongo ``Database``)."""
+        ...
+
+    def transactions(self, server: str) -> bool:
+        """Whether ``server`` runs multi-document transactions (replica set, mongos)."""
+        ...
+
+    def translate(self, server: str, exc: BaseException) -> MdbError | None:
+        """A driver error as an mdb error (secrets masked), None when it is not a driver error."""
+        ...
+
+
+@runtime_checkable
+class HasDocuments(Protocol):
+    """A cluster that serves MongoDB servers too (the Store does, through ``store.mongo``)."""
+
+    @property
+    def mongo(self) -> DocumentServers:
+        """The cluster's MongoDB clients, created on first use."""
+        ...
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """A secondary index of a document collection: keys (field, direction), name, uniqueness, options."""
+
+    keys: Sequence[tuple[str, Any]]
+    name: str
+    unique: bool = False
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CollectionSpec:
+    """A document collection a server must hold, with its indexes."""
+
+    name: str
+    indexes: Sequence[IndexSpec] = ()
+
+
+@dataclass
+class ServerSchema:
+    """What one server must hold, computed from the map and the declared types by ``mdb.schema``.
+
+    Each backend reads the part of its kind: tables (SQL) or collections (MongoDB); the layouts
+    are stamped where the server has none yet.
+    """
+
+    layouts: list[ShardLayout]
+    map_version: int
+    tables: list[Table] = field(default_factory=list)
+    known_tables: set[str] = field(default_factory=set)
+    """Every table mdb knows of, so a table of another area is not reported as extra (SQL)."""
+    collections: list[CollectionSpec] = field(default_factory=list)
+
+
+@dataclass
+class SchemaOutcome:
+    """What applying a :class:`ServerSchema` did on one server, and how it still differs."""
+
+    created: list[str] = field(default_factory=list)
+    stamped: list[str] = field(default_factory=list)
+    """Areas whose layout stamp this run wrote."""
+    kept: list[str] = field(default_factory=list)
+    """Areas already stamped with the same layout (nothing written)."""
+    problems: list[str] = field(default_factory=list)
+    differences: list[Any] = field(default_factory=list)
+    """How the server's tables differ from the models (SQL; :class:`mdb.schema_diff.Difference`)."""
+
+    def record_stamp(self, area: str, problem: str | None, already: set[str]) -> None:
+        """File one area's stamp result: a refusal, a stamp kept, or a stamp written."""
+        if problem:
+            self.problems.append(problem)
+        else:
+            (self.kept if area in already else self.stamped).append(area)
+
+
+class Backend(ABC):
+    """The server-side half of every feature, for the servers of one kind.
+
+    A backend holds no state: each method is given the cluster and the server, so one instance
+    per kind serves every Store of the process.
+    """
+
+    kind: ClassVar[str]
+    """The server kind it implements (``mdb.urls.SQL``, ``mdb.urls.MONGO``, ...)."""
+
+    @abstractmethod
+    def stamp_layout(
+        self, cluster: Servers, server: str, layout: ShardLayout, map_version: int, *, replace: bool
+    ) -> str | None:
+        """Write ``server``'s layout stamp of ``layout.area``; a problem text when refused.
+
+        Without ``replace`` a different existing stamp is refused (a layout change is
+        ``mdb map apply``'s job, edit safety); with it the stamp is overwritten.
+        """
+
+    @abstractmethod
+    def load_relocations(self, cluster: Servers, server: str) -> dict[tuple[str, GDID], str]:
+        """The relocation directory entries kept on the CENTRAL server ``server``."""
+
+    @abstractmethod
+    def set_relocation(self, cluster: Servers, server: str, area: str, gdid: GDID, target: str | None) -> None:
+        """Point ``area``/``gdid`` at ``target`` in the directory on CENTRAL ``server`` (None clears it)."""
+
+    @abstractmethod
+    def apply_schema(self, cluster: Servers, server: str, schema: ServerSchema) -> SchemaOutcome:
+        """Create what ``server`` is missing of ``schema`` (idempotent), stamp new layouts, report drift.
+
+        A stamp that differs from the map is a problem, never overwritten (``mdb map apply``).
+        """
+
+    @abstractmethod
+    def translate(self, cluster: Servers, server: str, exc: Exception) -> MdbError | None:
+        """``exc`` raised by work on ``server`` as an mdb error, or None when it is not the server's.
+
+        The fan-out gather uses it to tell a failed shard (recorded with ``allow_partial``) from
+        a bug (always raised).
+        """
+
+
+def documents_of(cluster: Servers) -> DocumentServers:
+    """The MongoDB clients of ``cluster``; a cluster without them cannot reach a MongoDB server."""
+    if not isinstance(cluster, HasDocuments):
+        raise TypeError(f"{type(cluster).__name__} serves no MongoDB servers (it has no document clients)")
+    return cluster.mongo
+
+
+S = TypeVar("S")
+
+
+def open_routed(
+    cluster: Servers,
+    area: str,
+    gdid: GDID,
+    attempt: Callable[[Router, Placement], S],
+    retry: SessionRetry,
+    on_refused: Callable[[Placement, RetryableError], None] | None = None,
+    on_retry: Callable[[Placement, RetryableError], None] | None = None,
+) -> S:
+    """Route ``gdid``, open and ownership-check its shard with ``attempt``; refresh and retry while stale.
+
+    The one routed-open loop of SQL sessions and document contexts: ``attempt`` opens the
+    server's session and runs the kind's ownership check (releasing what it opened when it
+    raises); a :class:`~mdb.errors.RetryableError` (a fence, a re-stamped layout, a move in
+    progress) waits or gives up as ``retry`` says, refreshes the cluster's routing and tries the
+    new route, so a stale cache costs a retry, never a wrong write. ``on_refused`` and
+    ``on_retry`` see each refusal before and after the wait (telemetry).
+    """
+    while True:
+        router = cluster.router
+        placement = router.locate(area, gdid)
+        try:
+            return attempt(router, placement)
+        except RetryableError as exc:
+            if on_refused is not None:
+                on_refused(placement, exc)
+            retry.wait_or_raise(exc)
+            if on_retry is not None:
+                on_retry(placement, exc)
+            cluster.refresh()

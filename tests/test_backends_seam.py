@@ -1,0 +1,50 @@
+"""The backend seam: one call for the relocation directory and layout stamps, whatever the server kind.
+
+The same assertions run against a SQL (SQLite) and a MongoDB CENTRAL / shard, so the two
+backends are held to one behaviour.
+"""
+
+from __future__ import annotations
+
+import pytest
+from mongohelp import MongoEnv
+
+from mdb import GDID
+from mdb.backends import backend_of
+from mdb.backends.mongo import MongoBackend
+from mdb.backends.sql import SqlBackend
+from mdb.relocations import load_relocations, set_relocation
+from mdb.router import ShardLayout
+
+
+@pytest.mark.parametrize("central_on_mongo", [0, 2], ids=["sql-central", "mongo-central"])
+def test_the_relocation_directory_is_set_loaded_and_cleared_through_the_central_backend(
+    mongo_env: MongoEnv, central_on_mongo: int
+) -> None:
+    store = mongo_env.store(2, central_on_mongo=central_on_mongo)
+    central = store.router.central_servers()[0]
+    expected = MongoBackend if central_on_mongo else SqlBackend
+    assert isinstance(backend_of(store.map, central), expected)
+    moved, other = GDID(0, 0, 7), GDID(0, 0, 1234567)
+    set_relocation(store, "docs", moved, "m1")
+    set_relocation(store, "docs", other, "m2")
+    set_relocation(store, "docs", moved, "m2")  # a second move of one briefcase replaces its entry
+    assert load_relocations(store) == {("docs", moved): "m2", ("docs", other): "m2"}
+    set_relocation(store, "docs", moved, None)  # back on its default shard
+    assert load_relocations(store) == {("docs", other): "m2"}
+    store.refresh()
+    assert store.router.relocations == {("docs", other): "m2"}
+
+
+@pytest.mark.parametrize("server", ["c", "m1"], ids=["sql", "mongo"])
+def test_a_layout_stamp_is_refused_when_it_differs_unless_replaced(mongo_env: MongoEnv, server: str) -> None:
+    store = mongo_env.store(2)
+    backend = backend_of(store.map, server)
+    first = ShardLayout("probe", GDID.ZERO, None, 0, 2)
+    moved = ShardLayout("probe", GDID.ZERO, None, 1, 2)
+    assert backend.stamp_layout(store, server, first, 5, replace=False) is None
+    assert backend.stamp_layout(store, server, first, 6, replace=False) is None  # the same layout: kept
+    problem = backend.stamp_layout(store, server, moved, 6, replace=False)
+    assert problem is not None and "mdb map apply" in problem and "'probe'" in problem
+    assert backend.stamp_layout(store, server, moved, 6, replace=True) is None
+    assert backend.stamp_layout(store, server, moved, 7, replace=False) is None  # now stamped as replaced
