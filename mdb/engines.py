@@ -37,8 +37,8 @@ from mdb.servers import ServerDirectory
 from mdb.urls import mask_url, sqlalchemy_url
 
 __all__ = [
-    "BEGIN_PRELUDE", "BEGIN_RESULT", "BeginPrelude", "EngineRegistry", "PreparedNames", "Rows", "prelude_of", "set_prelude",
-    "sqlalchemy_url", "take_result",
+    "BeginPrelude", "EngineRegistry", "PreparedNames", "Rows", "prelude_of", "set_prelude",
+    "take_result",
 ]
 
 log = logging.getLogger("mdb.engines")
@@ -69,10 +69,6 @@ _RESULT = "mdb.begin_result"
 _PREPARED = "mdb.prepared"
 """``info`` key: the connection's :class:`PreparedNames`."""
 
-BEGIN_PRELUDE = _PRELUDE
-"""Deprecated: the raw key; use :func:`set_prelude` / :func:`prelude_of`. Kept until mdb.store uses those."""
-BEGIN_RESULT = _RESULT
-"""Deprecated: the raw key; use :func:`take_result`. Kept until mdb.store uses it."""
 
 Rows = list[tuple[Any, ...]]
 """What a prelude's last statement returned."""

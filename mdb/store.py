@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +25,15 @@ from mdb.backends import open_routed
 from mdb.budget import ConnectionBudget
 from mdb.central.service import Central
 from mdb.dberrors import translated
-from mdb.engines import BEGIN_PRELUDE, BEGIN_RESULT, EngineRegistry
+from mdb.engines import EngineRegistry, prelude_of, set_prelude, take_result
 from mdb.errors import QueryError, RoutingError
 from mdb.fanout import FanOutResult, ShardFailure, fan_out, warm_up
 from mdb.gdid import GDID
 from mdb.idgen import GdidGenerator, Ids
 from mdb.maps.history import load_applied_map
-from mdb.ownership import check_ownership, ownership_prelude
+from mdb.mongo.store import DocumentBriefcase, MongoStore
+from mdb.mongo.types import DocumentBriefcaseType
+from mdb.ownership import OwnershipCheck, check_ownership
 from mdb.partition_map import PartitionMap, load_map_cached
 from mdb.relocations import load_relocations
 from mdb.retry import SessionRetry
@@ -72,6 +74,7 @@ class Store:
         self._relocations_loaded = False
         self._refresh_lock = threading.Lock()
         self._ids = Ids(self)
+        self._mongo: MongoStore | None = None
         self.central = Central(self, new_gdid=self.new_gdid)
         """CENTRAL indexes, cache and atomic creation (:mod:`mdb.central`)."""
 
@@ -195,7 +198,7 @@ class Store:
         the first failure, so one retry suffices. The normal path costs nothing (no pre-ping).
         ``conn`` is closed when replaced; the fresh one is closed if it fails too.
         """
-        prelude = conn.info.get(BEGIN_PRELUDE)
+        prelude = prelude_of(conn)
         try:
             conn.begin()
             return conn
@@ -206,7 +209,7 @@ class Store:
         fresh = self.engines.engine(server, readonly).connect()
         try:
             if prelude is not None:
-                fresh.info[BEGIN_PRELUDE] = prelude
+                set_prelude(fresh, prelude)
             fresh.begin()
         except BaseException:
             fresh.close()
@@ -299,12 +302,11 @@ class Store:
     ) -> tuple[BriefcaseSession, Connection]:
         def attempt(router: Router, placement: Placement) -> tuple[BriefcaseSession, Connection]:
             conn = self.connect(placement.server, readonly)
-            dialect = conn.dialect.name  # PostgreSQL and SQLite run the check differently (mdb.ownership)
-            conn.info[BEGIN_PRELUDE] = ownership_prelude(dialect, placement, lock=not readonly, exclusive=exclusive)
+            set_prelude(conn, OwnershipCheck(placement, lock=not readonly, exclusive=exclusive))
             try:
                 with translated(placement.server):
                     conn = self._begin(conn, placement.server, readonly)
-                check_ownership(conn.info.pop(BEGIN_RESULT, None), placement, router.version)
+                check_ownership(take_result(conn), placement, router.version)
             except BaseException:
                 conn.close()
                 raise
@@ -321,22 +323,32 @@ class Store:
     # -- document briefcases on MongoDB servers ----------------------------------------------
 
     @property
-    def mongo(self) -> Any:
-        """The MongoDB side of this Store (:class:`mdb.mongo.MongoStore`), created on first use."""
-        mongo = getattr(self, "_mongo", None)
-        if mongo is None:
-            from mdb.mongo.store import MongoStore  # late: pymongo is an optional dependency
+    def mongo(self) -> MongoStore:
+        """The MongoDB side of this Store (:class:`mdb.mongo.MongoStore`), created on first use.
 
+        Creating it imports nothing of pymongo: clients are made on first use of a server.
+        """
+        mongo = self._mongo
+        if mongo is None:
             mongo = self._mongo = MongoStore(self)
         return mongo
 
-    def documents(self, dtype: Any, gdid: GDID | str, *, readonly: bool = False) -> Any:
+    def attach_documents(self, mongo: MongoStore) -> MongoStore:
+        """Use ``mongo`` as this Store's MongoDB side (a client factory or types of its own); closes the one before."""
+        if self._mongo is not None and self._mongo is not mongo:
+            self._mongo.close()
+        self._mongo = mongo
+        return mongo
+
+    def documents(
+        self, dtype: type[DocumentBriefcaseType], gdid: GDID | str, *, readonly: bool = False
+    ) -> AbstractContextManager[DocumentBriefcase]:
         """A document briefcase context on a MongoDB shard (:meth:`mdb.mongo.MongoStore.documents`)."""
         return self.mongo.documents(dtype, gdid, readonly=readonly)
 
     def close(self) -> None:
         self.engines.dispose()
-        if getattr(self, "_mongo", None) is not None:
+        if self._mongo is not None:
             self._mongo.close()
 
     def __enter__(self) -> Store:

@@ -16,9 +16,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mdb.backends import open_routed
+from mdb.cluster import Cluster
 from mdb.errors import MdbError, QueryError, RetryableError, RoutingError
 from mdb.fanout import ShardFailure, SortKey, SortTerm, fan_out_servers, gather, merge_sorted
 from mdb.gdid import GDID
@@ -32,8 +33,17 @@ from mdb.retry import SessionRetry
 from mdb.router import Placement, Router
 from mdb.urls import MONGO
 
-if TYPE_CHECKING:
-    from mdb.store import Store
+
+
+class DocumentCluster(Cluster, Protocol):
+    """The cluster a MongoStore routes over, with the Store's retry settings for stale routes."""
+
+    max_stale_retries: int
+    move_wait_seconds: float
+
+
+class _Host(DocumentCluster, Protocol):
+    def attach_documents(self, mongo: MongoStore) -> MongoStore: ...
 
 __all__ = ["DocumentBriefcase", "FanOutDocuments", "MongoStore"]
 
@@ -97,7 +107,7 @@ class MongoStore:
     """Document briefcases, fan-out reads and schema of one Store's MongoDB servers."""
 
     def __init__(
-        self, store: Store, *, client_factory: ClientFactory | None = None,
+        self, store: DocumentCluster, *, client_factory: ClientFactory | None = None,
         types: Sequence[type[DocumentBriefcaseType]] | None = None, transactions: bool | None = None,
     ) -> None:
         self.store = store
@@ -108,13 +118,11 @@ class MongoStore:
 
     @classmethod
     def attach(
-        cls, store: Store, *, client_factory: ClientFactory | None = None,
+        cls, store: _Host, *, client_factory: ClientFactory | None = None,
         types: Sequence[type[DocumentBriefcaseType]] | None = None, transactions: bool | None = None,
     ) -> MongoStore:
         """Give ``store`` its MongoStore (``store.mongo``) built with this client factory."""
-        mongo = cls(store, client_factory=client_factory, types=types, transactions=transactions)
-        store._mongo = mongo
-        return mongo
+        return store.attach_documents(cls(store, client_factory=client_factory, types=types, transactions=transactions))
 
     def __repr__(self) -> str:
         return f"MongoStore(servers={self.clients.server_names}, types={[t.__name__ for t in self.types]})"
