@@ -42,6 +42,10 @@ class SchemaError(MdbError, TypeError):
     """A briefcase type or table is declared in a way that would break a briefcase invariant."""
 
 
+class MigrationError(SchemaError):
+    """A fleet migration cannot run or stopped (unknown area or revision, a server failed); says which server."""
+
+
 class QueryError(MdbError, ValueError):
     """A statement mdb cannot run as asked, e.g. a fan-out whose result it cannot merge correctly."""
 

@@ -69,12 +69,13 @@ briefcase_state = Table(
 )
 
 CENTRAL_TABLE_MODULES: Final[tuple[str, ...]] = (
-    "mdb.relocations",
+    "mdb.backends.sql",
     "mdb.maps.history",
     "mdb.idgen",
     "mdb.central.indexes",
     "mdb.moves.journal",
     "mdb.hot.central_tables",
+    "mdb.migrations.ledger",
 )
 """Modules that define tables on ``central_metadata``; add yours here."""
 

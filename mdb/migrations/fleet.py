@@ -41,7 +41,7 @@ from sqlalchemy.exc import DBAPIError
 
 from mdb.cluster import Cluster
 from mdb.dberrors import describe
-from mdb.errors import MdbError, SchemaError
+from mdb.errors import MdbError, MigrationError
 from mdb.migrations import ledger
 from mdb.migrations.revisions import current_revision, lock_out_moves, version_table
 from mdb.migrations.scripts import area_dir, area_tables, one_head, open_history
@@ -118,7 +118,7 @@ def _histories(cluster: Cluster, root: Path, areas: list[str] | None) -> dict[st
     names = areas if areas is not None else cluster.router.area_names()
     unknown = [a for a in names if a not in cluster.router.area_names()]
     if unknown:
-        raise SchemaError(f"unknown area(s) {', '.join(unknown)} (the map has {', '.join(cluster.router.area_names())})")
+        raise MigrationError(f"unknown area(s) {', '.join(unknown)} (the map has {', '.join(cluster.router.area_names())})")
     if areas is not None:
         return {a: open_history(root, a) for a in names}
     return {a: open_history(root, a) for a in names if (area_dir(root, a) / "versions").is_dir()}
@@ -131,7 +131,7 @@ def _pending(script: ScriptDirectory, area: str, current: str | None, upper: str
     try:
         revisions = list(script.iterate_revisions(upper, current or "base"))
     except (CommandError, RevisionError) as exc:
-        raise SchemaError(f"area {area!r}: cannot go from revision {current or 'base'} to {upper} with the history at {script.dir}: {exc}") from exc
+        raise MigrationError(f"area {area!r}: cannot go from revision {current or 'base'} to {upper} with the history at {script.dir}: {exc}") from exc
     return [r.revision for r in reversed(revisions) if r.revision != current]
 
 
@@ -326,14 +326,14 @@ def _resolve(script: ScriptDirectory, area: str, wanted: str | None, direction: 
     """The revision id ``wanted`` names (head when None going up; "base" is None)."""
     if wanted is None:
         if direction == "down":
-            raise SchemaError("mdb migrate down needs --to REV (or --to base)")
+            raise MigrationError("mdb migrate down needs --to REV (or --to base)")
         return one_head(script, area)
     if wanted == "base":
         return None
     try:
         revision = script.get_revision(wanted)
     except CommandError as exc:
-        raise SchemaError(f"area {area!r}: {exc}") from exc
+        raise MigrationError(f"area {area!r}: {exc}") from exc
     if revision is None:
         return None
     return revision.revision
@@ -341,7 +341,7 @@ def _resolve(script: ScriptDirectory, area: str, wanted: str | None, direction: 
 
 def _lock_timeout_sql(seconds: float) -> str:
     if seconds <= 0:
-        raise SchemaError(f"lock timeout must be positive, got {seconds:g}s")
+        raise MigrationError(f"lock timeout must be positive, got {seconds:g}s")
     return f"SET LOCAL lock_timeout = '{int(seconds * 1000)}ms'"
 
 
@@ -387,7 +387,7 @@ def _migrate_one(
                 except (MdbError, DBAPIError, CommandError):
                     raise
                 except Exception as exc:  # the revision file's own code failed (it is application code): this server failed
-                    raise SchemaError(f"server {target.server!r}: the revision raised {type(exc).__name__}: {exc}") from exc
+                    raise MigrationError(f"server {target.server!r}: the revision raised {type(exc).__name__}: {exc}") from exc
             result.after = current_revision(conn, target.area)
         result.outcome = DONE
         fault_point("migrate.after_server")
@@ -423,17 +423,17 @@ def migrate(
         raise ValueError(f"direction must be 'up' or 'down', got {direction!r}")
     histories = _histories(cluster, root, areas)
     if to not in (None, "head", "heads", "base") and len(histories) > 1:
-        raise SchemaError(f"--to {to} names one area's revision: say which area (--area; the map has {', '.join(histories)})")
+        raise MigrationError(f"--to {to} names one area's revision: say which area (--area; the map has {', '.join(histories)})")
     destinations = {area: _resolve(script, area, to, direction) for area, script in histories.items()}
     _lock_timeout_sql(lock_timeout)  # a bad value fails before any server is touched
     work = targets(cluster, list(histories))
     if servers is not None:
         unknown = sorted(set(servers) - {t.server for t in work})
         if unknown:
-            raise SchemaError(f"server(s) {', '.join(unknown)} hold no tables of the areas being migrated")
+            raise MigrationError(f"server(s) {', '.join(unknown)} hold no tables of the areas being migrated")
         work = [t for t in work if t.server in servers]
     if canary is not None and canary not in {t.server for t in work}:
-        raise SchemaError(f"canary {canary!r} is not a SQL server of any area being migrated")
+        raise MigrationError(f"canary {canary!r} is not a SQL server of any area being migrated")
     run = MigrationRun(uuid.uuid4().hex, direction, destinations, [], dry_run)
     central = None if dry_run else _central_sql(cluster)
     if central is not None:

@@ -16,7 +16,7 @@ from sqlalchemy import Column, MetaData, String, Table, text
 from sqlalchemy.engine import Connection
 
 from alembic.runtime.migration import MigrationContext
-from mdb.errors import SchemaError
+from mdb.errors import MigrationError
 
 __all__ = [
     "SCHEMA_LOCK_KEY",
@@ -54,7 +54,7 @@ def current_revision(conn: Connection, area: str) -> str | None:
     """
     heads = _context(conn, area).get_current_heads()
     if len(heads) > 1:
-        raise SchemaError(f"area {area!r} is at several revisions at once ({', '.join(heads)}): merge the branches first")
+        raise MigrationError(f"area {area!r} is at several revisions at once ({', '.join(heads)}): merge the branches first")
     return heads[0] if heads else None
 
 
@@ -76,7 +76,7 @@ def stamp_revision(conn: Connection, area: str, revision: str | None) -> None:
 
 
 def require_same_revision(area: str, source: str, source_conn: Connection, target: str, target_conn: Connection) -> str | None:
-    """Refuse (SchemaError) to copy ``area``'s tables between servers at different revisions.
+    """Refuse (MigrationError) to copy ``area``'s tables between servers at different revisions.
 
     A move copies rows column for column: a target one revision behind lacks the new column
     (the copy fails halfway or drops data), one ahead has a NOT NULL column the source's rows do
@@ -85,7 +85,7 @@ def require_same_revision(area: str, source: str, source_conn: Connection, targe
     have_source = current_revision(source_conn, area)
     have_target = current_revision(target_conn, area)
     if have_source != have_target:
-        raise SchemaError(
+        raise MigrationError(
             f"area {area!r}: source server {source!r} is at revision {have_source or 'base'} but target server "
             f"{target!r} is at {have_target or 'base'}; a move needs both at one revision "
             f"(bring them to the same revision first: mdb migrate up MAP)"
@@ -101,7 +101,7 @@ def lock_out_moves(conn: Connection, server: str) -> None:
     column appears would write rows of the old shape into the new table.
     """
     if not conn.execute(text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY}).scalar():
-        raise SchemaError(f"server {server!r}: a move is copying briefcases to or from it; migrate it after the move ends")
+        raise MigrationError(f"server {server!r}: a move is copying briefcases to or from it; migrate it after the move ends")
 
 
 def lock_out_migrations(conn: Connection, server: str) -> None:
@@ -111,4 +111,4 @@ def lock_out_migrations(conn: Connection, server: str) -> None:
     server, a migration may not run during any of them.
     """
     if not conn.execute(text("SELECT pg_try_advisory_xact_lock_shared(:key)"), {"key": SCHEMA_LOCK_KEY}).scalar():
-        raise SchemaError(f"server {server!r}: a schema migration is running on it; move after it ends (mdb migrate status MAP)")
+        raise MigrationError(f"server {server!r}: a schema migration is running on it; move after it ends (mdb migrate status MAP)")

@@ -31,7 +31,7 @@ from sqlalchemy import MetaData, Table
 from sqlalchemy.engine import Connection
 
 from mdb.cluster import Cluster
-from mdb.errors import SchemaError
+from mdb.errors import MigrationError
 from mdb.migrations.revisions import stamp_revision, version_table
 from mdb.urls import SQL
 
@@ -67,7 +67,7 @@ def scripts_root(map_path: Path | None, root: str | Path | None = None) -> Path:
     if root is not None:
         return Path(root)
     if map_path is None:
-        raise SchemaError("no folder for the migration histories: give --scripts DIR (the map was not read from a file)")
+        raise MigrationError("no folder for the migration histories: give --scripts DIR (the map was not read from a file)")
     return map_path.resolve().parent / "migrations"
 
 
@@ -103,14 +103,14 @@ def open_history(root: Path, area: str, *, create: bool = False) -> ScriptDirect
     if create:
         _create(directory, area)
     elif not (directory / "versions").is_dir():
-        raise SchemaError(
+        raise MigrationError(
             f"area {area!r} has no migration history at {directory} (write the first revision: mdb migrate revision MAP {area} -m MSG)"
         )
     script = ScriptDirectory.from_config(_config(directory))
     try:
         script.get_heads()  # builds the revision map now; a broken history fails here, named
     except CommandError as exc:
-        raise SchemaError(f"area {area!r}: the migration history at {directory} is broken: {exc}") from exc
+        raise MigrationError(f"area {area!r}: the migration history at {directory} is broken: {exc}") from exc
     return script
 
 
@@ -142,7 +142,7 @@ def make_revision(
     would repeat what a pending one does). Review the file before rolling it out.
     """
     if area not in cluster.router.area_names():
-        raise SchemaError(f"unknown area {area!r} (the map has {', '.join(cluster.router.area_names())})")
+        raise MigrationError(f"unknown area {area!r} (the map has {', '.join(cluster.router.area_names())})")
     script = open_history(root, area, create=True)
     args = dict(message=message, autogenerate=autogenerate, sql=False, head="head", splice=False, branch_label=None,
                 version_path=None, rev_id=None, depends_on=None)
@@ -150,10 +150,10 @@ def make_revision(
     if autogenerate:
         tables = area_tables(cluster, area)
         if not tables:
-            raise SchemaError(f"area {area!r}: no briefcase types are known (list their modules under models: in the map, or --models)")
+            raise MigrationError(f"area {area!r}: no briefcase types are known (list their modules under models: in the map, or --models)")
         server = reference or cluster.router.area_servers(area)[0]
         if cluster.map.kind_of(server) != SQL:
-            raise SchemaError(f"reference server {server!r} is not a SQL server")
+            raise MigrationError(f"reference server {server!r} is not a SQL server")
         metadatas: list[MetaData] = list(dict.fromkeys(t.metadata for t in tables))
         def retrieve(revision: Any, context: MigrationContext) -> list[Any]:
             revision_context.run_autogenerate(revision, context)
@@ -170,7 +170,7 @@ def make_revision(
             try:
                 environment.run_migrations()
             except CommandError as exc:
-                raise SchemaError(f"area {area!r}: reference shard {server!r}: {exc} (bring it to head first: mdb migrate up MAP)") from exc
+                raise MigrationError(f"area {area!r}: reference shard {server!r}: {exc} (bring it to head first: mdb migrate up MAP)") from exc
     return [Path(s.path) for s in revision_context.generate_scripts() if s is not None]
 
 
@@ -178,7 +178,7 @@ def one_head(script: ScriptDirectory, area: str) -> str | None:
     """The head of ``area``'s history (None: no revision yet); several heads are refused."""
     heads = script.get_heads()
     if len(heads) > 1:
-        raise SchemaError(f"area {area!r}: the history has several heads ({', '.join(heads)}): merge them first (alembic merge)")
+        raise MigrationError(f"area {area!r}: the history has several heads ({', '.join(heads)}): merge them first (alembic merge)")
     return heads[0] if heads else None
 
 
