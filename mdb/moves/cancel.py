@@ -23,7 +23,7 @@ from typing import Any, Final
 
 from mdb.errors import CancelError, MoveLeaseHeldError
 from mdb.gdid import GDID
-from mdb.moves.faults import fault_point
+from mdb.faults import fault_point, register
 from mdb.moves.freeze import unfreeze_partition
 from mdb.moves.journal import CANCELLED, DONE, FINISHED, RUNNING, Journal, JournalEntry
 from mdb.moves.lease import hold, me, request_stop
@@ -36,6 +36,8 @@ CANCEL_STEP: Final = "cancel"
 CANCELLABLE_STEPS: Final = frozenset({"plan", "prechecks", "moves", "freeze", "final_moves", CANCEL_STEP})
 """Reshard steps before ``map_apply``: the old map is still the only one applied."""
 STOP_POLL: Final = 0.5
+
+FAULT_POINTS = register("cancel.after_first_move_back")
 
 
 @dataclass

@@ -20,13 +20,15 @@ from typing import Any
 from sqlalchemy import and_, delete, insert, select
 
 from mdb.gdid import GDID
-from mdb.moves.faults import fault_point
+from mdb.faults import fault_point, register
 from mdb.ownership import FREEZE_GDID, partition_lock_key_sql
 from mdb.system_tables import STATE_FROZEN, briefcase_state
 
 __all__ = ["freeze_partition", "frozen_by", "unfreeze_partition"]
 
 DEFAULT_FREEZE_LOCK_WAIT = 30.0
+
+FAULT_POINTS = register("reshard.during_freeze")
 
 
 def _marker(area: str, start: GDID) -> Any:

@@ -38,12 +38,13 @@ from sqlalchemy import and_, delete, select
 
 from mdb.errors import MdbError, MoveAbortedError, RoutingError
 from mdb.gdid import GDID
-from mdb.moves.faults import fault_point
+from mdb.faults import fault_point, register
 from mdb.moves.freeze import freeze_partition, unfreeze_partition
 from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.lease import check_stop, describe_liveness, hold
 from mdb.moves.plan import PlannedMove, ReshardPlan, find_partition, plan_reshard
-from mdb.moves.move import DEFAULT_MAX_PAUSE, area_tables, check_max_pause, check_schemas, move_briefcase
+from mdb.moves.move import DEFAULT_MAX_PAUSE, check_max_pause, move_briefcase
+from mdb.moves.sql_steps import area_tables, check_schemas
 from mdb.partition_map import PartitionMap, parse_map
 from mdb.relocations import clear_relocation
 from mdb.system_tables import STATE_RESIDENT, briefcase_state
@@ -51,6 +52,23 @@ from mdb.system_tables import STATE_RESIDENT, briefcase_state
 __all__ = ["ReshardCounts", "ReshardOutcome", "ReshardProgress", "continue_reshard", "new_map_text", "reshard"]
 
 log = logging.getLogger("mdb.moves.reshard")
+
+FAULT_POINTS = register(
+    "reshard.after_journal_start",
+    "reshard.after_plan",
+    "reshard.after_prechecks",
+    "reshard.after_first_move",
+    "reshard.after_moves",
+    "reshard.after_freeze",
+    "reshard.after_final_moves",
+    "reshard.before_map_apply",
+    "reshard.after_map_apply",
+    "reshard.after_map_file",
+    "reshard.after_unfreeze",
+    "reshard.after_clear_relocations",
+    "reshard.after_resident_cleanup",
+)
+"""The reshard's crash points (the freeze's own is in mdb.moves.freeze)."""
 
 MOVE_ATTEMPTS = 3
 MAX_SWEEPS = 5

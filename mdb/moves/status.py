@@ -17,7 +17,7 @@ from mdb.errors import MdbError
 from mdb.gdid import GDID
 from mdb.moves.journal import RUNNING, Journal, JournalEntry
 from mdb.moves.lease import Holder, describe, liveness
-from mdb.moves.move import _state, area_tables
+from mdb.moves.sql_steps import area_tables, state_row
 from mdb.relocations import relocations
 
 __all__ = ["BriefcaseWhere", "MoveStatus", "move_status", "status_of", "where"]
@@ -65,7 +65,7 @@ def where(store: Any, area: str, gdid: GDID) -> BriefcaseWhere:
             with store.transaction(server) as conn:
                 present = set(sa_inspect(conn).get_table_names())
                 if "mdb_briefcase_state" in present:
-                    state = _state(conn, area, gdid)
+                    state = state_row(conn, area, gdid)
                     if state is not None:
                         out.states[server] = {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in state.items() if k in ("state", "peer", "move_id", "changed_at")}
                 rows = sum(
