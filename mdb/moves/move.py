@@ -56,6 +56,7 @@ __all__ = [
     "move_class",
     "move_kinds",
     "register_move",
+    "resolve_move",
 ]
 
 log = logging.getLogger("mdb.moves")
@@ -324,6 +325,11 @@ def move_class(server_kind: str) -> type[Move]:
 def move_kinds() -> dict[str, type[Move]]:
     """Journal kind -> implementation (resume and cancel pick by an entry's kind)."""
     return dict(_JOURNAL_KINDS)
+
+
+def resolve_move(cluster: Cluster, journal: Journal, entry: JournalEntry, *, retry: bool = False) -> ResumeOutcome:
+    """Finalize forward (commit point passed) or roll back one unfinished move, of any server kind."""
+    return _JOURNAL_KINDS[entry.kind].resume(cluster, journal, entry, retry=retry)
 
 
 def move_briefcase(

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import yaml
 from sqlalchemy import and_, delete, select
 
+from mdb.cluster import Cluster
 from mdb.errors import MdbError, MoveAbortedError, RoutingError
 from mdb.gdid import GDID
 from mdb.faults import fault_point, register
@@ -47,6 +48,7 @@ from mdb.moves.move import DEFAULT_MAX_PAUSE, check_max_pause, move_briefcase
 from mdb.moves.sql_steps import area_tables, check_schemas
 from mdb.partition_map import PartitionMap, parse_map
 from mdb.relocations import clear_relocation
+from mdb.store import Store
 from mdb.system_tables import STATE_RESIDENT, briefcase_state
 
 __all__ = ["ReshardCounts", "ReshardOutcome", "ReshardProgress", "continue_reshard", "new_map_text", "reshard"]
@@ -178,7 +180,7 @@ def new_map_text(current_text: str, area: str, start: GDID, new_shards: list[str
     raise RoutingError(f"area {area!r} has no partition starting at {start}")
 
 
-def _validate(store: Any, area: str, start: GDID, new_shards: list[str]) -> None:
+def _validate(store: Cluster, area: str, start: GDID, new_shards: list[str]) -> None:
     unknown = [s for s in new_shards if s not in store.map.servers]
     if unknown:
         raise RoutingError(f"--shards names unknown server(s) {unknown} (known: {', '.join(store.map.servers)})")
@@ -186,7 +188,7 @@ def _validate(store: Any, area: str, start: GDID, new_shards: list[str]) -> None
         raise RoutingError(f"--shards lists a server twice: {new_shards}")
 
 
-def parallel_for(store: Any, area: str, start: GDID, new_shards: list[str], parallel: int) -> tuple[int, list[str]]:
+def parallel_for(store: Cluster, area: str, start: GDID, new_shards: list[str], parallel: int) -> tuple[int, list[str]]:
     """How many moves a reshard runs at once, and the SQLite servers that made it 1.
 
     SQLite lets one writer at a time into a file, and a move holds its source's write lock
@@ -203,7 +205,7 @@ def parallel_for(store: Any, area: str, start: GDID, new_shards: list[str], para
 
 
 def reshard(
-    store: Any,
+    store: Cluster,
     area: str,
     start: GDID,
     new_shards: list[str],
@@ -249,7 +251,7 @@ def reshard(
         return continue_reshard(store, journal, entry, progress=progress, first_plan=plan)
 
 
-def _store_map_text(store: Any, map_path: str | None) -> str:
+def _store_map_text(store: Cluster, map_path: str | None) -> str:
     """The text the new map version is written from: the map the system runs.
 
     The map file when it is that version (so its comments and layout carry over); when an
@@ -258,7 +260,7 @@ def _store_map_text(store: Any, map_path: str | None) -> str:
     """
     from mdb.map_edit import newest_applied  # late: map_edit builds on the Store
 
-    applied = newest_applied(store)
+    applied = newest_applied(_map_store(store))
     if map_path is not None and Path(map_path).is_file():
         text = Path(map_path).read_text(encoding="utf-8")
         if applied is None or parse_map(text, map_path).version >= applied.version:
@@ -268,14 +270,24 @@ def _store_map_text(store: Any, map_path: str | None) -> str:
     return store.map.to_yaml()
 
 
-def _next_version(store: Any) -> int:
+def _map_store(cluster: Cluster) -> Store:
+    """The Store under ``cluster``, for mdb.map_edit's functions, which take a Store (map history, apply).
+
+    Lead: drop this once map_edit's functions take a :class:`~mdb.cluster.Cluster`.
+    """
+    if not isinstance(cluster, Store):
+        raise TypeError(f"a reshard applies its map through a Store, got {type(cluster).__name__}")
+    return cluster
+
+
+def _next_version(store: Cluster) -> int:
     from mdb.map_edit import applied_maps
 
-    versions = [v for v, _ in applied_maps(store)]
+    versions = [v for v, _ in applied_maps(_map_store(store))]
     return max([store.map.version, *versions]) + 1
 
 
-def _prechecks(store: Any, plan: ReshardPlan, tables: list[Any], map_path: str | Path | None, *, dry_run: bool) -> tuple[PartitionMap, str]:
+def _prechecks(store: Cluster, plan: ReshardPlan, tables: list[Any], map_path: str | Path | None, *, dry_run: bool) -> tuple[PartitionMap, str]:
     """Every target's schema and the new map (through apply_map's dry run), before anything moves."""
     from mdb.map_edit import apply_map
 
@@ -284,7 +296,7 @@ def _prechecks(store: Any, plan: ReshardPlan, tables: list[Any], map_path: str |
     check_schemas(store, [*targets, *sources], tables, f"reshard of {plan.area} partition {plan.partition_start}")
     text = new_map_text(_store_map_text(store, None if map_path is None else str(map_path)), plan.area, plan.partition_start, plan.new_shards, _next_version(store))
     new_map = parse_map(text, "<new map>")
-    apply_map(store, new_map, yaml_text=text, allow_reshard_of=(plan.area, plan.partition_start), dry_run=True)
+    apply_map(_map_store(store), new_map, yaml_text=text, allow_reshard_of=(plan.area, plan.partition_start), dry_run=True)
     return new_map, text
 
 
@@ -295,7 +307,7 @@ def _record(journal: Journal, entry: JournalEntry, counts: ReshardCounts, progre
         progress.counts(counts, last)
 
 
-def _move_all(store: Any, journal: Journal, entry: JournalEntry, moves: list[PlannedMove], parallel: int, max_pause: float, progress: ReshardProgress | None, counts: ReshardCounts) -> None:
+def _move_all(store: Cluster, journal: Journal, entry: JournalEntry, moves: list[PlannedMove], parallel: int, max_pause: float, progress: ReshardProgress | None, counts: ReshardCounts) -> None:
     lock = threading.Lock()
 
     def one(m: PlannedMove) -> None:
@@ -326,7 +338,7 @@ def _move_all(store: Any, journal: Journal, entry: JournalEntry, moves: list[Pla
 
 
 def _sweep(
-    store: Any, journal: Journal, entry: JournalEntry, tables: list[Any], plan: ReshardPlan, sweeps: int,
+    store: Cluster, journal: Journal, entry: JournalEntry, tables: list[Any], plan: ReshardPlan, sweeps: int,
     parallel: int, max_pause: float, progress: ReshardProgress | None, counts: ReshardCounts,
 ) -> ReshardPlan:
     """Move the plan's briefcases and re-plan (briefcases created meanwhile), up to ``sweeps`` passes.
@@ -369,7 +381,7 @@ def journaled_map_path(entry: JournalEntry, given: Path | None) -> str | None:
 
 
 def continue_reshard(
-    store: Any,
+    store: Cluster,
     journal: Journal,
     entry: JournalEntry,
     *,
@@ -439,7 +451,7 @@ def continue_reshard(
 
 
 def _frozen_phase(
-    store: Any, journal: Journal, entry: JournalEntry, tables: list[Any], old_shards: list[str], map_path: str | None,
+    store: Cluster, journal: Journal, entry: JournalEntry, tables: list[Any], old_shards: list[str], map_path: str | None,
     parallel: int, max_pause: float, progress: ReshardProgress | None, counts: ReshardCounts,
 ) -> None:
     """Freeze the partition on its old shards, move the stragglers, apply the new map.
@@ -491,7 +503,7 @@ def _frozen_phase(
         raise
 
 
-def _apply_new_map(store: Any, journal: Journal, entry: JournalEntry, map_path: str | None) -> int:
+def _apply_new_map(store: Cluster, journal: Journal, entry: JournalEntry, map_path: str | None) -> int:
     """Apply the journaled new map (once), then write it to the map file; idempotent."""
     from mdb.map_edit import applied_maps, apply_map
 
@@ -504,8 +516,8 @@ def _apply_new_map(store: Any, journal: Journal, entry: JournalEntry, map_path: 
         journal.update(entry.move_id, params=params)
     new_map = parse_map(text, "<new map>")
     fault_point("reshard.before_map_apply")
-    if new_map.version not in {v for v, _ in applied_maps(store)}:
-        apply_map(store, new_map, yaml_text=text, allow_reshard_of=(area, start))
+    if new_map.version not in {v for v, _ in applied_maps(_map_store(store))}:
+        apply_map(_map_store(store), new_map, yaml_text=text, allow_reshard_of=(area, start))
     fault_point("reshard.after_map_apply")
     if map_path is not None:
         path = Path(map_path)
@@ -539,7 +551,7 @@ def _backup_map_file(path: Path, text: str, version: int, reshard_id: str) -> Pa
     return backup
 
 
-def _cleanup(store: Any, area: str, start: GDID) -> None:
+def _cleanup(store: Cluster, area: str, start: GDID) -> None:
     """Drop relocations that now equal default routing, then the redundant 'resident' rows."""
     router = store.router
     in_partition = [

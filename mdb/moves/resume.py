@@ -12,13 +12,14 @@ continued from their journal row (:mod:`mdb.moves.reshard`).
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import Any
 
 from mdb.cluster import Cluster
 from mdb.errors import MoveLeaseHeldError, ServerUnavailableError
-from mdb.moves.journal import Journal, JournalEntry
+from mdb.moves.journal import Journal
 from mdb.moves.lease import hold, lease_owner_id
-from mdb.moves.move import ResumeOutcome, move_kinds
+from mdb.moves.cancel import CANCEL_STEP, finish_cancel
+from mdb.moves.move import ResumeOutcome, move_kinds, resolve_move
+from mdb.moves.reshard import ReshardProgress, continue_reshard
 
 __all__ = ["FAILED", "HELD", "ResumeOutcome", "resolve_move", "resume_all"]
 
@@ -28,12 +29,7 @@ HELD = "held"
 """The action of an entry another live process drives (its lease); resume leaves it alone."""
 
 
-def resolve_move(store: Cluster, journal: Journal, entry: JournalEntry, *, retry: bool = False) -> ResumeOutcome:
-    """Finalize forward (commit point passed) or roll back one unfinished move, of any server kind."""
-    return move_kinds()[entry.kind].resume(store, journal, entry, retry=retry)
-
-
-def resume_all(store: Cluster, *, retry: bool = False, progress: Any = None) -> list[ResumeOutcome]:
+def resume_all(store: Cluster, *, retry: bool = False, progress: ReshardProgress | None = None) -> list[ResumeOutcome]:
     """Resolve every unfinished move, then continue every unfinished reshard.
 
     Each entry is taken with its lease first (a reshard's moves under the reshard's): one that
@@ -67,9 +63,6 @@ def resume_all(store: Cluster, *, retry: bool = False, progress: Any = None) -> 
                     if entry.reshard_id is not None:
                         stuck.add(entry.reshard_id)
         store.refresh()
-        from mdb.moves.cancel import CANCEL_STEP, finish_cancel
-        from mdb.moves.reshard import continue_reshard
-
         for entry in unfinished:
             if entry.kind == "reshard" and entry.move_id not in held:
                 if entry.move_id in stuck:
