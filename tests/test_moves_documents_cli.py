@@ -148,3 +148,24 @@ def test_sigkilled_document_move_is_resolved_by_moves_resume(env: Env, point: st
     code, out, err = env.cli("moves", "resume", "MAP")
     assert code == 0, err
     assert Journal(env.store()).entries(unfinished=True) == []
+
+
+@pytest.mark.parametrize(("point", "home"), [("mongo.move.after_copy", "m2"), ("mongo.move.after_relocation", "m2")])
+def test_moves_cancel_resolves_an_interrupted_document_move(env: Env, point: str, home: str) -> None:
+    """Before its commit point it is rolled back; past it, finished and (``--move-back``, the default) moved back."""
+    code, _, err = env.cli("move", "MAP", "docs", str(UID), "--to", "m3", fault=point)
+    assert code == -signal.SIGKILL, err
+    (entry,) = Journal(env.store()).entries(unfinished=True)
+    assert entry.kind == "mongo-move"
+    code, out, err = env.cli("moves", "cancel", "MAP", entry.move_id)
+    assert code == 0, err
+    fresh = env.store()
+    assert holders(fresh) == {s: (5 if s == home else 0) for s in SHARDS}
+    assert Journal(fresh).entries(unfinished=True) == []
+    with fresh.documents(env.dtype, UID) as bc:
+        assert bc.placement.server == home
+
+
+def test_reshard_of_a_document_area_is_refused_clearly(env: Env) -> None:
+    code, _, err = env.cli("reshard", "MAP", "docs", "--partition", "0:0:0", "--shards", "m1,m2")
+    assert code == 2 and "SQL areas only" in err, err

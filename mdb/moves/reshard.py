@@ -50,6 +50,7 @@ from mdb.partition_map import PartitionMap, parse_map
 from mdb.relocations import clear_relocation
 from mdb.store import Store
 from mdb.system_tables import STATE_RESIDENT, briefcase_state
+from mdb.urls import SQL
 
 __all__ = ["ReshardCounts", "ReshardOutcome", "ReshardProgress", "continue_reshard", "new_map_text", "reshard"]
 
@@ -220,8 +221,13 @@ def reshard(
     check_max_pause(max_pause)
     store.refresh()
     _validate(store, area, start, new_shards)
-    tables = area_tables(store, area)
     _, _, old = find_partition(store.router, area, start)
+    if store.map.kind_of(old[0]) != SQL:
+        raise RoutingError(
+            f"reshard of area {area!r}: its partition lives on {store.map.kind_of(old[0])} servers; a reshard moves "
+            "briefcases of SQL areas only (move document briefcases one by one with `mdb move`)"
+        )
+    tables = area_tables(store, area)
     if old == list(new_shards):
         raise RoutingError(f"partition {start} of area {area!r} already has shards {old}")
     journal = Journal(store)
