@@ -105,20 +105,24 @@ def _txn(mongo: MongoStore, server: str) -> Any:
     return session
 
 
-def _finish(session: Any) -> None:
+def _end(session: Any, *, commit: bool) -> None:
+    """Commit (or abort) the session's transaction, if it has one, and end the session."""
     try:
         if session.in_transaction:
-            session.commit_transaction()
+            if commit:
+                session.commit_transaction()
+            else:
+                session.abort_transaction()
     finally:
         session.end_session()
+
+
+def _finish(session: Any) -> None:
+    _end(session, commit=True)
 
 
 def _abort(session: Any) -> None:
-    try:
-        if session.in_transaction:
-            session.abort_transaction()
-    finally:
-        session.end_session()
+    _end(session, commit=False)
 
 
 def _sess(session: Any) -> Any:
