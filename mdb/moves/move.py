@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -212,17 +212,16 @@ class Move(ABC):
                 self.journal.finish(self.move_id, ABORTED, f"precheck: {exc}")
                 raise
             try:
-                self.lock()
-                self.copy()
-                self.verify()
-                self.commit_point()
+                with self.locked_scope():  # left (the source's lock let go) before failed() runs
+                    self.lock()
+                    self.copy()
+                    self.verify()
+                    self.commit_point()
             except MoveAbortedError:
                 raise
             except BaseException as exc:
                 self.failed(exc)
                 raise
-            finally:
-                self.unlock()
             fault_point(self.after_commit_point)
             self.finalize()
         if self.options.refresh:
@@ -278,8 +277,14 @@ class Move(ABC):
     def commit_point(self) -> None:
         """Fence and delete on the source, atomically: the target is authoritative from here."""
 
-    def unlock(self) -> None:
-        """Let go of whatever :meth:`lock` holds in this process (always called, success or not)."""
+    def locked_scope(self) -> AbstractContextManager[Any]:
+        """The scope of what :meth:`lock` holds in this process, around lock..commit_point.
+
+        Left with the error, if any, so the lock's own context sees it (a SQL source
+        transaction turns a driver error into the mdb error naming the server, and is
+        rolled back unless :meth:`commit_point` committed it).
+        """
+        return nullcontext()
 
     def failed(self, exc: BaseException) -> None:
         """An unexpected error before the commit point; may raise :meth:`abort`'s error instead of ``exc``."""

@@ -245,7 +245,7 @@ class SqlMove(Move):
     """A briefcase's move between two SQL servers (PostgreSQL or SQLite), step by step.
 
     The source transaction that holds the briefcase's lock is opened by :meth:`lock` and kept
-    (with the pool computing checksums beside the copy) until :meth:`unlock`; :meth:`copy`,
+    (with the pool computing checksums beside the copy) until :meth:`locked_scope` is left; :meth:`copy`,
     :meth:`verify` and :meth:`commit_point` work in it, so the only pause sessions see lasts
     from :meth:`lock` to :meth:`commit_point`.
     """
@@ -273,6 +273,7 @@ class SqlMove(Move):
         self.nbytes: dict[str, int] = {}
         self.cut: Any = None  # the savepoint behind which verify() writes the fence and the delete
         self.verified: dict[str, int] = {}
+        self._copied_one = False
 
     @property
     def what(self) -> str:
@@ -347,8 +348,10 @@ class SqlMove(Move):
         if (src_state is not None and src_state["state"] in (STATE_GONE, STATE_INCOMING)) or not root_exists(self.src, self.tables, self.gdid):
             raise self.abort("under the lock the source no longer holds the briefcase (another move?)")
 
-    def unlock(self) -> None:
-        self._held.close()  # the pool first, then the source transaction (rolled back unless committed)
+    def locked_scope(self) -> ExitStack:
+        """:meth:`lock` enters the source transaction, then the checksum pool, into this stack;
+        leaving it shuts the pool down, then ends the transaction (rolled back unless committed)."""
+        return self._held
 
     def _start_source_side(self, checksums: bool = True) -> None:
         """Sum the locked source on a second connection while the copy runs (SQL method only).
@@ -363,6 +366,14 @@ class SqlMove(Move):
         if self.src_job is None and self.method == "sql":
             assert self.pool is not None
             self.src_job = self.pool.submit(_source_side, self.cluster, self.source, self.tables, self.gdid, self.deadline, checksums=checksums)
+
+    def _table_copied(self, name: str, rows: int) -> None:
+        """A table's rows reached the target: the crash point after the first, then the caller's progress."""
+        if not self._copied_one:
+            self._copied_one = True
+            fault_point("move.during_copy")
+        if self.options.on_table is not None:
+            self.options.on_table(name, rows)
 
     def copy(self) -> None:
         assert self.src is not None
@@ -386,17 +397,7 @@ class SqlMove(Move):
                 log.info("move %s: re-synced %d changed row(s) under the lock", self.move_id, sum(changed.values()))
             else:
                 set_state(dst, self.area, gdid, STATE_INCOMING, self.source, self.move_id)
-                first = [True]
-                on_table = self.options.on_table
-
-                def table_done(name: str, rows: int) -> None:
-                    if first[0]:
-                        first[0] = False
-                        fault_point("move.during_copy")
-                    if on_table is not None:
-                        on_table(name, rows)
-
-                copy_rows(src, dst, self.tables, gdid, on_table=table_done,
+                copy_rows(src, dst, self.tables, gdid, on_table=self._table_copied,
                           on_streamed=lambda name: self._start_source_side() if name == largest else None)
                 self._start_source_side()
         fault_point("move.after_copy_commit")
@@ -471,12 +472,11 @@ class SqlMove(Move):
             # A statement under the lock ran past --max-pause (or an operator cancelled it): the
             # source transaction was rolled back when the lock was let go, so abort like any
             # cutover over its pause (the committed target copy, if any, is discarded).
-            self.unlock()
             fault_point("move.pause_abort.after_source_rollback")
             raise self.abort(
                 f"a statement under the write lock was cancelled at --max-pause {self.options.max_pause:.2f}s ({dberrors.describe(exc)})"
             ) from None
-        # Anything else (a server going away, a bug): the source transaction is rolled back by
+        # Anything else (a server going away, a bug): the source transaction was rolled back by
         # locked_source, so the source is authoritative; resume discards the target copy. The
         # error itself propagates (the CLI prints it; a bug keeps its traceback there), so this
         # line only adds what to do next.
