@@ -13,7 +13,7 @@ two protocols can never share (and so confuse) a point. Tests reach a point two 
   tests (a test raises from it to stand in for a crash, or changes data at the exact step).
 
 Unset, a fault point costs one dict lookup. This module sits below every protocol that uses it
-(CENTRAL is a lower layer than the move tools), so it imports nothing of mdb.
+(CENTRAL is a lower layer than the move tools): it imports nothing of mdb but its errors.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["ENV", "FaultPointError", "hook", "kill", "points", "register", "fault_point"]
+from mdb.errors import FaultPointError
+
+__all__ = ["ENV", "fault_point", "hook", "kill", "points", "register"]
 
 ENV = "MDB_FAULT_POINT"
 
@@ -34,14 +36,6 @@ hook: Callable[[str], None] | None = None
 _registered: dict[str, None] = {}
 _lock = threading.Lock()
 _passed: dict[str, int] = {}
-
-
-class FaultPointError(ValueError):
-    """A fault point was registered twice, or used without being registered (a programming error).
-
-    Lives here rather than in mdb.errors: it is raised at import time by a protocol module's
-    own declarations, never by a request, and this registry must import nothing of mdb.
-    """
 
 
 def register(*names: str) -> tuple[str, ...]:

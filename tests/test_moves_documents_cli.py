@@ -169,3 +169,10 @@ def test_moves_cancel_resolves_an_interrupted_document_move(env: Env, point: str
 def test_reshard_of_a_document_area_is_refused_clearly(env: Env) -> None:
     code, _, err = env.cli("reshard", "MAP", "docs", "--partition", "0:0:0", "--shards", "m1,m2")
     assert code == 2 and "SQL areas only" in err, err
+
+
+def test_a_move_between_server_kinds_is_refused(env: Env) -> None:
+    code, _, err = env.cli("move", "MAP", "docs", str(UID), "--to", "c")
+    assert code == 2 and "between server kinds" in err, err
+    assert holders(env.store()) == {"m1": 0, "m2": 5, "m3": 0}
+    assert Journal(env.store()).entries() == []  # refused before anything was journaled
