@@ -14,10 +14,11 @@ from typing import Any
 from sqlalchemy import func, inspect as sa_inspect, select
 
 from mdb.cluster import Cluster
-from mdb.errors import MdbError
+from mdb.errors import MdbError, RoutingError
 from mdb.gdid import GDID
 from mdb.moves.journal import RUNNING, Journal, JournalEntry
 from mdb.moves.lease import Holder, describe, liveness
+from mdb.moves.directory import documents_of
 from mdb.moves.document_move import document_holdings
 from mdb.moves.move import move_kinds
 from mdb.moves.sql_steps import area_tables, state_row
@@ -68,6 +69,8 @@ def where(store: Cluster, area: str, gdid: GDID) -> BriefcaseWhere:
             ).scalar_one_or_none()
     out = BriefcaseWhere(area, gdid, placement.server, placement.default_server, relocation)
     if store.map.kind_of(placement.default_server) == MONGO:
+        if not documents_of(store).types_of(area):  # once, not as every server "unreachable"
+            raise RoutingError(f"no document type of area {area!r} is registered (list its module under models: in the map)")
         for server in store.map.servers_of_kind(MONGO):
             try:
                 rows, state = document_holdings(store, area, gdid, server)
