@@ -159,3 +159,8 @@ class CapacityError(RetryableError):
         super().__init__(message)
         self.server = server
         self.instance = instance
+
+
+class FaultPointError(MdbError, ValueError):
+    """A crash point registered twice, or passed without being registered (:mod:`mdb.faults`):
+    a programming error, raised when the protocol module declaring it is imported."""

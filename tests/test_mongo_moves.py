@@ -1,8 +1,8 @@
 """Moving document briefcases: verification, fence, relocation, and resume after a crash at every step.
 
 The fake MongoDB server lives in the test process, so a crash is simulated by raising at the
-move's named hook points (``mdb.mongo.moves.HOOK_POINTS``) and then resuming with a fresh
-Store; the SQL move tests SIGKILL real processes instead.
+move's named fault points (``mdb.moves.document_move.FAULT_POINTS``, through ``mdb.faults.hook``)
+and then resuming with a fresh Store; tests/test_moves_documents_cli.py SIGKILLs real CLI processes.
 """
 
 from __future__ import annotations
@@ -13,9 +13,13 @@ import pytest
 
 from mdb import GDID, Store
 from mdb.moves.journal import DONE, ROLLED_BACK, Journal
-from mdb.mongo import MongoStore, moves
+from mdb import faults
+from mdb.errors import MoveAbortedError
+from mdb.moves import document_move as moves
+from mdb.mongo import MongoStore
 from mdb.mongo.hot import MongoCounter, MongoStatsLock
-from mdb.mongo.moves import HOOK_POINTS, MoveVerificationError, checksums, move_documents, resume_mongo_moves
+from mdb.moves.document_move import FAULT_POINTS as HOOK_POINTS, checksums, move_documents
+from mdb.moves.resume import resume_all as resume_mongo_moves
 from mdb.mongo.shard_state import STATE, state_id
 from mongohelp import MongoEnv, UserDocs
 
@@ -30,7 +34,7 @@ class SimulatedCrash(BaseException):
 @pytest.fixture(autouse=True)
 def _no_hook() -> Iterator[None]:
     yield
-    moves.hook = None
+    faults.hook = None
 
 
 def fill(store: Store) -> None:
@@ -87,10 +91,10 @@ def test_crash_at_every_point_then_resume(mongo_env: MongoEnv, point: str, trans
         if name == point:
             raise SimulatedCrash(name)
 
-    moves.hook = crash
+    faults.hook = crash
     with pytest.raises(SimulatedCrash):
         move_documents(store, UserDocs, UID, "m3")
-    moves.hook = None
+    faults.hook = None
     fresh = Store.from_yaml(store.map_path, types=[])
     MongoStore.attach(fresh, client_factory=mongo_env.factory, types=[UserDocs], transactions=transactions)
     outcome = resume_mongo_moves(fresh)
@@ -118,8 +122,8 @@ def test_verification_failure_rolls_back(mongo_env: MongoEnv, monkeypatch: pytes
         if name == "mongo.move.after_copy":
             store.mongo.database("m3")["orders"].update_one({"user_id": bytes(UID)}, {"$set": {"total": -1}})
 
-    moves.hook = corrupt
-    with pytest.raises(MoveVerificationError, match="rolled back"):
+    faults.hook = corrupt
+    with pytest.raises(MoveAbortedError, match="rolled back"):
         move_documents(store, UserDocs, UID, "m3")
     assert holders(store) == {"m1": 0, "m2": 5, "m3": 0}
     assert store.mongo.database("m3")[STATE].find_one({"_id": state_id("docs", UID)}) is None

@@ -26,7 +26,7 @@ from sqlalchemy.engine import Connection
 from mdb.demo.models import OrderLineItem
 from mdb.gdid import GDID
 from mdb.errors import MoveAbortedError
-from mdb.moves import move as move_module, move_briefcase, verify
+from mdb.moves import move_briefcase, sql_move as move_module, verify
 from mdb.moves.journal import ABORTED, Journal
 from mdb.system_tables import briefcase_state
 

@@ -31,7 +31,7 @@ from mdb.demo.models import User, UserBriefcase
 from mdb.demo.repositories import EmailIndex
 from mdb.errors import MoveAbortedError, ServerUnavailableError
 from mdb.gdid import GDID
-from mdb.moves import move as move_module
+from mdb.moves import sql_move as move_module
 from mdb.moves.move import move_briefcase
 from mdb.moves.reshard import reshard
 from mdb.schema import apply_schema

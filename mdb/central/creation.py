@@ -21,15 +21,15 @@ SQLite), needs a coordinator log to resolve in-doubt transactions after a crash,
 locks until resolved; ordered writes need nothing but the confirmation read, which the cache
 already does on its hits.
 
-Crash points for tests: set ``MDB_CENTRAL_CRASH_AT`` to a step name (``start``, ``reserved``,
-``writing`` (flushed, not committed), ``written``, ``live``) and the process SIGKILLs itself
-there, or assign :data:`hook` a callable that receives each step name.
+Crash points for tests, in the one registry (:mod:`mdb.faults`) as ``central.create.<step>``
+for the steps ``start``, ``reserved``, ``writing`` (flushed, not committed), ``written``,
+``live``: ``MDB_FAULT_POINT=central.create.written`` (or the older ``MDB_CENTRAL_CRASH_AT=written``)
+SIGKILLs the process there, and ``mdb.faults.hook`` is called with each point's name.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, Protocol
 
@@ -40,22 +40,19 @@ from mdb.central.cache import CentralCache
 from mdb.central.indexes import STATE_LIVE, CentralIndex, IndexRef, IndexRow
 from mdb.cluster import Cluster
 from mdb.errors import DuplicateKeyError, SchemaError
+from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 
-__all__ = ["CRASH_ENV", "STEPS", "create_entity", "hook"]
+__all__ = ["CRASH_ENV", "FAULT_POINTS", "STEPS", "create_entity"]
 
 CRASH_ENV: Final = "MDB_CENTRAL_CRASH_AT"
 STEPS: Final = ("start", "reserved", "writing", "written", "live")
-
-hook: Callable[[str], None] | None = None
-"""Called with each step name as creation passes it (tests use it to inject faults)."""
+FAULT_POINTS: Final = register(*(f"central.create.{step}" for step in STEPS))
 
 
 def _step(name: str) -> None:
-    if hook is not None:
-        hook(name)
-    if os.environ.get(CRASH_ENV) == name:
-        os.kill(os.getpid(), signal.SIGKILL)
+    """Pass the crash point of creation step ``name`` (``MDB_CENTRAL_CRASH_AT`` names steps bare)."""
+    fault_point(f"central.create.{name}", also_when=os.environ.get(CRASH_ENV) == name)
 
 
 class Central(Protocol):

@@ -6,6 +6,7 @@ known, and talks to the live system; errors mdb raises on purpose end as one ``e
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import datetime, timezone
 from typing import Annotated, Any
@@ -22,7 +23,10 @@ from mdb.moves.move import DEFAULT_MAX_PAUSE, move_briefcase
 from mdb.moves.reshard import ReshardCounts
 from mdb.moves.resume import FAILED, HELD, resume_all
 from mdb.moves.status import MoveStatus, move_status, where
+from mdb.mongo.fake import FakeMongo
+from mdb.mongo.store import MongoStore
 from mdb.store import Store
+from mdb.urls import MONGO
 
 __all__ = ["moves_app"]
 
@@ -33,8 +37,21 @@ MapArg = Annotated[str, typer.Argument(metavar="MAP", help="partition map YAML")
 BIG_MOVE_ROWS = 10_000
 
 
+FAKE_DIR_ENV = "MDB_MONGO_FAKE_DIR"
+"""Test-only: the MongoDB servers of the map are fake ones kept in this folder (docs/mongodb.md)."""
+
+
 def _store(map_path: str) -> Store:
-    return open_store(map_path, tool=True)
+    """The Store of the map; its MongoDB servers are the file-backed fakes when ``MDB_MONGO_FAKE_DIR`` says so.
+
+    The switch exists for tests that SIGKILL a CLI process mid-move and resume with another:
+    an in-process fake would die with the first. ``MDB_TEST_MONGO_URI`` (a real server) wins.
+    """
+    store = open_store(map_path, tool=True)
+    fake_dir = os.environ.get(FAKE_DIR_ENV, "").strip()
+    if fake_dir and not os.environ.get("MDB_TEST_MONGO_URI", "").strip() and store.map.servers_of_kind(MONGO):
+        MongoStore.attach(store, client_factory=FakeMongo(path=fake_dir))
+    return store
 
 
 def _gdid(text: str) -> GDID:
@@ -59,7 +76,7 @@ def move_cmd(
     max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Abort a cutover that would block the briefcase's writes longer (PostgreSQL cancels it at the bound).", min=0.0)] = DEFAULT_MAX_PAUSE,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
-    """Move one briefcase (every table of every briefcase type of AREA) to SERVER, online."""
+    """Move one briefcase (every table, or collection, of every briefcase type of AREA) to SERVER, online."""
     gid = _gdid(gdid)
     with _store(map_path) as store:
         progress: Progress | None = None

@@ -42,10 +42,10 @@ from sqlalchemy.exc import DBAPIError
 from mdb.cluster import Cluster
 from mdb.dberrors import describe
 from mdb.errors import MdbError, MigrationError
+from mdb.faults import fault_point, register
 from mdb.migrations import ledger
 from mdb.migrations.revisions import current_revision, lock_out_moves, version_table
 from mdb.migrations.scripts import area_dir, area_tables, one_head, open_history
-from mdb.moves.faults import fault_point
 from mdb.parallel import DEFAULT_PARALLEL, run_each
 from mdb.schema_diff import Difference, compare_tables
 from mdb.urls import SQL
@@ -61,6 +61,9 @@ __all__ = [
     "targets",
     "work_targets",
 ]
+
+FAULT_POINTS = register("migrate.after_server")
+"""Crash points of a fleet migration (:mod:`mdb.faults`): after a server reached its target, before the next."""
 
 DEFAULT_LOCK_TIMEOUT: Final = 5.0
 """Seconds a migration statement may wait for a lock before the server's migration fails."""

@@ -23,7 +23,7 @@ from mdb.errors import MapError
 from mdb.gdid import GDID
 from mdb.mongo.fake import FakeMongo
 from mdb.mongo.hot import MongoCounter, MongoStatsLock
-from mdb.mongo.moves import checksums, move_documents
+from mdb.moves.document_move import checksums, move_documents
 from mdb.mongo.store import MongoStore
 from mdb.mongo.types import DocumentBriefcaseType, MongoIndex
 from mdb.urls import mask_url

@@ -2,7 +2,7 @@
 
 A reshard changes the map only at its ``map_apply`` step, so until then cancelling it is
 possible and means: its moves that are not past their commit point are rolled back exactly as
-``mdb moves resume`` rolls them back (:func:`mdb.moves.resume.resolve_move`; one past it is
+``mdb moves resume`` rolls them back (:func:`mdb.moves.move.resolve_move`; one past it is
 finalized forward, it already happened), the partition is unfrozen, and its finished moves are
 either moved back (``move_back``: a reverse move of each through the same
 :func:`mdb.moves.move.move_briefcase`, journaled under the reshard with ``reverse_of``) or
@@ -21,14 +21,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Final
 
+from mdb.cluster import Cluster
 from mdb.errors import CancelError, MoveLeaseHeldError
 from mdb.gdid import GDID
-from mdb.moves.faults import fault_point
+from mdb.faults import fault_point, register
 from mdb.moves.freeze import unfreeze_partition
 from mdb.moves.journal import CANCELLED, DONE, FINISHED, RUNNING, Journal, JournalEntry
 from mdb.moves.lease import hold, me, request_stop
-from mdb.moves.move import DEFAULT_MAX_PAUSE, move_briefcase
-from mdb.moves.resume import resolve_move
+from mdb.moves.move import DEFAULT_MAX_PAUSE, move_briefcase, move_kinds, resolve_move
 
 __all__ = ["CANCEL_STEP", "CANCELLABLE_STEPS", "CancelOutcome", "cancel", "finish_cancel"]
 
@@ -36,6 +36,8 @@ CANCEL_STEP: Final = "cancel"
 CANCELLABLE_STEPS: Final = frozenset({"plan", "prechecks", "moves", "freeze", "final_moves", CANCEL_STEP})
 """Reshard steps before ``map_apply``: the old map is still the only one applied."""
 STOP_POLL: Final = 0.5
+
+FAULT_POINTS = register("cancel.after_first_move_back")
 
 
 @dataclass
@@ -58,10 +60,10 @@ class CancelOutcome:
 
 def _refuse(entry: JournalEntry) -> None:
     """A cancel of something that cannot be cancelled says why and what to do instead."""
-    if entry.kind == "move" and entry.reshard_id is not None:
+    if entry.kind in move_kinds() and entry.reshard_id is not None:
         raise CancelError(f"{entry.move_id} is a move of reshard {entry.reshard_id}: cancel the reshard")
     if entry.status in FINISHED:
-        what = f" (move it back with `mdb move MAP {entry.area} {entry.gdid} --to {entry.source}`)" if entry.kind == "move" and entry.status == DONE else ""
+        what = f" (move it back with `mdb move MAP {entry.area} {entry.gdid} --to {entry.source}`)" if entry.kind in move_kinds() and entry.status == DONE else ""
         raise CancelError(f"{entry.move_id} is already finished ({entry.status}){what}")
     if entry.kind == "reshard" and entry.step not in CANCELLABLE_STEPS:
         raise CancelError(
@@ -70,7 +72,7 @@ def _refuse(entry: JournalEntry) -> None:
         )
 
 
-def cancel(store: Any, move_id: str, *, move_back: bool = True, wait: float = 60.0) -> CancelOutcome:
+def cancel(store: Cluster, move_id: str, *, move_back: bool = True, wait: float = 60.0) -> CancelOutcome:
     """Cancel move or reshard ``move_id``; a running driver is asked to stop and given ``wait`` seconds."""
     store.refresh()
     journal = Journal(store)
@@ -84,7 +86,7 @@ def cancel(store: Any, move_id: str, *, move_back: bool = True, wait: float = 60
         if entry.status in FINISHED:
             return CancelOutcome(move_id, entry.kind, detail=f"it finished ({entry.status}) before it could be cancelled")
         _refuse(entry)
-        if entry.kind == "move":
+        if entry.kind in move_kinds():  # a single move of any server kind
             return _cancel_move(store, journal, entry, move_back)
         return finish_cancel(store, journal, entry, move_back=move_back)
 
@@ -117,9 +119,9 @@ class _take_over:
         self._held.__exit__(*exc)
 
 
-def _cancel_move(store: Any, journal: Journal, entry: JournalEntry, move_back: bool) -> CancelOutcome:
+def _cancel_move(store: Cluster, journal: Journal, entry: JournalEntry, move_back: bool) -> CancelOutcome:
     """A single interrupted move: rolled back before its commit point, else finished and maybe moved back."""
-    out = CancelOutcome(entry.move_id, "move")
+    out = CancelOutcome(entry.move_id, entry.kind)
     resolved = resolve_move(store, journal, entry)
     if resolved.action != "finalized":
         out.rolled_back = 1
@@ -138,7 +140,7 @@ def _cancel_move(store: Any, journal: Journal, entry: JournalEntry, move_back: b
     return out
 
 
-def finish_cancel(store: Any, journal: Journal, entry: JournalEntry, *, move_back: bool | None = None) -> CancelOutcome:
+def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move_back: bool | None = None) -> CancelOutcome:
     """Cancel a reshard whose lease the caller holds; re-run safely after a crash (resume calls it at step ``cancel``)."""
     if move_back is None:
         move_back = entry.params.get("cancel") == "move-back"

@@ -19,14 +19,17 @@ from typing import Any
 
 from sqlalchemy import and_, delete, insert, select
 
+from mdb.cluster import Cluster
 from mdb.gdid import GDID
-from mdb.moves.faults import fault_point
+from mdb.faults import fault_point, register
 from mdb.ownership import FREEZE_GDID, partition_lock_key_sql
 from mdb.system_tables import STATE_FROZEN, briefcase_state
 
 __all__ = ["freeze_partition", "frozen_by", "unfreeze_partition"]
 
 DEFAULT_FREEZE_LOCK_WAIT = 30.0
+
+FAULT_POINTS = register("reshard.during_freeze")
 
 
 def _marker(area: str, start: GDID) -> Any:
@@ -37,7 +40,7 @@ def _marker(area: str, start: GDID) -> Any:
 
 
 def freeze_partition(
-    store: Any, area: str, start: GDID, servers: Iterable[str], reshard_id: str, *, lock_wait: float = DEFAULT_FREEZE_LOCK_WAIT
+    store: Cluster, area: str, start: GDID, servers: Iterable[str], reshard_id: str, *, lock_wait: float = DEFAULT_FREEZE_LOCK_WAIT
 ) -> None:
     """Stop writes of partition ``start`` on ``servers``, waiting for the writers already in; idempotent."""
     for n, server in enumerate(servers):
@@ -53,7 +56,7 @@ def freeze_partition(
             fault_point("reshard.during_freeze")
 
 
-def unfreeze_partition(store: Any, area: str, start: GDID, servers: Iterable[str]) -> int:
+def unfreeze_partition(store: Cluster, area: str, start: GDID, servers: Iterable[str]) -> int:
     """Let writes of partition ``start`` through again on ``servers``; idempotent. Returns markers removed."""
     removed = 0
     for server in servers:
@@ -62,7 +65,7 @@ def unfreeze_partition(store: Any, area: str, start: GDID, servers: Iterable[str
     return removed
 
 
-def frozen_by(store: Any, area: str, start: GDID, server: str) -> str | None:
+def frozen_by(store: Cluster, area: str, start: GDID, server: str) -> str | None:
     """The reshard id whose freeze of partition ``start`` is on ``server``, if any."""
     with store.transaction(server) as conn:
         return conn.execute(select(briefcase_state.c.move_id).where(_marker(area, start))).scalar_one_or_none()

@@ -19,6 +19,7 @@ from typing import Any, Final
 from sqlalchemy import Column, DateTime, Integer, String, Table, Text, func, insert, select, update
 from sqlalchemy.engine import RowMapping
 
+from mdb.cluster import Cluster
 from mdb import telemetry
 from mdb.gdid import GDID
 from mdb.sqltypes import GDIDType
@@ -133,12 +134,12 @@ class JournalEntry:
 class Journal:
     """Reads and writes ``mdb_moves``; every write is its own committed transaction."""
 
-    def __init__(self, store: Any) -> None:  # Store (typed loosely: mdb.store imports nothing from here)
+    def __init__(self, store: Cluster) -> None:
         self._store = store
         self.server: str = store.router.locate_central(JOURNAL_KEY).server
 
     @property
-    def store(self) -> Any:
+    def store(self) -> Cluster:
         return self._store
 
     def start(self, entry: JournalEntry) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import func, inspect as sa_inspect, select
 
+from mdb.cluster import Cluster
 from mdb.errors import RoutingError
 from mdb.gdid import GDID
 from mdb.moves.copy import AreaTable
@@ -81,7 +82,7 @@ def find_partition(router: Any, area: str, start: GDID) -> tuple[GDID, GDID | No
     raise RoutingError(f"area {area!r} has no partition starting at {start} (starts: {', '.join(starts)})")
 
 
-def plan_reshard(store: Any, tables: list[AreaTable], area: str, start: GDID, new_shards: list[str]) -> ReshardPlan:
+def plan_reshard(store: Cluster, tables: list[AreaTable], area: str, start: GDID, new_shards: list[str]) -> ReshardPlan:
     """Enumerate the partition's briefcases where they live now and pick those whose shard changes."""
     router = store.router
     pstart, pend, old_shards = find_partition(router, area, start)

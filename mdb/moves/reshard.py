@@ -35,24 +35,44 @@ from typing import Any, Protocol
 
 from sqlalchemy import and_, delete, select
 
+from mdb.cluster import Cluster
 from mdb.errors import MdbError, MoveAbortedError, RoutingError
+from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.maps.apply import apply_map
 from mdb.maps.history import applied_maps, newest_applied
 from mdb.maps.text import new_map_text, rewrite_map_file
-from mdb.moves.faults import fault_point
 from mdb.moves.freeze import freeze_partition, unfreeze_partition
 from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.lease import check_stop, describe_liveness, hold
 from mdb.moves.plan import PlannedMove, ReshardPlan, find_partition, plan_reshard
-from mdb.moves.move import DEFAULT_MAX_PAUSE, area_tables, check_max_pause, check_schemas, move_briefcase
+from mdb.moves.move import DEFAULT_MAX_PAUSE, check_max_pause, move_briefcase
+from mdb.moves.sql_steps import area_tables, check_schemas
 from mdb.partition_map import PartitionMap, parse_map
 from mdb.relocations import clear_relocation
 from mdb.system_tables import STATE_RESIDENT, briefcase_state
+from mdb.urls import SQL
 
-__all__ = ["ReshardCounts", "ReshardOutcome", "ReshardProgress", "continue_reshard", "new_map_text", "reshard"]
+__all__ = ["ReshardCounts", "ReshardOutcome", "ReshardProgress", "continue_reshard", "reshard"]
 
 log = logging.getLogger("mdb.moves.reshard")
+
+FAULT_POINTS = register(
+    "reshard.after_journal_start",
+    "reshard.after_plan",
+    "reshard.after_prechecks",
+    "reshard.after_first_move",
+    "reshard.after_moves",
+    "reshard.after_freeze",
+    "reshard.after_final_moves",
+    "reshard.before_map_apply",
+    "reshard.after_map_apply",
+    "reshard.after_map_file",
+    "reshard.after_unfreeze",
+    "reshard.after_clear_relocations",
+    "reshard.after_resident_cleanup",
+)
+"""The reshard's crash points (the freeze's own is in mdb.moves.freeze)."""
 
 MOVE_ATTEMPTS = 3
 MAX_SWEEPS = 5
@@ -142,7 +162,7 @@ class ReshardOutcome:
                 "rows_moved": self.rows_moved, "map_backup": self.map_backup, "plan": self.plan.to_json()}
 
 
-def _validate(store: Any, area: str, start: GDID, new_shards: list[str]) -> None:
+def _validate(store: Cluster, area: str, start: GDID, new_shards: list[str]) -> None:
     unknown = [s for s in new_shards if s not in store.map.servers]
     if unknown:
         raise RoutingError(f"--shards names unknown server(s) {unknown} (known: {', '.join(store.map.servers)})")
@@ -150,7 +170,7 @@ def _validate(store: Any, area: str, start: GDID, new_shards: list[str]) -> None
         raise RoutingError(f"--shards lists a server twice: {new_shards}")
 
 
-def parallel_for(store: Any, area: str, start: GDID, new_shards: list[str], parallel: int) -> tuple[int, list[str]]:
+def parallel_for(store: Cluster, area: str, start: GDID, new_shards: list[str], parallel: int) -> tuple[int, list[str]]:
     """How many moves a reshard runs at once, and the SQLite servers that made it 1.
 
     SQLite lets one writer at a time into a file, and a move holds its source's write lock
@@ -167,7 +187,7 @@ def parallel_for(store: Any, area: str, start: GDID, new_shards: list[str], para
 
 
 def reshard(
-    store: Any,
+    store: Cluster,
     area: str,
     start: GDID,
     new_shards: list[str],
@@ -182,8 +202,13 @@ def reshard(
     check_max_pause(max_pause)
     store.refresh()
     _validate(store, area, start, new_shards)
-    tables = area_tables(store, area)
     _, _, old = find_partition(store.router, area, start)
+    if store.map.kind_of(old[0]) != SQL:
+        raise RoutingError(
+            f"reshard of area {area!r}: its partition lives on {store.map.kind_of(old[0])} servers; a reshard moves "
+            "briefcases of SQL areas only (move document briefcases one by one with `mdb move`)"
+        )
+    tables = area_tables(store, area)
     if old == list(new_shards):
         raise RoutingError(f"partition {start} of area {area!r} already has shards {old}")
     journal = Journal(store)
@@ -213,7 +238,7 @@ def reshard(
         return continue_reshard(store, journal, entry, progress=progress, first_plan=plan)
 
 
-def _store_map_text(store: Any, map_path: str | None) -> str:
+def _store_map_text(store: Cluster, map_path: str | None) -> str:
     """The text the new map version is written from: the map the system runs.
 
     The map file when it is that version (so its comments and layout carry over); when an
@@ -230,12 +255,12 @@ def _store_map_text(store: Any, map_path: str | None) -> str:
     return store.map.to_yaml()
 
 
-def _next_version(store: Any) -> int:
+def _next_version(store: Cluster) -> int:
     versions = [v for v, _ in applied_maps(store)]
     return max([store.map.version, *versions]) + 1
 
 
-def _prechecks(store: Any, plan: ReshardPlan, tables: list[Any], map_path: str | Path | None, *, dry_run: bool) -> tuple[PartitionMap, str]:
+def _prechecks(store: Cluster, plan: ReshardPlan, tables: list[Any], map_path: str | Path | None, *, dry_run: bool) -> tuple[PartitionMap, str]:
     """Every target's schema and the new map (through apply_map's dry run), before anything moves."""
     targets = [*plan.new_shards, *(m.target for m in plan.moves)]
     sources = [m.source for m in plan.moves]  # reachable, and matching the models
@@ -253,7 +278,7 @@ def _record(journal: Journal, entry: JournalEntry, counts: ReshardCounts, progre
         progress.counts(counts, last)
 
 
-def _move_all(store: Any, journal: Journal, entry: JournalEntry, moves: list[PlannedMove], parallel: int, max_pause: float, progress: ReshardProgress | None, counts: ReshardCounts) -> None:
+def _move_all(store: Cluster, journal: Journal, entry: JournalEntry, moves: list[PlannedMove], parallel: int, max_pause: float, progress: ReshardProgress | None, counts: ReshardCounts) -> None:
     lock = threading.Lock()
 
     def one(m: PlannedMove) -> None:
@@ -284,7 +309,7 @@ def _move_all(store: Any, journal: Journal, entry: JournalEntry, moves: list[Pla
 
 
 def _sweep(
-    store: Any, journal: Journal, entry: JournalEntry, tables: list[Any], plan: ReshardPlan, sweeps: int,
+    store: Cluster, journal: Journal, entry: JournalEntry, tables: list[Any], plan: ReshardPlan, sweeps: int,
     parallel: int, max_pause: float, progress: ReshardProgress | None, counts: ReshardCounts,
 ) -> ReshardPlan:
     """Move the plan's briefcases and re-plan (briefcases created meanwhile), up to ``sweeps`` passes.
@@ -327,7 +352,7 @@ def journaled_map_path(entry: JournalEntry, given: Path | None) -> str | None:
 
 
 def continue_reshard(
-    store: Any,
+    store: Cluster,
     journal: Journal,
     entry: JournalEntry,
     *,
@@ -397,7 +422,7 @@ def continue_reshard(
 
 
 def _frozen_phase(
-    store: Any, journal: Journal, entry: JournalEntry, tables: list[Any], old_shards: list[str], map_path: str | None,
+    store: Cluster, journal: Journal, entry: JournalEntry, tables: list[Any], old_shards: list[str], map_path: str | None,
     parallel: int, max_pause: float, progress: ReshardProgress | None, counts: ReshardCounts,
 ) -> None:
     """Freeze the partition on its old shards, move the stragglers, apply the new map.
@@ -449,7 +474,7 @@ def _frozen_phase(
         raise
 
 
-def _apply_new_map(store: Any, journal: Journal, entry: JournalEntry, map_path: str | None) -> int:
+def _apply_new_map(store: Cluster, journal: Journal, entry: JournalEntry, map_path: str | None) -> int:
     """Apply the journaled new map (once), then write it to the map file; idempotent."""
     params = entry.params
     area, start, new_shards = entry.area, GDID.parse(params["partition_start"]), list(params["new_shards"])
@@ -474,7 +499,7 @@ def _apply_new_map(store: Any, journal: Journal, entry: JournalEntry, map_path: 
     return new_map.version
 
 
-def _cleanup(store: Any, area: str, start: GDID) -> None:
+def _cleanup(store: Cluster, area: str, start: GDID) -> None:
     """Drop relocations that now equal default routing, then the redundant 'resident' rows."""
     router = store.router
     in_partition = [

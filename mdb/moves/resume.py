@@ -12,24 +12,14 @@ continued from their journal row (:mod:`mdb.moves.reshard`).
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass
-from typing import Any
 
+from mdb.cluster import Cluster
 from mdb.errors import MoveLeaseHeldError, ServerUnavailableError
-from mdb.moves.faults import fault_point
-from mdb.moves.journal import ROLLED_BACK, Journal, JournalEntry
+from mdb.moves.journal import Journal
 from mdb.moves.lease import hold, lease_owner_id
-from mdb.moves.move import (
-    DEFAULT_LOCK_WAIT,
-    DEFAULT_MAX_PAUSE,
-    _state,
-    area_tables,
-    discard_target,
-    finalize,
-    locked_source,
-    move_briefcase,
-)
-from mdb.system_tables import STATE_GONE
+from mdb.moves.cancel import CANCEL_STEP, finish_cancel
+from mdb.moves.move import ResumeOutcome, move_kinds, resolve_move
+from mdb.moves.reshard import ReshardProgress, continue_reshard
 
 __all__ = ["FAILED", "HELD", "ResumeOutcome", "resolve_move", "resume_all"]
 
@@ -39,41 +29,7 @@ HELD = "held"
 """The action of an entry another live process drives (its lease); resume leaves it alone."""
 
 
-@dataclass
-class ResumeOutcome:
-    move_id: str
-    kind: str
-    action: str  # finalized | rolled back | retried | reshard completed | cancel completed | failed | held
-    detail: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"move_id": self.move_id, "kind": self.kind, "action": self.action, "detail": self.detail}
-
-
-def resolve_move(store: Any, journal: Journal, entry: JournalEntry, *, retry: bool = False) -> ResumeOutcome:
-    """Finalize forward (commit point passed) or roll back one unfinished move."""
-    assert entry.gdid is not None and entry.source is not None and entry.target is not None
-    area, gdid = entry.area, entry.gdid
-    tables = area_tables(store, area)
-    previous = entry.params.get("previous_target_state")
-    with locked_source(store, entry.source, area, gdid, lock_wait=DEFAULT_LOCK_WAIT, max_pause=DEFAULT_MAX_PAUSE) as (src, _):
-        state = _state(src, area, gdid)
-        passed = state is not None and state["state"] == STATE_GONE and state["move_id"] == entry.move_id
-        if not passed:
-            deleted = discard_target(store, entry.target, area, gdid, tables, entry.move_id, previous)
-            fault_point("resume.after_discard")
-            journal.finish(entry.move_id, ROLLED_BACK, f"interrupted at step {entry.step!r}; discarded {deleted} copied row(s) on {entry.target!r}")
-        src.rollback()
-    if passed:
-        finalize(store, journal, entry)
-        return ResumeOutcome(entry.move_id, "move", "finalized", f"commit point had passed (step {entry.step!r})")
-    if retry and entry.reshard_id is None:
-        result = move_briefcase(store, area, gdid, entry.target, max_pause=float(entry.params.get("max_pause", DEFAULT_MAX_PAUSE)))
-        return ResumeOutcome(entry.move_id, "move", "retried", f"rolled back, then moved again as {result.move_id}")
-    return ResumeOutcome(entry.move_id, "move", "rolled back", f"interrupted at step {entry.step!r}; source {entry.source!r} is authoritative")
-
-
-def resume_all(store: Any, *, retry: bool = False, progress: Any = None) -> list[ResumeOutcome]:
+def resume_all(store: Cluster, *, retry: bool = False, progress: ReshardProgress | None = None) -> list[ResumeOutcome]:
     """Resolve every unfinished move, then continue every unfinished reshard.
 
     Each entry is taken with its lease first (a reshard's moves under the reshard's): one that
@@ -84,11 +40,12 @@ def resume_all(store: Any, *, retry: bool = False, progress: Any = None) -> list
     journal = Journal(store)
     outcomes: list[ResumeOutcome] = []
     unfinished = journal.entries(unfinished=True)
+    kinds = move_kinds()  # move, mongo-move: every kind of single move, resolved by its implementation
     stuck: set[str] = set()  # reshards with a move that could not be resolved
     held: set[str] = set()  # entries (reshards or single moves) another live process drives
     with ExitStack() as leases:
         for entry in unfinished:
-            if entry.kind not in ("move", "reshard") or lease_owner_id(entry) != entry.move_id:
+            if (entry.kind not in kinds and entry.kind != "reshard") or lease_owner_id(entry) != entry.move_id:
                 continue  # a reshard's move is taken with its reshard; other kinds are not resumed here
             try:
                 leases.enter_context(hold(journal, entry.move_id))
@@ -96,19 +53,16 @@ def resume_all(store: Any, *, retry: bool = False, progress: Any = None) -> list
                 held.add(entry.move_id)
                 outcomes.append(ResumeOutcome(entry.move_id, entry.kind, HELD, str(exc)))
         for entry in unfinished:
-            if entry.kind == "move" and lease_owner_id(entry) not in held:
+            if entry.kind in kinds and lease_owner_id(entry) not in held:
                 try:
                     outcomes.append(resolve_move(store, journal, entry, retry=retry))
                 except ServerUnavailableError as exc:
                     # One server down must not hold up the moves that do not need it; this one is
                     # left exactly as it was, and resolved by the next resume.
-                    outcomes.append(ResumeOutcome(entry.move_id, "move", FAILED, f"{exc}; left as it was, run resume again once it is back"))
+                    outcomes.append(ResumeOutcome(entry.move_id, entry.kind, FAILED, f"{exc}; left as it was, run resume again once it is back"))
                     if entry.reshard_id is not None:
                         stuck.add(entry.reshard_id)
         store.refresh()
-        from mdb.moves.cancel import CANCEL_STEP, finish_cancel
-        from mdb.moves.reshard import continue_reshard
-
         for entry in unfinished:
             if entry.kind == "reshard" and entry.move_id not in held:
                 if entry.move_id in stuck:

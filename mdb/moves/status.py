@@ -13,11 +13,16 @@ from typing import Any
 
 from sqlalchemy import func, inspect as sa_inspect, select
 
-from mdb.errors import MdbError
+from mdb.cluster import Cluster
+from mdb.errors import MdbError, RoutingError
 from mdb.gdid import GDID
 from mdb.moves.journal import RUNNING, Journal, JournalEntry
 from mdb.moves.lease import Holder, describe, liveness
-from mdb.moves.move import _state, area_tables
+from mdb.moves.directory import documents_of
+from mdb.moves.document_move import document_holdings
+from mdb.moves.move import move_kinds
+from mdb.moves.sql_steps import area_tables, state_row
+from mdb.urls import MONGO, SQL
 from mdb.relocations import relocations
 
 __all__ = ["BriefcaseWhere", "MoveStatus", "move_status", "status_of", "where"]
@@ -49,23 +54,53 @@ class BriefcaseWhere:
         }
 
 
-def where(store: Any, area: str, gdid: GDID) -> BriefcaseWhere:
+def where(store: Cluster, area: str, gdid: GDID) -> BriefcaseWhere:
+    """Where routing sends the briefcase, which servers of its kind hold any of it, and its moves in flight."""
     store.refresh()
     router = store.router
     placement = router.locate(area, gdid)
-    tables = area_tables(store, area)
     central = router.locate_central(gdid).server
-    with store.transaction(central) as conn:
-        relocation = conn.execute(
-            select(relocations.c.server).where(relocations.c.area == area, relocations.c.gdid == gdid)
-        ).scalar_one_or_none()
+    if store.map.kind_of(central) == MONGO:  # the directory the router loaded is the one in CENTRAL
+        relocation = router.relocations.get((area, gdid))
+    else:
+        with store.transaction(central) as conn:
+            relocation = conn.execute(
+                select(relocations.c.server).where(relocations.c.area == area, relocations.c.gdid == gdid)
+            ).scalar_one_or_none()
     out = BriefcaseWhere(area, gdid, placement.server, placement.default_server, relocation)
-    for server in store.map.servers:
+    if store.map.kind_of(placement.default_server) == MONGO:
+        if not documents_of(store).types_of(area):  # once, not as every server "unreachable"
+            raise RoutingError(f"no document type of area {area!r} is registered (list its module under models: in the map)")
+        for server in store.map.servers_of_kind(MONGO):
+            try:
+                rows, state = document_holdings(store, area, gdid, server)
+            except MdbError as exc:
+                out.unreachable[server] = str(exc)
+                continue
+            if state is not None:
+                out.states[server] = state
+            if rows:
+                out.holders[server] = rows
+    else:
+        _sql_holdings(store, area, gdid, out)
+    journal = Journal(store)
+    kinds = move_kinds()
+    out.moves_in_flight = [
+        {**e.to_json(), "driver": describe(*liveness(journal, e))}
+        for e in journal.entries(unfinished=True) if e.kind in kinds and e.area == area and e.gdid == gdid
+    ]
+    return out
+
+
+def _sql_holdings(store: Cluster, area: str, gdid: GDID, out: BriefcaseWhere) -> None:
+    """Rows and state rows of the briefcase on every SQL server."""
+    tables = area_tables(store, area)
+    for server in store.map.servers_of_kind(SQL):
         try:
             with store.transaction(server) as conn:
                 present = set(sa_inspect(conn).get_table_names())
                 if "mdb_briefcase_state" in present:
-                    state = _state(conn, area, gdid)
+                    state = state_row(conn, area, gdid)
                     if state is not None:
                         out.states[server] = {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in state.items() if k in ("state", "peer", "move_id", "changed_at")}
                 rows = sum(
@@ -76,12 +111,6 @@ def where(store: Any, area: str, gdid: GDID) -> BriefcaseWhere:
                     out.holders[server] = rows
         except MdbError as exc:
             out.unreachable[server] = str(exc)
-    journal = Journal(store)
-    out.moves_in_flight = [
-        {**e.to_json(), "driver": describe(*liveness(journal, e))}
-        for e in journal.entries(unfinished=True) if e.kind == "move" and e.area == area and e.gdid == gdid
-    ]
-    return out
 
 
 @dataclass
@@ -123,7 +152,7 @@ def status_of(entry: JournalEntry, now: datetime) -> MoveStatus:
     return MoveStatus(entry, rate_rows, rate_bc, eta)
 
 
-def move_status(store: Any, *, recent: int = 10) -> tuple[list[MoveStatus], list[MoveStatus]]:
+def move_status(store: Cluster, *, recent: int = 10) -> tuple[list[MoveStatus], list[MoveStatus]]:
     """(in flight, recently finished) journal entries with rate and ETA computed from exact counts."""
     journal = Journal(store)
     now = datetime.now(timezone.utc)

@@ -38,7 +38,7 @@ from benchmarks import BenchContext, Result
 from mdb.demo.models import Order, OrderLineItem, User, UserBriefcase
 from mdb.gdid import GDID
 from mdb.moves import move_briefcase
-from mdb.moves import protocol as move_protocol
+from mdb.moves import move as move_protocol
 from mdb.moves.copy import RELAY_BLOCK
 from mdb.moves.reshard import reshard
 from mdb.schema import apply_schema

@@ -1,0 +1,220 @@
+"""The SQL side of a briefcase's move state: its tables, its lock, its state rows, prechecks, finalize.
+
+Shared by :class:`mdb.moves.sql_move.SqlMove`, resume, reshard, status and the fleet tools
+(fsck takes :func:`locked_source` to read a briefcase still). The state row of a briefcase on
+a shard (``mdb_briefcase_state``: ``incoming`` copy, ``resident`` away from home, ``gone``
+fence) is what a move's steps write and what resume reads to decide.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import delete, func, insert, select
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import OperationalError
+
+from mdb import dberrors
+from mdb.cluster import Cluster
+from mdb.dberrors import translated
+from mdb.errors import MdbError, MoveAbortedError, RoutingError, SchemaError
+from mdb.faults import fault_point, register
+from mdb.gdid import GDID
+from mdb.moves.copy import AreaTable, delete_briefcase, measure
+from mdb.moves.directory import relocate
+from mdb.moves.journal import DONE, Journal, JournalEntry
+from mdb.ownership import lock_key_sql
+from mdb.schema_diff import compare_tables, format_differences
+from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state, load_system_tables
+
+__all__ = [
+    "area_tables",
+    "check_schemas",
+    "check_target_schema",
+    "discard_target",
+    "finalize",
+    "locked_source",
+    "precheck",
+    "root_exists",
+    "set_state",
+    "state_row",
+]
+
+FINALIZE_POINTS = register("move.after_relocation", "move.after_target_state")
+"""Crash points of :func:`finalize` (shared by a move and by resume finishing one)."""
+
+
+def area_tables(store: Cluster, area: str) -> list[AreaTable]:
+    """Every table of every briefcase type of ``area``, parents before children (FK order)."""
+    out: list[AreaTable] = []
+    for btype in store.types_of(area):
+        mine = set(btype.tables)
+        for table in btype.tables[0].metadata.sorted_tables:
+            if table in mine:
+                out.append(AreaTable(table, btype.key))
+    if not out:
+        raise RoutingError(f"no briefcase type of area {area!r} is registered (list its module under models: in the map)")
+    return out
+
+
+def state_row(conn: Connection, area: str, gdid: GDID) -> dict[str, Any] | None:
+    row = conn.execute(
+        select(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid)
+    ).mappings().first()
+    return None if row is None else dict(row)
+
+
+def set_state(conn: Connection, area: str, gdid: GDID, state: str, peer: str | None, move_id: str | None) -> None:
+    conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid))
+    conn.execute(insert(briefcase_state).values(area=area, gdid=gdid, state=state, peer=peer, move_id=move_id))
+
+
+def root_exists(conn: Connection, tables: list[AreaTable], gdid: GDID) -> bool:
+    roots = [at for at in tables if at.pk == [at.key]]
+    return any(
+        conn.execute(select(func.count()).select_from(at.table).where(at.table.c[at.key] == gdid)).scalar_one()
+        for at in roots
+    )
+
+
+@contextmanager
+def locked_source(store: Cluster, server: str, area: str, gdid: GDID, *, lock_wait: float, max_pause: float) -> Iterator[tuple[Connection, float]]:
+    """A source transaction holding the briefcase's exclusive lock; yields (conn, lock start time).
+
+    PostgreSQL: ``pg_try_advisory_xact_lock`` polled for ``lock_wait`` seconds (no queue forms,
+    so sessions are not held up while we wait for a gap), then one blocking attempt bounded by
+    ``max_pause`` via ``lock_timeout``. SQLite: BEGIN IMMEDIATE is the lock. The caller commits;
+    leaving the block without commit rolls back.
+    """
+    conn = store.connect(server)
+    try:
+        with translated(server):
+            if conn.dialect.name != "postgresql":
+                started = time.monotonic()
+                conn.begin()
+                yield conn, started
+                return
+            key = lock_key_sql(area, gdid)
+            deadline = time.monotonic() + lock_wait
+            delay = 0.002
+            while True:
+                conn.begin()
+                started = time.monotonic()
+                if conn.exec_driver_sql(f"SELECT pg_try_advisory_xact_lock({key})").scalar_one():
+                    break
+                conn.rollback()
+                if time.monotonic() + delay >= deadline:
+                    conn.begin()
+                    started = time.monotonic()
+                    conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{max(1, int(max_pause * 1000))}ms'")
+                    try:
+                        conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({key})")
+                    except OperationalError as exc:
+                        raise MoveAbortedError(
+                            f"briefcase {area}/{gdid}: could not take its write lock on {server!r} within "
+                            f"{lock_wait:.1f}s + {max_pause:.1f}s (sessions kept it busy): {dberrors.describe(exc)}"
+                        ) from None
+                    conn.exec_driver_sql("SET LOCAL lock_timeout = 0")
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+            yield conn, started
+    finally:
+        if conn.in_transaction():
+            conn.rollback()
+        conn.close()
+
+
+def check_target_schema(conn: Connection, target: str, tables: list[AreaTable], what: str) -> None:
+    """``target`` (either side of a move) has the area's tables and mdb's shard tables as the models say.
+
+    Any difference (:mod:`mdb.schema_diff`) refuses the move before anything is written: a copy
+    between tables that differ fails half-way on a column one side lacks, or loses one.
+    """
+    shard_md, _ = load_system_tables()
+    differences = compare_tables(conn, [at.table for at in tables] + list(shard_md.sorted_tables))
+    if differences:
+        raise SchemaError(
+            f"{what}: the tables on {target!r} differ from the models ({len(differences)} difference(s): "
+            f"{format_differences(differences)}); nothing moved (run `mdb schema check MAP`)"
+        )
+
+
+def check_schemas(store: Cluster, servers: Iterable[str], tables: list[AreaTable], what: str) -> None:
+    """:func:`check_target_schema` on each server, once, before anything reads the briefcase's rows.
+
+    Measuring a briefcase selects the models' columns, so on a drifted table it fails with the
+    driver's "no such column" on whichever table the statement names first; compared first,
+    the refusal lists every difference, like a reshard's prechecks.
+    """
+    for server in dict.fromkeys(servers):
+        with store.transaction(server) as conn:
+            check_target_schema(conn, server, tables, what)
+
+
+def precheck(store: Cluster, area: str, gdid: GDID, source: str, target: str, tables: list[AreaTable], move_id: str) -> dict[str, Any] | None:
+    """Refuse, with the reason, a move that cannot be done safely; returns the target's old state row.
+
+    The old state row (a fence left by an earlier move away) is restored if this move is rolled back.
+    """
+    what = f"move of {area}/{gdid} from {source!r} to {target!r}"
+    if target not in store.map.servers:
+        raise RoutingError(f"{what}: unknown server {target!r} (known: {', '.join(store.map.servers)})")
+    with store.transaction(target) as conn:
+        check_target_schema(conn, target, tables, what)
+        state = state_row(conn, area, gdid)
+        if state is not None and state["state"] != STATE_GONE:
+            if state["state"] == STATE_INCOMING:
+                raise MdbError(f"{what}: move {state['move_id']!r} into {target!r} is unfinished (run `mdb moves resume MAP`)")
+            raise MdbError(f"{what}: server {target!r} already records the briefcase as {state['state']!r}")
+        for name, (n, _) in measure(conn, tables, gdid, with_bytes=False).items():
+            if n:
+                raise MdbError(f"{what}: server {target!r} already holds {n} row(s) of the briefcase in {name!r}; nothing moved")
+    with store.transaction(source, readonly=False) as conn:
+        check_target_schema(conn, source, tables, what)
+        src_state = state_row(conn, area, gdid)
+        if src_state is not None and src_state["state"] in (STATE_GONE, STATE_INCOMING):
+            raise MdbError(f"{what}: the source records the briefcase as {src_state['state']!r}; run `mdb where` / `mdb moves resume`")
+        if not root_exists(conn, tables, gdid):
+            raise MdbError(f"{what}: server {source!r} does not hold the briefcase (no root row)")
+    return state
+
+
+def discard_target(store: Cluster, target: str, area: str, gdid: GDID, tables: list[AreaTable], move_id: str, previous: dict[str, Any] | None) -> int:
+    """Delete this move's copy on the target and restore the state row it replaced; idempotent."""
+    with store.transaction(target) as conn:
+        state = state_row(conn, area, gdid)
+        if state is None or state["state"] != STATE_INCOMING or state["move_id"] != move_id:
+            return 0  # the copy was never committed (copy and incoming row commit together)
+        deleted = delete_briefcase(conn, tables, gdid)
+        conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid))
+        if previous is not None:
+            conn.execute(insert(briefcase_state).values(
+                area=area, gdid=gdid, state=previous["state"], peer=previous["peer"], move_id=previous["move_id"]
+            ))
+        return deleted
+
+
+def finalize(store: Cluster, journal: Journal, entry: JournalEntry) -> None:
+    """After the commit point: relocation directory, then the target's state row, then 'done'. Idempotent."""
+    assert entry.gdid is not None and entry.target is not None
+    area, gdid, target = entry.area, entry.gdid, entry.target
+    router = store.router
+    default = router.default_placement(area, gdid).server
+    journal.step(entry.move_id, "relocation")
+    relocate(store, area, gdid, None if target == default else target)
+    fault_point("move.after_relocation")
+    journal.step(entry.move_id, "target_state")
+    with store.transaction(target) as conn:
+        state = state_row(conn, area, gdid)
+        if state is not None and state["state"] == STATE_INCOMING and state["move_id"] == entry.move_id:
+            if target == default:
+                conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid))
+            else:
+                set_state(conn, area, gdid, STATE_RESIDENT, entry.source, entry.move_id)
+    fault_point("move.after_target_state")
+    journal.finish(entry.move_id, DONE, briefcases_done=1)
+
