@@ -12,13 +12,10 @@ business (:mod:`mdb.backends`); these two functions are the directory's whole in
 from __future__ import annotations
 
 from mdb.backends import Servers, backend_of
-from sqlalchemy.engine import Connection
-
-from mdb.backends.sql import relocations, write_relocation
 from mdb.gdid import GDID
 from mdb.router import Router
 
-__all__ = ["clear_relocation", "load_relocations", "relocations", "set_relocation"]
+__all__ = ["load_relocations", "set_relocation"]
 
 
 def load_relocations(cluster: Servers, router: Router | None = None) -> dict[tuple[str, GDID], str]:
@@ -34,24 +31,12 @@ def load_relocations(cluster: Servers, router: Router | None = None) -> dict[tup
     return out
 
 
-def set_relocation(cluster: Servers | Connection, area: str, gdid: GDID, server: str | None) -> None:
+def set_relocation(cluster: Servers, area: str, gdid: GDID, server: str | None) -> None:
     """Record that ``area``/``gdid`` lives on ``server``; ``None`` removes the entry (back on its default shard).
 
-    Written on the CENTRAL shard that owns the GDID's bytes, in its own unit of work. Given a
-    SQL connection (the older row-level form, still used by the SQL move protocol until it
-    calls this with its cluster), the entry is written on that connection.
+    Written on the CENTRAL shard that owns the GDID's bytes, in its own unit of work: a move
+    writes it after its commit point, and a crash before it is finished by resume.
     """
-    if isinstance(cluster, Connection):
-        write_relocation(cluster, area, gdid, server)
-        return
     router = Router(cluster.map)  # pure: CENTRAL placement needs no relocations
     central = router.locate_central(gdid).server
     backend_of(cluster.map, central).set_relocation(cluster, central, area, gdid, server)
-
-
-def clear_relocation(conn: Connection, area: str, gdid: GDID) -> None:
-    """The older row-level removal on a CENTRAL connection: ``set_relocation(conn, area, gdid, None)``.
-
-    Kept for the move protocol's callers until they call :func:`set_relocation` with their cluster.
-    """
-    write_relocation(conn, area, gdid, None)

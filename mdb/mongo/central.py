@@ -22,7 +22,6 @@ from mdb.backends.mongo import RELOCATIONS
 from mdb.central.indexes import STATE_LIVE, CentralIndex, index_by_name
 from mdb.errors import DuplicateKeyError
 from mdb.gdid import GDID
-from mdb.relocations import set_relocation
 from mdb.router import Router
 
 if TYPE_CHECKING:
@@ -125,13 +124,3 @@ class MongoCentral:
         write()
         self.add(idx, key, gdid)
         return gdid
-
-
-def set_relocation_mongo(mongo: MongoStore, area: str, gdid: GDID, server: str) -> None:
-    """Older name of ``mdb.relocations.set_relocation(store, area, gdid, server)``, kept for mdb.mongo.moves."""
-    set_relocation(mongo.store, area, gdid, server)
-
-
-def clear_relocation_mongo(mongo: MongoStore, area: str, gdid: GDID) -> None:
-    """Older name of ``mdb.relocations.set_relocation(store, area, gdid, None)``, kept for mdb.mongo.moves."""
-    set_relocation(mongo.store, area, gdid, None)

@@ -34,7 +34,8 @@ from mdb.cluster import Cluster
 from mdb.errors import MdbError, RoutingError
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
-from mdb.moves.directory import documents_of, relocate
+from mdb.moves.directory import documents_of
+from mdb.relocations import set_relocation
 from mdb.moves.journal import DONE, ROLLED_BACK, RUNNING, Journal, JournalEntry
 from mdb.moves.move import Move, MoveOptions, MoveResult, ResumeOutcome, refuse_if_busy, register_move
 from mdb.mongo.hot import COUNTERS, STATS_LOCK
@@ -305,7 +306,7 @@ def _finalize(cluster: Cluster, journal: Journal, area: str, gid: GDID, source: 
     mongo = documents_of(cluster)
     journal.step(move_id, "relocation")
     default = cluster.router.default_placement(area, gid).server
-    relocate(cluster, area, gid, None if target == default else target)
+    set_relocation(cluster, area, gid, None if target == default else target)
     fault_point("mongo.move.after_relocation")
     journal.step(move_id, "target_state")
     tgt = mongo.database(target)

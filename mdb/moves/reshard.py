@@ -49,7 +49,7 @@ from mdb.moves.plan import PlannedMove, ReshardPlan, find_partition, plan_reshar
 from mdb.moves.move import DEFAULT_MAX_PAUSE, check_max_pause, move_briefcase
 from mdb.moves.sql_steps import area_tables, check_schemas
 from mdb.partition_map import PartitionMap, parse_map
-from mdb.relocations import clear_relocation
+from mdb.relocations import set_relocation
 from mdb.system_tables import STATE_RESIDENT, briefcase_state
 from mdb.urls import SQL
 
@@ -508,8 +508,7 @@ def _cleanup(store: Cluster, area: str, start: GDID) -> None:
     ]
     for gdid, server in in_partition:
         if router.default_placement(area, gdid).server == server:
-            with store.transaction(router.locate_central(gdid).server) as conn:
-                clear_relocation(conn, area, gdid)
+            set_relocation(store, area, gdid, None)
     fault_point("reshard.after_clear_relocations")
     store.refresh()
     router = store.router

@@ -24,7 +24,7 @@ from mdb.errors import MdbError, MoveAbortedError, RoutingError, SchemaError
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.moves.copy import AreaTable, delete_briefcase, measure
-from mdb.moves.directory import relocate
+from mdb.relocations import set_relocation
 from mdb.moves.journal import DONE, Journal, JournalEntry
 from mdb.ownership import lock_key_sql
 from mdb.schema_diff import compare_tables, format_differences
@@ -205,7 +205,7 @@ def finalize(store: Cluster, journal: Journal, entry: JournalEntry) -> None:
     router = store.router
     default = router.default_placement(area, gdid).server
     journal.step(entry.move_id, "relocation")
-    relocate(store, area, gdid, None if target == default else target)
+    set_relocation(store, area, gdid, None if target == default else target)
     fault_point("move.after_relocation")
     journal.step(entry.move_id, "target_state")
     with store.transaction(target) as conn:

@@ -23,7 +23,7 @@ from mdb.moves.document_move import document_holdings
 from mdb.moves.move import move_kinds
 from mdb.moves.sql_steps import area_tables, state_row
 from mdb.urls import MONGO, SQL
-from mdb.relocations import relocations
+from mdb.backends.sql import relocations
 
 __all__ = ["BriefcaseWhere", "MoveStatus", "move_status", "status_of", "where"]
 
