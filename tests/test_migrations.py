@@ -28,11 +28,12 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 import mdb.briefcase as _briefcase_module
 from mdb.briefcase import BriefcaseType
 from mdb.demo.models import UserBriefcase
-from mdb.errors import SchemaError
+from mdb.errors import MigrationError, SchemaError
 from mdb.gdid import GDID
 from mdb.migrations import ledger
 from mdb.migrations.fleet import fleet_status, migrate
-from mdb.migrations.revisions import current_revision, lock_out_migrations, lock_out_moves, require_same_revision, stamp_revision, version_table
+from mdb.migrations.revisions import current_revision, lock_out_migrations, lock_out_moves, stamp_revision, version_table
+from mdb.moves import move_briefcase
 from mdb.migrations.scripts import make_revision, open_history, stamp_created
 from mdb.schema import apply_schema, create_tables
 from mdb.sqltypes import GDIDType
@@ -322,17 +323,23 @@ def test_a_column_added_by_hand_is_drift_and_a_move_across_revisions_is_refused(
     fleet.write_revision("b2_priority", REV2)
     with fleet.store() as store:
         assert migrate(store, fleet.root, canary="u1", parallel=1, to="b2", areas=["notes"]).ok
-        with store.transaction("u2") as source, store.transaction("s") as target:
-            assert require_same_revision("notes", "u2", source, "s", target) == "b2"
+        note = next(GDID(0, 1, n) for n in range(1, 1000) if store.router.locate("notes", GDID(0, 1, n)).server == "u2")
+        with store.briefcase(NoteBriefcase, note) as session:
+            session.add(Note(note_id=note, body="moves with its revision", priority=3))
         # The spare goes back to a1 (down, on that server only): a move from u2 to it is refused.
         down = migrate(store, fleet.root, direction="down", to="a1", areas=["notes"], servers=["s"])
         assert [(r.server, r.before, r.after, r.steps) for r in down.results] == [("s", "b2", "a1", ["b2"])]
         assert "priority" not in fleet.columns_of("s")
     with fleet.store() as store:
-        with store.transaction("u2") as source, store.transaction("s") as target:
-            with pytest.raises(SchemaError, match=r"source server 'u2' is at revision b2 but target server 's' is at a1"):
-                require_same_revision("notes", "u2", source, "s", target)
+        with pytest.raises(MigrationError, match=r"different revisions \('s' at a1, 'u2' at b2\).*mdb migrate up"):
+            move_briefcase(store, "notes", note, "s")
+        assert store.router.locate("notes", note).server == "u2"  # refused before anything was written
+        assert fleet.sql("s", "SELECT count(*) FROM mig_notes") == [(0,)]
         assert [r.outcome for r in migrate(store, fleet.root).results] == ["already"] * 4 + ["done"]
+        moved = move_briefcase(store, "notes", note, "s")  # one revision again: the move goes through
+        assert (moved.status, moved.rows) == ("done", 1)
+        assert store.router.locate("notes", note).server == "s"
+        assert fleet.sql("s", "SELECT body, priority FROM mig_notes") == [("moves with its revision", 3)]
 
     fleet.sql("u2", "ALTER TABLE mig_notes ADD COLUMN added_by_hand integer")
     code, out, err = fleet.cli("status", str(fleet.map_path), "--json")

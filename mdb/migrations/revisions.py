@@ -12,6 +12,8 @@ move protocol and ``schema apply`` can call it without depending on the fleet ru
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from sqlalchemy import Column, MetaData, String, Table, text
 from sqlalchemy.engine import Connection
 
@@ -24,7 +26,7 @@ __all__ = [
     "current_revision",
     "lock_out_migrations",
     "lock_out_moves",
-    "require_same_revision",
+    "require_one_revision",
     "stamp_revision",
     "version_table",
 ]
@@ -75,22 +77,23 @@ def stamp_revision(conn: Connection, area: str, revision: str | None) -> None:
         conn.execute(table.insert().values(version_num=revision))
 
 
-def require_same_revision(area: str, source: str, source_conn: Connection, target: str, target_conn: Connection) -> str | None:
+def require_one_revision(area: str, revisions: Mapping[str, str | None]) -> str | None:
     """Refuse (MigrationError) to copy ``area``'s tables between servers at different revisions.
 
-    A move copies rows column for column: a target one revision behind lacks the new column
-    (the copy fails halfway or drops data), one ahead has a NOT NULL column the source's rows do
-    not fill. Returns the revision both are at. The fix is named: ``mdb migrate up``.
+    ``revisions`` maps each server a move or reshard reads or writes to the area's revision
+    there (:func:`current_revision`). A move copies rows column for column: a target one
+    revision behind lacks the new column (the copy fails halfway or drops data), one ahead has
+    a NOT NULL column the source's rows do not fill. Returns the one revision they share. The
+    fix is named: ``mdb migrate up``.
     """
-    have_source = current_revision(source_conn, area)
-    have_target = current_revision(target_conn, area)
-    if have_source != have_target:
+    distinct = set(revisions.values())
+    if len(distinct) > 1:
+        at = ", ".join(f"{server!r} at {rev or 'base'}" for server, rev in revisions.items())
         raise MigrationError(
-            f"area {area!r}: source server {source!r} is at revision {have_source or 'base'} but target server "
-            f"{target!r} is at {have_target or 'base'}; a move needs both at one revision "
-            f"(bring them to the same revision first: mdb migrate up MAP)"
+            f"area {area!r}: the servers of this move are at different revisions ({at}); a move needs them at one "
+            f"revision (bring them to the same revision first: mdb migrate up MAP)"
         )
-    return have_source
+    return next(iter(distinct), None)
 
 
 def lock_out_moves(conn: Connection, server: str) -> None:
@@ -110,5 +113,7 @@ def lock_out_migrations(conn: Connection, server: str) -> None:
     For a move's copy (on the source and on the target): several moves may run at once on one
     server, a migration may not run during any of them.
     """
+    if conn.dialect.name != "postgresql":
+        return  # SQLite: one writer per file; a migration's transaction and a copy cannot overlap
     if not conn.execute(text("SELECT pg_try_advisory_xact_lock_shared(:key)"), {"key": SCHEMA_LOCK_KEY}).scalar():
         raise MigrationError(f"server {server!r}: a schema migration is running on it; move after it ends (mdb migrate status MAP)")

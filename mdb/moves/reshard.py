@@ -264,7 +264,7 @@ def _prechecks(store: Cluster, plan: ReshardPlan, tables: list[Any], map_path: s
     """Every target's schema and the new map (through apply_map's dry run), before anything moves."""
     targets = [*plan.new_shards, *(m.target for m in plan.moves)]
     sources = [m.source for m in plan.moves]  # reachable, and matching the models
-    check_schemas(store, [*targets, *sources], tables, f"reshard of {plan.area} partition {plan.partition_start}")
+    check_schemas(store, plan.area, [*targets, *sources], tables, f"reshard of {plan.area} partition {plan.partition_start}")
     text = new_map_text(_store_map_text(store, None if map_path is None else str(map_path)), plan.area, plan.partition_start, plan.new_shards, _next_version(store))
     new_map = parse_map(text, "<new map>")
     apply_map(store, new_map, yaml_text=text, allow_reshard_of=(plan.area, plan.partition_start), dry_run=True)

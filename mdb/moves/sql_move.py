@@ -46,6 +46,7 @@ from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.moves import verify
 from mdb.moves.copy import AreaTable, copy_rows, delete_keys, delete_rows, measure, select_keys
+from mdb.migrations.revisions import lock_out_migrations
 from mdb.moves.journal import ABORTED, ROLLED_BACK, RUNNING, Journal, JournalEntry
 from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, Move, MoveOptions, MoveResult, ResumeOutcome, refuse_if_busy, register_move
 from mdb.moves.sql_steps import (
@@ -294,7 +295,7 @@ class SqlMove(Move):
         if o.reshard_id is None:
             refuse_if_busy(store, self.journal, self.area, self.gdid)
             # A reshard compared every source and target before its first move (its prechecks).
-            check_schemas(store, [self.target, self.source], self.tables, self.what)
+            check_schemas(store, self.area, [self.target, self.source], self.tables, self.what)
         with store.transaction(self.source) as conn:
             self.sizes = measure(conn, self.tables, self.gdid, with_bytes=o.dry_run)  # a move measures bytes under the lock
         if o.on_sizes is not None:
@@ -323,6 +324,8 @@ class SqlMove(Move):
         self.journal.step(self.move_id, "precopy", params=self.params)
         store = self.cluster
         with store.transaction(self.source) as src, store.transaction(self.target) as dst:
+            lock_out_migrations(src, self.source)
+            lock_out_migrations(dst, self.target)
             set_state(dst, self.area, self.gdid, STATE_INCOMING, self.source, self.move_id)
             copy_rows(src, dst, self.tables, self.gdid, on_table=self.options.on_table)
             blocks = _resync_blocks(src, self.tables, self.gdid, {name: r for name, (r, _) in self.sizes.items()}) \
@@ -382,6 +385,7 @@ class SqlMove(Move):
         largest = max(self.sizes, key=lambda name: self.sizes[name][0])
         with store.transaction(self.target) as dst:
             _bound_statements(dst, self.deadline)
+            lock_out_migrations(dst, self.target)  # the source took it with the briefcase's lock
             self.method = verify.method_for(src, dst)
             if self.precopied or self.sizes[largest][0] < verify.SPLIT_ROWS:
                 self._start_source_side(checksums=self.precopy_sums is None)  # a re-sync by ranges sums the source

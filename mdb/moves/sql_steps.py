@@ -26,6 +26,7 @@ from mdb.gdid import GDID
 from mdb.moves.copy import AreaTable, delete_briefcase, measure
 from mdb.relocations import set_relocation
 from mdb.moves.journal import DONE, Journal, JournalEntry
+from mdb.migrations.revisions import current_revision, lock_out_migrations, require_one_revision
 from mdb.ownership import lock_key_sql
 from mdb.schema_diff import compare_tables, format_differences
 from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state, load_system_tables
@@ -121,6 +122,7 @@ def locked_source(store: Cluster, server: str, area: str, gdid: GDID, *, lock_wa
                     break
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
+            lock_out_migrations(conn, server)  # no migration changes the tables while they are copied
             yield conn, started
     finally:
         if conn.in_transaction():
@@ -143,14 +145,23 @@ def check_target_schema(conn: Connection, target: str, tables: list[AreaTable], 
         )
 
 
-def check_schemas(store: Cluster, servers: Iterable[str], tables: list[AreaTable], what: str) -> None:
-    """:func:`check_target_schema` on each server, once, before anything reads the briefcase's rows.
+def check_schemas(store: Cluster, area: str, servers: Iterable[str], tables: list[AreaTable], what: str) -> None:
+    """Every server a move or reshard touches is at one migration revision of ``area`` and matches the models.
 
-    Measuring a briefcase selects the models' columns, so on a drifted table it fails with the
-    driver's "no such column" on whichever table the statement names first; compared first,
-    the refusal lists every difference, like a reshard's prechecks.
+    Checked once per server, before anything reads the briefcase's rows. Revisions first
+    (:func:`mdb.migrations.revisions.require_one_revision`): between servers at different
+    revisions the refusal names the revisions and ``mdb migrate up``, not the columns that
+    differ. Then the tables: measuring a briefcase selects the models' columns, so on a
+    drifted table it fails with the driver's "no such column" on whichever table the statement
+    names first; compared first, the refusal lists every difference.
     """
-    for server in dict.fromkeys(servers):
+    servers = list(dict.fromkeys(servers))
+    revisions: dict[str, str | None] = {}
+    for server in servers:
+        with store.transaction(server) as conn:
+            revisions[server] = current_revision(conn, area)
+    require_one_revision(area, revisions)
+    for server in servers:
         with store.transaction(server) as conn:
             check_target_schema(conn, server, tables, what)
 
