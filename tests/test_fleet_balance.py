@@ -86,11 +86,11 @@ def test_the_scan_streams_through_server_side_cursors(skewed: Cluster, monkeypat
     """Bounded memory: while the first briefcase is handed out, the rest are still in open cursors on the server."""
     from sqlalchemy import text
 
-    import mdb.fleet.scan as scan
+    import mdb.backends.sqlscan as scan
 
     monkeypatch.setattr(scan, "STREAM_BATCH", 2)
     with skewed.store() as store, store.transaction("u1") as conn:
-        sizes = scan.briefcase_sizes(conn, area_tables(store, "user"))
+        sizes = scan.briefcase_sizes(conn, [(at.table, at.key) for at in area_tables(store, "user")])
         first = next(sizes)
         cursors = conn.execute(text("SELECT count(*) FROM pg_cursors")).scalar_one()
         rest = list(sizes)

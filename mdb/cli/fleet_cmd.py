@@ -53,7 +53,7 @@ def _print_balance(report: AreaBalance) -> None:
     peak = max((s.bytes for s in report.measured()), default=0)
     for s in report.servers:
         if not s.measured:
-            table.add_row(escape(s.server), "not measured (MongoDB)", "", "", "", "", "")
+            table.add_row(escape(s.server), "not measured", "", "", "", "", "")
             continue
         bar = "█" * (round(BAR_WIDTH * s.bytes / peak) if peak else 0)
         table.add_row(escape(s.server), str(s.briefcases), str(s.rows), _size(s.bytes), _size(s.disk_bytes),

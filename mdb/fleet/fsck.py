@@ -27,24 +27,27 @@ shard are never held in memory). Findings:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete
 from sqlalchemy.engine import Connection
 
+from mdb.backends.base import AreaData, BriefcaseStateRow, documents_of
 from mdb.central.indexes import CentralIndex, registered_indexes
 from mdb.central.reconcile import check as central_check
 from mdb.fleet.balance import area_servers
-from mdb.fleet.scan import STREAM_BATCH, briefcase_sizes
+from mdb.fleet.scan import area_data, document_types, scan_of
 from mdb.gdid import GDID
+from mdb.mongo.moves import KIND as DOCUMENT_MOVE
+from mdb.mongo.moves import checksums
 from mdb.moves import verify
 from mdb.moves.copy import AreaTable, delete_rows, measure
 from mdb.moves.journal import Journal, JournalEntry
 from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, area_tables, locked_source
 from mdb.system_tables import STATE_FROZEN, STATE_GONE, STATE_INCOMING, briefcase_state
-from mdb.urls import SQL
+from mdb.urls import MONGO, SQL
 
 __all__ = ["Finding", "FsckReport", "fsck"]
 
@@ -100,14 +103,8 @@ class _Unfinished:
     @classmethod
     def of(cls, store: Any, area: str) -> _Unfinished:
         entries = [e for e in Journal(store).entries(unfinished=True) if e.area == area]
-        moves = {e.move_id: e for e in entries if e.kind == "move"}
+        moves = {e.move_id: e for e in entries if e.kind in ("move", DOCUMENT_MOVE)}
         return cls(moves, frozenset(e.gdid for e in moves.values() if e.gdid is not None), frozenset(e.move_id for e in entries if e.kind != "move"))
-
-
-def _state_rows(conn: Connection, area: str) -> Iterator[dict[str, Any]]:
-    query = select(briefcase_state).where(briefcase_state.c.area == area).order_by(briefcase_state.c.gdid)
-    for row in conn.execution_options(yield_per=STREAM_BATCH).execute(query).mappings():
-        yield dict(row)
 
 
 def _foreign_rows(store: Any, owner: str, tables: Sequence[AreaTable], gdid: GDID, here: Connection) -> int:
@@ -162,49 +159,6 @@ def _examine(store: Any, area: str, server: str, gdid: GDID, tables: Sequence[Ar
     return Finding("leftover_copy", server, gdid, f"{detail}; deleted {deleted} row(s) here", "repaired")
 
 
-def _odd_state(store: Any, area: str, server: str, state: dict[str, Any], unfinished: _Unfinished) -> bool:
-    """A state row the routing and the journal do not explain (a fence on a server moved away from is normal)."""
-    kind, gdid = state["state"], state["gdid"]
-    if kind == STATE_FROZEN:
-        return state["move_id"] not in unfinished.reshards
-    if kind == STATE_INCOMING:
-        return state["move_id"] not in unfinished.moves
-    here = store.router.locate(area, gdid).server == server
-    return here if kind == STATE_GONE else not here
-
-
-def _rows_of(store: Any, server: str, tables: Sequence[AreaTable], gdid: GDID) -> int:
-    with store.transaction(server) as conn:
-        return sum(n for n, _ in measure(conn, tables, gdid, with_bytes=False).values())
-
-
-def _examine_state(store: Any, area: str, server: str, state: dict[str, Any], tables: Sequence[AreaTable], unfinished: _Unfinished, repair: bool) -> Finding:
-    kind, gdid, peer = state["state"], state["gdid"], state["peer"]
-    if kind == STATE_FROZEN:
-        return Finding("stale_freeze", server, None, f"freeze marker of partition {peer} by {state['move_id']!r}, which the journal "
-                       "does not list as an unfinished reshard: writes of that partition wait; remove it by hand once sure no reshard runs")
-    if kind == STATE_INCOMING:
-        return Finding("stale_incoming", server, gdid, f"'incoming' row of move {state['move_id']!r}, which the journal "
-                       "does not list as unfinished (removed with its copy when that copy is a verified leftover)")
-    if kind != STATE_GONE:
-        return Finding("stale_resident", server, gdid, f"{kind!r} row here, but the relocation directory routes the "
-                       f"briefcase to {store.router.locate(area, gdid).server!r}")
-    detail = f"fence (moved to {peer!r}, move {state['move_id']!r}) on the server the briefcase is routed to: its sessions are refused"
-    peer_rows = _rows_of(store, peer, tables, gdid) if peer in store.map.servers else 0
-    safe = gdid not in unfinished.briefcases and peer_rows == 0 and _rows_of(store, server, tables, gdid) > 0
-    if not safe:
-        return Finding("stale_fence", server, gdid, detail + f"; not removed ({peer!r} holds {peer_rows} row(s) of it, or no row is here)")
-    if not repair:
-        return Finding("stale_fence", server, gdid, detail + f"; the rows are here and {peer!r} holds none: --repair removes it")
-    with locked_source(store, server, area, gdid, lock_wait=DEFAULT_LOCK_WAIT, max_pause=DEFAULT_MAX_PAUSE) as (conn, _):
-        if not sum(n for n, _ in measure(conn, tables, gdid, with_bytes=False).values()):  # checked again under the lock
-            return Finding("stale_fence", server, gdid, detail + "; changed while repairing, left as it is (run fsck again)")
-        conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid,
-                                                   briefcase_state.c.state == STATE_GONE))
-        conn.commit()
-    return Finding("stale_fence", server, gdid, detail + "; removed (the rows are here, the peer holds none)", "repaired")
-
-
 def _central(store: Any, indexes: list[type[CentralIndex]]) -> list[Finding]:
     """CENTRAL index problems of the area's declared indexes (the one check `mdb central check` runs)."""
     if not indexes:
@@ -217,35 +171,115 @@ def _central(store: Any, indexes: list[type[CentralIndex]]) -> list[Finding]:
     ]
 
 
+def _odd_state(store: Any, area: str, server: str, state: BriefcaseStateRow, unfinished: _Unfinished) -> bool:
+    """A state row the routing and the journal do not explain (a fence on a server moved away from is normal)."""
+    if state.state == STATE_FROZEN:
+        return state.move_id not in unfinished.reshards
+    if state.state == STATE_INCOMING:
+        return state.move_id not in unfinished.moves
+    here = store.router.locate(area, state.gdid).server == server
+    return here if state.state == STATE_GONE else not here
+
+
+def _state_finding(store: Any, area: str, server: str, state: BriefcaseStateRow, data: AreaData, unfinished: _Unfinished) -> tuple[Finding, bool]:
+    """What an odd state row is, and whether removing it is provably safe (a fence whose peer holds nothing)."""
+    gdid, peer = state.gdid, state.peer
+    if state.state == STATE_FROZEN:
+        return Finding("stale_freeze", server, None, f"freeze marker of partition {peer} by {state.move_id!r}, which the journal "
+                       "does not list as an unfinished reshard: writes of that partition wait; remove it by hand once sure no reshard runs"), False
+    if state.state == STATE_INCOMING:
+        return Finding("stale_incoming", server, gdid, f"'incoming' row of move {state.move_id!r}, which the journal "
+                       "does not list as unfinished (removed with its copy when that copy is a verified leftover)"), False
+    if state.state != STATE_GONE:
+        return Finding("stale_resident", server, gdid, f"{state.state!r} row here, but the relocation directory routes the "
+                       f"briefcase to {store.router.locate(area, gdid).server!r}"), False
+    detail = f"fence (moved to {peer!r}, move {state.move_id!r}) on the server the briefcase is routed to: its sessions are refused"
+    peer_rows = scan_of(store, peer, data).rows_of(gdid) if peer is not None and peer in store.map.servers else 0
+    safe = gdid not in unfinished.briefcases and peer_rows == 0 and scan_of(store, server, data).rows_of(gdid) > 0
+    if not safe:
+        return Finding("stale_fence", server, gdid, detail + f"; not removed ({peer!r} holds {peer_rows} row(s) of it, or no row is here)"), False
+    return Finding("stale_fence", server, gdid, detail + f"; the rows are here and {peer!r} holds none: --repair removes it"), True
+
+
+def _repair_fence(store: Any, area: str, server: str, gdid: GDID, tables: Sequence[AreaTable], finding: Finding) -> Finding:
+    """Remove a safe stale fence on a SQL server under the briefcase's write lock (checked again there)."""
+    detail = finding.detail.split("; ")[0]
+    with locked_source(store, server, area, gdid, lock_wait=DEFAULT_LOCK_WAIT, max_pause=DEFAULT_MAX_PAUSE) as (conn, _):
+        if not sum(n for n, _ in measure(conn, tables, gdid, with_bytes=False).values()):  # checked again under the lock
+            return Finding("stale_fence", server, gdid, detail + "; changed while repairing, left as it is (run fsck again)")
+        conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid,
+                                                   briefcase_state.c.state == STATE_GONE))
+        conn.commit()
+    return Finding("stale_fence", server, gdid, detail + "; removed (the rows are here, the peer holds none)", "repaired")
+
+
+DOCUMENTS_NOT_REPAIRED = "; --repair does not change document areas yet (remove it by hand)"
+
+
+def _examine_documents(store: Any, area: str, server: str, gdid: GDID, unfinished: _Unfinished) -> Finding:
+    """Documents of a briefcase on a MongoDB server it is not routed to: unfinished move, leftover copy or misplaced.
+
+    A leftover is a copy equal, per collection, to what the owner holds (document count and the
+    SHA-256 of the canonical BSON, :func:`mdb.mongo.moves.checksums`, what document moves verify
+    with). Report-only: nothing is deleted on MongoDB servers.
+    """
+    if gdid in unfinished.briefcases:
+        ids = ", ".join(m for m, e in unfinished.moves.items() if e.gdid == gdid)
+        return Finding("unfinished_move", server, gdid, f"documents of a briefcase whose move {ids} is unfinished", RESUME)
+    owner = store.router.locate(area, gdid).server
+    differing: list[str] = []
+    if store.map.kind_of(owner) != MONGO:
+        differing.append(f"the owner {owner!r} is not a MongoDB server")
+    else:
+        mongo = documents_of(store)
+        here, there = mongo.database(server), mongo.database(owner)
+        for dtype in document_types(store, area):
+            mine, theirs = checksums(here, dtype, gdid), checksums(there, dtype, gdid)
+            differing += [name for name, (count, digest) in mine.items() if count and theirs.get(name) != (count, digest)]
+    if differing:
+        return Finding("misplaced", server, gdid, f"documents ({', '.join(differing)}) that {owner!r}, where the briefcase is "
+                       "routed, lacks or holds differently; not removed (it may be the only copy)")
+    return Finding("leftover_copy", server, gdid, f"a copy of documents {owner!r} holds (the briefcase is routed there)"
+                   + DOCUMENTS_NOT_REPAIRED)
+
+
 def fsck(store: Any, area: str, *, repair: bool = False) -> FsckReport:
-    """Check (and with ``repair`` fix what is provably safe) every server of ``area`` and its CENTRAL entries."""
+    """Check (and with ``repair`` fix what is provably safe) every server of ``area`` and its CENTRAL entries.
+
+    Every server is scanned through its backend (SQL and MongoDB alike); repairs run on SQL
+    servers only, through the SQL move machinery: on MongoDB servers findings are reported.
+    """
     store.refresh()
     servers = area_servers(store, area)
     report = FsckReport(area, servers)
-    sql_servers = [s for s in servers if store.map.kind_of(s) == SQL]
-    report.not_checked = [s for s in servers if s not in sql_servers]
-    if not sql_servers:
-        return report
-    tables = area_tables(store, area)
+    data = area_data(store, area)
+    tables = area_tables(store, area) if data.tables else []
     unfinished = _Unfinished.of(store, area)
     relocated: dict[str, set[GDID]] = {}  # server -> briefcases the directory sends there (already in the router)
     for (a, g), target in store.router.relocations.items():
         if a == area:
             relocated.setdefault(target, set()).add(g)
-    for server in sql_servers:
+    for server in servers:
+        sql = store.map.kind_of(server) == SQL
+        scan = scan_of(store, server, data)
         suspects: list[GDID] = []
         expected = relocated.get(server, set())
-        with store.transaction(server) as conn:
-            for b in briefcase_sizes(conn, tables):
-                report.briefcases += 1
-                expected.discard(b.gdid)
-                if store.router.locate(area, b.gdid).server != server:
-                    suspects.append(b.gdid)
-            states = [s for s in _state_rows(conn, area) if _odd_state(store, area, server, s, unfinished)]
+        for gdid in scan.keys():
+            report.briefcases += 1
+            expected.discard(gdid)
+            if store.router.locate(area, gdid).server != server:
+                suspects.append(gdid)
+        states = [s for s in scan.states() if _odd_state(store, area, server, s, unfinished)]
         for gdid in suspects:
-            report.findings.append(_examine(store, area, server, gdid, tables, unfinished, repair))
+            report.findings.append(_examine(store, area, server, gdid, tables, unfinished, repair) if sql
+                                   else _examine_documents(store, area, server, gdid, unfinished))
         for state in states:
-            report.findings.append(_examine_state(store, area, server, state, tables, unfinished, repair))
+            finding, safe = _state_finding(store, area, server, state, data, unfinished)
+            if safe and not sql:
+                finding.detail = finding.detail.split("; ")[0] + DOCUMENTS_NOT_REPAIRED
+            elif safe and repair:
+                finding = _repair_fence(store, area, server, state.gdid, tables, finding)
+            report.findings.append(finding)
         report.findings += [
             Finding("orphan_relocation", server, g, f"the relocation directory in CENTRAL sends the briefcase to {server!r}, "
                     "which holds no row of it; not changed (find it with `mdb where MAP AREA GDID`)")
