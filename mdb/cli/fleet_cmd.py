@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, fail, open_store
+from mdb.cli.metrics import MetricsPortOpt, serve_metrics
 from mdb.fleet.balance import MEASURES, AreaBalance, Measure, balance
 from mdb.fleet.fsck import FsckReport, fsck
 from mdb.fleet.rebalance import PlannedMove, RebalancePlan, apply_plan, plan_rebalance
@@ -149,6 +150,7 @@ def rebalance_cmd(
     max_moves: Annotated[int, typer.Option("--max-moves", metavar="N", help="At most N moves.", min=1)] = 100,
     max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Each move's bound on its write pause.", min=0.0)] = DEFAULT_MAX_PAUSE,
     as_json: JsonOpt = False,
+    metrics_port: MetricsPortOpt = None,
 ) -> None:
     """Plan single-briefcase moves that even AREA's bytes, rows or briefcases over its servers (--plan), or run them (--apply)."""
     if plan_only == apply:
@@ -156,7 +158,7 @@ def rebalance_cmd(
     if by not in MEASURES:
         fail(f"--by {by!r}: expected one of {', '.join(MEASURES)}")
     measure = cast(Measure, by)  # checked against MEASURES above
-    with open_store(map_path) as store:
+    with serve_metrics(metrics_port), open_store(map_path) as store:
         list(store.router.partitions(area))  # an unknown area: RoutingError (exit 2)
         plan = plan_rebalance(store, area, by=measure, max_moves=max_moves)
         if not as_json:
