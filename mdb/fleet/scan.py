@@ -14,13 +14,18 @@ from mdb.cluster import Cluster
 from mdb.errors import RoutingError
 from mdb.mongo.store import MongoStore
 from mdb.mongo.types import DocumentBriefcaseType
+from mdb.urls import MONGO
 
 __all__ = ["AreaData", "BriefcaseSize", "area_data", "document_types", "scan_of"]
 
 
 def document_types(store: Cluster, area: str) -> list[type[DocumentBriefcaseType]]:
-    """The document briefcase types of ``area`` registered with the Store's MongoDB side (none without one)."""
-    if not isinstance(store, HasDocuments):
+    """The document briefcase types of ``area`` registered with the Store's MongoDB side.
+
+    None for an area without MongoDB servers (the Store's MongoDB side is then not even created)
+    or a cluster without one.
+    """
+    if not isinstance(store, HasDocuments) or all(store.map.kind_of(s) != MONGO for s in store.router.area_servers(area)):
         return []
     mongo = store.mongo
     return mongo.types_of(area) if isinstance(mongo, MongoStore) else []
