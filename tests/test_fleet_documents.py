@@ -5,8 +5,9 @@ server through its backend's scan, so a document area is measured (documents, BS
 largest briefcases) and checked like a SQL one. The figures are compared with an independent
 count made here with plain ``find`` calls; fsck's planted defects are the document forms of the
 SQL ones (a misplaced document, a verified leftover copy, the copy of a crashed move, a stale
-``incoming`` row with its copy, a stale fence, an orphan relocation entry), and on documents
-``--repair`` changes nothing (report-only, said in each finding).
+``incoming`` row with its copy, a stale fence, an orphan relocation entry); ``--repair``
+removes only the verified copies (with their ``incoming`` row) and the fence whose peer holds
+nothing, each under the briefcase's guard on that server.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def _copy(store: Store, g: GDID, source: str, target: str) -> None:
             dst[name].insert_many(docs)
 
 
-def test_fsck_on_documents_finds_each_planted_defect_and_repairs_nothing(mongo_env: MongoEnv) -> None:
+def test_fsck_on_documents_finds_each_planted_defect_and_repairs_only_the_safe_ones(mongo_env: MongoEnv) -> None:
     store = mongo_env.store(4)
     for g in USERS[:12]:
         fill(store, g, 2)
@@ -177,8 +178,21 @@ def test_fsck_on_documents_finds_each_planted_defect_and_repairs_nothing(mongo_e
         ("misplaced", owner[ghost], str(ghost), "reported"),  # its documents, now routed away (as on SQL)
     }
     assert _found(fsck(store, "docs")) == expected
+    assert snapshot(store) == before, "fsck without --repair changes nothing"
+
+    safe = {("leftover_copy", other(leftover), str(leftover)), ("leftover_copy", other(stale_in), str(stale_in)),
+            ("stale_fence", owner[fenced], str(fenced))}
     repaired = fsck(store, "docs", repair=True)
-    assert _found(repaired) == expected, "documents: report-only"
-    assert all("--repair does not change document areas" in f.detail for f in repaired.findings
-               if f.kind in ("leftover_copy", "stale_fence")), [f.detail for f in repaired.findings]
-    assert snapshot(store) == before
+    assert _found(repaired) == {(k, srv, g, "repaired" if (k, srv, g) in safe else a) for k, srv, g, a in expected}
+    left = {(k, srv, g, a) for k, srv, g, a in expected if (k, srv, g) not in safe and k != "stale_incoming"}
+    assert _found(fsck(store, "docs")) == left, "the incoming row went with its copy"
+    after = snapshot(store)
+    for g in (leftover, stale_in):  # the copies are gone, the owners' documents stay
+        assert store.mongo.database(other(g))["users"].count_documents({"user_id": bytes(g)}) == 0
+        assert store.mongo.database(owner[g])["users"].count_documents({"user_id": bytes(g)}) == 1
+    assert store.mongo.database(other(stale_in))[STATE].count_documents({"gdid": bytes(stale_in)}) == 0
+    for srv in SHARDS:  # everything unsafe is untouched
+        keep = [d for d in before[srv] if all(repr(bytes(g)) not in d for g in (leftover, stale_in, fenced))]
+        assert [d for d in after[srv] if all(repr(bytes(g)) not in d for g in (leftover, stale_in, fenced))] == keep
+    with store.documents(UserDocs, fenced) as bc:  # the fenced briefcase is reachable and writable again
+        assert bc.root.find_one()["email"] == f"{fenced}@x"

@@ -27,7 +27,9 @@ shard are never held in memory). Findings:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +43,9 @@ from mdb.fleet.balance import area_servers
 from mdb.fleet.scan import area_data, document_types, scan_of
 from mdb.gdid import GDID
 from mdb.mongo.moves import KIND as DOCUMENT_MOVE
+from mdb.mongo.hot import COUNTERS, STATS_LOCK
 from mdb.mongo.moves import checksums
+from mdb.mongo.shard_state import GUARD, STATE, guard_ids, set_guard, state_id
 from mdb.moves import verify
 from mdb.moves.copy import AreaTable, delete_rows, measure
 from mdb.moves.journal import Journal, JournalEntry
@@ -213,41 +217,99 @@ def _repair_fence(store: Any, area: str, server: str, gdid: GDID, tables: Sequen
     return Finding("stale_fence", server, gdid, detail + "; removed (the rows are here, the peer holds none)", "repaired")
 
 
-DOCUMENTS_NOT_REPAIRED = "; --repair does not change document areas yet (remove it by hand)"
+def _document_collections(store: Any, area: str) -> list[tuple[str, str]]:
+    """(collection, key field) of everything a document move carries: the types' collections, counters, stats locks."""
+    out: list[tuple[str, str]] = []
+    for dtype in document_types(store, area):
+        out += [(name, dtype.key) for name in (*dtype.collections, COUNTERS, STATS_LOCK)]
+    return list(dict.fromkeys(out))
 
 
-def _examine_documents(store: Any, area: str, server: str, gdid: GDID, unfinished: _Unfinished) -> Finding:
+def _documents_differ(store: Any, area: str, server: str, owner: str, gdid: GDID) -> list[str]:
+    """Collections whose documents of ``gdid`` on ``server`` the owner lacks or holds differently (empty: a copy)."""
+    if store.map.kind_of(owner) != MONGO:
+        return [f"the owner {owner!r} is not a MongoDB server"]
+    mongo = documents_of(store)
+    here, there = mongo.database(server), mongo.database(owner)
+    differing: list[str] = []
+    for dtype in document_types(store, area):
+        mine, theirs = checksums(here, dtype, gdid), checksums(there, dtype, gdid)
+        differing += [name for name, (count, digest) in mine.items() if count and theirs.get(name) != (count, digest)]
+    return differing
+
+
+@contextmanager
+def _document_lock(store: Any, server: str, area: str, gdid: GDID) -> Iterator[Any]:
+    """The briefcase's guard on ``server`` held by fsck (as a document move holds its source): writers there wait.
+
+    On servers with transactions a write session in flight conflicts with the lock and is
+    retried after it; on a standalone server one already past its guard check may still write
+    (the same window document moves document). Yields the server's database; unlocked after.
+    """
+    db = documents_of(store).database(server)
+    set_guard(db, area, gdid, f"fsck-{uuid.uuid4().hex[:12]}")
+    try:
+        yield db
+    finally:
+        set_guard(db, area, gdid, None)
+
+
+def _remove_documents(store: Any, area: str, server: str, gdid: GDID) -> int | None:
+    """Delete a verified leftover document copy on ``server``, checked again under the guard (None: no longer one)."""
+    with _document_lock(store, server, area, gdid) as db:
+        store.refresh()
+        if (store.router.locate(area, gdid).server == server or gdid in _Unfinished.of(store, area).briefcases
+                or _documents_differ(store, area, server, store.router.locate(area, gdid).server, gdid)):
+            return None
+        deleted = sum(int(db[name].delete_many({key: bytes(gdid)}).deleted_count) for name, key in _document_collections(store, area))
+        # its incoming/resident record goes with the copy; a fence stays (stale routers still need it)
+        db[STATE].delete_one({"_id": state_id(area, gdid), "state": {"$ne": STATE_GONE}})
+    db[GUARD].delete_many({"_id": {"$in": guard_ids(area, gdid)}})  # no data of it here: its guard goes too
+    return deleted
+
+
+def _examine_documents(store: Any, area: str, server: str, gdid: GDID, unfinished: _Unfinished, repair: bool) -> Finding:
     """Documents of a briefcase on a MongoDB server it is not routed to: unfinished move, leftover copy or misplaced.
 
     A leftover is a copy equal, per collection, to what the owner holds (document count and the
     SHA-256 of the canonical BSON, :func:`mdb.mongo.moves.checksums`, what document moves verify
-    with). Report-only: nothing is deleted on MongoDB servers.
+    with); ``repair`` deletes it under the briefcase's guard there, checked again under it.
     """
     if gdid in unfinished.briefcases:
         ids = ", ".join(m for m, e in unfinished.moves.items() if e.gdid == gdid)
         return Finding("unfinished_move", server, gdid, f"documents of a briefcase whose move {ids} is unfinished", RESUME)
     owner = store.router.locate(area, gdid).server
-    differing: list[str] = []
-    if store.map.kind_of(owner) != MONGO:
-        differing.append(f"the owner {owner!r} is not a MongoDB server")
-    else:
-        mongo = documents_of(store)
-        here, there = mongo.database(server), mongo.database(owner)
-        for dtype in document_types(store, area):
-            mine, theirs = checksums(here, dtype, gdid), checksums(there, dtype, gdid)
-            differing += [name for name, (count, digest) in mine.items() if count and theirs.get(name) != (count, digest)]
+    differing = _documents_differ(store, area, server, owner, gdid)
     if differing:
         return Finding("misplaced", server, gdid, f"documents ({', '.join(differing)}) that {owner!r}, where the briefcase is "
                        "routed, lacks or holds differently; not removed (it may be the only copy)")
-    return Finding("leftover_copy", server, gdid, f"a copy of documents {owner!r} holds (the briefcase is routed there)"
-                   + DOCUMENTS_NOT_REPAIRED)
+    detail = f"a copy of documents {owner!r} holds (the briefcase is routed there)"
+    if not repair:
+        return Finding("leftover_copy", server, gdid, detail)
+    deleted = _remove_documents(store, area, server, gdid)
+    if deleted is None:
+        return Finding("leftover_copy", server, gdid, detail + "; changed while repairing, left as it is (run fsck again)")
+    return Finding("leftover_copy", server, gdid, f"{detail}; deleted {deleted} document(s) here", "repaired")
+
+
+def _repair_document_fence(store: Any, area: str, server: str, state: BriefcaseStateRow, data: AreaData, finding: Finding) -> Finding:
+    """Remove a safe stale fence on a MongoDB server under the briefcase's guard (checked again there)."""
+    detail = finding.detail.split("; ")[0]
+    scan = scan_of(store, server, data)
+    with _document_lock(store, server, area, state.gdid) as db:
+        peer = state.peer
+        peer_rows = scan_of(store, peer, data).rows_of(state.gdid) if peer is not None and peer in store.map.servers else 0
+        if peer_rows or not scan.rows_of(state.gdid):
+            return Finding("stale_fence", server, state.gdid, detail + "; changed while repairing, left as it is (run fsck again)")
+        db[STATE].delete_one({"_id": state_id(area, state.gdid), "state": STATE_GONE, "move_id": state.move_id})
+    return Finding("stale_fence", server, state.gdid, detail + "; removed (the documents are here, the peer holds none)", "repaired")
 
 
 def fsck(store: Any, area: str, *, repair: bool = False) -> FsckReport:
     """Check (and with ``repair`` fix what is provably safe) every server of ``area`` and its CENTRAL entries.
 
-    Every server is scanned through its backend (SQL and MongoDB alike); repairs run on SQL
-    servers only, through the SQL move machinery: on MongoDB servers findings are reported.
+    Every server is scanned through its backend (SQL and MongoDB alike); repairs take the
+    briefcase's write lock of the server's kind (SQL: the move machinery's; MongoDB: its guard).
     """
     store.refresh()
     servers = area_servers(store, area)
@@ -272,13 +334,12 @@ def fsck(store: Any, area: str, *, repair: bool = False) -> FsckReport:
         states = [s for s in scan.states() if _odd_state(store, area, server, s, unfinished)]
         for gdid in suspects:
             report.findings.append(_examine(store, area, server, gdid, tables, unfinished, repair) if sql
-                                   else _examine_documents(store, area, server, gdid, unfinished))
+                                   else _examine_documents(store, area, server, gdid, unfinished, repair))
         for state in states:
             finding, safe = _state_finding(store, area, server, state, data, unfinished)
-            if safe and not sql:
-                finding.detail = finding.detail.split("; ")[0] + DOCUMENTS_NOT_REPAIRED
-            elif safe and repair:
-                finding = _repair_fence(store, area, server, state.gdid, tables, finding)
+            if safe and repair:
+                finding = (_repair_fence(store, area, server, state.gdid, tables, finding) if sql
+                           else _repair_document_fence(store, area, server, state, data, finding))
             report.findings.append(finding)
         report.findings += [
             Finding("orphan_relocation", server, g, f"the relocation directory in CENTRAL sends the briefcase to {server!r}, "
