@@ -93,7 +93,7 @@ def balance_cmd(
 def _print_fsck(report: FsckReport) -> None:
     checked = f"{len(report.servers) - len(report.not_checked)} server(s), {report.briefcases} briefcase(s)"
     if report.not_checked:
-        console.print(f"area {escape(report.area)}: not checked (MongoDB): {escape(', '.join(report.not_checked))}")
+        console.print(f"area {escape(report.area)}: not checked: {escape(', '.join(report.not_checked))}")
     if not report.central_indexes:
         console.print(f"area {escape(report.area)}: no CENTRAL index declared, CENTRAL not checked (list the module "
                       "that declares them under models: in the map)")
