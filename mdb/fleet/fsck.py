@@ -28,7 +28,7 @@ shard are never held in memory). Findings:
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,24 +143,44 @@ def _remove_copy(store: Any, area: str, server: str, owner: str, gdid: GDID, tab
         return deleted
 
 
-def _examine(store: Any, area: str, server: str, gdid: GDID, tables: Sequence[AreaTable], unfinished: _Unfinished, repair: bool) -> Finding:
-    """A briefcase with rows on a server it is not routed to: unfinished move, leftover copy or misplaced."""
+@dataclass(frozen=True)
+class _Copies:
+    """How one server's kind compares a briefcase's data with the owner's copy and removes a verified leftover."""
+
+    noun: str
+    """rows | documents"""
+    differ: Callable[[str, GDID], str]
+    """(owner, gdid) -> what the owner lacks or holds differently, "" when the data here is a copy of the owner's."""
+    remove: Callable[[str, GDID], int | None]
+    """(owner, gdid) -> how much was deleted; None when the check under the lock no longer holds."""
+
+
+def _sql_copies(store: Any, area: str, server: str, tables: Sequence[AreaTable]) -> _Copies:
+    def differ(owner: str, gdid: GDID) -> str:
+        with store.transaction(server) as here:
+            n = _foreign_rows(store, owner, tables, gdid, here)
+        return f"{n} row(s)" if n else ""
+
+    return _Copies("rows", differ, lambda owner, gdid: _remove_copy(store, area, server, owner, gdid, tables))
+
+
+def _examine(store: Any, area: str, server: str, gdid: GDID, copies: _Copies, unfinished: _Unfinished, repair: bool) -> Finding:
+    """A briefcase with data on a server it is not routed to: unfinished move, leftover copy or misplaced."""
     if gdid in unfinished.briefcases:
         ids = ", ".join(m for m, e in unfinished.moves.items() if e.gdid == gdid)
-        return Finding("unfinished_move", server, gdid, f"rows of a briefcase whose move {ids} is unfinished", RESUME)
+        return Finding("unfinished_move", server, gdid, f"{copies.noun} of a briefcase whose move {ids} is unfinished", RESUME)
     owner = store.router.locate(area, gdid).server
-    with store.transaction(server) as here:
-        differing = _foreign_rows(store, owner, tables, gdid, here)
+    differing = copies.differ(owner, gdid)
     if differing:
-        return Finding("misplaced", server, gdid, f"{differing} row(s) that {owner!r}, where the briefcase is routed, lacks "
+        return Finding("misplaced", server, gdid, f"{differing} that {owner!r}, where the briefcase is routed, lacks "
                        "or holds differently; not removed (it may be the only copy)")
-    detail = f"a copy of rows {owner!r} holds (the briefcase is routed there)"
+    detail = f"a copy of {copies.noun} {owner!r} holds (the briefcase is routed there)"
     if not repair:
         return Finding("leftover_copy", server, gdid, detail)
-    deleted = _remove_copy(store, area, server, owner, gdid, tables)
+    deleted = copies.remove(owner, gdid)
     if deleted is None:
         return Finding("leftover_copy", server, gdid, detail + "; changed while repairing, left as it is (run fsck again)")
-    return Finding("leftover_copy", server, gdid, f"{detail}; deleted {deleted} row(s) here", "repaired")
+    return Finding("leftover_copy", server, gdid, f"{detail}; deleted {deleted} {copies.noun[:-1]}(s) here", "repaired")
 
 
 def _central(store: Any, indexes: list[type[CentralIndex]]) -> list[Finding]:
@@ -268,28 +288,16 @@ def _remove_documents(store: Any, area: str, server: str, gdid: GDID) -> int | N
     return deleted
 
 
-def _examine_documents(store: Any, area: str, server: str, gdid: GDID, unfinished: _Unfinished, repair: bool) -> Finding:
-    """Documents of a briefcase on a MongoDB server it is not routed to: unfinished move, leftover copy or misplaced.
+def _document_copies(store: Any, area: str, server: str) -> _Copies:
+    """Documents are a copy when, per collection, count and SHA-256 of the canonical BSON equal the owner's
+    (:func:`mdb.mongo.moves.checksums`, what document moves verify with); a leftover is deleted
+    under the briefcase's guard there, checked again under it."""
 
-    A leftover is a copy equal, per collection, to what the owner holds (document count and the
-    SHA-256 of the canonical BSON, :func:`mdb.mongo.moves.checksums`, what document moves verify
-    with); ``repair`` deletes it under the briefcase's guard there, checked again under it.
-    """
-    if gdid in unfinished.briefcases:
-        ids = ", ".join(m for m, e in unfinished.moves.items() if e.gdid == gdid)
-        return Finding("unfinished_move", server, gdid, f"documents of a briefcase whose move {ids} is unfinished", RESUME)
-    owner = store.router.locate(area, gdid).server
-    differing = _documents_differ(store, area, server, owner, gdid)
-    if differing:
-        return Finding("misplaced", server, gdid, f"documents ({', '.join(differing)}) that {owner!r}, where the briefcase is "
-                       "routed, lacks or holds differently; not removed (it may be the only copy)")
-    detail = f"a copy of documents {owner!r} holds (the briefcase is routed there)"
-    if not repair:
-        return Finding("leftover_copy", server, gdid, detail)
-    deleted = _remove_documents(store, area, server, gdid)
-    if deleted is None:
-        return Finding("leftover_copy", server, gdid, detail + "; changed while repairing, left as it is (run fsck again)")
-    return Finding("leftover_copy", server, gdid, f"{detail}; deleted {deleted} document(s) here", "repaired")
+    def differ(owner: str, gdid: GDID) -> str:
+        found = _documents_differ(store, area, server, owner, gdid)
+        return f"documents ({', '.join(found)})" if found else ""
+
+    return _Copies("documents", differ, lambda owner, gdid: _remove_documents(store, area, server, gdid))
 
 
 def _repair_document_fence(store: Any, area: str, server: str, state: BriefcaseStateRow, data: AreaData, finding: Finding) -> Finding:
@@ -324,6 +332,7 @@ def fsck(store: Any, area: str, *, repair: bool = False) -> FsckReport:
     for server in servers:
         sql = store.map.kind_of(server) == SQL
         scan = scan_of(store, server, data)
+        copies = _sql_copies(store, area, server, tables) if sql else _document_copies(store, area, server)
         suspects: list[GDID] = []
         expected = relocated.get(server, set())
         for gdid in scan.keys():
@@ -333,8 +342,7 @@ def fsck(store: Any, area: str, *, repair: bool = False) -> FsckReport:
                 suspects.append(gdid)
         states = [s for s in scan.states() if _odd_state(store, area, server, s, unfinished)]
         for gdid in suspects:
-            report.findings.append(_examine(store, area, server, gdid, tables, unfinished, repair) if sql
-                                   else _examine_documents(store, area, server, gdid, unfinished, repair))
+            report.findings.append(_examine(store, area, server, gdid, copies, unfinished, repair))
         for state in states:
             finding, safe = _state_finding(store, area, server, state, data, unfinished)
             if safe and repair:
