@@ -1,7 +1,10 @@
 """``mdb fsck``: what lies on an area's shards that the routing does not explain, and which of it is safe to remove.
 
-Every server of the area (layout plus relocation targets) is scanned twice, both streamed:
-its briefcases (:func:`mdb.fleet.scan.briefcase_sizes`) and its state rows. Each briefcase is
+Every server of the area (layout plus relocation targets) is scanned twice through its
+backend's :class:`~mdb.backends.base.AreaScan`, both streamed: its briefcase keys and its state
+rows (SQL tables or MongoDB collections alike; comparing and removing copies is per kind,
+:class:`_Copies`: per-row checksums and the SQL move lock, or per-collection BSON checksums and
+the document guard). Each briefcase is
 routed with ``store.router`` (map + relocation directory); one whose rows sit on a server the
 router does not send it to is a *suspect*, examined afterwards (suspects are few; the keys of a
 shard are never held in memory). Findings:
