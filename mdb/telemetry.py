@@ -52,6 +52,7 @@ __all__ = [
     "move_finished",
     "move_step",
     "move_verification_failed",
+    "observed_documents",
     "observed_session",
     "ownership_refused",
     "stale_retry",
@@ -216,6 +217,23 @@ def observed_session(method: _SessionMethod[_S]) -> _SessionMethod[_S]:
         return _ObservedSession(method(store, btype, gdid, readonly=readonly, exclusive=exclusive), btype.area)
 
     return briefcase
+
+
+def observed_documents(method: _SessionMethod[_S]) -> _SessionMethod[_S]:
+    """Decorate ``MongoStore.documents``: a document briefcase context counts and spans as a session.
+
+    The same series as SQL sessions (``mdb.briefcase.sessions`` by area, server, outcome; span
+    ``mdb.briefcase``): an area is either SQL or documents, so the area tells them apart, and a
+    dashboard of sessions per shard covers both kinds without a second metric.
+    """
+
+    @wraps(method)
+    def documents(mongo: Any, dtype: Any, gdid: Any, *, readonly: bool = False) -> AbstractContextManager[_S]:
+        if not sdk_installed():
+            return method(mongo, dtype, gdid, readonly=readonly)
+        return _ObservedSession(method(mongo, dtype, gdid, readonly=readonly), dtype.area)
+
+    return documents
 
 
 def ownership_refused(area: str, server: str, exc: BaseException) -> None:

@@ -23,11 +23,12 @@ USERS = [GDID(0, 0, i) for i in range(1, 25)]
 
 
 def build_skewed(urls: list[str], tmp_path: Path) -> Cluster:
-    """4 shards; the briefcases u1 owns (counter % 4 == 0) have 3x the orders of the others."""
+    """4 shards; u1 holds 3x the bytes of each other shard (issue 17): its briefcases (counter % 4 == 0) have
+    10 orders, the others 3 (with the user row, 10 orders weigh 3x what 3 do)."""
     cluster = make_cluster(dict(zip(["c", *SHARDS], urls)), tmp_path, [("0:0:0", SHARDS)])
     with cluster.store() as store:
         for g in USERS:
-            create_user(store, g, orders=9 if g.counter % 4 == 0 else 3, lines=3)
+            create_user(store, g, orders=10 if g.counter % 4 == 0 else 3, lines=3)
     return cluster
 
 
@@ -58,7 +59,7 @@ def test_balance_counts_agree_with_per_briefcase_measurement_and_show_the_skew(s
     assert all(s.disk_bytes is not None and s.disk_bytes > 0 for s in report.servers)
     skew = report.skew("bytes")
     assert max(skew, key=lambda k: skew[k]) == "u1" and skew["u1"] > 0.5, skew
-    assert [srv for srv, _ in report.largest()] == ["u1"] * 3, "the largest briefcases are u1's 9-order ones"
+    assert [srv for srv, _ in report.largest()] == ["u1"] * 3, "the largest briefcases are u1's 10-order ones"
 
 
 def test_balance_cli_json_and_table(skewed: Cluster) -> None:
@@ -86,11 +87,11 @@ def test_the_scan_streams_through_server_side_cursors(skewed: Cluster, monkeypat
     """Bounded memory: while the first briefcase is handed out, the rest are still in open cursors on the server."""
     from sqlalchemy import text
 
-    import mdb.fleet.scan as scan
+    import mdb.backends.sqlscan as scan
 
     monkeypatch.setattr(scan, "STREAM_BATCH", 2)
     with skewed.store() as store, store.transaction("u1") as conn:
-        sizes = scan.briefcase_sizes(conn, area_tables(store, "user"))
+        sizes = scan.briefcase_sizes(conn, [(at.table, at.key) for at in area_tables(store, "user")])
         first = next(sizes)
         cursors = conn.execute(text("SELECT count(*) FROM pg_cursors")).scalar_one()
         rest = list(sizes)

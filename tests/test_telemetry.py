@@ -350,3 +350,57 @@ def test_without_an_sdk_the_session_is_not_wrapped_and_an_sdk_installed_later_co
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "map.yaml")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "_GeneratorContextManager", "_ObservedSession", "True"]
+
+
+def test_document_sessions_stale_route_and_fan_out_count_like_sql_ones_without_a_gdid_label(otel: Otel, mongo_env: Any) -> None:
+    """The document side (fake MongoDB): sessions, one error, one stale route after a move, a fan-out and a count."""
+    from mongohelp import UserDocs
+
+    from mdb.mongo import MongoStore
+    from mdb.mongo.moves import move_documents
+
+    store = mongo_env.store(3)
+    stale = Store.from_yaml(store.map_path, types=[])
+    MongoStore.attach(stale, client_factory=mongo_env.factory, types=[UserDocs])
+    try:
+        users = [GDID(0, 0, i) for i in range(1, 5)]
+        home = {g: store.router.locate("docs", g).server for g in users}
+        before = otel.values()
+        for g in users:
+            with store.documents(UserDocs, g) as bc:
+                bc.root.insert_one({"email": f"{g}@x"})
+        with pytest.raises(ZeroDivisionError), store.documents(UserDocs, users[0], readonly=True):
+            1 / 0  # noqa: B018 - an application error inside the context
+        expected: Counter[Series] = Counter(s("mdb.briefcase.sessions", area="docs", server=home[g], outcome="ok") for g in users)
+        expected[s("mdb.briefcase.sessions", area="docs", server=home[users[0]], outcome="error")] += 1
+        assert otel.delta(before) == dict(expected)
+        spans = [sp for sp in otel.finished_spans() if sp.name == "mdb.briefcase"][-5:]
+        assert [(sp.attributes or {}).get("mdb.area") for sp in spans] == ["docs"] * 5
+
+        # a move; ``stale`` routed before it is refused on the source (fenced), refreshes, retries on the target
+        stale.router  # noqa: B018 - load the relocation directory now, so it goes stale
+        source = home[users[0]]
+        target = next(srv for srv in ("m1", "m2", "m3") if srv != source)
+        move_documents(store, UserDocs, users[0], target)
+        before = otel.values()
+        with stale.documents(UserDocs, users[0], readonly=True) as bc:
+            assert bc.placement.server == target
+        assert otel.delta(before) == {
+            s("mdb.ownership.refusals", area="docs", server=source, reason="stale_route"): 1,
+            s("mdb.route.stale_retries", area="docs", server=source, reason="stale_route"): 1,
+            s("mdb.briefcase.sessions", area="docs", server=target, outcome="ok"): 1,
+        }
+
+        # fan-out and count over documents: one duration per shard read
+        before = otel.values()
+        found = store.mongo.fan_out("docs", "users")
+        assert len(found) == len(users)
+        assert store.mongo.fan_out_count("docs", "users") == len(users)
+        assert otel.delta(before) == {s("mdb.fanout.shard.duration", server=srv, outcome="ok"): 2 for srv in found.servers}
+
+        keys = [str(g) for g in users] + [g.hex for g in users] + [f"{g}@x" for g in users]
+        assert_no_gdid_or_key(otel.all_label_values(), keys)
+        assert_no_gdid_or_key([v for sp in otel.finished_spans() for v in (sp.attributes or {}).values()], keys)
+    finally:
+        stale.close()
+        store.close()

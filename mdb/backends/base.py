@@ -15,7 +15,7 @@ satisfies it structurally.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
@@ -30,7 +30,7 @@ from mdb.retry import SessionRetry
 from mdb.router import Placement, Router, ShardLayout
 
 __all__ = [
-    "Backend", "CollectionSpec", "DocumentServers", "HasDocuments", "IndexSpec", "SchemaOutcome", "ServerSchema",
+    "AreaData", "AreaScan", "Backend", "BriefcaseSize", "BriefcaseStateRow", "CollectionSpec", "DocumentServers", "HasDocuments", "IndexSpec", "SchemaOutcome", "ServerSchema",
     "Servers", "documents_of", "open_routed",
 ]
 
@@ -142,6 +142,76 @@ class SchemaOutcome:
             (self.kept if area in already else self.stamped).append(area)
 
 
+@dataclass(frozen=True)
+class AreaData:
+    """Where an area's briefcases live on a server, as the fleet tools scan them.
+
+    Computed from the declared types by the caller (the backends sit below the types): SQL
+    tables with their briefcase key column, document collections with their key field. Each
+    backend reads the part of its kind.
+    """
+
+    area: str
+    tables: Sequence[tuple[Table, str]] = ()
+    """(table, name of its GDID key column), SQL servers."""
+    collections: Sequence[tuple[str, str]] = ()
+    """(collection name, name of its GDID key field), MongoDB servers."""
+
+
+@dataclass(frozen=True)
+class BriefcaseSize:
+    """One briefcase's data on one server: rows (documents), bytes, which tables (collections) hold it."""
+
+    gdid: GDID
+    rows: int
+    bytes: int
+    tables: tuple[str, ...]
+    """Tables (collections) holding at least one row (document) of the briefcase on this server."""
+
+
+@dataclass(frozen=True)
+class BriefcaseStateRow:
+    """One briefcase state record on a server (``mdb_briefcase_state``: a fence, incoming, resident, frozen)."""
+
+    gdid: GDID
+    state: str
+    peer: str | None
+    move_id: str | None
+
+
+class AreaScan(ABC):
+    """One server's briefcases of one area, read for ``mdb balance``/``fsck``/``rebalance``.
+
+    Every iterator streams (a server-side cursor, batches): a shard's keys are never all in
+    memory. Each call is its own read (transaction where the kind has them), so a scan is not a
+    snapshot of the server; the fleet tools re-check what they act on.
+    """
+
+    @abstractmethod
+    def sizes(self) -> Iterator[BriefcaseSize]:
+        """Every briefcase with data on this server, in GDID order, with its rows and bytes.
+
+        Bytes are the data's own size, what a move of the briefcase carries (SQL: row sizes;
+        MongoDB: BSON document sizes), not the storage engine's pages.
+        """
+
+    @abstractmethod
+    def keys(self) -> Iterator[GDID]:
+        """Every briefcase with data on this server, in GDID order (cheaper than :meth:`sizes`)."""
+
+    @abstractmethod
+    def rows_of(self, gdid: GDID) -> int:
+        """Rows (documents) of one briefcase on this server."""
+
+    @abstractmethod
+    def storage_bytes(self) -> int | None:
+        """What the area's tables (collections) occupy on disk incl. indexes; None when the server cannot say."""
+
+    @abstractmethod
+    def states(self) -> Iterator[BriefcaseStateRow]:
+        """The area's briefcase state records on this server, in GDID order."""
+
+
 class Backend(ABC):
     """The server-side half of every feature, for the servers of one kind.
 
@@ -176,6 +246,10 @@ class Backend(ABC):
 
         A stamp that differs from the map is a problem, never overwritten (``mdb map apply``).
         """
+
+    @abstractmethod
+    def scan(self, cluster: Servers, server: str, data: AreaData) -> AreaScan:
+        """Read access to ``data``'s briefcases on ``server`` for the fleet tools (balance, fsck, rebalance)."""
 
     @abstractmethod
     def translate(self, cluster: Servers, server: str, exc: Exception) -> MdbError | None:

@@ -9,15 +9,28 @@ pymongo itself is never imported here, so the registry can load this module with
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Iterator
 from typing import Any, ClassVar, Final
 
-from mdb.backends.base import Backend, SchemaOutcome, Servers, ServerSchema, documents_of
+from mdb.backends.base import (
+    AreaData,
+    AreaScan,
+    Backend,
+    BriefcaseSize,
+    BriefcaseStateRow,
+    SchemaOutcome,
+    Servers,
+    ServerSchema,
+    documents_of,
+)
 from mdb.errors import MdbError
 from mdb.gdid import GDID
 from mdb.router import ShardLayout
+from mdb.system_tables import briefcase_state
 from mdb.urls import MONGO
 
-__all__ = ["LAYOUT", "RELOCATIONS", "MongoBackend", "stamp_layout"]
+__all__ = ["LAYOUT", "RELOCATIONS", "MongoAreaScan", "MongoBackend", "stamp_layout"]
 
 LAYOUT: Final = "mdb_shard_layout"
 RELOCATIONS: Final = "mdb_relocations"
@@ -44,6 +57,83 @@ def stamp_layout(db: Any, layout: ShardLayout, map_version: int, *, replace: boo
         )
     db[LAYOUT].update_one({"_id": layout.area}, {"$set": {**wanted, "map_version": map_version}})
     return None
+
+
+STREAM_BATCH: Final = 1000
+"""Documents fetched per cursor batch by the scans."""
+
+
+class MongoAreaScan(AreaScan):
+    """An area's collections on one MongoDB server (each call its own reads, no transaction).
+
+    Per briefcase: documents and their BSON sizes (``bson.encode``), what a move copies, summed
+    by the client while it streams each collection sorted by the briefcase key (the key's index
+    serves the sort; GDIDs are 12-byte binaries, which BSON orders like the GDIDs). The server's
+    own storage figure (``$collStats`` storage size + index size) is reported as storage bytes
+    where the server answers it; the in-process fake does not implement ``$collStats`` (None).
+    """
+
+    def __init__(self, cluster: Servers, server: str, data: AreaData) -> None:
+        self.cluster = cluster
+        self.server = server
+        self.data = data
+
+    def _db(self) -> Any:
+        return documents_of(self.cluster).database(self.server)
+
+    def _stream(self, name: str, key: str, projection: dict[str, int] | None) -> Iterator[tuple[bytes, str, dict[str, Any]]]:
+        cursor = self._db()[name].find({key: {"$type": "binData"}}, projection, sort=[(key, 1)], batch_size=STREAM_BATCH)
+        for doc in cursor:
+            yield bytes(doc[key]), name, doc
+
+    def sizes(self) -> Iterator[BriefcaseSize]:
+        import bson  # pymongo's: present wherever a MongoDB server is reachable
+
+        merged = heapq.merge(*(self._stream(n, k, None) for n, k in self.data.collections), key=lambda item: item[0])
+        current: bytes | None = None
+        docs = size = 0
+        names: list[str] = []
+        for key, name, doc in merged:
+            if key != current:
+                if current is not None:
+                    yield BriefcaseSize(GDID.from_bytes(current), docs, size, tuple(names))
+                current, docs, size, names = key, 0, 0, []
+            docs += 1
+            size += len(bson.encode(doc))
+            if not names or names[-1] != name:
+                names.append(name)
+        if current is not None:
+            yield BriefcaseSize(GDID.from_bytes(current), docs, size, tuple(names))
+
+    def keys(self) -> Iterator[GDID]:
+        streams = (self._stream(n, k, {k: 1, "_id": 0}) for n, k in self.data.collections)
+        last: bytes | None = None
+        for key, _, _ in heapq.merge(*streams, key=lambda item: item[0]):
+            if key != last:
+                last = key
+                yield GDID.from_bytes(key)
+
+    def rows_of(self, gdid: GDID) -> int:
+        db = self._db()
+        return sum(int(db[n].count_documents({k: bytes(gdid)})) for n, k in self.data.collections)
+
+    def storage_bytes(self) -> int | None:
+        db = self._db()
+        total = 0
+        for name, _ in self.data.collections:
+            try:
+                stats = db[name].aggregate([{"$collStats": {"storageStats": {}}}])
+            except NotImplementedError:  # mongomock-ng (the fake): no storage engine to ask
+                return None
+            for part in stats:  # one per shard of a sharded collection
+                storage = part.get("storageStats", {})
+                total += int(storage.get("storageSize", 0)) + int(storage.get("totalIndexSize", 0))
+        return total
+
+    def states(self) -> Iterator[BriefcaseStateRow]:
+        found = self._db()[briefcase_state.name].find({"area": self.data.area}, sort=[("_id", 1)], batch_size=STREAM_BATCH)
+        for doc in found:
+            yield BriefcaseStateRow(GDID.from_bytes(doc["gdid"]), doc["state"], doc.get("peer"), doc.get("move_id"))
 
 
 class MongoBackend(Backend):
@@ -83,6 +173,9 @@ class MongoBackend(Backend):
         for layout in schema.layouts:
             outcome.record_stamp(layout.area, stamp_layout(db, layout, schema.map_version, replace=False), already)
         return outcome
+
+    def scan(self, cluster: Servers, server: str, data: AreaData) -> AreaScan:
+        return MongoAreaScan(cluster, server, data)
 
     def translate(self, cluster: Servers, server: str, exc: Exception) -> MdbError | None:
         return documents_of(cluster).translate(server, exc)

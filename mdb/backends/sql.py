@@ -15,7 +15,7 @@ from sqlalchemy import Column, DateTime, String, Table, delete, func, insert, se
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Connection
 
-from mdb.backends.base import Backend, SchemaOutcome, Servers, ServerSchema
+from mdb.backends.base import AreaData, AreaScan, Backend, SchemaOutcome, Servers, ServerSchema
 from mdb.errors import MdbError
 from mdb.gdid import GDID
 from mdb.ownership import install_pg_functions
@@ -125,6 +125,11 @@ class SqlBackend(Backend):
                 outcome.record_stamp(layout.area, stamp_layout(conn, layout, schema.map_version, replace=False), already)
             outcome.differences = list(compare_tables(conn, schema.tables, known=schema.known_tables))
         return outcome
+
+    def scan(self, cluster: Servers, server: str, data: AreaData) -> AreaScan:
+        from mdb.backends.sqlscan import SqlAreaScan  # the fleet tools' reads, loaded when a tool runs
+
+        return SqlAreaScan(cluster, server, data)
 
     def translate(self, cluster: Servers, server: str, exc: Exception) -> MdbError | None:
         # Store.transaction already turned driver errors into mdb errors naming the server.

@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, fail, open_store
+from mdb.cli.metrics import MetricsPortOpt, serve_metrics
 from mdb.fleet.balance import MEASURES, AreaBalance, Measure, balance
 from mdb.fleet.fsck import FsckReport, fsck
 from mdb.fleet.rebalance import PlannedMove, RebalancePlan, apply_plan, plan_rebalance
@@ -53,7 +54,7 @@ def _print_balance(report: AreaBalance) -> None:
     peak = max((s.bytes for s in report.measured()), default=0)
     for s in report.servers:
         if not s.measured:
-            table.add_row(escape(s.server), "not measured (MongoDB)", "", "", "", "", "")
+            table.add_row(escape(s.server), "not measured", "", "", "", "", "")
             continue
         bar = "█" * (round(BAR_WIDTH * s.bytes / peak) if peak else 0)
         table.add_row(escape(s.server), str(s.briefcases), str(s.rows), _size(s.bytes), _size(s.disk_bytes),
@@ -92,7 +93,7 @@ def balance_cmd(
 def _print_fsck(report: FsckReport) -> None:
     checked = f"{len(report.servers) - len(report.not_checked)} server(s), {report.briefcases} briefcase(s)"
     if report.not_checked:
-        console.print(f"area {escape(report.area)}: not checked (MongoDB): {escape(', '.join(report.not_checked))}")
+        console.print(f"area {escape(report.area)}: not checked: {escape(', '.join(report.not_checked))}")
     if not report.central_indexes:
         console.print(f"area {escape(report.area)}: no CENTRAL index declared, CENTRAL not checked (list the module "
                       "that declares them under models: in the map)")
@@ -149,6 +150,7 @@ def rebalance_cmd(
     max_moves: Annotated[int, typer.Option("--max-moves", metavar="N", help="At most N moves.", min=1)] = 100,
     max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Each move's bound on its write pause.", min=0.0)] = DEFAULT_MAX_PAUSE,
     as_json: JsonOpt = False,
+    metrics_port: MetricsPortOpt = None,
 ) -> None:
     """Plan single-briefcase moves that even AREA's bytes, rows or briefcases over its servers (--plan), or run them (--apply)."""
     if plan_only == apply:
@@ -156,7 +158,7 @@ def rebalance_cmd(
     if by not in MEASURES:
         fail(f"--by {by!r}: expected one of {', '.join(MEASURES)}")
     measure = cast(Measure, by)  # checked against MEASURES above
-    with open_store(map_path) as store:
+    with serve_metrics(metrics_port), open_store(map_path) as store:
         list(store.router.partitions(area))  # an unknown area: RoutingError (exit 2)
         plan = plan_rebalance(store, area, by=measure, max_moves=max_moves)
         if not as_json:

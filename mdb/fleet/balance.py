@@ -1,29 +1,23 @@
 """``mdb balance``: how evenly an area's briefcases, rows and bytes are spread over its servers.
 
-Every server of the area's layout plus every relocation target is scanned with
-:func:`mdb.fleet.scan.briefcase_sizes` (streamed, bounded memory). Per server: briefcases,
-rows, bytes (the rows' own sizes, what moves carry) and disk bytes (PostgreSQL relation sizes
-incl. indexes and TOAST; SQLite pages of the area's tables from ``dbstat``). Disk bytes are
-shown, not balanced on: they keep dead rows until VACUUM, so a move does not lower them at
-once. Skew of a server = (its value - mean) / mean; the area's skew is the largest absolute one.
-MongoDB servers are listed as not measured.
+Every server of the area's layout plus every relocation target is scanned through its
+backend (:meth:`mdb.backends.base.AreaScan.sizes`, streamed, bounded memory), SQL and MongoDB
+alike. Per server: briefcases, rows (documents on MongoDB), bytes (the rows' own sizes or the
+documents' BSON sizes: what moves carry) and disk bytes (PostgreSQL relation sizes incl.
+indexes and TOAST; SQLite pages of the area's tables from ``dbstat``; MongoDB ``$collStats``
+storage and index sizes, unknown on the in-process fake). Disk bytes are shown, not balanced
+on: they keep dead rows until VACUUM (compaction), so a move does not lower them at once. Skew
+of a server = (its value - mean) / mean; the area's skew is the largest absolute one.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from sqlalchemy import text
-from sqlalchemy.engine import Connection
-
 from mdb.cluster import Cluster
-from mdb.fleet.scan import BriefcaseSize, briefcase_sizes
-from mdb.moves.copy import AreaTable, is_postgres
-from mdb.moves.move import area_tables
-from mdb.urls import MONGO
+from mdb.fleet.scan import AreaData, BriefcaseSize, area_data, scan_of
 
 __all__ = ["MEASURES", "AreaBalance", "Measure", "ServerBalance", "area_servers", "balance", "skew_of"]
 
@@ -94,49 +88,27 @@ def area_servers(store: Cluster, area: str) -> list[str]:
     return out
 
 
-def disk_bytes(conn: Connection, tables: Sequence[AreaTable]) -> int | None:
-    """On-disk size of the area's tables on this server (None where the server cannot say)."""
-    names = [at.name for at in tables]
-    if is_postgres(conn):
-        query = text("SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
-                     "WHERE c.relkind = 'r' AND c.relnamespace = 'public'::regnamespace AND c.relname = ANY(:names)")
-        return int(conn.execute(query, {"names": names}).scalar_one())
-    if conn.dialect.name == "sqlite":
-        if conn.execute(text("SELECT count(*) FROM pragma_module_list WHERE name = 'dbstat'")).scalar_one() == 0:
-            return None  # a SQLite built without the dbstat table: disk size unknown
-        marks = ", ".join(f":n{i}" for i in range(len(names)))
-        query = text(f"SELECT coalesce(sum(pgsize), 0) FROM dbstat WHERE name IN "
-                     f"(SELECT name FROM sqlite_master WHERE tbl_name IN ({marks}))")  # tables and their indexes
-        return int(conn.execute(query.bindparams(**{f"n{i}": n for i, n in enumerate(names)})).scalar_one())
-    return None
-
-
-def measure_server(store: Cluster, server: str, tables: Sequence[AreaTable], top: int) -> ServerBalance:
+def measure_server(store: Cluster, server: str, data: AreaData, top: int) -> ServerBalance:
     """One server's totals, its ``top`` largest briefcases (a bounded heap) and its disk bytes."""
-    if store.map.kind_of(server) == MONGO:  # document servers: no SQL tables to scan
-        return ServerBalance(server, measured=False)
+    scan = scan_of(store, server, data)
     out = ServerBalance(server)
     heap: list[tuple[int, int, bytes, BriefcaseSize]] = []
-    with store.transaction(server) as conn:
-        for b in briefcase_sizes(conn, tables):
-            out.briefcases += 1
-            out.rows += b.rows
-            out.bytes += b.bytes
-            item = (b.bytes, b.rows, bytes(b.gdid), b)
-            if len(heap) < top:
-                heapq.heappush(heap, item)
-            elif top:
-                heapq.heappushpop(heap, item)
-        out.disk_bytes = disk_bytes(conn, tables)
+    for b in scan.sizes():
+        out.briefcases += 1
+        out.rows += b.rows
+        out.bytes += b.bytes
+        item = (b.bytes, b.rows, bytes(b.gdid), b)
+        if len(heap) < top:
+            heapq.heappush(heap, item)
+        elif top:
+            heapq.heappushpop(heap, item)
+    out.disk_bytes = scan.storage_bytes()
     out.largest = [item[3] for item in sorted(heap, reverse=True)]
     return out
 
 
 def balance(store: Cluster, area: str, *, top: int = 5) -> AreaBalance:
-    """Measure every server of ``area`` (fresh map and relocations first)."""
+    """Measure every server of ``area`` (fresh map and relocations first), whatever its kind."""
     store.refresh()
-    servers = area_servers(store, area)
-    if all(store.map.kind_of(s) == MONGO for s in servers):  # document areas: no SQL tables to scan
-        return AreaBalance(area, [ServerBalance(s, measured=False) for s in servers], top)
-    tables = area_tables(store, area)
-    return AreaBalance(area, [measure_server(store, s, tables, top) for s in servers], top)
+    data = area_data(store, area)
+    return AreaBalance(area, [measure_server(store, s, data, top) for s in area_servers(store, area)], top)

@@ -1,7 +1,10 @@
 """``mdb fsck``: what lies on an area's shards that the routing does not explain, and which of it is safe to remove.
 
-Every server of the area (layout plus relocation targets) is scanned twice, both streamed:
-its briefcases (:func:`mdb.fleet.scan.briefcase_sizes`) and its state rows. Each briefcase is
+Every server of the area (layout plus relocation targets) is scanned twice through its
+backend's :class:`~mdb.backends.base.AreaScan`, both streamed: its briefcase keys and its state
+rows (SQL tables or MongoDB collections alike; comparing and removing copies is per kind,
+:class:`_Copies`: per-row checksums and the SQL move lock, or per-collection BSON checksums and
+the document guard). Each briefcase is
 routed with ``store.router`` (map + relocation directory); one whose rows sit on a server the
 router does not send it to is a *suspect*, examined afterwards (suspects are few; the keys of a
 shard are never held in memory). Findings:
@@ -27,24 +30,31 @@ shard are never held in memory). Findings:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete
 from sqlalchemy.engine import Connection
 
+from mdb.backends.base import AreaData, BriefcaseStateRow, documents_of
 from mdb.central.indexes import CentralIndex, registered_indexes
 from mdb.central.reconcile import check as central_check
 from mdb.fleet.balance import area_servers
-from mdb.fleet.scan import STREAM_BATCH, briefcase_sizes
+from mdb.fleet.scan import area_data, document_types, scan_of
 from mdb.gdid import GDID
+from mdb.mongo.moves import KIND as DOCUMENT_MOVE
+from mdb.mongo.hot import COUNTERS, STATS_LOCK
+from mdb.mongo.moves import checksums
+from mdb.mongo.shard_state import GUARD, STATE, guard_ids, set_guard, state_id
 from mdb.moves import verify
 from mdb.moves.copy import AreaTable, delete_rows, measure
 from mdb.moves.journal import Journal, JournalEntry
 from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, area_tables, locked_source
 from mdb.system_tables import STATE_FROZEN, STATE_GONE, STATE_INCOMING, briefcase_state
-from mdb.urls import SQL
+from mdb.urls import MONGO, SQL
 
 __all__ = ["Finding", "FsckReport", "fsck"]
 
@@ -100,14 +110,8 @@ class _Unfinished:
     @classmethod
     def of(cls, store: Any, area: str) -> _Unfinished:
         entries = [e for e in Journal(store).entries(unfinished=True) if e.area == area]
-        moves = {e.move_id: e for e in entries if e.kind == "move"}
+        moves = {e.move_id: e for e in entries if e.kind in ("move", DOCUMENT_MOVE)}
         return cls(moves, frozenset(e.gdid for e in moves.values() if e.gdid is not None), frozenset(e.move_id for e in entries if e.kind != "move"))
-
-
-def _state_rows(conn: Connection, area: str) -> Iterator[dict[str, Any]]:
-    query = select(briefcase_state).where(briefcase_state.c.area == area).order_by(briefcase_state.c.gdid)
-    for row in conn.execution_options(yield_per=STREAM_BATCH).execute(query).mappings():
-        yield dict(row)
 
 
 def _foreign_rows(store: Any, owner: str, tables: Sequence[AreaTable], gdid: GDID, here: Connection) -> int:
@@ -142,67 +146,44 @@ def _remove_copy(store: Any, area: str, server: str, owner: str, gdid: GDID, tab
         return deleted
 
 
-def _examine(store: Any, area: str, server: str, gdid: GDID, tables: Sequence[AreaTable], unfinished: _Unfinished, repair: bool) -> Finding:
-    """A briefcase with rows on a server it is not routed to: unfinished move, leftover copy or misplaced."""
+@dataclass(frozen=True)
+class _Copies:
+    """How one server's kind compares a briefcase's data with the owner's copy and removes a verified leftover."""
+
+    noun: str
+    """rows | documents"""
+    differ: Callable[[str, GDID], str]
+    """(owner, gdid) -> what the owner lacks or holds differently, "" when the data here is a copy of the owner's."""
+    remove: Callable[[str, GDID], int | None]
+    """(owner, gdid) -> how much was deleted; None when the check under the lock no longer holds."""
+
+
+def _sql_copies(store: Any, area: str, server: str, tables: Sequence[AreaTable]) -> _Copies:
+    def differ(owner: str, gdid: GDID) -> str:
+        with store.transaction(server) as here:
+            n = _foreign_rows(store, owner, tables, gdid, here)
+        return f"{n} row(s)" if n else ""
+
+    return _Copies("rows", differ, lambda owner, gdid: _remove_copy(store, area, server, owner, gdid, tables))
+
+
+def _examine(store: Any, area: str, server: str, gdid: GDID, copies: _Copies, unfinished: _Unfinished, repair: bool) -> Finding:
+    """A briefcase with data on a server it is not routed to: unfinished move, leftover copy or misplaced."""
     if gdid in unfinished.briefcases:
         ids = ", ".join(m for m, e in unfinished.moves.items() if e.gdid == gdid)
-        return Finding("unfinished_move", server, gdid, f"rows of a briefcase whose move {ids} is unfinished", RESUME)
+        return Finding("unfinished_move", server, gdid, f"{copies.noun} of a briefcase whose move {ids} is unfinished", RESUME)
     owner = store.router.locate(area, gdid).server
-    with store.transaction(server) as here:
-        differing = _foreign_rows(store, owner, tables, gdid, here)
+    differing = copies.differ(owner, gdid)
     if differing:
-        return Finding("misplaced", server, gdid, f"{differing} row(s) that {owner!r}, where the briefcase is routed, lacks "
+        return Finding("misplaced", server, gdid, f"{differing} that {owner!r}, where the briefcase is routed, lacks "
                        "or holds differently; not removed (it may be the only copy)")
-    detail = f"a copy of rows {owner!r} holds (the briefcase is routed there)"
+    detail = f"a copy of {copies.noun} {owner!r} holds (the briefcase is routed there)"
     if not repair:
         return Finding("leftover_copy", server, gdid, detail)
-    deleted = _remove_copy(store, area, server, owner, gdid, tables)
+    deleted = copies.remove(owner, gdid)
     if deleted is None:
         return Finding("leftover_copy", server, gdid, detail + "; changed while repairing, left as it is (run fsck again)")
-    return Finding("leftover_copy", server, gdid, f"{detail}; deleted {deleted} row(s) here", "repaired")
-
-
-def _odd_state(store: Any, area: str, server: str, state: dict[str, Any], unfinished: _Unfinished) -> bool:
-    """A state row the routing and the journal do not explain (a fence on a server moved away from is normal)."""
-    kind, gdid = state["state"], state["gdid"]
-    if kind == STATE_FROZEN:
-        return state["move_id"] not in unfinished.reshards
-    if kind == STATE_INCOMING:
-        return state["move_id"] not in unfinished.moves
-    here = store.router.locate(area, gdid).server == server
-    return here if kind == STATE_GONE else not here
-
-
-def _rows_of(store: Any, server: str, tables: Sequence[AreaTable], gdid: GDID) -> int:
-    with store.transaction(server) as conn:
-        return sum(n for n, _ in measure(conn, tables, gdid, with_bytes=False).values())
-
-
-def _examine_state(store: Any, area: str, server: str, state: dict[str, Any], tables: Sequence[AreaTable], unfinished: _Unfinished, repair: bool) -> Finding:
-    kind, gdid, peer = state["state"], state["gdid"], state["peer"]
-    if kind == STATE_FROZEN:
-        return Finding("stale_freeze", server, None, f"freeze marker of partition {peer} by {state['move_id']!r}, which the journal "
-                       "does not list as an unfinished reshard: writes of that partition wait; remove it by hand once sure no reshard runs")
-    if kind == STATE_INCOMING:
-        return Finding("stale_incoming", server, gdid, f"'incoming' row of move {state['move_id']!r}, which the journal "
-                       "does not list as unfinished (removed with its copy when that copy is a verified leftover)")
-    if kind != STATE_GONE:
-        return Finding("stale_resident", server, gdid, f"{kind!r} row here, but the relocation directory routes the "
-                       f"briefcase to {store.router.locate(area, gdid).server!r}")
-    detail = f"fence (moved to {peer!r}, move {state['move_id']!r}) on the server the briefcase is routed to: its sessions are refused"
-    peer_rows = _rows_of(store, peer, tables, gdid) if peer in store.map.servers else 0
-    safe = gdid not in unfinished.briefcases and peer_rows == 0 and _rows_of(store, server, tables, gdid) > 0
-    if not safe:
-        return Finding("stale_fence", server, gdid, detail + f"; not removed ({peer!r} holds {peer_rows} row(s) of it, or no row is here)")
-    if not repair:
-        return Finding("stale_fence", server, gdid, detail + f"; the rows are here and {peer!r} holds none: --repair removes it")
-    with locked_source(store, server, area, gdid, lock_wait=DEFAULT_LOCK_WAIT, max_pause=DEFAULT_MAX_PAUSE) as (conn, _):
-        if not sum(n for n, _ in measure(conn, tables, gdid, with_bytes=False).values()):  # checked again under the lock
-            return Finding("stale_fence", server, gdid, detail + "; changed while repairing, left as it is (run fsck again)")
-        conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid,
-                                                   briefcase_state.c.state == STATE_GONE))
-        conn.commit()
-    return Finding("stale_fence", server, gdid, detail + "; removed (the rows are here, the peer holds none)", "repaired")
+    return Finding("leftover_copy", server, gdid, f"{detail}; deleted {deleted} {copies.noun[:-1]}(s) here", "repaired")
 
 
 def _central(store: Any, indexes: list[type[CentralIndex]]) -> list[Finding]:
@@ -217,35 +198,160 @@ def _central(store: Any, indexes: list[type[CentralIndex]]) -> list[Finding]:
     ]
 
 
+def _odd_state(store: Any, area: str, server: str, state: BriefcaseStateRow, unfinished: _Unfinished) -> bool:
+    """A state row the routing and the journal do not explain (a fence on a server moved away from is normal)."""
+    if state.state == STATE_FROZEN:
+        return state.move_id not in unfinished.reshards
+    if state.state == STATE_INCOMING:
+        return state.move_id not in unfinished.moves
+    here = store.router.locate(area, state.gdid).server == server
+    return here if state.state == STATE_GONE else not here
+
+
+def _state_finding(store: Any, area: str, server: str, state: BriefcaseStateRow, data: AreaData, unfinished: _Unfinished) -> tuple[Finding, bool]:
+    """What an odd state row is, and whether removing it is provably safe (a fence whose peer holds nothing)."""
+    gdid, peer = state.gdid, state.peer
+    if state.state == STATE_FROZEN:
+        return Finding("stale_freeze", server, None, f"freeze marker of partition {peer} by {state.move_id!r}, which the journal "
+                       "does not list as an unfinished reshard: writes of that partition wait; remove it by hand once sure no reshard runs"), False
+    if state.state == STATE_INCOMING:
+        return Finding("stale_incoming", server, gdid, f"'incoming' row of move {state.move_id!r}, which the journal "
+                       "does not list as unfinished (removed with its copy when that copy is a verified leftover)"), False
+    if state.state != STATE_GONE:
+        return Finding("stale_resident", server, gdid, f"{state.state!r} row here, but the relocation directory routes the "
+                       f"briefcase to {store.router.locate(area, gdid).server!r}"), False
+    detail = f"fence (moved to {peer!r}, move {state.move_id!r}) on the server the briefcase is routed to: its sessions are refused"
+    peer_rows = scan_of(store, peer, data).rows_of(gdid) if peer is not None and peer in store.map.servers else 0
+    safe = gdid not in unfinished.briefcases and peer_rows == 0 and scan_of(store, server, data).rows_of(gdid) > 0
+    if not safe:
+        return Finding("stale_fence", server, gdid, detail + f"; not removed ({peer!r} holds {peer_rows} row(s) of it, or no row is here)"), False
+    return Finding("stale_fence", server, gdid, detail + f"; the rows are here and {peer!r} holds none: --repair removes it"), True
+
+
+def _repair_fence(store: Any, area: str, server: str, gdid: GDID, tables: Sequence[AreaTable], finding: Finding) -> Finding:
+    """Remove a safe stale fence on a SQL server under the briefcase's write lock (checked again there)."""
+    detail = finding.detail.split("; ")[0]
+    with locked_source(store, server, area, gdid, lock_wait=DEFAULT_LOCK_WAIT, max_pause=DEFAULT_MAX_PAUSE) as (conn, _):
+        if not sum(n for n, _ in measure(conn, tables, gdid, with_bytes=False).values()):  # checked again under the lock
+            return Finding("stale_fence", server, gdid, detail + "; changed while repairing, left as it is (run fsck again)")
+        conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid,
+                                                   briefcase_state.c.state == STATE_GONE))
+        conn.commit()
+    return Finding("stale_fence", server, gdid, detail + "; removed (the rows are here, the peer holds none)", "repaired")
+
+
+def _document_collections(store: Any, area: str) -> list[tuple[str, str]]:
+    """(collection, key field) of everything a document move carries: the types' collections, counters, stats locks."""
+    out: list[tuple[str, str]] = []
+    for dtype in document_types(store, area):
+        out += [(name, dtype.key) for name in (*dtype.collections, COUNTERS, STATS_LOCK)]
+    return list(dict.fromkeys(out))
+
+
+def _documents_differ(store: Any, area: str, server: str, owner: str, gdid: GDID) -> list[str]:
+    """Collections whose documents of ``gdid`` on ``server`` the owner lacks or holds differently (empty: a copy)."""
+    if store.map.kind_of(owner) != MONGO:
+        return [f"the owner {owner!r} is not a MongoDB server"]
+    mongo = documents_of(store)
+    here, there = mongo.database(server), mongo.database(owner)
+    differing: list[str] = []
+    for dtype in document_types(store, area):
+        mine, theirs = checksums(here, dtype, gdid), checksums(there, dtype, gdid)
+        differing += [name for name, (count, digest) in mine.items() if count and theirs.get(name) != (count, digest)]
+    return differing
+
+
+@contextmanager
+def _document_lock(store: Any, server: str, area: str, gdid: GDID) -> Iterator[Any]:
+    """The briefcase's guard on ``server`` held by fsck (as a document move holds its source): writers there wait.
+
+    On servers with transactions a write session in flight conflicts with the lock and is
+    retried after it; on a standalone server one already past its guard check may still write
+    (the same window document moves document). Yields the server's database; unlocked after.
+    """
+    db = documents_of(store).database(server)
+    set_guard(db, area, gdid, f"fsck-{uuid.uuid4().hex[:12]}")
+    try:
+        yield db
+    finally:
+        set_guard(db, area, gdid, None)
+
+
+def _remove_documents(store: Any, area: str, server: str, gdid: GDID) -> int | None:
+    """Delete a verified leftover document copy on ``server``, checked again under the guard (None: no longer one)."""
+    with _document_lock(store, server, area, gdid) as db:
+        store.refresh()
+        if (store.router.locate(area, gdid).server == server or gdid in _Unfinished.of(store, area).briefcases
+                or _documents_differ(store, area, server, store.router.locate(area, gdid).server, gdid)):
+            return None
+        deleted = sum(int(db[name].delete_many({key: bytes(gdid)}).deleted_count) for name, key in _document_collections(store, area))
+        # its incoming/resident record goes with the copy; a fence stays (stale routers still need it)
+        db[STATE].delete_one({"_id": state_id(area, gdid), "state": {"$ne": STATE_GONE}})
+    db[GUARD].delete_many({"_id": {"$in": guard_ids(area, gdid)}})  # no data of it here: its guard goes too
+    return deleted
+
+
+def _document_copies(store: Any, area: str, server: str) -> _Copies:
+    """Documents are a copy when, per collection, count and SHA-256 of the canonical BSON equal the owner's
+    (:func:`mdb.mongo.moves.checksums`, what document moves verify with); a leftover is deleted
+    under the briefcase's guard there, checked again under it."""
+
+    def differ(owner: str, gdid: GDID) -> str:
+        found = _documents_differ(store, area, server, owner, gdid)
+        return f"documents ({', '.join(found)})" if found else ""
+
+    return _Copies("documents", differ, lambda owner, gdid: _remove_documents(store, area, server, gdid))
+
+
+def _repair_document_fence(store: Any, area: str, server: str, state: BriefcaseStateRow, data: AreaData, finding: Finding) -> Finding:
+    """Remove a safe stale fence on a MongoDB server under the briefcase's guard (checked again there)."""
+    detail = finding.detail.split("; ")[0]
+    scan = scan_of(store, server, data)
+    with _document_lock(store, server, area, state.gdid) as db:
+        peer = state.peer
+        peer_rows = scan_of(store, peer, data).rows_of(state.gdid) if peer is not None and peer in store.map.servers else 0
+        if peer_rows or not scan.rows_of(state.gdid):
+            return Finding("stale_fence", server, state.gdid, detail + "; changed while repairing, left as it is (run fsck again)")
+        db[STATE].delete_one({"_id": state_id(area, state.gdid), "state": STATE_GONE, "move_id": state.move_id})
+    return Finding("stale_fence", server, state.gdid, detail + "; removed (the documents are here, the peer holds none)", "repaired")
+
+
 def fsck(store: Any, area: str, *, repair: bool = False) -> FsckReport:
-    """Check (and with ``repair`` fix what is provably safe) every server of ``area`` and its CENTRAL entries."""
+    """Check (and with ``repair`` fix what is provably safe) every server of ``area`` and its CENTRAL entries.
+
+    Every server is scanned through its backend (SQL and MongoDB alike); repairs take the
+    briefcase's write lock of the server's kind (SQL: the move machinery's; MongoDB: its guard).
+    """
     store.refresh()
     servers = area_servers(store, area)
     report = FsckReport(area, servers)
-    sql_servers = [s for s in servers if store.map.kind_of(s) == SQL]
-    report.not_checked = [s for s in servers if s not in sql_servers]
-    if not sql_servers:
-        return report
-    tables = area_tables(store, area)
+    data = area_data(store, area)
+    tables = area_tables(store, area) if data.tables else []
     unfinished = _Unfinished.of(store, area)
     relocated: dict[str, set[GDID]] = {}  # server -> briefcases the directory sends there (already in the router)
     for (a, g), target in store.router.relocations.items():
         if a == area:
             relocated.setdefault(target, set()).add(g)
-    for server in sql_servers:
+    for server in servers:
+        sql = store.map.kind_of(server) == SQL
+        scan = scan_of(store, server, data)
+        copies = _sql_copies(store, area, server, tables) if sql else _document_copies(store, area, server)
         suspects: list[GDID] = []
         expected = relocated.get(server, set())
-        with store.transaction(server) as conn:
-            for b in briefcase_sizes(conn, tables):
-                report.briefcases += 1
-                expected.discard(b.gdid)
-                if store.router.locate(area, b.gdid).server != server:
-                    suspects.append(b.gdid)
-            states = [s for s in _state_rows(conn, area) if _odd_state(store, area, server, s, unfinished)]
+        for gdid in scan.keys():
+            report.briefcases += 1
+            expected.discard(gdid)
+            if store.router.locate(area, gdid).server != server:
+                suspects.append(gdid)
+        states = [s for s in scan.states() if _odd_state(store, area, server, s, unfinished)]
         for gdid in suspects:
-            report.findings.append(_examine(store, area, server, gdid, tables, unfinished, repair))
+            report.findings.append(_examine(store, area, server, gdid, copies, unfinished, repair))
         for state in states:
-            report.findings.append(_examine_state(store, area, server, state, tables, unfinished, repair))
+            finding, safe = _state_finding(store, area, server, state, data, unfinished)
+            if safe and repair:
+                finding = (_repair_fence(store, area, server, state.gdid, tables, finding) if sql
+                           else _repair_document_fence(store, area, server, state, data, finding))
+            report.findings.append(finding)
         report.findings += [
             Finding("orphan_relocation", server, g, f"the relocation directory in CENTRAL sends the briefcase to {server!r}, "
                     "which holds no row of it; not changed (find it with `mdb where MAP AREA GDID`)")

@@ -1,6 +1,7 @@
 """``mdb rebalance``: a plan of single-briefcase moves that evens an area's bytes, rows or briefcases.
 
-Planning reads each server once (:func:`mdb.fleet.scan.briefcase_sizes`, streamed) and keeps
+Planning reads each server once through its backend (:meth:`mdb.backends.base.AreaScan.sizes`,
+streamed; SQL and MongoDB servers alike) and keeps
 its totals and, as move candidates, its :data:`CANDIDATES` largest briefcases by the chosen
 measure (a bounded heap: memory does not grow with the shard). Then, greedily, up to
 ``max_moves`` times: from the most loaded server to the least loaded one, move the candidate
@@ -23,10 +24,11 @@ from typing import Any
 
 from mdb.cluster import Cluster
 from mdb.fleet.balance import Measure, area_servers, skew_of
-from mdb.fleet.scan import BriefcaseSize, briefcase_sizes
+from mdb.fleet.scan import BriefcaseSize, area_data, scan_of
+from mdb.errors import MdbError
 from mdb.gdid import GDID
-from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult, area_tables, move_briefcase
-from mdb.urls import MONGO
+from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult, move_briefcase
+from mdb.urls import SQL
 
 __all__ = ["CANDIDATES", "PlannedMove", "RebalancePlan", "apply_plan", "plan_rebalance"]
 
@@ -71,25 +73,22 @@ def _value(b: BriefcaseSize, by: Measure) -> int:
 
 def _survey(store: Cluster, area: str, by: Measure) -> tuple[dict[str, int], dict[str, list[tuple[int, GDID]]]]:
     """server -> total, and server -> its CANDIDATES largest (size, gdid) briefcases routed to it."""
-    tables = area_tables(store, area)
+    data = area_data(store, area)
     totals: dict[str, int] = {}
     candidates: dict[str, list[tuple[int, GDID]]] = {}
     for server in area_servers(store, area):
-        if store.map.kind_of(server) == MONGO:
-            continue
         total = 0
         heap: list[tuple[int, bytes, GDID]] = []
-        with store.transaction(server) as conn:
-            for b in briefcase_sizes(conn, tables):
-                if store.router.locate(area, b.gdid).server != server:
-                    continue  # a leftover or a move in flight (mdb fsck): not this server's load
-                size = _value(b, by)
-                total += size
-                item = (size, bytes(b.gdid), b.gdid)
-                if len(heap) < CANDIDATES:
-                    heapq.heappush(heap, item)
-                else:
-                    heapq.heappushpop(heap, item)
+        for b in scan_of(store, server, data).sizes():
+            if store.router.locate(area, b.gdid).server != server:
+                continue  # a leftover or a move in flight (mdb fsck): not this server's load
+            size = _value(b, by)
+            total += size
+            item = (size, bytes(b.gdid), b.gdid)
+            if len(heap) < CANDIDATES:
+                heapq.heappush(heap, item)
+            else:
+                heapq.heappushpop(heap, item)
         totals[server] = total
         candidates[server] = [(size, gdid) for size, _, gdid in heap]
     return totals, candidates
@@ -139,7 +138,17 @@ def apply_plan(
     store: Cluster, plan: RebalancePlan, *, max_pause: float = DEFAULT_MAX_PAUSE,
     on_move: Callable[[PlannedMove, MoveResult], None] | None = None,
 ) -> list[MoveResult]:
-    """Run the plan's moves one at a time through the move machinery; stops at the first error (it propagates)."""
+    """Run the plan's moves one at a time through the move machinery; stops at the first error (it propagates).
+
+    SQL servers only: the document move (:func:`mdb.mongo.moves.move_documents`) needs the
+    Store's MongoDB side and is not wired here yet, so a plan touching a MongoDB server is
+    refused before anything moves (the plan itself is right; run its moves with that function).
+    """
+    documents = sorted({s for m in plan.moves for s in (m.source, m.target) if store.map.kind_of(s) != SQL})
+    if documents:
+        raise MdbError(f"rebalance --apply of area {plan.area!r}: moving document briefcases is not built into rebalance "
+                       f"(servers {', '.join(documents)} are MongoDB); --plan shows the moves, "
+                       "mdb.mongo.moves.move_documents runs one")
     results = []
     for m in plan.moves:
         result = move_briefcase(store, plan.area, m.gdid, m.target, max_pause=max_pause)

@@ -1,67 +1,52 @@
-"""Streaming every briefcase of an area on one server: (gdid, rows, bytes), in GDID order.
+"""What the fleet tools read of a server, for every server kind: its backend's :class:`~mdb.backends.base.AreaScan`.
 
-One grouped query per table, each read with a server-side cursor (``yield_per``), merged by
-key (GDID byte order = SQL byte order), so a shard's keys are never all in memory at once.
-Bytes are the rows' own sizes (PostgreSQL ``pg_column_size`` of each row, elsewhere the sum of
-column lengths), the same figure ``mdb move --dry-run`` shows: what a move of that briefcase
-carries, unlike relation sizes, which keep dead rows until VACUUM.
+:func:`area_data` says where an area's briefcases live (the SQL tables of its briefcase types,
+the collections of its document types); :func:`scan_of` hands a server's scan out from the
+server's backend, so balance, fsck and rebalance never branch on SQL or MongoDB for reading.
+Every scan streams (bounded memory on large shards).
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from mdb.backends import backend_of
+from mdb.backends.base import AreaData, AreaScan, BriefcaseSize, HasDocuments
+from mdb.cluster import Cluster
+from mdb.errors import RoutingError
+from mdb.mongo.store import MongoStore
+from mdb.mongo.types import DocumentBriefcaseType
+from mdb.urls import MONGO
 
-from sqlalchemy import func, literal_column, select
-from sqlalchemy.engine import Connection
-
-from mdb.gdid import GDID
-from mdb.moves.copy import AreaTable, is_postgres
-
-__all__ = ["BriefcaseSize", "STREAM_BATCH", "briefcase_sizes"]
-
-STREAM_BATCH = 1000
-"""Rows fetched from the server at a time by the streaming cursors."""
+__all__ = ["AreaData", "BriefcaseSize", "area_data", "document_types", "scan_of"]
 
 
-@dataclass(frozen=True)
-class BriefcaseSize:
-    gdid: GDID
-    rows: int
-    bytes: int
-    tables: tuple[str, ...]
-    """Tables holding at least one row of the briefcase on this server."""
+def document_types(store: Cluster, area: str) -> list[type[DocumentBriefcaseType]]:
+    """The document briefcase types of ``area`` registered with the Store's MongoDB side.
+
+    None for an area without MongoDB servers (the Store's MongoDB side is then not even created)
+    or a cluster without one.
+    """
+    if not isinstance(store, HasDocuments) or all(store.map.kind_of(s) != MONGO for s in store.router.area_servers(area)):
+        return []
+    mongo = store.mongo
+    return mongo.types_of(area) if isinstance(mongo, MongoStore) else []
 
 
-def _row_size(conn: Connection, at: AreaTable) -> Any:
-    t = at.table
-    if is_postgres(conn):
-        return func.coalesce(func.sum(func.pg_column_size(literal_column(f'"{t.name}".*'))), 0)
-    return func.coalesce(func.sum(sum((func.coalesce(func.length(c), 0) for c in t.columns), start=literal_column("0"))), 0)
+def area_data(store: Cluster, area: str) -> AreaData:
+    """The tables (with key columns) and collections (with key fields) of ``area``'s declared types.
+
+    Raises :class:`~mdb.errors.RoutingError` when neither a briefcase type nor a document type
+    of the area is registered (nothing to scan for).
+    """
+    tables = []
+    for btype in store.types_of(area):  # parents before children, as the move machinery orders them
+        mine = set(btype.tables)
+        tables += [(t, btype.key) for t in btype.tables[0].metadata.sorted_tables if t in mine]
+    collections = [(name, dtype.key) for dtype in document_types(store, area) for name in dtype.collections]
+    if not tables and not collections:
+        raise RoutingError(f"no briefcase type of area {area!r} is registered (list its module under models: in the map)")
+    return AreaData(area, tables, collections)
 
 
-def _per_table(conn: Connection, at: AreaTable) -> Iterator[tuple[bytes, str, int, int]]:
-    key = at.table.c[at.key]
-    query = select(key, func.count(), _row_size(conn, at)).group_by(key).order_by(key)
-    for gdid, rows, size in conn.execution_options(yield_per=STREAM_BATCH).execute(query):
-        yield bytes(gdid), at.name, int(rows), int(size)
-
-
-def briefcase_sizes(conn: Connection, tables: Sequence[AreaTable]) -> Iterator[BriefcaseSize]:
-    """Every briefcase with a row on this server (the caller's transaction), in GDID order."""
-    merged = heapq.merge(*(_per_table(conn, at) for at in tables), key=lambda item: item[0])
-    current: bytes | None = None
-    rows = size = 0
-    names: list[str] = []
-    for key, name, n, b in merged:
-        if key != current:
-            if current is not None:
-                yield BriefcaseSize(GDID.from_bytes(current), rows, size, tuple(names))
-            current, rows, size, names = key, 0, 0, []
-        rows += n
-        size += b
-        names.append(name)
-    if current is not None:
-        yield BriefcaseSize(GDID.from_bytes(current), rows, size, tuple(names))
+def scan_of(store: Cluster, server: str, data: AreaData) -> AreaScan:
+    """``server``'s scan of ``data``, from the backend of the server's kind."""
+    return backend_of(store.map, server).scan(store, server, data)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
+from mdb import telemetry
 from mdb.backends import open_routed
 from mdb.cluster import Cluster
 from mdb.errors import MdbError, QueryError, RetryableError, RoutingError
@@ -153,6 +154,7 @@ class MongoStore:
 
     # -- briefcase contexts ----------------------------------------------------------------------
 
+    @telemetry.observed_documents
     @contextmanager
     def documents(
         self, dtype: type[DocumentBriefcaseType], gdid: GDID | str, *, readonly: bool = False
@@ -205,7 +207,11 @@ class MongoStore:
             return DocumentBriefcase(dtype, gdid, placement, readonly, transactional, session, db)
 
         retry = SessionRetry(self.store.move_wait_seconds, self.store.max_stale_retries)
-        return open_routed(self.store, dtype.area, gdid, attempt, retry)
+        return open_routed(
+            self.store, dtype.area, gdid, attempt, retry,
+            on_refused=lambda placement, exc: telemetry.ownership_refused(dtype.area, placement.server, exc),
+            on_retry=lambda placement, exc: telemetry.stale_retry(dtype.area, placement.server, exc),
+        )
 
     # -- fan-out reads ---------------------------------------------------------------------------
 
@@ -238,15 +244,16 @@ class MongoStore:
         per_shard = None if limit is None else limit + skip
 
         def run(server: str) -> list[dict[str, Any]]:
-            db = self.database(server, readonly)
-            gone = excluded_gdids(self.database(server), area)
-            where: dict[str, Any] = encode(dict(filter or {}))
-            if gone:
-                where = {"$and": [{dtype.key: {"$nin": gone}}, where]} if where else {dtype.key: {"$nin": gone}}
-            return [
-                d for d in (_decode(doc, dtype.key) for doc in db[collection].find(where, projection, sort=order, limit=per_shard or 0))
-                if d is not None
-            ]
+            with telemetry.fanout_shard(server):
+                db = self.database(server, readonly)
+                gone = excluded_gdids(self.database(server), area)
+                where: dict[str, Any] = encode(dict(filter or {}))
+                if gone:
+                    where = {"$and": [{dtype.key: {"$nin": gone}}, where]} if where else {dtype.key: {"$nin": gone}}
+                return [
+                    d for d in (_decode(doc, dtype.key) for doc in db[collection].find(where, projection, sort=order, limit=per_shard or 0))
+                    if d is not None
+                ]
 
         results, failed = gather(self.store, servers, run, allow_partial=allow_partial, max_workers=max_workers)
         terms = [SortTerm(descending=d == -1) for _, d in order]
@@ -263,12 +270,13 @@ class MongoStore:
         for server in fan_out_servers(router, area):
             if router.map.kind_of(server) != MONGO:
                 continue
-            db = self.database(server)
-            where: dict[str, Any] = encode(dict(filter or {}))
-            gone = excluded_gdids(db, area)
-            if gone:
-                where = {"$and": [{dtype.key: {"$nin": gone}}, where]}
-            total += int(db[collection].count_documents(where))
+            with telemetry.fanout_shard(server):
+                db = self.database(server)
+                where: dict[str, Any] = encode(dict(filter or {}))
+                gone = excluded_gdids(db, area)
+                if gone:
+                    where = {"$and": [{dtype.key: {"$nin": gone}}, where]}
+                total += int(db[collection].count_documents(where))
         return total
 
     def close(self) -> None:

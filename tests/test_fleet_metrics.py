@@ -1,0 +1,87 @@
+"""``--metrics-port N`` (mdb/cli/metrics.py): a long command serves mdb's metrics to Prometheus while it runs.
+
+Each case runs in its own process: OpenTelemetry accepts one global meter provider per process,
+and this test process already has one (tests/test_telemetry.py).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from movehelp import ROOT, run_cli
+from test_fleet_balance import build_skewed
+
+SERVE = """
+import sys, urllib.request
+from mdb import telemetry
+from mdb.cli.metrics import serve_metrics
+port = int(sys.argv[1])
+with serve_metrics(port, host="127.0.0.1"):
+    telemetry.move_done("user", None, 5, 0.1)
+    telemetry.stale_retry("user", "u1", RuntimeError())
+    print(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+try:
+    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+except OSError:
+    print("CLOSED")
+"""
+
+BLOCKED = """
+import sys
+sys.modules["opentelemetry.exporter.prometheus"] = None  # as if mdb[observability] were not installed
+from mdb.cli import main
+main()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=60, cwd=str(ROOT))
+
+
+def test_the_endpoint_serves_mdb_metrics_while_the_block_runs_and_closes_after() -> None:
+    pytest.importorskip("opentelemetry.exporter.prometheus")
+    run = _python(SERVE, str(_free_port()))
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert any(line.startswith("mdb_move_rows_total{") and 'area="user"' in line and line.endswith(" 5.0") for line in lines), run.stdout
+    assert any(line.startswith("mdb_route_stale_retries_total{") and 'server="u1"' in line for line in lines), run.stdout
+    assert any(line.startswith("mdb_move_pause_duration_seconds_count{") for line in lines), run.stdout
+    assert lines[-1] == "CLOSED", "the endpoint ends with the command"
+
+
+def test_without_the_extra_the_command_stops_with_one_line_and_exit_2(tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path) -> None:
+    cluster = build_skewed(tmp_sqlite_urls(5), tmp_path)
+    run = _python(BLOCKED, "rebalance", str(cluster.path), "user", "--apply", "--metrics-port", str(_free_port()))
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    assert "--metrics-port needs the optional packages of mdb[observability]" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert "moved" not in run.stdout, "nothing ran"
+
+
+def test_rebalance_apply_with_a_metrics_port_runs(tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path) -> None:
+    pytest.importorskip("opentelemetry.exporter.prometheus")
+    cluster = build_skewed(tmp_sqlite_urls(5), tmp_path)
+    run = run_cli(["rebalance", str(cluster.path), "user", "--apply", "--metrics-port", str(_free_port())])
+    assert run.returncode == 0, run.stderr
+    assert "applied" in run.stdout
+    busy = socket.socket()
+    busy.bind(("0.0.0.0", 0))
+    busy.listen()
+    try:
+        taken = run_cli(["rebalance", str(cluster.path), "user", "--plan", "--metrics-port", str(busy.getsockname()[1])])
+    finally:
+        busy.close()
+    assert taken.returncode == 2 and "cannot listen" in taken.stderr, taken.stderr
