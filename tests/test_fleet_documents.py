@@ -22,9 +22,8 @@ from mdb import GDID, Store
 from mdb.fleet.balance import balance
 from mdb.fleet.fsck import RESUME, FsckReport, fsck
 from mdb.fleet.rebalance import apply_plan, plan_rebalance
-from mdb.errors import MdbError
-from mdb.mongo import moves
-from mdb.mongo.moves import move_documents
+from mdb import faults
+from mdb.moves.document_move import move_documents
 from mdb.mongo.shard_state import STATE, state_id
 from mdb.relocations import set_relocation
 from mdb.system_tables import STATE_GONE, STATE_INCOMING
@@ -77,7 +76,7 @@ def snapshot(store: Store) -> dict[str, list[Any]]:
 @pytest.fixture(autouse=True)
 def _no_hook() -> Any:
     yield
-    moves.hook = None
+    faults.hook = None
 
 
 def test_balance_measures_documents_and_the_skew(mongo_env: MongoEnv) -> None:
@@ -100,11 +99,8 @@ def test_a_rebalance_plan_for_documents_evens_the_bytes(mongo_env: MongoEnv) -> 
     plan = plan_rebalance(store, "docs", by="bytes")
     assert plan.moves and all(m.source == "m1" for m in plan.moves)
     assert plan.max_skew(plan.before) > 0.5 and plan.max_skew(plan.after) < 0.10, plan.to_json()
-    with pytest.raises(MdbError, match="moving document briefcases is not built into rebalance"):
-        apply_plan(store, plan)
-    assert balance(store, "docs").skew("bytes")["m1"] > 0.5, "nothing moved"
-    for m in plan.moves:  # the document move machinery carries the plan out
-        move_documents(store, UserDocs, m.gdid, m.target)
+    results = apply_plan(store, plan)  # the one move machinery, document moves included
+    assert [(r.status, r.source, r.target) for r in results] == [("done", m.source, m.target) for m in plan.moves]
     after = balance(store, "docs")
     assert max(abs(v) for v in after.skew("bytes").values()) < 0.10, {s.server: s.bytes for s in after.servers}
     assert sum(s.briefcases for s in after.servers) == len(USERS)
@@ -151,10 +147,10 @@ def test_fsck_on_documents_finds_each_planted_defect_and_repairs_only_the_safe_o
     _copy(store, wrong, owner[wrong], other(wrong))
     store.mongo.database(other(wrong))["orders"].update_many({"user_id": bytes(wrong)}, {"$set": {"total": -1}})
     # a move that crashed after its copy: the journal still says running
-    moves.hook = crash
+    faults.hook = crash
     with pytest.raises(Crash):
         move_documents(store, UserDocs, crashed, other(crashed))
-    moves.hook = None
+    faults.hook = None
     # an incoming row of a move the journal never heard of, with its copy
     _copy(store, stale_in, owner[stale_in], other(stale_in))
     store.mongo.database(other(stale_in))[STATE].insert_one(

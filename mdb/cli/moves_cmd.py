@@ -6,7 +6,6 @@ known, and talks to the live system; errors mdb raises on purpose end as one ``e
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import datetime, timezone
 from typing import Annotated, Any
@@ -16,6 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from mdb.cli.metrics import MetricsPortOpt, serve_metrics
 from mdb.cli.app import EXIT_INTERRUPTED, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, app, console, emit_json, fail, open_store, warn
 from mdb.gdid import GDID
 from mdb.moves.plan import PlannedMove
@@ -23,10 +23,7 @@ from mdb.moves.move import DEFAULT_MAX_PAUSE, move_briefcase
 from mdb.moves.reshard import ReshardCounts
 from mdb.moves.resume import FAILED, HELD, resume_all
 from mdb.moves.status import MoveStatus, move_status, where
-from mdb.mongo.fake import FakeMongo
-from mdb.mongo.store import MongoStore
 from mdb.store import Store
-from mdb.urls import MONGO
 
 __all__ = ["moves_app"]
 
@@ -35,23 +32,6 @@ app.add_typer(moves_app, name="moves")
 
 MapArg = Annotated[str, typer.Argument(metavar="MAP", help="partition map YAML")]
 BIG_MOVE_ROWS = 10_000
-
-
-FAKE_DIR_ENV = "MDB_MONGO_FAKE_DIR"
-"""Test-only: the MongoDB servers of the map are fake ones kept in this folder (docs/mongodb.md)."""
-
-
-def _store(map_path: str) -> Store:
-    """The Store of the map; its MongoDB servers are the file-backed fakes when ``MDB_MONGO_FAKE_DIR`` says so.
-
-    The switch exists for tests that SIGKILL a CLI process mid-move and resume with another:
-    an in-process fake would die with the first. ``MDB_TEST_MONGO_URI`` (a real server) wins.
-    """
-    store = open_store(map_path, tool=True)
-    fake_dir = os.environ.get(FAKE_DIR_ENV, "").strip()
-    if fake_dir and not os.environ.get("MDB_TEST_MONGO_URI", "").strip() and store.map.servers_of_kind(MONGO):
-        MongoStore.attach(store, client_factory=FakeMongo(path=fake_dir))
-    return store
 
 
 def _gdid(text: str) -> GDID:
@@ -78,7 +58,7 @@ def move_cmd(
 ) -> None:
     """Move one briefcase (every table, or collection, of every briefcase type of AREA) to SERVER, online."""
     gid = _gdid(gdid)
-    with _store(map_path) as store:
+    with open_store(map_path, tool=True) as store:
         progress: Progress | None = None
         task: Any = None
 
@@ -129,7 +109,7 @@ def where_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Ask the live system where a briefcase is and whether a move of it is in flight."""
-    with _store(map_path) as store:
+    with open_store(map_path, tool=True) as store:
         found = where(store, area, _gdid(gdid))
     if as_json:
         emit_json(found.to_json())
@@ -180,7 +160,7 @@ def status_cmd(
     """In-flight moves and reshards: phase, process (running or interrupted), briefcases and rows done, rate, ETA."""
     if watch is not None and as_json:
         fail("--watch and --json do not go together (run --json repeatedly instead)")
-    with _store(map_path) as store:
+    with open_store(map_path, tool=True) as store:
         try:
             while True:
                 running, finished = move_status(store, recent=limit)
@@ -230,9 +210,10 @@ def resume_cmd(
     map_path: MapArg,
     retry: Annotated[bool, typer.Option("--retry", help="After rolling an interrupted single move back, try it again.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    metrics_port: MetricsPortOpt = None,
 ) -> None:
     """Finish (commit point passed) or roll back (it did not) every interrupted move; continue reshards."""
-    with _store(map_path) as store:
+    with serve_metrics(metrics_port), open_store(map_path, tool=True) as store:
         outcomes = resume_all(store, retry=retry)
     if as_json:
         emit_json([o.to_json() for o in outcomes])
@@ -258,7 +239,7 @@ def cancel_cmd(
     """Cancel a move or a reshard before it applies its new map; the old map stays in force."""
     from mdb.moves.cancel import cancel
 
-    with _store(map_path) as store:
+    with open_store(map_path, tool=True) as store:
         outcome = cancel(store, move_id, move_back=move_back, wait=wait)
     if as_json:
         emit_json(outcome.to_json())
@@ -276,6 +257,7 @@ def reshard_cmd(
     parallel: Annotated[int, typer.Option("--parallel", min=1, max=64, help="Moves in flight at once.")] = 1,
     max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Per briefcase: abort a cutover that would block its writes longer.", min=0.0)] = DEFAULT_MAX_PAUSE,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    metrics_port: MetricsPortOpt = None,
 ) -> None:
     """Move every briefcase of a partition whose shard changes under SHARDS, then write the new map."""
     from mdb.moves.reshard import parallel_for, reshard
@@ -283,7 +265,7 @@ def reshard_cmd(
     new_shards = [s.strip() for s in shards.split(",") if s.strip()]
     if not new_shards:
         fail("--shards needs at least one server name")
-    with _store(map_path) as store:
+    with serve_metrics(metrics_port), open_store(map_path, tool=True) as store:
         parallel, sqlite = parallel_for(store, area, _gdid(partition), new_shards, parallel)
         if sqlite:
             warn(f"--parallel runs as 1: SQLite lets one writer at a time into a file ({', '.join(sqlite)} are SQLite)")

@@ -45,9 +45,9 @@ from mdb.central.reconcile import check as central_check
 from mdb.fleet.balance import area_servers
 from mdb.fleet.scan import area_data, document_types, scan_of
 from mdb.gdid import GDID
-from mdb.mongo.moves import KIND as DOCUMENT_MOVE
+from mdb.moves.document_move import KIND as DOCUMENT_MOVE
 from mdb.mongo.hot import COUNTERS, STATS_LOCK
-from mdb.mongo.moves import checksums
+from mdb.moves.document_move import checksums
 from mdb.mongo.shard_state import GUARD, STATE, guard_ids, set_guard, state_id
 from mdb.moves import verify
 from mdb.moves.copy import AreaTable, delete_rows, measure

@@ -140,15 +140,8 @@ def apply_plan(
 ) -> list[MoveResult]:
     """Run the plan's moves one at a time through the move machinery; stops at the first error (it propagates).
 
-    SQL servers only: the document move (:func:`mdb.mongo.moves.move_documents`) needs the
-    Store's MongoDB side and is not wired here yet, so a plan touching a MongoDB server is
-    refused before anything moves (the plan itself is right; run its moves with that function).
+    Document briefcases move like SQL ones (:func:`~mdb.moves.move.move_briefcase` picks the kind).
     """
-    documents = sorted({s for m in plan.moves for s in (m.source, m.target) if store.map.kind_of(s) != SQL})
-    if documents:
-        raise MdbError(f"rebalance --apply of area {plan.area!r}: moving document briefcases is not built into rebalance "
-                       f"(servers {', '.join(documents)} are MongoDB); --plan shows the moves, "
-                       "mdb.mongo.moves.move_documents runs one")
     results = []
     for m in plan.moves:
         result = move_briefcase(store, plan.area, m.gdid, m.target, max_pause=max_pause)
