@@ -31,7 +31,7 @@ MetricsPortOpt = Annotated[
     int | None,
     typer.Option(
         "--metrics-port", metavar="N", min=1, max=65535, show_default=False,
-        help="Serve mdb's metrics for Prometheus on port N (/metrics) while the command runs (needs the optional extra "observability").",
+        help="Serve mdb's metrics for Prometheus on port N (/metrics) while the command runs (needs the optional extra 'observability').",
     ),
 ]
 
