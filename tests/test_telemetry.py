@@ -357,7 +357,7 @@ def test_document_sessions_stale_route_and_fan_out_count_like_sql_ones_without_a
     from mongohelp import UserDocs
 
     from mdb.mongo import MongoStore
-    from mdb.mongo.moves import move_documents
+    from mdb.moves.document_move import move_documents
 
     store = mongo_env.store(3)
     stale = Store.from_yaml(store.map_path, types=[])
@@ -381,7 +381,14 @@ def test_document_sessions_stale_route_and_fan_out_count_like_sql_ones_without_a
         stale.router  # noqa: B018 - load the relocation directory now, so it goes stale
         source = home[users[0]]
         target = next(srv for srv in ("m1", "m2", "m3") if srv != source)
-        move_documents(store, UserDocs, users[0], target)
+        before = otel.values()
+        result = move_documents(store, UserDocs, users[0], target)
+        moved = {k: v for k, v in otel.delta(before).items() if k[0].startswith("mdb.move")}
+        assert result.rows == 1 and moved == {  # the move metrics of a document move are those of a SQL move
+            s("mdb.moves", area="docs", kind="move", outcome="done"): 1,
+            s("mdb.move.rows", area="docs", kind="move"): result.rows,
+            s("mdb.move.pause.duration", area="docs", kind="move"): 1,
+        }
         before = otel.values()
         with stale.documents(UserDocs, users[0], readonly=True) as bc:
             assert bc.placement.server == target

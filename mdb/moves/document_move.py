@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, ClassVar, Final
 
+from mdb import telemetry
 from mdb.cluster import Cluster
 from mdb.errors import MdbError, RoutingError
 from mdb.faults import fault_point, register
@@ -239,6 +240,7 @@ class DocumentMove(Move):
     def verify(self) -> None:
         self.expected = _checksums(self.mongo.database(self.target), self.pairs, self.gdid)
         if _checksums(self.mongo.database(self.source), self.pairs, self.gdid) != self.expected:
+            telemetry.move_verification_failed(self.area)
             raise self.abort("verification failed: the target copy differs from the source")
         fault_point("mongo.move.after_verify")
 
@@ -269,6 +271,7 @@ class DocumentMove(Move):
 
     def roll_back(self, why: str) -> None:
         _roll_back(self.mongo, self.journal, self.area, self.pairs, self.gdid, self.target, self.source, self.move_id, why)
+        telemetry.move_aborted(self.area, self.options.reshard_id)
 
     @classmethod
     def resume(cls, cluster: Cluster, journal: Journal, entry: JournalEntry, *, retry: bool = False) -> ResumeOutcome:

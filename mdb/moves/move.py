@@ -28,12 +28,14 @@ add a server kind, write one subclass in a module of its own and import it in
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from mdb import telemetry
 from mdb.cluster import Cluster
 from mdb.errors import MdbError, MoveAbortedError, RoutingError
 from mdb.faults import fault_point
@@ -213,10 +215,13 @@ class Move(ABC):
                 raise
             try:
                 with self.locked_scope():  # left (the source's lock let go) before failed() runs
+                    locked_at = time.monotonic()
                     self.lock()
                     self.copy()
                     self.verify()
                     self.commit_point()
+                    if not self.pause:  # a kind that does not time its pause itself: lock to commit point
+                        self.pause = time.monotonic() - locked_at
             except MoveAbortedError:
                 raise
             except BaseException as exc:
@@ -298,7 +303,8 @@ class Move(ABC):
         """Before the commit point: discard the target's copy, release the source, journal the end."""
 
     def done(self) -> None:
-        """After a move finished (telemetry)."""
+        """After a move finished: its rows and pause into the move metrics (:mod:`mdb.telemetry`), for every kind."""
+        telemetry.move_done(self.area, self.options.reshard_id, sum(r for r, _ in self.moved.values()), self.pause)
 
     @classmethod
     @abstractmethod

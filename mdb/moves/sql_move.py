@@ -498,9 +498,6 @@ class SqlMove(Move):
         self.journal.finish(self.move_id, ABORTED, why)
         telemetry.move_aborted(self.area, self.options.reshard_id)
 
-    def done(self) -> None:
-        telemetry.move_done(self.area, self.options.reshard_id, sum(r for r, _ in self.moved.values()), self.pause)
-
     @classmethod
     def resume(cls, cluster: Cluster, journal: Journal, entry: JournalEntry, *, retry: bool = False) -> ResumeOutcome:
         """Under the briefcase's lock on the source (so a commit still in flight when the mover died
