@@ -333,6 +333,14 @@ def move_done(area: str, reshard_id: str | None, rows: int, pause_seconds: float
     MOVE_PAUSE.record(pause_seconds, attrs)
 
 
+def move_resumed(area: str, reshard_id: str | None, outcome: str, rows: int) -> None:
+    """``mdb moves resume`` ended an interrupted move: ``done`` (finalized, ``rows`` moved) or ``aborted``."""
+    attrs = _attrs(_MOVE, (area, _kind(reshard_id)))
+    MOVES.add(1, _attrs(("area", "kind", "outcome"), (area, _kind(reshard_id), outcome)))
+    if rows:
+        MOVE_ROWS.add(rows, attrs)
+
+
 def move_aborted(area: str, reshard_id: str | None) -> None:
     """A move aborted safely (the source stays authoritative)."""
     MOVES.add(1, _attrs(("area", "kind", "outcome"), (area, _kind(reshard_id), "aborted")))

@@ -411,3 +411,48 @@ def test_document_sessions_stale_route_and_fan_out_count_like_sql_ones_without_a
     finally:
         stale.close()
         store.close()
+
+
+def test_moves_ended_by_resume_are_counted(otel: Otel, pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
+    """A move interrupted past its commit point and one before it: resume finishes one (done, its rows)
+    and rolls the other back (aborted); no pause is recorded for either (it was not measured to its end)."""
+    from mdb import faults
+    from mdb.moves.resume import resume_all
+
+    class Crash(Exception):
+        pass
+
+    c, u1, u2 = pg_databases(3)
+    cluster = make_cluster({"c": c, "u1": u1, "u2": u2}, tmp_path, [("0:0:0", ["u1"])])
+    store = cluster.store()
+    try:
+        past, before_point = store.new_gdid(UserBriefcase), store.new_gdid(UserBriefcase)
+        for g in (past, before_point):
+            create_user(store, g)
+        with store.transaction("u1") as conn:  # the rows the move past its commit point carries
+            rows = sum(
+                conn.execute(select(func.count()).select_from(t).where(UserBriefcase.key_column(t) == past)).scalar_one()
+                for t in UserBriefcase.tables
+            )
+        for g, point in ((past, "move.after_commit_point"), (before_point, "move.after_copy_commit")):
+            def crash(name: str, point: str = point) -> None:
+                if name == point:
+                    raise Crash(name)
+
+            faults.hook = crash
+            try:
+                with pytest.raises(Crash):
+                    move_briefcase(store, "user", g, "u2")
+            finally:
+                faults.hook = None
+        before = otel.values()
+        outcomes = {o.action for o in resume_all(store)}
+        assert outcomes == {"finalized", "rolled back"}
+        moved = {k: v for k, v in otel.delta(before).items() if k[0].startswith("mdb.move")}
+        assert moved == {
+            s("mdb.moves", area="user", kind="move", outcome="done"): 1,
+            s("mdb.moves", area="user", kind="move", outcome="aborted"): 1,
+            s("mdb.move.rows", area="user", kind="move"): rows,
+        }
+    finally:
+        store.close()

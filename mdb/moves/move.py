@@ -339,8 +339,17 @@ def move_kinds() -> dict[str, type[Move]]:
 
 
 def resolve_move(cluster: Cluster, journal: Journal, entry: JournalEntry, *, retry: bool = False) -> ResumeOutcome:
-    """Finalize forward (commit point passed) or roll back one unfinished move, of any server kind."""
-    return _JOURNAL_KINDS[entry.kind].resume(cluster, journal, entry, retry=retry)
+    """Finalize forward (commit point passed) or roll back one unfinished move, of any server kind.
+
+    Counted in the move metrics like a move its own process ended (no pause: the write pause
+    happened in the process that was interrupted, and was not measured to its end).
+    """
+    outcome = _JOURNAL_KINDS[entry.kind].resume(cluster, journal, entry, retry=retry)
+    if outcome.action == "finalized":
+        telemetry.move_resumed(entry.area, entry.reshard_id, "done", entry.rows_done)
+    elif outcome.action in ("rolled back", "retried"):  # a retry is a new move, counted by itself
+        telemetry.move_resumed(entry.area, entry.reshard_id, "aborted", 0)
+    return outcome
 
 
 def move_briefcase(
