@@ -166,6 +166,8 @@ class _Comparison:
     forgotten: list[str] = field(default_factory=list)
     """Records of managed indexes that are gone and no longer declared (a run killed after a drop)."""
     live_managed: list[DeclaredIndex] = field(default_factory=list)
+    recorded: set[str] = field(default_factory=set)
+    """Ids of the area's records in :data:`MANAGED` on the server."""
 
 
 def _record_id(area: str, collection: str, name: str) -> str:
@@ -175,7 +177,7 @@ def _record_id(area: str, collection: str, name: str) -> str:
 def _compare(db: Any, area: str, declared: list[DeclaredIndex]) -> _Comparison:
     """How the area's collections on ``db`` differ from ``declared``."""
     result = _Comparison()
-    recorded = {doc["_id"] for doc in db[MANAGED].find({"area": area}, {"_id": 1})}
+    recorded = result.recorded = {doc["_id"] for doc in db[MANAGED].find({"area": area}, {"_id": 1})}
     wanted = {(i.collection, i.name): i for i in declared}
     collections = sorted({i.collection for i in declared} | {doc["collection"] for doc in db[MANAGED].find({"area": area})})
     existing = set(db.list_collection_names())
@@ -295,6 +297,8 @@ def _up_one(cluster: Cluster, target: Target, declared: list[DeclaredIndex], goa
             return result
         records = db[MANAGED]
         for index in declared:  # adopt what exists (schema apply made it): it is mdb's to drop later
+            if _record_id(target.area, index.collection, index.name) in diff.recorded:
+                continue
             records.update_one({"_id": _record_id(target.area, index.collection, index.name)},
                                {"$set": {"area": target.area, "collection": index.collection, "name": index.name}}, upsert=True)
         for index in diff.missing:
