@@ -187,6 +187,19 @@ def test_a_unique_index_one_shard_violates_fails_that_shard_and_stops_the_rollou
     store.close()
 
 
+def test_the_canary_runs_first_and_alone_and_servers_select(fleet: Fleet) -> None:
+    store = fleet.store(V1)
+    store.mongo.database("m3")["orders"].insert_many([{"user_id": b"\x01" * 12, "number": n, "sku": "x"} for n in (1, 2)])
+    store.close()
+    store = fleet.store(V3Unique)
+    run = migrate_documents(store, canary="m3", parallel=3)
+    assert [(r.server, r.outcome) for r in run.results] == [("m1", "not started"), ("m2", "not started"), ("m3", "failed")]
+    only = migrate_documents(store, servers=["m2"])
+    assert [(r.server, r.outcome) for r in only.results] == [("m2", "done")]
+    assert states(document_status(store)) == {"m1": "behind", "m2": "at target", "m3": "behind"}
+    store.close()
+
+
 # -- through the CLI, with a SIGKILL -------------------------------------------------------------
 
 
