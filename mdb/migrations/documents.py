@@ -257,6 +257,8 @@ def document_status(
 ) -> list[DocumentStatus]:
     """Every document target against its area's declared indexes; a server that cannot be read is reported, the others still read."""
     work = document_targets(cluster, areas)
+    if not work:  # a map without document areas: pymongo (optional) is not needed
+        return []
     declared = {t.area: declared_indexes(cluster, t.area) for t in work}
     errors = _driver_errors()
 
