@@ -1,5 +1,9 @@
 """``mdb migrate revision|status|up|down``: one Alembic history per area, rolled out to every shard.
 
+Document areas (MongoDB) have no history: ``status`` and ``up`` also take every MongoDB server
+of them to the indexes their types declare (:mod:`mdb.migrations.documents`), after the SQL
+areas and with the same rollout; ``down`` and ``--to`` are SQL-only.
+
 The library (:mod:`mdb.migrations`) reports progress through a callback; the progress bar, the
 tables and the exit codes live here. Exit codes (docs/cli.md): 0 done (``status``: every
 server read and none differs from the models; servers behind head are a state, not a
