@@ -1,5 +1,9 @@
 """``mdb migrate revision|status|up|down``: one Alembic history per area, rolled out to every shard.
 
+Document areas (MongoDB) have no history: ``status`` and ``up`` also take every MongoDB server
+of them to the indexes their types declare (:mod:`mdb.migrations.documents`), after the SQL
+areas and with the same rollout; ``down`` and ``--to`` are SQL-only.
+
 The library (:mod:`mdb.migrations`) reports progress through a callback; the progress bar, the
 tables and the exit codes live here. Exit codes (docs/cli.md): 0 done (``status``: every
 server read and none differs from the models; servers behind head are a state, not a
@@ -20,11 +24,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, err_console, open_store
+from mdb.errors import MigrationError
+from mdb.migrations.documents import DocumentStatus, document_areas, document_status, document_targets, migrate_documents
 from mdb.migrations.fleet import DEFAULT_LOCK_TIMEOUT, FleetStatus, MigrationRun, ServerResult, ServerStatus, fleet_status, migrate, work_targets
 from mdb.migrations.scripts import make_revision, scripts_root
 from mdb.parallel import DEFAULT_PARALLEL, MAX_PARALLEL
 from mdb.store import Store
-from mdb.urls import mask_secrets
+from mdb.urls import MONGO, mask_secrets
 
 __all__ = ["migrate_app"]
 
@@ -67,6 +73,22 @@ def _progress(what: str, total: int) -> Iterator[Callable[[_HasServer], None]]:
 
 def _root(store: Store, scripts: str | None) -> Path:
     return scripts_root(store.map_path, scripts)
+
+
+def _split(store: Store, area: list[str] | None) -> tuple[list[str] | None, list[str] | None]:
+    """``--area`` as (SQL areas, document areas); None: every area of that kind (no --area given)."""
+    if area is None:
+        return None, None
+    documents = set(document_areas(store))
+    return [a for a in area if a not in documents], [a for a in area if a in documents]
+
+
+def _split_servers(store: Store, server: list[str] | None) -> tuple[list[str] | None, list[str] | None]:
+    """``--server`` as (SQL servers, MongoDB servers); None: every server (no --server given)."""
+    if server is None:
+        return None, None
+    mongo = [s for s in server if s in store.map.servers and store.map.kind_of(s) == MONGO]
+    return [s for s in server if s not in mongo], mongo
 
 
 # -- revision ----------------------------------------------------------------------------------
@@ -128,6 +150,33 @@ def _print_status(status: FleetStatus) -> None:
                       markup=False)
 
 
+def _document_json(d: DocumentStatus) -> dict[str, object]:
+    return {"area": d.area, "server": d.server, "roles": list(d.roles), "current": d.current, "target": d.target, "state": d.state,
+            "missing": [str(i) for i in d.missing], "extra": [str(i) for i in d.extra],
+            "differing": [{"index": f"{want.collection}.{want.name}", "declared": want.shape(), "live": live.shape()} for want, live in d.differing],
+            "other": [str(i) for i in d.other],
+            "error": None if d.error is None else mask_secrets(d.error), "ok": d.ok}
+
+
+def _print_documents(documents: list[DocumentStatus]) -> None:
+    mixed = len({d.current for d in documents if d.error is None}) > 1
+    table = Table(title="document indexes" + (" (mixed: a rollout is under way or stopped)" if mixed else ""))
+    for column in ("area", "server", "roles", "indexes", "state"):
+        table.add_column(column)
+    for d in documents:
+        if d.error is not None:
+            state = f"[red]failed[/red]: {escape(mask_secrets(d.error))}"
+        else:
+            parts = [f"missing {i}" for i in d.missing] + [f"extra {i}" for i in d.extra]
+            parts += [f"differs {w.collection}.{w.name}: {l.shape()} here, declared {w.shape()}" for w, l in d.differing]
+            colour = {"at target": "green", "behind": "yellow"}.get(d.state, "red")
+            state = f"[{colour}]{d.state}[/{colour}]" + (f": {escape('; '.join(parts))}" if parts else "")
+            if d.other:
+                state += escape(f" (left alone, not mdb's: {', '.join(f'{i.collection}.{i.name}' for i in d.other)})")
+        table.add_row(escape(d.area), escape(d.server), escape(", ".join(d.roles)), escape(f"{d.current} (target {d.target})"), state)
+    console.print(table)
+
+
 @migrate_app.command("status")
 def migrate_status(
     map_path: MapArg,
@@ -141,20 +190,30 @@ def migrate_status(
     store = open_store(map_path, models, tool=True)
     try:
         root = _root(store, scripts)
-        total = sum(1 + store.engines.has_replica(t.server) for t in work_targets(store, root, area))
+        sql_areas, doc_areas = _split(store, area)
+        total = sum(1 + store.engines.has_replica(t.server) for t in work_targets(store, root, sql_areas))
         with _progress("migrate status", total) as on_done:
-            status = fleet_status(store, root, areas=area, parallel=parallel, on_done=on_done)
+            status = fleet_status(store, root, areas=sql_areas, parallel=parallel, on_done=on_done)
+        documents: list[DocumentStatus] = []
+        if doc_areas is None or doc_areas:
+            with _progress("migrate status (document indexes)", len(document_targets(store, doc_areas))) as on_done:
+                documents = document_status(store, areas=doc_areas, parallel=parallel, on_done=on_done)
     finally:
         store.close()
     bad = [s for s in status.servers if s.error is not None or s.differences]
+    bad_documents = [d for d in documents if not d.ok]
     if as_json:
-        emit_json({"heads": status.heads, "mixed": status.mixed, "ok": not bad,
+        emit_json({"heads": status.heads, "mixed": status.mixed, "ok": not bad and not bad_documents,
                    "servers": [_status_json(s) for s in status.servers],
+                   "documents": [_document_json(d) for d in documents],
                    "last_run": [{"run_id": r.run_id, "area": r.area, "server": r.server, "direction": r.direction,
                                  "target": r.target, "outcome": r.outcome, "detail": r.detail} for r in status.last_run]})
     else:
-        _print_status(status)
-    if bad:
+        if status.servers or status.last_run or not documents:
+            _print_status(status)
+        if documents:
+            _print_documents(documents)
+    if bad or bad_documents:
         raise typer.Exit(EXIT_NOT_FOUND)
 
 
@@ -192,19 +251,47 @@ def _run(map_path: str, direction: str, to: str | None, area: list[str] | None, 
     store = open_store(map_path, models, tool=True)
     try:
         root = _root(store, scripts)
-        total = len([t for t in work_targets(store, root, area) if server is None or t.server in server])
-        with _progress(f"migrate {direction}", total) as on_done:
-            run = migrate(store, root, direction=direction, to=to, areas=area, servers=server, parallel=parallel, canary=canary,
-                          dry_run=dry_run, lock_timeout=lock_timeout, on_done=on_done)
+        sql_areas, doc_areas = _split(store, area)
+        sql_servers, doc_servers = _split_servers(store, server)
+        if doc_areas and (direction == "down" or to is not None):
+            raise MigrationError(f"document area(s) {', '.join(doc_areas)} have no revisions: `mdb migrate up` without --to "
+                                 "takes them to the indexes their types declare (there is no down)")
+        doc_work = [] if direction == "down" or to is not None or doc_areas == [] or doc_servers == [] else [
+            t for t in document_targets(store, doc_areas) if doc_servers is None or t.server in doc_servers]
+        sql_work = [] if sql_servers == [] else [
+            t for t in work_targets(store, root, sql_areas) if sql_servers is None or t.server in sql_servers]
+        if canary is not None and doc_work and canary not in {t.server for t in sql_work + doc_work}:
+            raise MigrationError(f"canary {canary!r} is not a server of any area being migrated")
+        run: MigrationRun | None = None
+        if sql_work or not doc_work:  # SQL areas as before (an empty run, too, when there is nothing at all)
+            with _progress(f"migrate {direction}", len(sql_work)) as on_done:
+                run = migrate(store, root, direction=direction, to=to, areas=sql_areas, servers=sql_servers, parallel=parallel,
+                              canary=canary if canary in {t.server for t in sql_work} or not doc_work else None,
+                              dry_run=dry_run, lock_timeout=lock_timeout, on_done=on_done)
+        documents: MigrationRun | None = None
+        if doc_work and (run is None or run.ok):  # a failed SQL server stops the rollout: no document server starts
+            with _progress("migrate up (document indexes)", len(doc_work)) as on_done:
+                documents = migrate_documents(store, areas=doc_areas, servers=doc_servers, parallel=parallel,
+                                              canary=canary if canary in {t.server for t in doc_work} else None,
+                                              dry_run=dry_run, on_done=on_done)
     finally:
         store.close()
+    ok = all(r.ok for r in (run, documents) if r is not None)
     if as_json:
-        emit_json({"run_id": run.run_id, "direction": run.direction, "targets": run.targets, "dry_run": run.dry_run,
-                   "ok": run.ok, "servers": [_result_json(r) for r in run.results]})
+        main = run if run is not None else documents
+        assert main is not None  # one of the two always runs
+        emit_json({**_run_json(main), "ok": ok, "documents": None if documents is None else _run_json(documents)})
     else:
-        _print_run(run)
-    if not run.ok:
+        for each in (run, documents):
+            if each is not None:
+                _print_run(each)
+    if not ok:
         raise typer.Exit(EXIT_NOT_FOUND)
+
+
+def _run_json(run: MigrationRun) -> dict[str, object]:
+    return {"run_id": run.run_id, "direction": run.direction, "targets": run.targets, "dry_run": run.dry_run,
+            "ok": run.ok, "servers": [_result_json(r) for r in run.results]}
 
 
 CanaryOpt = Annotated[str | None, typer.Option("--canary", metavar="SERVER", help="migrate this server first, alone")]

@@ -14,5 +14,8 @@ Store in with it):
   guard a move calls before copying (same revision on both sides);
 * :mod:`mdb.migrations.scripts` -- where an area's history lives, and ``revision``;
 * :mod:`mdb.migrations.ledger` -- the fleet ledger in CENTRAL (``mdb_migration_runs``);
-* :mod:`mdb.migrations.fleet` -- ``status``, ``up`` and ``down`` over the fleet.
+* :mod:`mdb.migrations.fleet` -- ``status``, ``up`` and ``down`` over the fleet, and the rollout
+  loop (canary, parallel, stop on failure, ledger) every kind of area shares;
+* :mod:`mdb.migrations.documents` -- document areas (MongoDB): their declared indexes, created
+  and dropped on every server by the same loop.
 """

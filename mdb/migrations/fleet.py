@@ -58,6 +58,7 @@ __all__ = [
     "Target",
     "fleet_status",
     "migrate",
+    "roll_out",
     "targets",
     "work_targets",
 ]
@@ -88,8 +89,8 @@ def _spares(cluster: Cluster) -> list[str]:
     return [s for s in cluster.map.servers if s not in used]
 
 
-def targets(cluster: Cluster, areas: list[str] | None = None) -> list[Target]:
-    """Every (area, SQL server) holding the area's tables: shards, spares, relocation targets; map order."""
+def targets(cluster: Cluster, areas: list[str] | None = None, kind: str = SQL) -> list[Target]:
+    """Every (area, server of ``kind``) holding the area's tables (collections): shards, spares, relocation targets; map order."""
     router = cluster.router
     spares = _spares(cluster)
     out: list[Target] = []
@@ -107,7 +108,7 @@ def targets(cluster: Cluster, areas: list[str] | None = None) -> list[Target]:
         for (moved_area, _), server in router.relocations.items():
             if moved_area == area:
                 add(server, "relocation target")
-        out += [Target(area, s, tuple(r)) for s, r in roles.items() if cluster.map.kind_of(s) == SQL]
+        out += [Target(area, s, tuple(r)) for s, r in roles.items() if cluster.map.kind_of(s) == kind]
     return out
 
 
@@ -435,21 +436,49 @@ def migrate(
         if unknown:
             raise MigrationError(f"server(s) {', '.join(unknown)} hold no tables of the areas being migrated")
         work = [t for t in work if t.server in servers]
-    if canary is not None and canary not in {t.server for t in work}:
-        raise MigrationError(f"canary {canary!r} is not a SQL server of any area being migrated")
     run = MigrationRun(uuid.uuid4().hex, direction, destinations, [], dry_run)
-    central = None if dry_run else _central_sql(cluster)
-    if central is not None:
-        with cluster.transaction(central) as conn:
-            ledger.start(conn, run.run_id, direction, [(t.area, t.server, destinations[t.area]) for t in work])
     _install_dispatch()
-    stop = threading.Event()
 
     def one(target: Target) -> ServerResult:
+        return _migrate_one(cluster, histories[target.area], target, destinations[target.area], direction, lock_timeout, dry_run)
+
+    roll_out(cluster, run, work, one, parallel=parallel, canary=canary, on_done=on_done)
+    return run
+
+
+def roll_out(
+    cluster: Cluster,
+    run: MigrationRun,
+    work: list[Target],
+    one: Callable[[Target], ServerResult],
+    *,
+    parallel: int = DEFAULT_PARALLEL,
+    canary: str | None = None,
+    on_done: Callable[[ServerResult], None] | None = None,
+) -> None:
+    """The fleet loop of every kind of migration: ``one`` on each target, canary first, stop on failure.
+
+    The canary's targets run first and alone; if one fails nothing else starts. Then the rest,
+    ``parallel`` at a time; the first failure stops new starts, the running ones finish, and
+    every target gets an outcome (``not started`` for the ones never begun). ``one`` reports a
+    server's failure in its result (outcome ``failed``); what it raises is a bug or an
+    interrupt. Unless ``run`` is a dry run, the ledger in CENTRAL gets one ``pending`` row per
+    target before the first starts (target: ``run.targets[area]``) and each row's outcome as it
+    ends. Fills ``run.results`` in the order of ``work``.
+    """
+    if canary is not None and canary not in {t.server for t in work}:
+        raise MigrationError(f"canary {canary!r} is not a server of any area being migrated")
+    central = None if run.dry_run else _central_sql(cluster)
+    if central is not None:
+        with cluster.transaction(central) as conn:
+            ledger.start(conn, run.run_id, run.direction, [(t.area, t.server, run.targets[t.area]) for t in work])
+    stop = threading.Event()
+
+    def guarded(target: Target) -> ServerResult:
         if stop.is_set():
-            return ServerResult(target.area, target.server, target.roles, destinations[target.area],
+            return ServerResult(target.area, target.server, target.roles, run.targets[target.area],
                                 detail="not started: an earlier server failed")
-        result = _migrate_one(cluster, histories[target.area], target, destinations[target.area], direction, lock_timeout, dry_run)
+        result = one(target)
         if result.outcome == FAILED:
             stop.set()
         return result
@@ -468,10 +497,9 @@ def migrate(
     first = [t for t in work if t.server == canary]
     rest = [t for t in work if t.server != canary]
     by_key: dict[tuple[str, str], ServerResult] = {}
-    for result in run_each(first, one, parallel=1, on_done=done, name="mdb-migrate-canary"):
+    for result in run_each(first, guarded, parallel=1, on_done=done, name="mdb-migrate-canary"):
         by_key[(result.area, result.server)] = result
-    for result in run_each(rest, one, parallel=parallel, on_done=done, name="mdb-migrate"):
+    for result in run_each(rest, guarded, parallel=parallel, on_done=done, name="mdb-migrate"):
         by_key[(result.area, result.server)] = result
     run.results = [by_key[(t.area, t.server)] for t in work]
-    return run
 
