@@ -130,3 +130,22 @@ def test_a_frozen_partition_turns_document_writers_away_until_unfrozen(env: Env)
     assert unfreeze_partition(store, "docs", START, [home]) == 1
     with store.documents(env.dtype, uid) as bc:
         bc["orders"].insert_one({"_id": GDID(0, 3, 1), "number": 50, "total": 0})
+
+
+def test_an_interrupted_document_reshard_is_cancelled_back_to_the_old_map(env: Env) -> None:
+    """`mdb moves cancel` moves what the reshard moved back with DocumentMove; the old map stays in force."""
+    before = snapshot(env)
+    code, _, err = env.cli("reshard", "MAP", "docs", "--partition", "0:0:0", "--shards", ",".join(NEW),
+                           fault="reshard.after_first_move")
+    assert code == -signal.SIGKILL, err
+    (entry,) = [e for e in Journal(env.store()).entries(unfinished=True) if e.kind == "reshard"]
+    code, out, err = env.cli("moves", "cancel", "MAP", entry.move_id)
+    assert code == 0, err
+    store = env.store()
+    store.refresh()
+    assert [list(p[2]) for p in store.router.partitions("docs")] == [list(OLD)]
+    assert not store.router.relocations
+    assert snapshot(env) == before  # every briefcase on its old shard only, unchanged
+    assert Journal(store).entries(unfinished=True) == []
+    for server in OLD:
+        assert frozen_by(store, "docs", START, server) is None, server
