@@ -44,9 +44,12 @@ class CliDocs(DocumentBriefcaseType):
 
 
 class Env:
-    """A map with SQLite CENTRAL and three fake MongoDB shards kept in ``tmp/fake``; models beside the map."""
+    """A map with SQLite CENTRAL and three fake MongoDB servers kept in ``tmp/fake``; models beside the map.
 
-    def __init__(self, tmp_path: Path) -> None:
+    ``shards``: the servers of the area's one partition (the others are spares).
+    """
+
+    def __init__(self, tmp_path: Path, shards: tuple[str, ...] = SHARDS) -> None:
         self.fake_dir = tmp_path / "fake"
         module = f"cli_docmodels_{uuid.uuid4().hex[:8]}"
         (tmp_path / f"{module}.py").write_text(MODELS, encoding="utf-8")
@@ -56,7 +59,7 @@ class Env:
         finally:
             sys.path.remove(str(tmp_path))
         servers = {"c": f"sqlite:///{tmp_path / 'central.db'}", **{m: f"mongodb://fake-{m}/{m}" for m in SHARDS}}
-        data = map_dict(servers, central=["c"], partitions=[("0:0:0", list(SHARDS))], area="docs")
+        data = map_dict(servers, central=["c"], partitions=[("0:0:0", list(shards))], area="docs")
         data["models"] = [module]
         self.map_path = tmp_path / "map.yaml"
         self.map_path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
@@ -166,9 +169,10 @@ def test_moves_cancel_resolves_an_interrupted_document_move(env: Env, point: str
         assert bc.placement.server == home
 
 
-def test_reshard_of_a_document_area_is_refused_clearly(env: Env) -> None:
-    code, _, err = env.cli("reshard", "MAP", "docs", "--partition", "0:0:0", "--shards", "m1,m2")
-    assert code == 2 and "SQL areas only" in err, err
+def test_a_reshard_between_server_kinds_is_refused(env: Env) -> None:
+    code, _, err = env.cli("reshard", "MAP", "docs", "--partition", "0:0:0", "--shards", "m1,c")
+    assert code == 2 and "between server kinds" in err, err
+    assert Journal(env.store()).entries() == []  # refused before anything was journaled
 
 
 def test_a_move_between_server_kinds_is_refused(env: Env) -> None:

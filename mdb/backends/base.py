@@ -259,6 +259,45 @@ class Backend(ABC):
         a bug (always raised).
         """
 
+    # -- resharding
+    # A reshard (mdb.moves.reshard) and the map apply it ends with reach a server's partition
+    # freeze, its 'resident' records and its layout stamps through these, whatever its kind.
+
+    @abstractmethod
+    def freeze_partition(
+        self, cluster: Servers, server: str, area: str, start: GDID, reshard_id: str, *, lock_wait: float
+    ) -> None:
+        """Turn away new write sessions of partition ``start`` on ``server`` (the freeze marker); idempotent.
+
+        Waits for the write sessions already inside where the kind has a lock they hold.
+        """
+
+    @abstractmethod
+    def unfreeze_partition(self, cluster: Servers, server: str, area: str, start: GDID) -> int:
+        """Remove the freeze marker of partition ``start`` on ``server``; the number of markers removed."""
+
+    @abstractmethod
+    def frozen_by(self, cluster: Servers, server: str, area: str, start: GDID) -> str | None:
+        """The reshard id whose freeze of partition ``start`` is on ``server``, if any."""
+
+    @abstractmethod
+    def drop_residents(self, cluster: Servers, server: str, area: str, redundant: Callable[[GDID], bool]) -> int:
+        """Delete the 'resident' records of ``area`` on ``server`` whose GDID ``redundant`` accepts; how many."""
+
+    @abstractmethod
+    def read_layouts(self, cluster: Servers, server: str) -> dict[str, ShardLayout]:
+        """Every layout stamp on ``server``, by area (none when it has no stamp record yet)."""
+
+    @abstractmethod
+    def replace_layout(
+        self, cluster: Servers, server: str, area: str, layout: ShardLayout | None, map_version: int, *, lock_timeout: float
+    ) -> None:
+        """Overwrite (or with None delete) ``server``'s stamp of ``area``: a map apply's step.
+
+        Where the kind has a lock that every session's ownership check takes, the write waits
+        for the sessions in flight (up to ``lock_timeout`` seconds) and holds off new ones.
+        """
+
 
 def documents_of(cluster: Servers) -> DocumentServers:
     """The MongoDB clients of ``cluster``; a cluster without them cannot reach a MongoDB server."""

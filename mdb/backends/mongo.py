@@ -10,7 +10,7 @@ pymongo itself is never imported here, so the registry can load this module with
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Final
 
 from mdb.backends.base import (
@@ -24,16 +24,27 @@ from mdb.backends.base import (
     ServerSchema,
     documents_of,
 )
-from mdb.errors import MdbError
+from mdb.errors import MapEditError, MdbError
 from mdb.gdid import GDID
 from mdb.router import ShardLayout
-from mdb.system_tables import briefcase_state
+from mdb.system_tables import STATE_FROZEN, STATE_RESIDENT, briefcase_state
 from mdb.urls import MONGO
 
-__all__ = ["LAYOUT", "RELOCATIONS", "MongoAreaScan", "MongoBackend", "stamp_layout"]
+__all__ = ["LAYOUT", "RELOCATIONS", "STATE", "MongoAreaScan", "MongoBackend", "freeze_id", "stamp_layout"]
 
 LAYOUT: Final = "mdb_shard_layout"
 RELOCATIONS: Final = "mdb_relocations"
+STATE: Final = briefcase_state.name
+"""Briefcase states (fences, incoming copies, residents) and partition freeze markers (:func:`freeze_id`)."""
+
+
+def freeze_id(area: str, start: GDID) -> str:
+    """``_id`` of the freeze marker of partition ``start`` of ``area`` in :data:`STATE`.
+
+    Its own key, never a briefcase's (``area:gdid-hex``): write contexts of the partition read
+    it in their ownership check (:func:`mdb.mongo.shard_state.ownership_rows`).
+    """
+    return f"{area}:frozen:{start.hex}"
 
 
 def stamp_layout(db: Any, layout: ShardLayout, map_version: int, *, replace: bool) -> str | None:
@@ -131,7 +142,7 @@ class MongoAreaScan(AreaScan):
         return total
 
     def states(self) -> Iterator[BriefcaseStateRow]:
-        found = self._db()[briefcase_state.name].find({"area": self.data.area}, sort=[("_id", 1)], batch_size=STREAM_BATCH)
+        found = self._db()[STATE].find({"area": self.data.area}, sort=[("_id", 1)], batch_size=STREAM_BATCH)
         for doc in found:
             yield BriefcaseStateRow(GDID.from_bytes(doc["gdid"]), doc["state"], doc.get("peer"), doc.get("move_id"))
 
@@ -179,3 +190,58 @@ class MongoBackend(Backend):
 
     def translate(self, cluster: Servers, server: str, exc: Exception) -> MdbError | None:
         return documents_of(cluster).translate(server, exc)
+
+    # -- resharding
+
+    def freeze_partition(
+        self, cluster: Servers, server: str, area: str, start: GDID, reshard_id: str, *, lock_wait: float
+    ) -> None:
+        # MongoDB has no lock that a write context holds and the freeze could wait on: the
+        # marker is one document write. A transactional write context reads it in its own
+        # transaction (on the fake a transaction holds the server, so the write waits for it);
+        # see docs/mongodb.md for the window a real replica set leaves.
+        documents_of(cluster).database(server)[STATE].replace_one(
+            {"_id": freeze_id(area, start)},
+            {"area": area, "state": STATE_FROZEN, "peer": str(start), "move_id": reshard_id},
+            upsert=True,
+        )
+
+    def unfreeze_partition(self, cluster: Servers, server: str, area: str, start: GDID) -> int:
+        found = documents_of(cluster).database(server)[STATE].delete_one({"_id": freeze_id(area, start), "state": STATE_FROZEN})
+        return int(found.deleted_count)
+
+    def frozen_by(self, cluster: Servers, server: str, area: str, start: GDID) -> str | None:
+        marker = documents_of(cluster).database(server)[STATE].find_one({"_id": freeze_id(area, start), "state": STATE_FROZEN})
+        return None if marker is None else str(marker["move_id"])
+
+    def drop_residents(self, cluster: Servers, server: str, area: str, redundant: Callable[[GDID], bool]) -> int:
+        states = documents_of(cluster).database(server)[STATE]
+        dropped = 0
+        for doc in list(states.find({"area": area, "state": STATE_RESIDENT})):
+            if redundant(GDID.from_bytes(doc["gdid"])):
+                dropped += int(states.delete_one({"_id": doc["_id"], "state": STATE_RESIDENT}).deleted_count)
+        return dropped
+
+    def read_layouts(self, cluster: Servers, server: str) -> dict[str, ShardLayout]:
+        return {
+            doc["_id"]: ShardLayout(
+                doc["_id"], GDID.from_bytes(doc["partition_start"]),
+                None if doc.get("partition_end") is None else GDID.from_bytes(doc["partition_end"]),
+                int(doc["shard_index"]), int(doc["shard_count"]),
+            )
+            for doc in documents_of(cluster).database(server)[LAYOUT].find({})
+        }
+
+    def replace_layout(
+        self, cluster: Servers, server: str, area: str, layout: ShardLayout | None, map_version: int, *, lock_timeout: float
+    ) -> None:
+        # No table lock exists to wait for in-flight contexts; a write context that read the old
+        # stamp in its transaction may still commit. A reshard changes stamps of a frozen
+        # partition only, so no write context of it is in flight (docs/mongodb.md).
+        db = documents_of(cluster).database(server)
+        if layout is None:
+            db[LAYOUT].delete_one({"_id": area})
+            return
+        problem = stamp_layout(db, layout, map_version, replace=True)
+        if problem:  # replace=True never refuses; a problem here is a bug, not an operator error
+            raise MapEditError(f"server {server!r}: {problem}")

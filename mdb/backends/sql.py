@@ -9,23 +9,28 @@ a larger transaction (schema apply creates tables and stamps in one).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
-from sqlalchemy import Column, DateTime, String, Table, delete, func, insert, select, update
+from sqlalchemy import Column, DateTime, String, Table, and_, delete, func, insert, select, update
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Connection
+from sqlalchemy.sql.elements import ColumnElement
 
 from mdb.backends.base import AreaData, AreaScan, Backend, SchemaOutcome, Servers, ServerSchema
-from mdb.errors import MdbError
+from mdb.errors import MapEditError, MdbError
 from mdb.gdid import GDID
-from mdb.ownership import install_pg_functions
+from mdb.ownership import FREEZE_GDID, install_pg_functions, partition_lock_key_sql
 from mdb.router import ShardLayout
 from mdb.schema_diff import compare_tables
 from mdb.sqltypes import GDIDType
-from mdb.system_tables import central_metadata, shard_layout
+from mdb.system_tables import STATE_FROZEN, STATE_RESIDENT, briefcase_state, central_metadata, shard_layout
 from mdb.urls import SQL
 
-__all__ = ["SqlBackend", "create_tables", "relocation_rows", "relocations", "stamp_layout", "write_relocation"]
+__all__ = [
+    "SqlBackend", "create_tables", "lock_layout", "read_layouts", "relocation_rows", "relocations", "stamp_layout",
+    "write_layout", "write_relocation",
+]
 
 relocations = Table(
     "mdb_relocations",
@@ -97,6 +102,48 @@ def create_tables(conn: Connection, tables: list[Table]) -> list[str]:
     return created
 
 
+def _freeze_marker(area: str, start: GDID) -> ColumnElement[bool]:
+    """The freeze marker of partition ``start``: a 'frozen' state row under the zero GDID, the partition in ``peer``."""
+    return and_(
+        briefcase_state.c.area == area, briefcase_state.c.gdid == FREEZE_GDID,
+        briefcase_state.c.state == STATE_FROZEN, briefcase_state.c.peer == str(start),
+    )
+
+
+def read_layouts(conn: Connection) -> dict[str, ShardLayout]:
+    """The layout stamps on ``conn``'s server, by area (none before ``mdb schema apply`` made the table)."""
+    if not sa_inspect(conn).has_table(shard_layout.name):
+        return {}
+    rows = conn.execute(select(shard_layout)).mappings()
+    return {
+        r["area"]: ShardLayout(r["area"], r["partition_start"], r["partition_end"], r["shard_index"], r["shard_count"])
+        for r in rows
+    }
+
+
+def lock_layout(conn: Connection, lock_timeout: float) -> None:
+    """Wait for every in-flight session on this shard, and hold off new ones until commit.
+
+    Every session reads ``mdb_shard_layout`` in its ownership check, so on PostgreSQL it holds
+    ACCESS SHARE on that table until it ends: ACCESS EXCLUSIVE waits for all of them and
+    blocks the checks of new ones, which after our commit read the new stamp. On SQLite the
+    transaction's BEGIN IMMEDIATE already serializes us with every writer.
+    """
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{int(lock_timeout * 1000)}ms'")
+        conn.exec_driver_sql(f"LOCK TABLE {shard_layout.name} IN ACCESS EXCLUSIVE MODE")
+
+
+def write_layout(conn: Connection, server: str, area: str, layout: ShardLayout | None, map_version: int) -> None:
+    """Overwrite (or with None delete) the stamp of ``area`` on ``conn``'s server."""
+    if layout is None:
+        conn.execute(delete(shard_layout).where(shard_layout.c.area == area))
+        return
+    problem = stamp_layout(conn, layout, map_version, replace=True)
+    if problem:  # replace=True never refuses; a problem here is a bug, not an operator error
+        raise MapEditError(f"server {server!r}: {problem}")
+
+
 class SqlBackend(Backend):
     """Servers reached through SQLAlchemy; every unit of work is one transaction on the server."""
 
@@ -134,3 +181,48 @@ class SqlBackend(Backend):
     def translate(self, cluster: Servers, server: str, exc: Exception) -> MdbError | None:
         # Store.transaction already turned driver errors into mdb errors naming the server.
         return exc if isinstance(exc, MdbError) else None
+
+    # -- resharding
+
+    def freeze_partition(
+        self, cluster: Servers, server: str, area: str, start: GDID, reshard_id: str, *, lock_wait: float
+    ) -> None:
+        # The partition's advisory key EXCLUSIVE waits for the writers inside (they hold it
+        # SHARED from their BEGIN prelude); the committed marker turns later ones away. On
+        # SQLite the transaction's BEGIN IMMEDIATE serializes it with every writer instead.
+        with cluster.transaction(server) as conn:
+            if conn.dialect.name == "postgresql":
+                conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{max(1, int(lock_wait * 1000))}ms'")
+                conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({partition_lock_key_sql(area, start)})")
+            conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == FREEZE_GDID))
+            conn.execute(insert(briefcase_state).values(
+                area=area, gdid=FREEZE_GDID, state=STATE_FROZEN, peer=str(start), move_id=reshard_id
+            ))
+
+    def unfreeze_partition(self, cluster: Servers, server: str, area: str, start: GDID) -> int:
+        with cluster.transaction(server) as conn:
+            return int(conn.execute(delete(briefcase_state).where(_freeze_marker(area, start))).rowcount)
+
+    def frozen_by(self, cluster: Servers, server: str, area: str, start: GDID) -> str | None:
+        with cluster.transaction(server) as conn:
+            found: str | None = conn.execute(select(briefcase_state.c.move_id).where(_freeze_marker(area, start))).scalar_one_or_none()
+            return found
+
+    def drop_residents(self, cluster: Servers, server: str, area: str, redundant: Callable[[GDID], bool]) -> int:
+        resident = and_(briefcase_state.c.area == area, briefcase_state.c.state == STATE_RESIDENT)
+        with cluster.transaction(server) as conn:
+            gdids = [g for g in conn.execute(select(briefcase_state.c.gdid).where(resident)).scalars() if redundant(g)]
+            for g in gdids:
+                conn.execute(delete(briefcase_state).where(resident, briefcase_state.c.gdid == g))
+        return len(gdids)
+
+    def read_layouts(self, cluster: Servers, server: str) -> dict[str, ShardLayout]:
+        with cluster.transaction(server) as conn:
+            return read_layouts(conn)
+
+    def replace_layout(
+        self, cluster: Servers, server: str, area: str, layout: ShardLayout | None, map_version: int, *, lock_timeout: float
+    ) -> None:
+        with cluster.transaction(server) as conn:
+            lock_layout(conn, lock_timeout)
+            write_layout(conn, server, area, layout, map_version)

@@ -14,11 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from sqlalchemy import delete, insert, select
+from sqlalchemy import insert
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Connection
 
 from mdb import dberrors
+from mdb.backends import backend_of
+from mdb.backends.base import HasDocuments, ServerSchema
+from mdb.backends.sql import lock_layout, write_layout
 from mdb.cluster import Cluster
 from mdb.errors import MapEditError, MdbError
 from mdb.gdid import GDID
@@ -28,9 +31,11 @@ from mdb.maps.history import AppliedMap, maps_server, maps_table, newest_applied
 from mdb.maps.text import recordable_yaml
 from mdb.partition_map import PartitionMap, read_map_text
 from mdb.router import Router, ShardLayout
-from mdb.schema import create_tables, server_tables, stamp_layout
+from mdb.mongo.schema import server_collections
+from mdb.mongo.store import MongoStore
+from mdb.schema import create_tables, server_tables
 from mdb.store import Store
-from mdb.system_tables import shard_layout
+from mdb.urls import MONGO, SQL
 
 __all__ = ["ApplyReport", "StampChange", "apply_map", "live_diff"]
 
@@ -75,47 +80,44 @@ def _fmt_layout(layout: ShardLayout | None) -> str | None:
     return f"[{layout.partition_start}, {layout.partition_end or 'open'}) shard {layout.shard_index} of {layout.shard_count}"
 
 
-def _read_stamps(conn: Connection) -> dict[str, ShardLayout]:
-    if not sa_inspect(conn).has_table(shard_layout.name):
-        return {}
-    rows = conn.execute(select(shard_layout)).mappings()
-    return {
-        r["area"]: ShardLayout(r["area"], r["partition_start"], r["partition_end"], r["shard_index"], r["shard_count"])
-        for r in rows
-    }
+def _end_shrinks(live: ShardLayout, new: ShardLayout | None) -> bool:
+    """True when ``new`` ends the partition below where ``live`` ends (leaving the area is not shrinking)."""
+    if new is None or new.partition_end is None:
+        return False
+    return live.partition_end is None or new.partition_end.sharding_value < live.partition_end.sharding_value
 
 
-def _lock_layout(conn: Connection, lock_timeout: float) -> None:
-    """Wait for every in-flight session on this shard, and hold off new ones until commit.
+def _documents_for(target: Store, cluster: Cluster) -> None:
+    """Give ``target`` the caller's MongoDB clients (its client factory and document types).
 
-    Every session reads ``mdb_shard_layout`` in its ownership check, so on PostgreSQL it holds
-    ACCESS SHARE on that table until it ends: ACCESS EXCLUSIVE waits for all of them and
-    blocks the checks of new ones, which after our commit read the new stamp. On SQLite the
-    transaction's BEGIN IMMEDIATE already serializes us with every writer.
+    The stamps of MongoDB servers are written through ``target``'s document side; one made
+    afresh would reach the servers with the default driver, not the caller's (a test's fake).
     """
-    if conn.dialect.name == "postgresql":
-        conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{int(lock_timeout * 1000)}ms'")
-        conn.exec_driver_sql(f"LOCK TABLE {shard_layout.name} IN ACCESS EXCLUSIVE MODE")
-
-
-def _write_stamp(conn: Connection, server: str, area: str, layout: ShardLayout | None, version: int) -> None:
-    if layout is None:
-        conn.execute(delete(shard_layout).where(shard_layout.c.area == area))
+    if not target.map.servers_of_kind(MONGO) or not isinstance(cluster, HasDocuments):
         return
-    problem = stamp_layout(conn, layout, version, replace=True)
-    if problem:  # replace=True never refuses; a problem here is a bug, not an operator error
-        raise MapEditError(f"server {server!r}: {problem}")
+    mine = cluster.mongo
+    if isinstance(mine, MongoStore):
+        MongoStore.attach(target, client_factory=mine.clients.factory, types=mine.types, transactions=mine.clients.force_transactions)
+
+
+def _prepare(target: Store, router: Router, server: str, layouts: list[ShardLayout], version: int) -> list[str]:
+    """Create what a server new to the map, or new in a role, must hold; the tables or collections created.
+
+    Its stamps are written by the apply's next steps, not here.
+    """
+    if target.map.kind_of(server) == MONGO:
+        _, collections = server_collections(target.mongo, router, server, layouts)
+        schema = ServerSchema([], version, collections=collections)
+        return backend_of(target.map, server).apply_schema(target, server, schema).created
+    _, tables = server_tables(target, router, server, layouts)
+    with target.transaction(server) as conn:
+        return create_tables(conn, tables)
 
 
 def _shrink_check(cluster: Cluster, conn: Connection, server: str, area: str, live: ShardLayout, new: ShardLayout | None) -> None:
     """Under the lock: refuse when a GDID this shard stores would fall outside its new range."""
-    if new is None:
+    if new is None or not _end_shrinks(live, new):
         return  # leaving the area happens only in a reshard, which moved the briefcases first
-    end_shrinks = new.partition_end is not None and (
-        live.partition_end is None or new.partition_end.sharding_value < live.partition_end.sharding_value
-    )
-    if not end_shrinks:
-        return
     existing = set(sa_inspect(conn).get_table_names())
     cols = [bt.key_column(bt.tables[0]) for bt in cluster.types_of(area) if bt.tables[0].name in existing]
     top = stored_high_water(conn, cols)
@@ -199,6 +201,7 @@ def apply_map(
 
     target = Store(new_map, types=cluster.types)
     try:
+        _documents_for(target, cluster)
         old_router, new_router = Router(old_map), Router(new_map)
         new_layouts: dict[str, dict[str, ShardLayout]] = {}
         for server, layout in new_router.layouts():
@@ -211,8 +214,7 @@ def apply_map(
         # 1. reach every server, read live stamps
         live: dict[str, dict[str, ShardLayout]] = {}
         for server in new_map.servers:
-            with target.transaction(server) as conn:
-                live[server] = _read_stamps(conn)
+            live[server] = backend_of(new_map, server).read_layouts(target, server)
         areas = set(new_router.area_names())
 
         # 2. tables on new servers and servers with a new role
@@ -223,9 +225,7 @@ def apply_map(
             if server in old_map.servers and new_roles <= old_roles.get(server, set()):
                 continue
             all_layouts = [l for s, l in new_router.layouts() if s == server]
-            _, tables = server_tables(target, new_router, server, all_layouts)
-            with target.transaction(server) as conn:
-                report.prepared[server] = create_tables(conn, tables)
+            report.prepared[server] = _prepare(target, new_router, server, all_layouts, new_map.version)
 
         plan_add: list[tuple[str, str, ShardLayout]] = []
         plan_change: list[tuple[str, str, ShardLayout, ShardLayout | None]] = []
@@ -241,20 +241,32 @@ def apply_map(
                 if area in areas and area not in new_layouts.get(server, {}):
                     plan_change.append((server, area, current, None))
 
+        unchecked = [(s, a) for s, a, current, new in plan_change if _end_shrinks(current, new) and new_map.kind_of(s) != SQL]
+        if unchecked:  # its stored GDIDs cannot be re-checked under a lock that holds off writers
+            raise MapEditError(
+                f"map version {new_map.version} not applied: it shrinks the partition end of {unchecked[0][1]!r} on "
+                f"{new_map.kind_of(unchecked[0][0])} server {unchecked[0][0]!r}, which only SQL shards support; nothing was written"
+            )
         undo: list[tuple[str, str, ShardLayout | None]] = []
         try:
             # 3. new stamps: nobody routes here yet
             for server, area, layout in plan_add:
-                with target.transaction(server) as conn:
-                    _write_stamp(conn, server, area, layout, new_map.version)
+                problem = backend_of(new_map, server).stamp_layout(target, server, layout, new_map.version, replace=True)
+                if problem:  # replace=True never refuses; a problem here is a bug, not an operator error
+                    raise MapEditError(f"server {server!r}: {problem}")
                 undo.append((server, area, None))
                 report.stamps.append(StampChange(server, area, "added", None, _fmt_layout(layout)))
             # 4./5. changed and removed stamps, each under the shard's layout lock
             for server, area, current, new_layout in plan_change:
-                with target.transaction(server) as conn:
-                    _lock_layout(conn, lock_timeout)
-                    _shrink_check(cluster, conn, server, area, current, new_layout)
-                    _write_stamp(conn, server, area, new_layout, new_map.version)
+                if _end_shrinks(current, new_layout):  # SQL only (refused above on other kinds)
+                    with target.transaction(server) as conn:
+                        lock_layout(conn, lock_timeout)
+                        _shrink_check(cluster, conn, server, area, current, new_layout)
+                        write_layout(conn, server, area, new_layout, new_map.version)
+                else:
+                    backend_of(new_map, server).replace_layout(
+                        target, server, area, new_layout, new_map.version, lock_timeout=lock_timeout
+                    )
                 undo.append((server, area, current))
                 action: Literal["changed", "removed"] = "changed" if new_layout is not None else "removed"
                 report.stamps.append(StampChange(server, area, action, _fmt_layout(current), _fmt_layout(new_layout)))
@@ -282,9 +294,7 @@ def _undo(target: Cluster, undo: list[tuple[str, str, ShardLayout | None]], vers
     problems = []
     for server, area, previous in reversed(undo):
         try:
-            with target.transaction(server) as conn:
-                _lock_layout(conn, lock_timeout)
-                _write_stamp(conn, server, area, previous, version)
+            backend_of(target.map, server).replace_layout(target, server, area, previous, version, lock_timeout=lock_timeout)
         except Exception as exc:  # reported to the operator in the MapEditError, never dropped
             problems.append(f"server {server!r} area {area!r}: {exc}")
     return problems

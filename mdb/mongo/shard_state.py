@@ -13,11 +13,11 @@ from __future__ import annotations
 import random
 from typing import Any, Final
 
-from mdb.backends.mongo import LAYOUT
+from mdb.backends.mongo import LAYOUT, STATE, freeze_id
 from mdb.errors import BriefcaseMovingError
 from mdb.gdid import GDID
 from mdb.router import Placement
-from mdb.system_tables import STATE_GONE, STATE_INCOMING
+from mdb.system_tables import STATE_FROZEN, STATE_GONE, STATE_INCOMING
 
 __all__ = [
     "GUARD",
@@ -31,7 +31,6 @@ __all__ = [
     "state_id",
 ]
 
-STATE: Final = "mdb_briefcase_state"
 GUARD: Final = "mdb_briefcase_guard"
 SYSTEM_COLLECTIONS: Final = (LAYOUT, STATE, GUARD)
 
@@ -41,10 +40,22 @@ def state_id(area: str, gdid: GDID) -> str:
     return f"{area}:{gdid.hex}"
 
 
-def ownership_rows(db: Any, placement: Placement, session: Any = None) -> list[tuple[Any, ...]]:
-    """The one row :func:`mdb.ownership.check_ownership` reads, from this shard's documents."""
+def ownership_rows(db: Any, placement: Placement, session: Any = None, *, write: bool = False) -> list[tuple[Any, ...]]:
+    """The one row :func:`mdb.ownership.check_ownership` reads, from this shard's documents.
+
+    A write context (``write``) also reads its partition's freeze marker (in the same query as
+    the briefcase's state): while a reshard has the partition frozen here, the check raises the
+    retryable ``BriefcaseMovingError`` and the context waits and retries, as a SQL session does.
+    Readers ignore it: a read cannot strand a briefcase.
+    """
     layout = db[LAYOUT].find_one({"_id": placement.area}, session=session) or {}
-    state = db[STATE].find_one({"_id": state_id(placement.area, placement.gdid)}, session=session) or {}
+    own = state_id(placement.area, placement.gdid)
+    if write:
+        marker = freeze_id(placement.area, placement.partition_start)
+        found = {d["_id"]: d for d in db[STATE].find({"_id": {"$in": [own, marker]}}, session=session)}
+        state, frozen = found.get(own, {}), found.get(marker)
+    else:
+        state, frozen = db[STATE].find_one({"_id": own}, session=session) or {}, None
     return [
         (
             layout.get("partition_start"),
@@ -53,6 +64,7 @@ def ownership_rows(db: Any, placement: Placement, session: Any = None) -> list[t
             layout.get("shard_count"),
             state.get("state"),
             state.get("peer"),
+            frozen.get("move_id") if frozen is not None and frozen.get("state") == STATE_FROZEN else None,
         )
     ]
 

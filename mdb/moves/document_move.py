@@ -28,6 +28,7 @@ raises there in-process.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Final
 
 from mdb import telemetry
@@ -39,14 +40,15 @@ from mdb.moves.directory import documents_of
 from mdb.relocations import set_relocation
 from mdb.moves.journal import DONE, ROLLED_BACK, RUNNING, Journal, JournalEntry
 from mdb.moves.move import Move, MoveOptions, MoveResult, ResumeOutcome, refuse_if_busy, register_move
+from mdb.moves.plan import PartitionScan, ServerHoldings, register_scan
 from mdb.mongo.hot import COUNTERS, STATS_LOCK
-from mdb.mongo.shard_state import GUARD, STATE, guard_ids, set_guard, state_id
+from mdb.mongo.shard_state import GUARD, STATE, excluded_gdids, guard_ids, set_guard, state_id
 from mdb.mongo.store import MongoStore
 from mdb.mongo.types import DocumentBriefcaseType
 from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT
 from mdb.urls import MONGO
 
-__all__ = ["FAULT_POINTS", "KIND", "DocumentMove", "checksums", "move_documents"]
+__all__ = ["FAULT_POINTS", "KIND", "DocumentMove", "DocumentPartitionScan", "checksums", "move_documents"]
 
 KIND: Final = "mongo-move"
 FAULT_POINTS: Final = register(
@@ -339,6 +341,60 @@ def _roll_back(mongo: MongoStore, journal: Journal, area: str, pairs: Collection
             tgt[STATE].delete_one({"_id": state_id(area, gid)})
     set_guard(src, area, gid, None)
     journal.finish(move_id, ROLLED_BACK, detail=why)
+
+
+@register_scan
+class DocumentPartitionScan(PartitionScan):
+    """MongoDB servers: a reshard's plan reads the partition's briefcases here.
+
+    Keys are streamed from each type's root collection (projected to the key), documents
+    counted per collection of :func:`_collections` (the hot-data ones included, as a move
+    carries them). Incoming copies and fenced leftovers are not the server's: left out.
+    """
+
+    server_kind: ClassVar[str] = MONGO
+
+    def __init__(self, cluster: Cluster, area: str) -> None:
+        super().__init__(cluster, area)
+        self.mongo = documents_of(cluster)
+        self.dtypes = self.mongo.types_of(area)
+        if not self.dtypes:
+            raise RoutingError(f"no document type of area {area!r} is registered with this cluster")
+        self.pairs = _collections(self.dtypes)
+
+    @property
+    def units(self) -> list[str]:
+        return [_name(c, k, self.pairs) for c, k in self.pairs]
+
+    def holdings(self, server: str, in_partition: Callable[[GDID], bool]) -> ServerHoldings:
+        db = self.mongo.database(server)
+        skip = set(excluded_gdids(db, self.area))
+        found: dict[GDID, None] = {}
+        for dtype in self.dtypes:
+            for doc in db[dtype.root].find({dtype.key: {"$exists": True}}, {dtype.key: 1, "_id": 0}):
+                key = doc[dtype.key]
+                if key not in skip:
+                    gid = GDID.from_bytes(key)
+                    if in_partition(gid):
+                        found[gid] = None
+        rows: dict[GDID, dict[str, int]] = {g: {} for g in found}
+        for coll, key in self.pairs:
+            name = _name(coll, key, self.pairs)
+            for doc in db[coll].find({key: {"$exists": True}}, {key: 1, "_id": 0}):
+                counts = rows.get(GDID.from_bytes(doc[key]))
+                if counts is not None:
+                    counts[name] = counts.get(name, 0) + 1
+        return ServerHoldings(list(found), rows)
+
+    def check_servers(self, servers: Iterable[str], what: str) -> None:
+        for server in dict.fromkeys(servers):
+            try:
+                self.mongo.database(server).list_collection_names()
+            except Exception as exc:  # the driver's error as mdb's, naming the server (or raised as it is)
+                translated = self.mongo.translate(server, exc)
+                if translated is None:
+                    raise
+                raise MdbError(f"{what}: {translated}") from exc
 
 
 def move_documents(cluster: Cluster, dtype: type[DocumentBriefcaseType], gdid: GDID | str, target: str) -> MoveResult:

@@ -200,7 +200,8 @@ class Journal:
 
     def moves_of(self, reshard_id: str) -> list[JournalEntry]:
         """Every move journaled for a reshard (any status), oldest first."""
-        query = select(moves_table).where(moves_table.c.reshard_id == reshard_id, moves_table.c.kind == "move")
+        # every move kind (SQL 'move', 'mongo-move'): a reshard moves its partition's briefcases with the shards' kind
+        query = select(moves_table).where(moves_table.c.reshard_id == reshard_id, moves_table.c.kind != "reshard")
         with self._store.transaction(self.server) as conn:
             return [JournalEntry.from_row(r) for r in conn.execute(query.order_by(moves_table.c.started_at, moves_table.c.move_id)).mappings()]
 

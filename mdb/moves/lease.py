@@ -122,7 +122,7 @@ def holder_of(journal: Journal, move_id: str) -> Holder | None:
 
 def lease_owner_id(entry: JournalEntry) -> str:
     """The journal entry whose lease covers ``entry``: a reshard's moves are driven under the reshard's."""
-    return entry.reshard_id if entry.kind == "move" and entry.reshard_id is not None else entry.move_id
+    return entry.reshard_id if entry.kind != "reshard" and entry.reshard_id is not None else entry.move_id
 
 
 class Lease:

@@ -22,6 +22,12 @@ hold the data:
 
 Every step is journaled (kind 'reshard'); :func:`continue_reshard` picks an interrupted
 reshard up at its step, re-planning from the live system, so it can crash anywhere.
+
+One driver for every server kind: what differs is behind the partition's kind, chosen by the
+kind of its shards, never by a branch here: the plan's scan (:func:`mdb.moves.plan.scan_for`),
+each briefcase's move (:func:`mdb.moves.move.move_briefcase` picks :class:`SqlMove` or
+:class:`DocumentMove`), the freeze marker, the layout stamps and the 'resident' records (the
+server's backend, :mod:`mdb.backends`). A document area reshards with the same command.
 """
 
 from __future__ import annotations
@@ -33,8 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from sqlalchemy import and_, delete, select
-
+from mdb.backends import backend_of
 from mdb.cluster import Cluster
 from mdb.errors import MdbError, MoveAbortedError, RoutingError
 from mdb.faults import fault_point, register
@@ -45,13 +50,10 @@ from mdb.maps.text import new_map_text, rewrite_map_file
 from mdb.moves.freeze import freeze_partition, unfreeze_partition
 from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.lease import check_stop, describe_liveness, hold
-from mdb.moves.plan import PlannedMove, ReshardPlan, find_partition, plan_reshard
+from mdb.moves.plan import PartitionScan, PlannedMove, ReshardPlan, find_partition, plan_reshard, scan_for
 from mdb.moves.move import DEFAULT_MAX_PAUSE, check_max_pause, move_briefcase
-from mdb.moves.sql_steps import area_tables, check_schemas
 from mdb.partition_map import PartitionMap, parse_map
 from mdb.relocations import set_relocation
-from mdb.system_tables import STATE_RESIDENT, briefcase_state
-from mdb.urls import SQL
 
 __all__ = ["ReshardCounts", "ReshardOutcome", "ReshardProgress", "continue_reshard", "reshard"]
 
@@ -170,6 +172,17 @@ def _validate(store: Cluster, area: str, start: GDID, new_shards: list[str]) -> 
         raise RoutingError(f"--shards lists a server twice: {new_shards}")
 
 
+def _same_kind(store: Cluster, area: str, old: list[str], new_shards: list[str]) -> None:
+    """A partition's shards are of one kind: a reshard never moves briefcases between kinds."""
+    kind = store.map.kind_of(old[0])
+    other = [s for s in new_shards if store.map.kind_of(s) != kind]
+    if other:
+        raise RoutingError(
+            f"reshard of area {area!r}: its partition lives on {kind} servers and --shards names {other} of another kind "
+            "(a reshard between server kinds is not supported)"
+        )
+
+
 def parallel_for(store: Cluster, area: str, start: GDID, new_shards: list[str], parallel: int) -> tuple[int, list[str]]:
     """How many moves a reshard runs at once, and the SQLite servers that made it 1.
 
@@ -203,12 +216,8 @@ def reshard(
     store.refresh()
     _validate(store, area, start, new_shards)
     _, _, old = find_partition(store.router, area, start)
-    if store.map.kind_of(old[0]) != SQL:
-        raise RoutingError(
-            f"reshard of area {area!r}: its partition lives on {store.map.kind_of(old[0])} servers; a reshard moves "
-            "briefcases of SQL areas only (move document briefcases one by one with `mdb move`)"
-        )
-    tables = area_tables(store, area)
+    scan = scan_for(store, area, old[0])
+    _same_kind(store, area, old, new_shards)
     if old == list(new_shards):
         raise RoutingError(f"partition {start} of area {area!r} already has shards {old}")
     journal = Journal(store)
@@ -218,10 +227,10 @@ def reshard(
             f"area {area!r} has unfinished moves/reshards ({'; '.join(f'{e.move_id}: {describe_liveness(journal, e)}' for e in busy)}): "
             "let a running one finish, or run `mdb moves resume MAP` for an interrupted one"
         )
-    plan = plan_reshard(store, tables, area, start, new_shards)
+    plan = plan_reshard(store, scan, area, start, new_shards)
     parallel, _ = parallel_for(store, area, start, new_shards, parallel)
     if dry_run:
-        _prechecks(store, plan, tables, map_path, dry_run=True)
+        _prechecks(store, plan, scan, map_path, dry_run=True)
         return ReshardOutcome(None, plan, None, 0)
     reshard_id = new_move_id("reshard")
     journal.start(JournalEntry(
@@ -260,11 +269,11 @@ def _next_version(store: Cluster) -> int:
     return max([store.map.version, *versions]) + 1
 
 
-def _prechecks(store: Cluster, plan: ReshardPlan, tables: list[Any], map_path: str | Path | None, *, dry_run: bool) -> tuple[PartitionMap, str]:
+def _prechecks(store: Cluster, plan: ReshardPlan, scan: PartitionScan, map_path: str | Path | None, *, dry_run: bool) -> tuple[PartitionMap, str]:
     """Every target's schema and the new map (through apply_map's dry run), before anything moves."""
     targets = [*plan.new_shards, *(m.target for m in plan.moves)]
     sources = [m.source for m in plan.moves]  # reachable, and matching the models
-    check_schemas(store, plan.area, [*targets, *sources], tables, f"reshard of {plan.area} partition {plan.partition_start}")
+    scan.check_servers([*targets, *sources], f"reshard of {plan.area} partition {plan.partition_start}")
     text = new_map_text(_store_map_text(store, None if map_path is None else str(map_path)), plan.area, plan.partition_start, plan.new_shards, _next_version(store))
     new_map = parse_map(text, "<new map>")
     apply_map(store, new_map, yaml_text=text, allow_reshard_of=(plan.area, plan.partition_start), dry_run=True)
@@ -309,7 +318,7 @@ def _move_all(store: Cluster, journal: Journal, entry: JournalEntry, moves: list
 
 
 def _sweep(
-    store: Cluster, journal: Journal, entry: JournalEntry, tables: list[Any], plan: ReshardPlan, sweeps: int,
+    store: Cluster, journal: Journal, entry: JournalEntry, scan: PartitionScan, plan: ReshardPlan, sweeps: int,
     parallel: int, max_pause: float, progress: ReshardProgress | None, counts: ReshardCounts,
 ) -> ReshardPlan:
     """Move the plan's briefcases and re-plan (briefcases created meanwhile), up to ``sweeps`` passes.
@@ -324,7 +333,7 @@ def _sweep(
         _move_all(store, journal, entry, plan.moves, parallel, max_pause, progress, counts)
         store.refresh()
         before = len(plan.moves)
-        plan = plan_reshard(store, tables, entry.area, plan.partition_start, plan.new_shards)
+        plan = plan_reshard(store, scan, entry.area, plan.partition_start, plan.new_shards)
         counts.plan(plan)
         _record(journal, entry, counts, progress)
         if len(plan.moves) >= before:
@@ -372,21 +381,21 @@ def continue_reshard(
     map_path = journaled_map_path(entry, store.map_path)
     max_pause = float(params.get("max_pause", DEFAULT_MAX_PAUSE))
     parallel, _ = parallel_for(store, area, start, new_shards, int(params.get("parallel", 1)))  # journaled by an older mdb
-    tables = area_tables(store, area)
+    scan = scan_for(store, area, old_shards[0])
     plan = first_plan
     report = plan
     store.refresh()
     counts = ReshardCounts.from_journal(journal, entry.move_id)
     if entry.step in ("plan", "prechecks", "moves"):
         if plan is None:
-            plan = plan_reshard(store, tables, area, start, new_shards)
+            plan = plan_reshard(store, scan, area, start, new_shards)
         report = plan
         counts.plan(plan)
         fault_point("reshard.after_plan")
         if progress is not None:
             progress.phase("prechecks")
         journal.step(entry.move_id, "prechecks", **counts.journal_values())
-        _prechecks(store, plan, tables, map_path, dry_run=True)
+        _prechecks(store, plan, scan, map_path, dry_run=True)
         fault_point("reshard.after_prechecks")
         journal.step(entry.move_id, "moves")
         if progress is not None:
@@ -394,13 +403,13 @@ def continue_reshard(
             progress.counts(counts, None)
         # Online sweeps: the application keeps writing; briefcases created meanwhile are picked
         # up by the next pass. Whatever is left after MAX_SWEEPS is moved under the freeze.
-        plan = _sweep(store, journal, entry, tables, plan, MAX_SWEEPS, parallel, max_pause, progress, counts)
+        plan = _sweep(store, journal, entry, scan, plan, MAX_SWEEPS, parallel, max_pause, progress, counts)
         fault_point("reshard.after_moves")
         check_stop(entry.move_id)
         entry.step = "freeze"
         journal.step(entry.move_id, "freeze")
     if entry.step in ("freeze", "final_moves", "map_apply"):
-        _frozen_phase(store, journal, entry, tables, old_shards, map_path, parallel, max_pause, progress, counts)
+        _frozen_phase(store, journal, entry, scan, old_shards, map_path, parallel, max_pause, progress, counts)
         entry.step = "unfreeze"
     if entry.step == "unfreeze":
         if progress is not None:
@@ -422,7 +431,7 @@ def continue_reshard(
 
 
 def _frozen_phase(
-    store: Cluster, journal: Journal, entry: JournalEntry, tables: list[Any], old_shards: list[str], map_path: str | None,
+    store: Cluster, journal: Journal, entry: JournalEntry, scan: PartitionScan, old_shards: list[str], map_path: str | None,
     parallel: int, max_pause: float, progress: ReshardProgress | None, counts: ReshardCounts,
 ) -> None:
     """Freeze the partition on its old shards, move the stragglers, apply the new map.
@@ -444,10 +453,10 @@ def _frozen_phase(
             if progress is not None:
                 progress.phase("final moves")
             store.refresh()
-            plan = plan_reshard(store, tables, area, start, new_shards)
+            plan = plan_reshard(store, scan, area, start, new_shards)
             counts.plan(plan)
             _record(journal, entry, counts, progress)
-            plan = _sweep(store, journal, entry, tables, plan, 1, parallel, max_pause, progress, counts)
+            plan = _sweep(store, journal, entry, scan, plan, 1, parallel, max_pause, progress, counts)
             if plan.moves:
                 raise MdbError(
                     f"reshard {entry.move_id}: {len(plan.moves)} briefcase(s) of the frozen partition appeared after the "
@@ -513,18 +522,12 @@ def _cleanup(store: Cluster, area: str, start: GDID) -> None:
     store.refresh()
     router = store.router
     _, _, shards = find_partition(router, area, start)
+
     for server in shards:
-        with store.transaction(server) as conn:
-            rows = conn.execute(
-                select(briefcase_state.c.gdid).where(briefcase_state.c.area == area, briefcase_state.c.state == STATE_RESIDENT)
-            ).scalars().all()
-            redundant = [
-                g for g in rows
-                if router.default_placement(area, g).partition_start == start
-                and router.default_placement(area, g).server == server and (area, g) not in router.relocations
-            ]
-            for g in redundant:
-                conn.execute(delete(briefcase_state).where(and_(
-                    briefcase_state.c.area == area, briefcase_state.c.gdid == g, briefcase_state.c.state == STATE_RESIDENT
-                )))
+        def redundant(g: GDID, server: str = server) -> bool:
+            """Default routing now finds ``g`` on ``server``: its 'resident' record there says nothing more."""
+            home = router.default_placement(area, g)
+            return home.partition_start == start and home.server == server and (area, g) not in router.relocations
+
+        backend_of(store.map, server).drop_residents(store, server, area, redundant)
     fault_point("reshard.after_resident_cleanup")
