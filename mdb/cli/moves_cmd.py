@@ -186,8 +186,8 @@ def _print_status(running: list[MoveStatus], finished: list[MoveStatus]) -> None
             table.add_column(column)
         for s in items:
             e = s.entry
-            subject = f"{e.area}/{e.gdid}" if e.kind == "move" else f"{e.area} partition {e.params.get('partition_start')}"
-            route = f"{e.source} -> {e.target}" if e.kind == "move" else f"{','.join(e.params.get('old_shards', []))} -> {','.join(e.params.get('new_shards', []))}"
+            subject = f"{e.area}/{e.gdid}" if e.gdid is not None else f"{e.area} partition {e.params.get('partition_start')}"
+            route = f"{e.source} -> {e.target}" if e.gdid is not None else f"{','.join(e.params.get('old_shards', []))} -> {','.join(e.params.get('new_shards', []))}"
             table.add_row(
                 escape(e.move_id), e.kind, escape(subject), escape(route), escape(e.step),
                 f"{e.briefcases_done}/{e.briefcases_total}", f"{e.rows_done}/{e.rows_total}",

@@ -111,7 +111,7 @@ class _Unfinished:
     def of(cls, store: Any, area: str) -> _Unfinished:
         entries = [e for e in Journal(store).entries(unfinished=True) if e.area == area]
         moves = {e.move_id: e for e in entries if e.kind in ("move", DOCUMENT_MOVE)}
-        return cls(moves, frozenset(e.gdid for e in moves.values() if e.gdid is not None), frozenset(e.move_id for e in entries if e.kind != "move"))
+        return cls(moves, frozenset(e.gdid for e in moves.values() if e.gdid is not None), frozenset(e.move_id for e in entries if e.kind == "reshard"))
 
 
 def _foreign_rows(store: Any, owner: str, tables: Sequence[AreaTable], gdid: GDID, here: Connection) -> int:

@@ -257,7 +257,7 @@ def liveness(journal: Journal, entry: JournalEntry) -> tuple[str, Holder | None]
 
 def describe_liveness(journal: Journal, entry: JournalEntry) -> str:
     """What ``mdb moves status`` and refusals say about an unfinished entry's process."""
-    if entry.kind not in ("move", "reshard"):
+    if entry.gdid is None and entry.kind != "reshard":  # neither a briefcase move (any kind) nor a reshard
         return f"{entry.kind} at step {entry.step!r} (its driver is not recorded)"
     return describe(*liveness(journal, entry))
 
