@@ -1,8 +1,8 @@
-"""Dialect initialization shared between the engines of one PostgreSQL instance (issue 19, cold start).
+"""One initialized dialect shared by the engines of one PostgreSQL instance (issue 19, cold start).
 
-Real PostgreSQL: the second database of an instance gets the first one's initialized dialect
-attributes without asking the server again; a different server key or an hstore database is
-initialized per engine.
+Real PostgreSQL: the second database of an instance executes with the first one's initialized
+dialect (and so its compiled statements) without asking the server again; a different server
+key or an hstore database is initialized per engine, on its own dialect.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def initializations(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 
     monkeypatch.setattr(PGDialect_psycopg, "initialize", counting)
     monkeypatch.setattr(engines_module, "_INITIALIZED", {})
+    monkeypatch.setattr(engines_module, "_DIALECTS", {})
     yield ran
 
 
@@ -58,10 +59,10 @@ def test_second_database_of_an_instance_reuses_the_initialization(
         assert len(initializations) == 1  # the first engine only
         first = registry.engine("s0").dialect
         for server in ("s1", "s2"):
-            dialect = registry.engine(server).dialect
-            assert dialect is not first  # each engine keeps its own dialect (its own BEGIN)
-            for name in SHARED:
-                assert getattr(dialect, name) == getattr(first, name), name
+            engine = registry.engine(server)
+            assert engine.dialect is first  # one dialect: statements compiled once for the instance
+            assert engine.pool._dialect is first
+            assert engine.get_execution_options()["compiled_cache"] is engines_module._COMPILED
         assert first.server_version_info is not None and first.server_version_info >= (10,)
     finally:
         registry.dispose()
@@ -78,6 +79,12 @@ def test_another_server_key_is_initialized_again(
     try:
         assert _select_one(registry, "s0") == _select_one(registry, "s1") == 1
         assert sorted(initializations) == sorted(sa.make_url(u).database for u in urls)
+        second = registry.engine("s1")
+        assert second.dialect is not registry.engine("s0").dialect  # back on its own dialect
+        assert second.pool._dialect is second.dialect
+        for name in SHARED:
+            assert getattr(second.dialect, name) is not None or name == "default_isolation_level", name
+        assert _select_one(registry, "s1") == 1
     finally:
         registry.dispose()
 
@@ -96,5 +103,6 @@ def test_hstore_databases_are_initialized_per_engine(
     try:
         assert _select_one(registry, "s0") == _select_one(registry, "s1") == 1
         assert len(initializations) == 2
+        assert registry.engine("s1").dialect is not registry.engine("s0").dialect
     finally:
         registry.dispose()
