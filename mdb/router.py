@@ -9,15 +9,16 @@ schema tool and the move tools: there is no second copy of these rules.
 
 from __future__ import annotations
 
+import struct
 from bisect import bisect_right
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import FrozenInstanceError, dataclass
 
 from mdb.errors import RoutingError
 from mdb.gdid import GDID
 from mdb.partition_map import PartitionMap
 
-__all__ = ["CentralPlacement", "Placement", "Router", "ShardLayout", "fnv1a_64"]
+__all__ = ["CentralPlacement", "Placement", "Router", "ShardLayout", "fnv1a_64", "fnv1a_64_many"]
 
 FNV_OFFSET_BASIS = 14695981039346656037
 FNV_PRIME = 1099511628211
@@ -30,6 +31,37 @@ def fnv1a_64(data: bytes) -> int:
     for byte in data:
         h = ((h ^ byte) * FNV_PRIME) & _MASK64
     return h
+
+
+def fnv1a_64_many(datas: Sequence[bytes]) -> list[int]:
+    """``[fnv1a_64(d) for d in datas]``, several times faster for hundreds of keys (a plan's batch).
+
+    FNV-1a is sequential over a key's bytes but independent between keys, so the keys of one
+    length are hashed together: each key's state is a 64-bit lane in a 128-bit slot of one
+    big Python int, and each byte position is one XOR, one multiply and one mask of that int
+    (C loops over all keys at once). A lane times the 41-bit prime stays below 2^105, so it
+    never carries into the next slot.
+    """
+    out = [0] * len(datas)
+    by_length: dict[int, list[int]] = {}
+    for i, data in enumerate(datas):
+        by_length.setdefault(len(data), []).append(i)
+    for length, indexes in by_length.items():
+        count = len(indexes)
+        h = int.from_bytes(_LANE_BASIS * count, "little")
+        mask = int.from_bytes(_LANE_MASK * count, "little")
+        joined = b"".join([datas[i] for i in indexes])
+        column = bytearray(16 * count)
+        for position in range(length):
+            column[0::16] = joined[position::length]
+            h = ((h ^ int.from_bytes(column, "little")) * FNV_PRIME) & mask
+        for i, (value,) in zip(indexes, struct.iter_unpack("<Q8x", h.to_bytes(16 * count, "little"))):
+            out[i] = value
+    return out
+
+
+_LANE_BASIS = FNV_OFFSET_BASIS.to_bytes(8, "little") + bytes(8)
+_LANE_MASK = b"\xff" * 8 + bytes(8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +205,25 @@ class CentralPlacement:
     server: str
 
 
+_central_slots: tuple[Callable[[CentralPlacement, object], None], ...] = tuple(
+    CentralPlacement.__dict__[name].__set__ for name in CentralPlacement.__slots__
+)
+
+
+def _central(area: str, key: bytes, hash_: int, index: int, count: int, server: str) -> CentralPlacement:
+    """``CentralPlacement(...)`` without the frozen dataclass's per-field ``object.__setattr__``
+    (half of a batch's per-key cost); the same slots, set once."""
+    placement = _new(CentralPlacement)
+    s_area, s_key, s_hash, s_index, s_count, s_server = _central_slots
+    s_area(placement, area)
+    s_key(placement, key)
+    s_hash(placement, hash_)
+    s_index(placement, index)
+    s_count(placement, count)
+    s_server(placement, server)
+    return placement
+
+
 @dataclass(frozen=True, slots=True)
 class _Partition:
     start: GDID  # absolute
@@ -193,6 +244,17 @@ def _partition(area: str, range_set: GDID, start: GDID, end: GDID | None, shards
     layouts = [ShardLayout(area, start, end, i, len(shards)) for i in range(len(shards))]
     placed = tuple(_Shard(area, range_set, start, end, i, len(shards), server, layouts[i]) for i, server in enumerate(shards))
     return _Partition(start, end, shards, placed)
+
+
+def _central_bytes(key: str | bytes | GDID) -> bytes:
+    """The bytes a CENTRAL key hashes: UTF-8 of a str as given, the 12-byte form of a GDID."""
+    if isinstance(key, GDID):
+        return bytes(key)
+    if isinstance(key, str):
+        return key.encode("utf-8")
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        return bytes(key)
+    raise RoutingError(f"a CENTRAL key must be str, bytes or GDID, got {type(key).__name__}")
 
 
 CENTRAL_CACHE_SIZE = 32_768
@@ -305,23 +367,38 @@ class Router:
             hit = self._central_cache.get(key)  # type: ignore[arg-type]  # narrowed by the class check
             if hit is not None:
                 return hit
-        if isinstance(key, GDID):
-            data = bytes(key)
-        elif isinstance(key, str):
-            data = key.encode("utf-8")
-        elif isinstance(key, (bytes, bytearray, memoryview)):
-            data = bytes(key)
-        else:
-            raise RoutingError(f"a CENTRAL key must be str, bytes or GDID, got {type(key).__name__}")
+        data = _central_bytes(key)
         h = fnv1a_64(data)
         index = h % len(self._central)
-        placement = CentralPlacement(self._map.central_area, data, h, index, len(self._central), self._central[index])
+        placement = _central(self._map.central_area, data, h, index, len(self._central), self._central[index])
         if kind is str or kind is bytes:
             cache = self._central_cache
             if len(cache) >= CENTRAL_CACHE_SIZE:
                 cache.clear()
             cache[key] = placement  # type: ignore[index]  # narrowed by the class check
         return placement
+
+    def locate_central_many(self, keys: Sequence[str | bytes | GDID]) -> list[CentralPlacement]:
+        """``[locate_central(k) for k in keys]``, hashing the keys not seen yet together
+        (:func:`fnv1a_64_many`): for plans and checks over many CENTRAL keys."""
+        out: list[CentralPlacement | None] = []
+        todo: list[tuple[int, str | bytes | GDID, bytes]] = []
+        cache = self._central_cache
+        for key in keys:
+            kind = key.__class__
+            hit = cache.get(key) if kind is str or kind is bytes else None  # type: ignore[arg-type]
+            out.append(hit)
+            if hit is None:
+                todo.append((len(out) - 1, key, _central_bytes(key)))
+        area, servers = self._map.central_area, self._central
+        for (i, key, data), h in zip(todo, fnv1a_64_many([data for _, _, data in todo])):
+            index = h % len(servers)
+            placement = out[i] = _central(area, data, h, index, len(servers), servers[index])
+            if key.__class__ is str or key.__class__ is bytes:
+                if len(cache) >= CENTRAL_CACHE_SIZE:
+                    cache.clear()
+                cache[key] = placement
+        return [p for p in out if p is not None]
 
     def central_servers(self) -> tuple[str, ...]:
         return self._central

@@ -8,10 +8,12 @@ from dataclasses import FrozenInstanceError
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from mdb import GDID, Router, load_map
+from mdb import GDID, Router, RoutingError, load_map
 from mdb import router as router_module
-from mdb.router import Placement, fnv1a_64
+from mdb.router import Placement, fnv1a_64, fnv1a_64_many
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "partition_maps" / "example.yaml"
 
@@ -59,3 +61,26 @@ def test_central_cache_returns_what_the_hash_gives(example: Router, monkeypatch:
             assert c.server == router.central_servers()[c.hash % len(router.central_servers())]
             assert router.locate_central(key.encode()) == c == router.locate_central(bytearray(key.encode()))
             assert len(router._central_cache) <= 8
+
+
+@given(st.lists(st.binary(max_size=40), max_size=60))
+@settings(max_examples=200, deadline=None)
+def test_fnv1a_64_many_matches_one_by_one(datas: list[bytes]) -> None:
+    assert fnv1a_64_many(datas) == [fnv1a_64(d) for d in datas]
+
+
+def test_fnv1a_64_many_on_long_and_extreme_keys() -> None:
+    datas = [b"\xff" * 1000, b"\x00" * 1000, bytes(range(256)) * 3, b"", b"a"]
+    assert fnv1a_64_many(datas) == [fnv1a_64(d) for d in datas]
+
+
+def test_locate_central_many_is_locate_central(example: Router) -> None:
+    keys: list[str | bytes | GDID] = [f"user{i}@example.com" for i in range(300)]
+    keys += [b"raw", GDID.parse("0:5:1337"), "Ann@Example.com", "user7@example.com", "ü-nfc"]
+    fresh = Router(example.map)
+    many = fresh.locate_central_many(keys)
+    assert many == [Router(example.map).locate_central(k) for k in keys]
+    assert fresh.locate_central_many(keys) == many  # the second time from the cache
+    assert fresh.locate_central_many([]) == []
+    with pytest.raises(RoutingError):
+        fresh.locate_central_many(["ok", 5])  # type: ignore[list-item]

@@ -6,7 +6,7 @@ rate of ``locate("user", gdid)`` over 1,000 GDIDs spread over every partition, n
 a dict lookup of the same GDIDs (the floor of any routing table); and the rate of
 ``locate_central(key)`` over 1,000 e-mail keys next to ``dict[key]``: repeated keys (the
 router remembers the placement of a str/bytes key) and keys it has not seen (FNV-1a-64 in
-Python plus a modulo, every call). Maps are built through ``parse_map`` from YAML text, as a
+Python plus a modulo, every call; and ``locate_central_many`` hashing the batch at once). Maps are built through ``parse_map`` from YAML text, as a
 process loads them.
 """
 
@@ -84,4 +84,11 @@ def run(ctx: BenchContext) -> list[Result]:
             s, b = compare(hashed_fresh, key_looked_up, iterations=calls, rounds=rounds, warmup=max(calls // 10, 1))
             results.append(Result(SECTION, "locate_central, new keys", BATCH / s, "routes/s",
                                   "dict lookup by key", BATCH / b, "FNV-1a-64 of ~25 UTF-8 bytes, in Python"))
+
+            def batched_fresh() -> None:
+                Router(pmap).locate_central_many(keys)
+
+            s, b = compare(batched_fresh, key_looked_up, iterations=calls, rounds=rounds, warmup=max(calls // 10, 1))
+            results.append(Result(SECTION, "locate_central_many, new keys", BATCH / s, "routes/s",
+                                  "dict lookup by key", BATCH / b, "FNV-1a-64 of 1,000 keys at once (fnv1a_64_many)"))
     return results
