@@ -217,7 +217,17 @@ _DIALECTS: dict[tuple[str, str | None, bool], tuple[tuple[object, ...], Dialect]
 dialect of the first engine there, which the next engines of that instance execute with."""
 
 
-def _share_dialect(pg: Engine, instance: str, user: str | None, pooled: bool) -> Engine:
+_CAPACITY: dict[tuple[object, ...], int] = {}
+"""Per server key (:func:`_pg_server_key`): the connections the server accepts from non-superusers."""
+
+_CAPACITY_SQL = (
+    "SELECT current_setting('max_connections')::int - current_setting('superuser_reserved_connections')::int"
+    " - coalesce(current_setting('reserved_connections', true)::int, 0)"
+)
+
+
+def _share_dialect(pg: Engine, instance: str, user: str | None, pooled: bool,
+                   budget: ConnectionBudget | None = None) -> Engine:
     """Initialize ``pg``'s dialect once per kind of server, and let engines of one instance share one.
 
     ``dialect.initialize`` runs on an engine's first connection and asks the server its
@@ -230,6 +240,10 @@ def _share_dialect(pg: Engine, instance: str, user: str | None, pooled: bool) ->
     (:data:`_COMPILED`). The key holds the server version: when an engine's server turns out
     to differ from the first one's (an instance upgraded under a running process), it is
     initialized afresh and goes back to its own dialect.
+
+    On the same first connection, per server key, it reads how many connections the server
+    accepts from non-superusers, which becomes ``budget``'s default cap for the instance
+    (not behind a transaction pooler, whose client limit is its own).
 
     Never shared: a dialect that found hstore (its type OID is per database). A database
     whose ``ALTER DATABASE ... SET search_path`` or default isolation level differs from its
@@ -263,6 +277,17 @@ def _share_dialect(pg: Engine, instance: str, user: str | None, pooled: bool) ->
                         _DIALECTS.setdefault(slot, (key, own))
         if template is not None and (template[0] != key or state is None):
             _use_dialect(pg, own)  # another kind of server than the first of its instance
+        if budget is not None and not pooled:
+            with _initialized_lock:
+                capacity = _CAPACITY.get(key)
+            if capacity is None:
+                capacity = int(connection.exec_driver_sql(_CAPACITY_SQL).scalar_one())
+                with _initialized_lock:
+                    _CAPACITY[key] = capacity
+            # The default per-instance cap: what the server accepts (a smaller cap set in the map
+            # or on the Store wins). One process alone then waits for its own connections or
+            # closes idle ones instead of meeting "too many clients" (docs/operations.md).
+            budget.cap(instance, max(1, capacity))
 
     # Deliberate, as in _begin_with: the engine's own dialect instance, one method replaced.
     own.initialize = initialize  # type: ignore[method-assign]
@@ -329,7 +354,7 @@ def _create(url: str, readonly: bool, engine: EngineSpec | None = None, pooled: 
         pg = create_engine(parsed, isolation_level="AUTOCOMMIT", connect_args=connect_args, poolclass=BudgetPool,
                            execution_options={"compiled_cache": _COMPILED}, **_pool_args(settings))
         _budgeted(pg, instance_of(parsed) or "", settings, budget)
-        _share_dialect(pg, instance_of(parsed) or "", parsed.username, pooled)
+        _share_dialect(pg, instance_of(parsed) or "", parsed.username, pooled, budget)
         return _begin_with(pg, _pg_begin_pooled if pooled else _pg_begin)
     return create_engine(parsed)
 

@@ -16,7 +16,8 @@ from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 
 from mdb import EngineRegistry
 from mdb import engines as engines_module
-from mdb.partition_map import ServerSpec
+from mdb.budget import instance_of
+from mdb.partition_map import EngineSpec, ServerSpec
 
 pytestmark = pytest.mark.postgres
 
@@ -106,3 +107,23 @@ def test_hstore_databases_are_initialized_per_engine(
         assert registry.engine("s1").dialect is not registry.engine("s0").dialect
     finally:
         registry.dispose()
+
+
+def test_the_server_capacity_is_the_default_instance_cap(pg_databases: Callable[[int], list[str]]) -> None:
+    urls = [pg_databases(1)[0] for _ in range(2)]
+    with sa.create_engine(sa.make_url(urls[0]).set(drivername="postgresql+psycopg")).connect() as admin:
+        capacity = int(admin.exec_driver_sql(engines_module._CAPACITY_SQL).scalar_one())
+        max_connections = int(admin.exec_driver_sql("SHOW max_connections").scalar_one())
+    assert 1 <= capacity <= max_connections
+    registry = _registry(urls)
+    capped = EngineRegistry({"s0": ServerSpec(primary=urls[1], engine=EngineSpec(max_connections_per_instance=3))})
+    try:
+        assert _select_one(registry, "s0") == _select_one(registry, "s1") == 1
+        instance = instance_of(sa.make_url(urls[0]))
+        assert instance is not None
+        assert registry.budget._instance_cap(instance) == capacity
+        assert _select_one(capped, "s0") == 1
+        assert capped.budget._instance_cap(instance) == 3  # a smaller cap from the map wins
+    finally:
+        registry.dispose()
+        capped.dispose()
