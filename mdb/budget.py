@@ -400,26 +400,30 @@ class _Reaper:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._interval_now: float | None = None  # what the thread waits for now (None: not computed yet)
 
     def register(self, pool: BudgetPool) -> None:
         with self._lock:
             self._pools.add(pool)
             if self._thread is None or not self._thread.is_alive():
+                self._interval_now = None
                 self._thread = threading.Thread(target=self._run, name="mdb-idle-reaper", daemon=True)
                 self._thread.start()
-            else:
-                self._wake.set()  # the new pool may have a shorter timeout
+            elif self._interval_now is None or _interval_of(pool.idle_timeout) < self._interval_now:
+                # Only a shorter timeout needs the thread awake: waking it for every new pool made
+                # it walk all pools per pool (quadratic) while a cold Store created 128 engines.
+                self._wake.set()
 
     def _interval(self) -> float | None:
         timeouts = [p.idle_timeout for p in list(self._pools) if p.idle_timeout is not None and not p._disposed]
         if not timeouts:
             return None
-        return min(_REAP_INTERVAL_MAX, max(_REAP_INTERVAL_MIN, min(timeouts) / 2))
+        return _interval_of(min(timeouts))
 
     def _run(self) -> None:
         while True:
             with self._lock:
-                interval = self._interval()
+                interval = self._interval_now = self._interval()
                 if interval is None:
                     self._thread = None
                     return
@@ -431,6 +435,13 @@ class _Reaper:
                     pool.reap(now)
                 except Exception:  # one pool's close failing must not stop the reaping of the others
                     log.warning("closing idle connections of %s failed", pool.status(), exc_info=True)
+
+
+def _interval_of(idle_timeout: float | None) -> float:
+    """How often to look for idle connections when the shortest idle timeout is ``idle_timeout``."""
+    if idle_timeout is None:
+        return _REAP_INTERVAL_MAX
+    return min(_REAP_INTERVAL_MAX, max(_REAP_INTERVAL_MIN, idle_timeout / 2))
 
 
 _REAPER = _Reaper()

@@ -28,7 +28,8 @@ from typing import Any, Protocol
 
 import psycopg
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.util import LRUCache
 from sqlalchemy.pool import NullPool
 
 from mdb.budget import BudgetPool, ConnectionBudget, connect_patiently, instance_of
@@ -46,6 +47,8 @@ log = logging.getLogger("mdb.engines")
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 DEFAULT_ENGINE = EngineSpec(pool_size=10, max_overflow=20, pool_timeout=30.0, connect_timeout=10, idle_timeout=300.0)
 """What an engine gets for the settings a map leaves unset (docs/operations.md: the budget)."""
+COMPILED_CACHE_SIZE = 4000
+"""Compiled statements kept for all PostgreSQL engines together (SQLAlchemy keeps 500 per engine)."""
 
 
 def _sqlite_setup(dbapi_connection: Any, _record: Any) -> None:
@@ -188,6 +191,116 @@ def _begin_with(engine: Engine, begin: Callable[[Any], None]) -> Engine:
     return engine
 
 
+_INITIALIZED: dict[tuple[object, ...], dict[str, Any] | None] = {}
+"""What ``dialect.initialize`` set, per dialect class, instance, server version, user and
+``standard_conforming_strings``; None: this kind of server must be initialized per engine."""
+_initialized_lock = threading.Lock()
+
+
+def _pg_server_key(dialect: Any, instance: str, dbapi_connection: Any) -> tuple[object, ...]:
+    """What the results of ``initialize`` depend on, read from the ParameterStatus messages
+    libpq received when it connected (no query): the server's version and string-escaping
+    setting and who is logged in, on which instance, through which dialect class and driver."""
+    info = dbapi_connection.info
+    return (type(dialect), instance, info.server_version, info.user,
+            info.parameter_status("standard_conforming_strings"), info.parameter_status("server_encoding"))
+
+
+_COMPILED: LRUCache[Any, Any] = LRUCache(COMPILED_CACHE_SIZE)
+"""The compiled-statement cache of every PostgreSQL engine (SQLAlchemy's ``compiled_cache``
+execution option). Its keys hold the dialect instance, so only engines that share a dialect
+(:func:`_share_dialect`) share entries; per engine, each of 128 shards compiled every
+statement again (the reflection queries of a schema apply: ~5 ms each)."""
+
+_DIALECTS: dict[tuple[str, str | None, bool], tuple[tuple[object, ...], Dialect]] = {}
+"""Per (instance, login user, through a transaction pooler): the server key and the initialized
+dialect of the first engine there, which the next engines of that instance execute with."""
+
+
+_CAPACITY: dict[tuple[object, ...], int] = {}
+"""Per server key (:func:`_pg_server_key`): the connections the server accepts from non-superusers."""
+
+_CAPACITY_SQL = (
+    "SELECT current_setting('max_connections')::int - current_setting('superuser_reserved_connections')::int"
+    " - coalesce(current_setting('reserved_connections', true)::int, 0)"
+)
+
+
+def _share_dialect(pg: Engine, instance: str, user: str | None, pooled: bool,
+                   budget: ConnectionBudget | None = None) -> Engine:
+    """Initialize ``pg``'s dialect once per kind of server, and let engines of one instance share one.
+
+    ``dialect.initialize`` runs on an engine's first connection and asks the server its
+    version, default schema, isolation level, string escaping and whether hstore exists: 3-5
+    queries, each the first of a fresh backend (~15 ms per shard database, measured: most of
+    a cold fan-out at 128 shards). Every database of one instance answers the same for the
+    same login, so what the first engine's initialize set (the attributes it changed) is
+    copied onto the next engines of that key (:func:`_pg_server_key`), and those engines
+    execute with the first one's dialect, whose statements are compiled already
+    (:data:`_COMPILED`). The key holds the server version: when an engine's server turns out
+    to differ from the first one's (an instance upgraded under a running process), it is
+    initialized afresh and goes back to its own dialect.
+
+    On the same first connection, per server key, it reads how many connections the server
+    accepts from non-superusers, which becomes ``budget``'s default cap for the instance
+    (not behind a transaction pooler, whose client limit is its own).
+
+    Never shared: a dialect that found hstore (its type OID is per database). A database
+    whose ``ALTER DATABASE ... SET search_path`` or default isolation level differs from its
+    instance's first database gets the first database's values (mdb sets neither).
+    """
+    own = pg.dialect
+    original = own.initialize
+    slot = (instance, user, pooled)
+    with _initialized_lock:
+        template = _DIALECTS.get(slot)
+    if template is not None:
+        _use_dialect(pg, template[1])
+
+    def initialize(connection: Connection) -> None:
+        key = _pg_server_key(own, instance, connection.connection.dbapi_connection)
+        with _initialized_lock:
+            known = key in _INITIALIZED
+            state = _INITIALIZED.get(key)
+        if state is not None:
+            vars(own).update(state)
+        else:
+            before = dict(vars(own))
+            original(connection)
+            if not known:
+                after = vars(own)
+                changed = {name: value for name, value in after.items() if name not in before or before[name] is not value}
+                shareable = not getattr(own, "_has_native_hstore", False)
+                with _initialized_lock:
+                    _INITIALIZED.setdefault(key, changed if shareable else None)
+                    if shareable:
+                        _DIALECTS.setdefault(slot, (key, own))
+        if template is not None and (template[0] != key or state is None):
+            _use_dialect(pg, own)  # another kind of server than the first of its instance
+        if budget is not None and not pooled:
+            with _initialized_lock:
+                capacity = _CAPACITY.get(key)
+            if capacity is None:
+                capacity = int(connection.exec_driver_sql(_CAPACITY_SQL).scalar_one())
+                with _initialized_lock:
+                    _CAPACITY[key] = capacity
+            # The default per-instance cap: what the server accepts (a smaller cap set in the map
+            # or on the Store wins). One process alone then waits for its own connections or
+            # closes idle ones instead of meeting "too many clients" (docs/operations.md).
+            budget.cap(instance, max(1, capacity))
+
+    # Deliberate, as in _begin_with: the engine's own dialect instance, one method replaced.
+    own.initialize = initialize  # type: ignore[method-assign]
+    return pg
+
+
+def _use_dialect(pg: Engine, dialect: Dialect) -> None:
+    """Make ``pg`` execute with ``dialect`` (connections it opens later; its pool closes and
+    resets connections through it too). Both are psycopg dialects with the same BEGIN."""
+    pg.dialect = dialect
+    pg.pool._dialect = dialect
+
+
 def _pool_args(settings: EngineSpec) -> dict[str, Any]:
     """``create_engine`` keyword arguments of a pooled engine (QueuePool) under ``settings``."""
     return {
@@ -239,8 +352,9 @@ def _create(url: str, readonly: bool, engine: EngineSpec | None = None, pooled: 
         if pooled:  # psycopg's automatic prepare (named statements of a server session) is off too
             connect_args["prepare_threshold"] = None
         pg = create_engine(parsed, isolation_level="AUTOCOMMIT", connect_args=connect_args, poolclass=BudgetPool,
-                           **_pool_args(settings))
+                           execution_options={"compiled_cache": _COMPILED}, **_pool_args(settings))
         _budgeted(pg, instance_of(parsed) or "", settings, budget)
+        _share_dialect(pg, instance_of(parsed) or "", parsed.username, pooled, budget)
         return _begin_with(pg, _pg_begin_pooled if pooled else _pg_begin)
     return create_engine(parsed)
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import ClassVar
 
-from sqlalchemy import Column, DateTime, String, Table, and_, delete, func, insert, select, update
+from sqlalchemy import Column, DateTime, Sequence, String, Table, and_, delete, func, insert, select, update
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.types import SchemaType, TypeDecorator
 
 from mdb.backends.base import AreaData, AreaScan, Backend, SchemaOutcome, Servers, ServerSchema
 from mdb.errors import MapEditError, MdbError
@@ -92,14 +93,33 @@ def stamp_layout(conn: Connection, layout: ShardLayout, map_version: int, *, rep
 
 
 def create_tables(conn: Connection, tables: list[Table]) -> list[str]:
-    """Create the missing ones of ``tables`` (checkfirst); returns the names it created."""
+    """Create the missing ones of ``tables``; returns the names it created.
+
+    The server's table names are read once; ``create_all`` then gets only the missing tables
+    and asks the server nothing more (its ``checkfirst`` was one query per table, per shard)
+    unless one of them creates a schema-level object of its own (an ENUM type, a sequence)
+    that an existing table may have created already.
+    """
     existing = set(sa_inspect(conn).get_table_names())
-    created = [t.name for t in tables if t.name not in existing]
-    for metadata in {t.metadata for t in tables}:
-        metadata.create_all(conn, tables=[t for t in tables if t.metadata is metadata], checkfirst=True)
+    missing = [t for t in tables if t.name not in existing]
+    created = [t.name for t in missing]
+    check = any(_creates_schema_objects(t) for t in missing)
+    for metadata in {t.metadata for t in missing}:
+        metadata.create_all(conn, tables=[t for t in missing if t.metadata is metadata], checkfirst=check)
     if conn.dialect.name == "postgresql":  # the ownership check behind a transaction pooler (docs/operations.md)
         install_pg_functions(conn)
     return created
+
+
+def _creates_schema_objects(table: Table) -> bool:
+    """Does creating ``table`` create a type or sequence besides it (which may exist already)?"""
+    for column in table.columns:
+        type_ = column.type
+        if isinstance(type_, TypeDecorator):
+            type_ = type_.impl_instance
+        if isinstance(type_, SchemaType) or isinstance(column.default, Sequence):
+            return True
+    return False
 
 
 def _freeze_marker(area: str, start: GDID) -> ColumnElement[bool]:

@@ -4,8 +4,10 @@ The router is pure (no I/O) and bisects precomputed start lists, so a GDID shoul
 O(log partitions). This section checks that claim from 1 to 10,000 partitions: per size, the
 rate of ``locate("user", gdid)`` over 1,000 GDIDs spread over every partition, next to
 a dict lookup of the same GDIDs (the floor of any routing table); and the rate of
-``locate_central(key)`` over 1,000 e-mail keys (FNV-1a-64 in Python plus a modulo) next to
-``dict[key]``. Maps are built through ``parse_map`` from YAML text, as a process loads them.
+``locate_central(key)`` over 1,000 e-mail keys next to ``dict[key]``: repeated keys (the
+router remembers the placement of a str/bytes key) and keys it has not seen (FNV-1a-64 in
+Python plus a modulo, every call; and ``locate_central_many`` hashing the batch at once). Maps are built through ``parse_map`` from YAML text, as a
+process loads them.
 """
 
 from __future__ import annotations
@@ -71,5 +73,22 @@ def run(ctx: BenchContext) -> list[Result]:
 
             s, b = compare(hashed, key_looked_up, iterations=calls, rounds=rounds, warmup=max(calls // 10, 1))
             results.append(Result(SECTION, "locate_central, 4 CENTRAL shards", BATCH / s, "routes/s",
+                                  "dict lookup by key", BATCH / b, "repeated keys: the router's key cache"))
+            pmap = router.map
+
+            def hashed_fresh() -> None:
+                cold = Router(pmap).locate_central  # a new router has seen no key (its build: ~1% of this)
+                for k in keys:
+                    cold(k)
+
+            s, b = compare(hashed_fresh, key_looked_up, iterations=calls, rounds=rounds, warmup=max(calls // 10, 1))
+            results.append(Result(SECTION, "locate_central, new keys", BATCH / s, "routes/s",
                                   "dict lookup by key", BATCH / b, "FNV-1a-64 of ~25 UTF-8 bytes, in Python"))
+
+            def batched_fresh() -> None:
+                Router(pmap).locate_central_many(keys)
+
+            s, b = compare(batched_fresh, key_looked_up, iterations=calls, rounds=rounds, warmup=max(calls // 10, 1))
+            results.append(Result(SECTION, "locate_central_many, new keys", BATCH / s, "routes/s",
+                                  "dict lookup by key", BATCH / b, "FNV-1a-64 of 1,000 keys at once (fnv1a_64_many)"))
     return results

@@ -13,11 +13,13 @@ engines does. Per S, next to same-run baselines:
   and a parallel re-run vs the sequential one;
 - connections the Store holds after the run vs S (one per shard).
 
-``--quick`` runs S = 4 and 16 only.
+``--quick`` runs S = 4 and 16 only; ``MDB_BENCH_SCALE_SIZES=128`` (comma-separated) runs the
+sizes given, e.g. to re-measure the largest one without paying for the others.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -210,6 +212,8 @@ def run(ctx: BenchContext) -> list[Result]:
     rounds = ctx.iterations(5, 2)
     calls = ctx.iterations(5, 2)
     results: list[Result] = []
-    for shards in QUICK_SIZES if ctx.quick else SIZES:
+    chosen = os.environ.get("MDB_BENCH_SCALE_SIZES")
+    sizes = tuple(int(n) for n in chosen.split(",")) if chosen else QUICK_SIZES if ctx.quick else SIZES
+    for shards in sizes:
         results.extend(_one_size(ctx, shards, rounds, calls))
     return results
