@@ -107,6 +107,8 @@ class ConnectionBudget:
         self._open_total = 0
         self._cond = threading.Condition(threading.Lock())
         self._pools: weakref.WeakSet[BudgetPool] = weakref.WeakSet()
+        self._pools_lock = threading.Lock()
+        """Guards adding to and reading ``_pools``: a WeakSet iterated while another thread adds raises."""
         self.waiting = 0
         self._idled = 0
         """How many times a pool kept a connection idle while someone waited (see :meth:`acquire`)."""
@@ -134,7 +136,8 @@ class ConnectionBudget:
             return self._open_total if instance is None else self._open.get(instance, 0)
 
     def register(self, pool: BudgetPool) -> None:
-        self._pools.add(pool)
+        with self._pools_lock:
+            self._pools.add(pool)
 
     def _instance_cap(self, instance: str) -> int | None:
         """The smaller of the instance's own cap and the budget-wide ``per_instance`` (None: no cap)."""
@@ -203,7 +206,9 @@ class ConnectionBudget:
         connection seen is now in use, and its return will wake the caller.
         """
         candidates: list[tuple[float, int, BudgetPool]] = []
-        for n, pool in enumerate(list(self._pools)):
+        with self._pools_lock:
+            pools = list(self._pools)
+        for n, pool in enumerate(pools):
             if instance is not None and pool.instance != instance:
                 continue
             since = pool.oldest_idle()
@@ -430,7 +435,9 @@ class _Reaper:
             self._wake.wait(interval)
             self._wake.clear()
             now = time.monotonic()
-            for pool in list(self._pools):
+            with self._lock:  # a WeakSet iterated while register() adds raises
+                pools = list(self._pools)
+            for pool in pools:
                 try:
                     pool.reap(now)
                 except Exception:  # one pool's close failing must not stop the reaping of the others
