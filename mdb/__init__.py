@@ -1,5 +1,6 @@
 """mdb: an MDB-style router that spreads briefcases of relational data over many servers."""
 
+from mdb.aio import AsyncStore
 from mdb.briefcase import BriefcaseType
 from mdb.central import Central, CentralIndex
 from mdb.engines import EngineRegistry
@@ -36,6 +37,7 @@ from mdb.urls import mask_url
 
 __all__ = [
     "ApplyReport",
+    "AsyncStore",
     "MapDiff",
     "apply_map",
     "diff_maps",
