@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 from mapfiles import write_map
-from sqlalchemy import func, select, text
+from sqlalchemy import Select, func, select, text
 
 from mdb.aio import AsyncStore
 from mdb.demo.models import Address, User, UserBriefcase
@@ -57,7 +57,8 @@ def sqlite_store(tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path) ->
 
 @pytest.fixture(params=["postgresql", "sqlite"])
 def store(request: pytest.FixtureRequest) -> Store:
-    return request.getfixturevalue("pg_store" if request.param == "postgresql" else "sqlite_store")  # type: ignore[no-any-return]
+    store: Store = request.getfixturevalue("pg_store" if request.param == "postgresql" else "sqlite_store")
+    return store
 
 
 def users_on_every_shard(store: Store) -> dict[str, list[GDID]]:
@@ -236,7 +237,7 @@ def test_fan_out_runs_every_shard_concurrently_and_merges_like_the_sync_one(stor
     for gdid in gdids:
         with store.briefcase(UserBriefcase, gdid) as session:
             session.add_all(new_user(gdid))
-    ordered = select(User.user_id, User.email).order_by(User.email.desc()).limit(7).offset(2)
+    ordered: Select[Any] = select(User.user_id, User.email).order_by(User.email.desc()).limit(7).offset(2)  # type: ignore[assignment]
     counted = select(func.count(User.user_id))
 
     async def main() -> tuple[Any, Any, Any]:
