@@ -44,9 +44,17 @@ def test_async_writers_during_moves_and_a_reshard_lose_and_misplace_nothing(clus
     acked: list[tuple[GDID, int]] = []
     retried: Counter[str] = Counter()
     failures: list[BaseException] = []
+    refreshes: list[int] = []
 
     async def writers() -> None:
         async with AsyncStore(cluster.store(), owns_store=True) as aio:
+            refresh = aio.refresh
+
+            async def counted() -> None:
+                refreshes.append(1)
+                await refresh()
+
+            aio.refresh = counted  # type: ignore[method-assign]
 
             async def writer(base: int) -> None:
                 n = 0
@@ -87,6 +95,8 @@ def test_async_writers_during_moves_and_a_reshard_lose_and_misplace_nothing(clus
         stop.set()
         thread.join()
     assert not failures, failures
+    # The writers were sent elsewhere by fences and the new map (refreshed, then retried).
+    assert refreshes, "no writer was ever refused: the test did not exercise stale routing"
 
     found: Counter[tuple[str, GDID, int]] = Counter()
     with cluster.store() as store:
