@@ -18,7 +18,7 @@ from mapfiles import write_map
 from sqlalchemy import Select, func, select, text
 
 from mdb.aio import AsyncStore
-from mdb.demo.models import Address, User, UserBriefcase
+from mdb.demo.models import LEDGER, LEDGER_TABLES, Address, User, UserBriefcase
 from mdb.demo.repositories import EmailIndex
 from mdb.errors import CrossBriefcaseError, DuplicateKeyError, MdbError, StaleRouteError
 from mdb.fanout import fan_out
@@ -275,3 +275,26 @@ def test_async_ids_and_central_creation_under_concurrency(store: Store) -> None:
     drawn, created = asyncio.run(main())
     assert len(set(drawn)) == len(drawn)
     assert all(isinstance(c, (GDID, DuplicateKeyError)) for c in created), created
+
+
+def test_hot_data_patterns_run_on_the_confined_sync_session(store: Store) -> None:
+    """The event log (a hot-data pattern) from async code: ``run_sync`` on the briefcase session."""
+    gdid = GDID(0, 0, 900)
+
+    async def main() -> int:
+        async with AsyncStore(store) as aio:
+            async with aio.briefcase(UserBriefcase, gdid) as session:
+                session.add_all(new_user(gdid))
+                await session.flush()
+                for n in range(3):
+                    assert await session.run_sync(
+                        lambda s, n=n: LEDGER.append(s, "ledger", GDID(0, 5, n), "transaction", {"amount_cents": -100})
+                    )
+            async with aio.briefcase(UserBriefcase, gdid) as session:
+                folded: int = (await session.run_sync(lambda s: LEDGER.snapshot(s, "ledger"))).folded
+                return folded
+
+    assert asyncio.run(main()) == 3
+    server = Router(store.map).locate("user", gdid).server
+    with store.transaction(server) as conn:
+        assert conn.execute(select(func.count()).select_from(LEDGER_TABLES.events).where(LEDGER_TABLES.events.c.user_id == gdid)).scalar_one() == 3
