@@ -287,12 +287,9 @@ def test_hot_data_patterns_run_on_the_confined_sync_session(store: Store) -> Non
                 session.add_all(new_user(gdid))
                 await session.flush()
                 for n in range(3):
-                    assert await session.run_sync(
-                        lambda s, n=n: LEDGER.append(s, "ledger", GDID(0, 5, n), "transaction", {"amount_cents": -100})
-                    )
+                    assert await session.run_confined(LEDGER.append, "ledger", GDID(0, 5, n), "transaction", {"amount_cents": -100})
             async with aio.briefcase(UserBriefcase, gdid) as session:
-                folded: int = (await session.run_sync(lambda s: LEDGER.snapshot(s, "ledger"))).folded
-                return folded
+                return (await session.run_confined(LEDGER.snapshot, "ledger")).folded
 
     assert asyncio.run(main()) == 3
     server = Router(store.map).locate("user", gdid).server

@@ -20,7 +20,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -46,6 +46,8 @@ from mdb.store import Store
 __all__ = ["AsyncBriefcaseSession", "AsyncCentral", "AsyncGdids", "AsyncStore"]
 
 S = TypeVar("S")
+T = TypeVar("T")
+P = ParamSpec("P")
 
 
 def _sync(conn: AsyncConnection) -> Connection:
@@ -73,6 +75,18 @@ class AsyncBriefcaseSession(AsyncSession):
     @property
     def placement(self) -> Placement:
         return self.briefcase.placement
+
+    async def run_confined(
+        self, fn: Callable[Concatenate[BriefcaseSession, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """``fn(confined sync session, ...)`` in SQLAlchemy's greenlet, typed (``run_sync`` says Session).
+
+        How sync helpers that take a BriefcaseSession (the hot-data patterns: counters, stats
+        lock, event log) run from async code: their database calls suspend on the loop.
+        """
+        sync = self.sync_session
+        assert isinstance(sync, BriefcaseSession)  # sync_session_class
+        return await self.run_sync(lambda _session: fn(sync, *args, **kwargs))
 
 
 class AsyncGdids:

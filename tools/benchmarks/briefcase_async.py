@@ -58,7 +58,7 @@ def run(ctx: BenchContext) -> list[Result]:
     store = _store(ctx.tmpdir / "async-postgresql", central, shard)
     ids = [GDID(0, 0, i) for i in range(1, ROWS + 1)]
     with store.transaction("u1") as conn:
-        conn.execute(insert(User.__table__), [{"user_id": g, "email": f"{g}@example.com", "name": f"user {g}", "created_at": NOW} for g in ids])
+        conn.execute(insert(User), [{"user_id": g, "email": f"{g}@example.com", "name": f"user {g}", "created_at": NOW} for g in ids])
     order = ids * 20
     random.Random(7).shuffle(order)
     cursor = iter(order * 1000)
