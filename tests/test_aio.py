@@ -295,3 +295,91 @@ def test_hot_data_patterns_run_on_the_confined_sync_session(store: Store) -> Non
     server = Router(store.map).locate("user", gdid).server
     with store.transaction(server) as conn:
         assert conn.execute(select(func.count()).select_from(LEDGER_TABLES.events).where(LEDGER_TABLES.events.c.user_id == gdid)).scalar_one() == 3
+
+
+def test_the_async_check_costs_no_extra_round_trip(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
+    """tests/test_briefcase_pg.py's round-trip count, for async sessions on the async engine.
+
+    A plain AsyncSession on the same async engine costs BEGIN, SELECT, COMMIT; the routed
+    session's BEGIN also carries the locks and the check in the same string, so it costs the same.
+    """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.ext.asyncio import AsyncSession
+    from test_briefcase_pg import RoundTripCounter, _proxied
+
+    central, shard = pg_databases(2)
+    parsed = make_url(shard)
+    proxy = RoundTripCounter(parsed.host or "127.0.0.1", parsed.port or 5432)
+    try:
+        path = write_map(tmp_path, {"central": central, "u1": _proxied(shard, proxy.port)}, central=["central"],
+                         partitions=[("0:0:0", ["u1"])])
+        with Store.from_yaml(path, types=[UserBriefcase]) as store:
+            assert all(r.ok for r in apply_schema(store))
+            gdid = GDID(0, 0, 70)
+
+            async def main() -> tuple[int, int, int, int]:
+                async with AsyncStore(store) as aio:
+                    async with aio.briefcase(UserBriefcase, gdid) as session:
+                        session.add_all(new_user(gdid))
+                    engine = aio.engines.engine("u1")
+
+                    async def routed(exclusive: bool = False, readonly: bool = False) -> None:
+                        async with aio.briefcase(UserBriefcase, gdid, exclusive=exclusive, readonly=readonly) as session:
+                            assert (await session.scalars(select(User.user_id))).one() == gdid
+
+                    async def plain(extra: bool = False) -> None:
+                        async with AsyncSession(engine) as session, session.begin():
+                            if extra:
+                                await session.execute(text("SELECT 1"))
+                            assert (await session.scalars(select(User.user_id).where(User.user_id == gdid))).one() == gdid
+
+                    async def trips(fn: Callable[[], Any]) -> int:
+                        for _ in range(7):  # past psycopg's prepare_threshold, as the sync test
+                            await fn()
+                        before = proxy.ready_for_query
+                        for _ in range(3):
+                            await fn()
+                        total = proxy.ready_for_query - before
+                        assert total % 3 == 0, total
+                        return total // 3
+
+                    return (await trips(plain), await trips(lambda: plain(extra=True)), await trips(routed),
+                            await trips(lambda: routed(exclusive=True)))
+
+            plain, control, routed, exclusive = asyncio.run(main())
+            assert plain == 3  # BEGIN, SELECT, COMMIT
+            assert control == plain + 1  # the counter sees one more
+            assert routed == plain and exclusive == plain  # the check rode along with BEGIN
+    finally:
+        proxy.close()
+
+
+def test_cancelled_tasks_roll_back_and_return_their_connections(pg_store: Store) -> None:
+    """An ASGI server cancels the request's task when the client goes away: nothing is written, nothing leaks."""
+    gdids = [GDID(0, 0, 3000 + i) for i in range(100)]
+
+    async def main() -> list[tuple[int, int]]:
+        async with AsyncStore(pg_store) as aio:
+            await aio.router()
+            started = 0
+
+            async def write(gdid: GDID) -> None:
+                nonlocal started
+                async with aio.briefcase(UserBriefcase, gdid) as session:
+                    session.add_all(new_user(gdid))
+                    await session.flush()
+                    started += 1
+                    await asyncio.sleep(30)
+
+            tasks = [asyncio.create_task(write(g)) for g in gdids]
+            while started < 40:
+                await asyncio.sleep(0.01)
+            for task in tasks:
+                task.cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            assert all(isinstance(r, asyncio.CancelledError) for r in results)
+            return [(e.sync_engine.pool.checkedout(), e.sync_engine.pool.checkedin()) for e in aio.engines.all()]  # type: ignore[attr-defined]
+
+    pools = asyncio.run(main())
+    assert all(out == 0 for out, _ in pools), pools
+    assert users_on_every_shard(pg_store) == {s: [] for s in SHARDS}
