@@ -383,3 +383,37 @@ def test_cancelled_tasks_roll_back_and_return_their_connections(pg_store: Store)
     pools = asyncio.run(main())
     assert all(out == 0 for out, _ in pools), pools
     assert users_on_every_shard(pg_store) == {s: [] for s in SHARDS}
+
+
+def test_the_gate_serves_waiters_in_order_passes_on_slots_and_times_out_as_capacity() -> None:
+    from mdb.aio.engines import FairGate
+    from mdb.errors import CapacityError
+
+    async def main() -> None:
+        gate = FairGate(2, timeout=0.2)
+        await gate.acquire("s")
+        await gate.acquire("s")
+        order: list[int] = []
+
+        async def wait(i: int) -> None:
+            await gate.acquire("s")
+            order.append(i)
+
+        waiters = [asyncio.create_task(wait(i)) for i in range(4)]
+        await asyncio.sleep(0.01)
+        waiters[1].cancel()  # a cancelled waiter gives up its place, not a slot
+        gate.release()
+        gate.release()
+        await asyncio.sleep(0.01)
+        assert order == [0, 2]  # first come, first served
+        gate.release()  # a freed slot goes straight to the oldest waiter
+        await asyncio.sleep(0.01)
+        assert order == [0, 2, 3] and gate.in_use == 2
+        with pytest.raises(CapacityError, match="all 2 async connections stayed in use"):
+            await gate.acquire("s")
+        gate.release()
+        gate.release()
+        assert gate.in_use == 0
+        await asyncio.gather(*waiters, return_exceptions=True)
+
+    asyncio.run(main())

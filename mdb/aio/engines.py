@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -38,6 +39,7 @@ from sqlalchemy.util import await_
 # The same per-connection ``info`` keys and record as mdb.engines (set_prelude, take_result and
 # prelude_of are used unchanged on the sync Connection inside an AsyncConnection).
 from mdb.engines import _PRELUDE, _RESULT, DEFAULT_ENGINE, SQLITE_BUSY_TIMEOUT_MS, BeginPrelude, EngineRegistry, _prepared
+from mdb.errors import CapacityError
 from mdb.partition_map import EngineSpec
 from mdb.urls import mask_url, sqlalchemy_url
 
@@ -176,6 +178,61 @@ def create_async(url: str, readonly: bool, settings: EngineSpec | None = None, p
     raise ValueError(f"no async driver for {backend!r} servers ({mask_url(url)})")
 
 
+class FairGate:
+    """At most ``size`` holders, served first come, first served; a waiter gives up after ``timeout``.
+
+    Why not just the pool: SQLAlchemy's async pool waits on an ``asyncio.Queue``, where a task
+    that returns a connection and asks again without yielding takes it back before the woken
+    waiter runs, and a woken waiter that finds the queue empty queues again at the END. Under
+    load (200 readers on a pool of 30) some tasks then waited past ``pool_timeout`` while others
+    looped (measured: ``QueuePool limit ... timed out``). The gate hands a freed slot straight to
+    the oldest waiter, so a checkout after it never waits in the pool's queue.
+    """
+
+    def __init__(self, size: int, timeout: float | None) -> None:
+        self.size = size
+        self.timeout = timeout
+        self._free = size
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def in_use(self) -> int:
+        return self.size - self._free
+
+    async def acquire(self, server: str) -> None:
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return
+        slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(slot)
+        try:
+            await asyncio.wait_for(asyncio.shield(slot), self.timeout)
+        except asyncio.TimeoutError as exc:
+            self._give_up(slot)
+            raise CapacityError(
+                f"server {server!r}: all {self.size} async connections stayed in use for {self.timeout:g} s",
+                server=server,
+            ) from exc
+        except BaseException:  # cancelled while waiting
+            self._give_up(slot)
+            raise
+
+    def _give_up(self, slot: asyncio.Future[None]) -> None:
+        if slot.done() and not slot.cancelled():
+            self.release()  # the slot was handed over just as we gave up: pass it on
+        else:
+            slot.cancel()
+            self._waiters.remove(slot)
+
+    def release(self) -> None:
+        while self._waiters:
+            slot = self._waiters.popleft()
+            if not slot.done():
+                slot.set_result(None)  # the slot goes to the oldest waiter, never back to the pool
+                return
+        self._free += 1
+
+
 class AsyncEngines:
     """Lazily created async engines for the servers of a sync :class:`EngineRegistry`.
 
@@ -187,24 +244,35 @@ class AsyncEngines:
     def __init__(self, registry: EngineRegistry) -> None:
         self._registry = registry
         self._engines: dict[tuple[str, bool, bool], AsyncEngine] = {}
-        self._by_server: dict[tuple[str, str, bool], AsyncEngine] = {}
+        self._gates: dict[tuple[str, bool, bool], FairGate] = {}
+        self._by_server: dict[tuple[str, str, bool], tuple[AsyncEngine, FairGate]] = {}
 
     def engine(self, server: str, readonly: bool = False) -> AsyncEngine:
         """The async engine of ``server``; ``readonly`` picks the replica when the map has one."""
+        return self.engine_and_gate(server, readonly)[0]
+
+    def gate(self, server: str, readonly: bool = False) -> FairGate:
+        """The first-come-first-served gate in front of that engine's pool (one slot per connection)."""
+        return self.engine_and_gate(server, readonly)[1]
+
+    def engine_and_gate(self, server: str, readonly: bool = False) -> tuple[AsyncEngine, FairGate]:
         registry = self._registry
         url = registry.url(server, readonly)
-        engine = self._by_server.get((server, url, readonly))
-        if engine is not None:
-            return engine
+        found = self._by_server.get((server, url, readonly))
+        if found is not None:
+            return found
         spec = registry.spec(server)
         separate_reader = spec.replica is not None or registry.is_sqlite(server)
         key = (url, readonly and separate_reader, registry.pooled(server, readonly))
         engine = self._engines.get(key)
         if engine is None:
             engine = self._engines[key] = create_async(url, readonly=key[1], settings=spec.engine, pooled=key[2])
+            settings = (spec.engine or EngineSpec()).over(DEFAULT_ENGINE)
+            size = (settings.pool_size or 0) + (settings.max_overflow or 0)
+            self._gates[key] = FairGate(max(1, size), settings.pool_timeout)
             log.debug("created async engine for server %s at %s", server, mask_url(url))
-        self._by_server[(server, url, readonly)] = engine
-        return engine
+        found = self._by_server[(server, url, readonly)] = (engine, self._gates[key])
+        return found
 
     def all(self) -> list[AsyncEngine]:
         """Every engine created so far (tests read their pools)."""

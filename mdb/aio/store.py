@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.engine import Connection
 
 from mdb import telemetry
-from mdb.aio.engines import AsyncEngines
+from mdb.aio.engines import AsyncEngines, FairGate
 from mdb.aio.fanout import fan_out
 from mdb.briefcase import BriefcaseType
 from mdb.central.indexes import IndexRef
@@ -234,10 +234,23 @@ class AsyncStore:
 
     # -- connections -------------------------------------------------------------------------
 
-    async def connect(self, server: str, readonly: bool = False) -> AsyncConnection:
-        """A pooled async connection to a SQL server, driver errors turned into mdb errors."""
-        with translated(server):
-            return await self.engines.engine(server, readonly).connect()
+    async def _checkout(self, server: str, readonly: bool) -> tuple[AsyncConnection, FairGate]:
+        """A pooled async connection and the gate slot it holds (released with :meth:`_checkin`)."""
+        engine, gate = self.engines.engine_and_gate(server, readonly)
+        await gate.acquire(server)
+        try:
+            with translated(server):
+                return await engine.connect(), gate
+        except BaseException:
+            gate.release()
+            raise
+
+    @staticmethod
+    async def _checkin(conn: AsyncConnection, gate: FairGate) -> None:
+        try:
+            await conn.close()
+        finally:
+            gate.release()
 
     async def _begin(self, conn: AsyncConnection, server: str, readonly: bool) -> AsyncConnection:
         """BEGIN (with the prelude set on ``conn``), on a fresh connection if ``conn`` was dead.
@@ -266,7 +279,7 @@ class AsyncStore:
     @asynccontextmanager
     async def transaction(self, server: str, readonly: bool = False) -> AsyncIterator[AsyncConnection]:
         """An async Core connection in one transaction on ``server`` (commit on success)."""
-        conn = await self.connect(server, readonly)
+        conn, gate = await self._checkout(server, readonly)
         try:
             with translated(server):
                 conn = await self._begin(conn, server, readonly)
@@ -278,7 +291,7 @@ class AsyncStore:
                         await conn.rollback()
                     raise
         finally:
-            await conn.close()
+            await self._checkin(conn, gate)
 
     # -- briefcase sessions ------------------------------------------------------------------
 
@@ -295,7 +308,7 @@ class AsyncStore:
             raise RoutingError(f"briefcase type {btype.__name__} is not registered with this Store")
         if readonly and exclusive:
             raise QueryError(f"briefcase {btype.area}/{gid}: a session cannot be both readonly and exclusive (exclusive serializes writers)")
-        session, conn = await self._open(btype, gid, readonly, exclusive)
+        session, conn, gate = await self._open(btype, gid, readonly, exclusive)
         try:
             with translated(session.placement.server):
                 yield session
@@ -306,26 +319,28 @@ class AsyncStore:
                 await conn.rollback()
             raise
         finally:
-            await session.close()
-            await conn.close()
+            try:
+                await session.close()
+            finally:
+                await self._checkin(conn, gate)
 
     async def _open(
         self, btype: type[BriefcaseType], gdid: GDID, readonly: bool, exclusive: bool
-    ) -> tuple[AsyncBriefcaseSession, AsyncConnection]:
-        async def attempt(router: Router, placement: Placement) -> tuple[AsyncBriefcaseSession, AsyncConnection]:
+    ) -> tuple[AsyncBriefcaseSession, AsyncConnection, FairGate]:
+        async def attempt(router: Router, placement: Placement) -> tuple[AsyncBriefcaseSession, AsyncConnection, FairGate]:
             server = placement.server
-            conn = await self.connect(server, readonly)
+            conn, gate = await self._checkout(server, readonly)
             set_prelude(_sync(conn), OwnershipCheck(placement, lock=not readonly, exclusive=exclusive))
             try:
                 with translated(server):
                     conn = await self._begin(conn, server, readonly)
                 check_ownership(take_result(_sync(conn)), placement, router.version)
             except BaseException:
-                await conn.close()
+                await self._checkin(conn, gate)
                 raise
             session = AsyncBriefcaseSession(bind=conn, join_transaction_mode="rollback_only", expire_on_commit=False)
             session.info[_INFO_KEY] = BriefcaseContext(btype, gdid, placement, readonly)
-            return session, conn
+            return session, conn, gate
 
         retry = SessionRetry(self.sync.move_wait_seconds, self.sync.max_stale_retries)
         return await self._open_routed(btype.area, gdid, attempt, retry)
