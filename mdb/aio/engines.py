@@ -14,7 +14,8 @@ sync cursor API (``cursor()``, ``execute``, ``nextset``, ``pgresult``, ``fetchal
 :class:`_GreenletConnection` offers that API over a ``psycopg.AsyncConnection``, awaiting each
 call on the loop. The ownership SQL, the prepare-once bookkeeping and the re-prepare after a
 ``DEALLOCATE`` are therefore the sync ones, not a second copy. On SQLite, SQLAlchemy's aiosqlite
-adapter already offers a sync-looking cursor and is handed to the prelude as it is.
+adapter already offers a sync-looking cursor and connection: the sync engine's SQLite BEGIN and
+connection setup are used as they are.
 
 No :class:`mdb.budget.BudgetPool` here: it waits on a ``threading.Condition``, which would block
 the event loop. Async engines use SQLAlchemy's ``AsyncAdaptedQueuePool`` with the map's sizes
@@ -38,7 +39,17 @@ from sqlalchemy.util import await_
 
 # The same per-connection ``info`` keys and record as mdb.engines (set_prelude, take_result and
 # prelude_of are used unchanged on the sync Connection inside an AsyncConnection).
-from mdb.engines import _PRELUDE, _RESULT, DEFAULT_ENGINE, SQLITE_BUSY_TIMEOUT_MS, BeginPrelude, EngineRegistry, _prepared
+from mdb.engines import (
+    _PRELUDE,
+    _RESULT,
+    DEFAULT_ENGINE,
+    BeginPrelude,
+    EngineRegistry,
+    _prepared,
+    _sqlite_begin_read,
+    _sqlite_begin_write,
+    _sqlite_setup,
+)
 from mdb.errors import CapacityError
 from mdb.partition_map import EngineSpec
 from mdb.urls import mask_url, sqlalchemy_url
@@ -108,39 +119,6 @@ def _pg_begin_pooled(fairy: Any) -> None:
         return
     facade = cast(psycopg.Connection[Any], _GreenletConnection(driver))
     fairy.info[_RESULT] = prelude.begin_postgresql_pooled(facade)
-
-
-def _sqlite_begin(fairy: Any, begin: str) -> None:
-    # fairy.dbapi_connection is SQLAlchemy's aiosqlite adapter: its cursor is sync-looking.
-    prelude: BeginPrelude | None = fairy.info.pop(_PRELUDE, None)
-    cursor = fairy.dbapi_connection.cursor()
-    try:
-        if prelude is None:
-            cursor.execute(begin)
-        else:
-            fairy.info[_RESULT] = prelude.begin_sqlite(cursor, begin)
-    finally:
-        cursor.close()
-
-
-def _sqlite_begin_write(fairy: Any) -> None:
-    _sqlite_begin(fairy, "BEGIN IMMEDIATE")
-
-
-def _sqlite_begin_read(fairy: Any) -> None:
-    _sqlite_begin(fairy, "BEGIN")
-
-
-def _sqlite_setup(dbapi_connection: Any, _record: Any) -> None:
-    # mdb.engines._sqlite_setup, on the aiosqlite adapter (its isolation_level setter and cursor
-    # run on aiosqlite's thread, awaited through the greenlet).
-    dbapi_connection.isolation_level = None
-    cursor = dbapi_connection.cursor()
-    try:
-        for pragma in ("journal_mode=WAL", f"busy_timeout={SQLITE_BUSY_TIMEOUT_MS}", "foreign_keys=ON", "synchronous=NORMAL"):
-            cursor.execute(f"PRAGMA {pragma}")
-    finally:
-        cursor.close()
 
 
 def _begin_with(engine: AsyncEngine, begin: Callable[[Any], None]) -> AsyncEngine:

@@ -64,17 +64,23 @@ class AsyncBriefcaseSession(AsyncSession):
     sync_session_class = BriefcaseSession
 
     @property
+    def confined(self) -> BriefcaseSession:
+        """The sync session inside (the one whose listeners confine every statement and flush)."""
+        sync = self.sync_session
+        assert isinstance(sync, BriefcaseSession)  # sync_session_class
+        return sync
+
+    @property
     def briefcase(self) -> BriefcaseContext:
-        context: BriefcaseContext = self.info[_INFO_KEY]
-        return context
+        return self.confined.briefcase
 
     @property
     def gdid(self) -> GDID:
-        return self.briefcase.gdid
+        return self.confined.gdid
 
     @property
     def placement(self) -> Placement:
-        return self.briefcase.placement
+        return self.confined.placement
 
     async def run_confined(
         self, fn: Callable[Concatenate[BriefcaseSession, P], T], *args: P.args, **kwargs: P.kwargs
@@ -84,8 +90,7 @@ class AsyncBriefcaseSession(AsyncSession):
         How sync helpers that take a BriefcaseSession (the hot-data patterns: counters, stats
         lock, event log) run from async code: their database calls suspend on the loop.
         """
-        sync = self.sync_session
-        assert isinstance(sync, BriefcaseSession)  # sync_session_class
+        sync = self.confined
         return await self.run_sync(lambda _session: fn(sync, *args, **kwargs))
 
 
