@@ -390,7 +390,7 @@ def test_the_gate_serves_waiters_in_order_passes_on_slots_and_times_out_as_capac
     from mdb.errors import CapacityError
 
     async def main() -> None:
-        gate = FairGate(2, timeout=0.2)
+        gate = FairGate(2, timeout=0.2)  # a pool_size of 2
         await gate.acquire("s")
         await gate.acquire("s")
         order: list[int] = []
