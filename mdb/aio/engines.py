@@ -260,6 +260,10 @@ class AsyncEngines:
         """Every engine created so far (tests read their pools)."""
         return list(self._engines.values())
 
+    def gates(self) -> list[FairGate]:
+        """Every engine's gate (tests check that no slot outlives its session)."""
+        return list(self._gates.values())
+
     async def dispose(self) -> None:
         engines = list(self._engines.values())
         self._engines.clear()
