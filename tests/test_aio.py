@@ -151,6 +151,7 @@ def test_a_thousand_concurrent_tasks_write_once_on_the_right_shard_and_leak_no_c
 
             results = await asyncio.gather(*(write(g) for g in gdids), return_exceptions=True)
             assert [r for r in results if r is not None] == []
+            assert all(gate.in_use == 0 for gate in aio.engines.gates())
             pools = [e.sync_engine.pool for e in aio.engines.all()]
             return acknowledged, [(p.checkedout(), p.checkedin()) for p in pools]  # type: ignore[attr-defined]
 
