@@ -11,12 +11,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
-from collections.abc import Callable
-from pathlib import Path
 
-import pytest
-from movehelp import Cluster, create_user, locations, make_cluster
-from sqlalchemy import select
+from movehelp import Cluster, locations
+from test_moves_online import SERVERS, USERS, _transactions, cluster  # noqa: F401 (cluster: the suite's fixture)
 
 from mdb.aio import AsyncStore
 from mdb.demo.models import Transaction, UserBriefcase
@@ -25,18 +22,7 @@ from mdb.gdid import GDID
 from mdb.moves import move_briefcase
 from mdb.moves.reshard import reshard
 
-SERVERS = ["u1", "u2", "x"]
-USERS = [GDID(0, 0, i) for i in range(1, 9)]
 TASKS = 24
-
-
-@pytest.fixture
-def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster:
-    cluster = make_cluster(dict(zip(["c", *SERVERS], pg_databases(4))), tmp_path, [("0:0:0", ["u1", "u2"])])
-    with cluster.store() as store:
-        for g in USERS:
-            create_user(store, g, orders=1, lines=2)
-    return cluster
 
 
 def test_async_writers_during_moves_and_a_reshard_lose_and_misplace_nothing(cluster: Cluster) -> None:
@@ -98,12 +84,8 @@ def test_async_writers_during_moves_and_a_reshard_lose_and_misplace_nothing(clus
     # The writers were sent elsewhere by fences and the new map (refreshed, then retried).
     assert refreshes, "no writer was ever refused: the test did not exercise stale routing"
 
-    found: Counter[tuple[str, GDID, int]] = Counter()
+    found = _transactions(cluster)
     with cluster.store() as store:
-        for server in SERVERS:
-            with store.transaction(server) as conn:
-                for uid, tid in conn.execute(select(Transaction.__table__.c.user_id, Transaction.__table__.c.transaction_id)):
-                    found[(server, uid, tid.counter)] += 1
         assert all(n == 1 for n in found.values()), "a transaction row is duplicated"
         store.refresh()
         homes = locations(store, SERVERS)
