@@ -24,7 +24,9 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.orm import Session
+from sqlalchemy.util import greenlet_spawn
 
 from mdb import telemetry
 from mdb.aio.engines import AsyncEngines, FairGate
@@ -32,7 +34,7 @@ from mdb.aio.fanout import fan_out
 from mdb.briefcase import BriefcaseType
 from mdb.central.indexes import IndexRef
 from mdb.dberrors import translated
-from mdb.engines import prelude_of, set_prelude, take_result
+from mdb.engines import BeginPrelude, set_prelude, take_result
 from mdb.errors import QueryError, RetryableError, RoutingError
 from mdb.fanout import FanOutResult
 from mdb.gdid import GDID
@@ -56,6 +58,55 @@ def _sync(conn: AsyncConnection) -> Connection:
     if sync is None:
         raise RuntimeError("the AsyncConnection is not started")
     return sync
+
+
+def _open_sync(engine: Engine, prelude: BeginPrelude | None, check: Callable[[Connection], None] | None) -> Connection:
+    """Connect, BEGIN with ``prelude``, ``check``: run in a greenlet, each driver call awaited on the loop.
+
+    A connection that died with its server is replaced once, as ``Store._begin`` does (BEGIN
+    and the check are the first statements of the transaction, so nothing has run yet).
+    """
+    conn = engine.connect()
+    try:
+        if prelude is not None:
+            set_prelude(conn, prelude)
+        try:
+            conn.begin()
+        except DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+            conn.close()
+            conn = engine.connect()
+            if prelude is not None:
+                set_prelude(conn, prelude)
+            conn.begin()
+        if check is not None:
+            check(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _end_sync(session: Session | None, conn: Connection, ok: bool) -> None:
+    """Flush and commit (``ok``) or roll back, then close the session and the connection: one greenlet."""
+    try:
+        if ok:
+            if session is not None:
+                session.flush()
+            conn.commit()
+        elif conn.in_transaction():
+            conn.rollback()
+    except BaseException:
+        if conn.in_transaction():
+            conn.rollback()
+        raise
+    finally:
+        try:
+            if session is not None:
+                session.close()
+        finally:
+            conn.close()
 
 
 class AsyncBriefcaseSession(AsyncSession):
@@ -239,64 +290,39 @@ class AsyncStore:
 
     # -- connections -------------------------------------------------------------------------
 
-    async def _checkout(self, server: str, readonly: bool) -> tuple[AsyncConnection, FairGate]:
-        """A pooled async connection and the gate slot it holds (released with :meth:`_checkin`)."""
+    async def _begun(
+        self, server: str, readonly: bool, prelude: BeginPrelude | None = None,
+        check: Callable[[Connection], None] | None = None,
+    ) -> tuple[AsyncConnection, FairGate]:
+        """A pooled connection in a transaction (``prelude`` run with BEGIN, then ``check``), and its gate slot.
+
+        Connect, BEGIN and the check run in ONE greenlet (:func:`_open_sync`): each separate
+        ``await`` of an AsyncConnection method is a greenlet spawn of its own.
+        """
         engine, gate = self.engines.engine_and_gate(server, readonly)
         await gate.acquire(server)
         try:
             with translated(server):
-                return await engine.connect(), gate
+                sync = await greenlet_spawn(_open_sync, engine.sync_engine, prelude, check)
         except BaseException:
             gate.release()
             raise
-
-    @staticmethod
-    async def _checkin(conn: AsyncConnection, gate: FairGate) -> None:
-        try:
-            await conn.close()
-        finally:
-            gate.release()
-
-    async def _begin(self, conn: AsyncConnection, server: str, readonly: bool) -> AsyncConnection:
-        """BEGIN (with the prelude set on ``conn``), on a fresh connection if ``conn`` was dead.
-
-        The async twin of ``Store._begin`` (a server restart kills every pooled connection;
-        BEGIN and the check are the first statements, so one retry on a new connection is safe).
-        """
-        prelude = prelude_of(_sync(conn))
-        try:
-            await conn.begin()
-            return conn
-        except DBAPIError as exc:
-            if not exc.connection_invalidated:
-                raise
-        await conn.close()
-        fresh = await self.engines.engine(server, readonly).connect()
-        try:
-            if prelude is not None:
-                set_prelude(_sync(fresh), prelude)
-            await fresh.begin()
-        except BaseException:
-            await fresh.close()
-            raise
-        return fresh
+        return AsyncConnection(engine, sync), gate
 
     @asynccontextmanager
     async def transaction(self, server: str, readonly: bool = False) -> AsyncIterator[AsyncConnection]:
         """An async Core connection in one transaction on ``server`` (commit on success)."""
-        conn, gate = await self._checkout(server, readonly)
+        conn, gate = await self._begun(server, readonly)
         try:
             with translated(server):
-                conn = await self._begin(conn, server, readonly)
                 try:
                     yield conn
-                    await conn.commit()
                 except BaseException:
-                    if conn.in_transaction():
-                        await conn.rollback()
+                    await greenlet_spawn(_end_sync, None, _sync(conn), False)
                     raise
+                await greenlet_spawn(_end_sync, None, _sync(conn), True)
         finally:
-            await self._checkin(conn, gate)
+            gate.release()
 
     # -- briefcase sessions ------------------------------------------------------------------
 
@@ -316,33 +342,24 @@ class AsyncStore:
         session, conn, gate = await self._open(btype, gid, readonly, exclusive)
         try:
             with translated(session.placement.server):
-                yield session
-                await session.flush()
-                await conn.commit()
-        except BaseException:
-            if conn.in_transaction():
-                await conn.rollback()
-            raise
+                try:
+                    yield session
+                except BaseException:
+                    await greenlet_spawn(_end_sync, session.confined, _sync(conn), False)
+                    raise
+                await greenlet_spawn(_end_sync, session.confined, _sync(conn), True)
         finally:
-            try:
-                await session.close()
-            finally:
-                await self._checkin(conn, gate)
+            gate.release()
 
     async def _open(
         self, btype: type[BriefcaseType], gdid: GDID, readonly: bool, exclusive: bool
     ) -> tuple[AsyncBriefcaseSession, AsyncConnection, FairGate]:
         async def attempt(router: Router, placement: Placement) -> tuple[AsyncBriefcaseSession, AsyncConnection, FairGate]:
-            server = placement.server
-            conn, gate = await self._checkout(server, readonly)
-            set_prelude(_sync(conn), OwnershipCheck(placement, lock=not readonly, exclusive=exclusive))
-            try:
-                with translated(server):
-                    conn = await self._begin(conn, server, readonly)
-                check_ownership(take_result(_sync(conn)), placement, router.version)
-            except BaseException:
-                await self._checkin(conn, gate)
-                raise
+            def check(conn: Connection) -> None:
+                check_ownership(take_result(conn), placement, router.version)
+
+            prelude = OwnershipCheck(placement, lock=not readonly, exclusive=exclusive)
+            conn, gate = await self._begun(placement.server, readonly, prelude, check)
             session = AsyncBriefcaseSession(bind=conn, join_transaction_mode="rollback_only", expire_on_commit=False)
             session.info[_INFO_KEY] = BriefcaseContext(btype, gdid, placement, readonly)
             return session, conn, gate
