@@ -45,6 +45,7 @@ from mdb.engines import (
     DEFAULT_ENGINE,
     BeginPrelude,
     EngineRegistry,
+    Rows,
     _prepared,
     _sqlite_begin_read,
     _sqlite_begin_write,
@@ -100,25 +101,24 @@ class _GreenletConnection:
         return _GreenletCursor(self._connection.cursor())
 
 
-def _pg_begin(fairy: Any) -> None:
-    # The sync engine's _pg_begin, with the driver connection seen through the greenlet facade.
+def _pg_begin_through(fairy: Any, run: Callable[[BeginPrelude, psycopg.Connection[Any]], Rows | None]) -> None:
+    """The sync engine's PostgreSQL BEGIN, with the driver connection seen through the greenlet facade."""
     prelude: BeginPrelude | None = fairy.info.pop(_PRELUDE, None)
     driver = fairy.driver_connection
     if prelude is None:
         await_(driver.execute("BEGIN"))
         return
     facade = cast(psycopg.Connection[Any], _GreenletConnection(driver))  # the API the prelude uses
-    fairy.info[_RESULT] = prelude.begin_postgresql(facade, _prepared(fairy))
+    fairy.info[_RESULT] = run(prelude, facade)
+
+
+def _pg_begin(fairy: Any) -> None:
+    _pg_begin_through(fairy, lambda prelude, conn: prelude.begin_postgresql(conn, _prepared(fairy)))
 
 
 def _pg_begin_pooled(fairy: Any) -> None:
-    prelude: BeginPrelude | None = fairy.info.pop(_PRELUDE, None)
-    driver = fairy.driver_connection
-    if prelude is None:
-        await_(driver.execute("BEGIN"))
-        return
-    facade = cast(psycopg.Connection[Any], _GreenletConnection(driver))
-    fairy.info[_RESULT] = prelude.begin_postgresql_pooled(facade)
+    # Behind a transaction pooler: the check as a call of its PL/pgSQL function, nothing prepared.
+    _pg_begin_through(fairy, lambda prelude, conn: prelude.begin_postgresql_pooled(conn))
 
 
 def _begin_with(engine: AsyncEngine, begin: Callable[[Any], None]) -> AsyncEngine:
