@@ -1,5 +1,7 @@
 """mdb: an MDB-style router that spreads briefcases of relational data over many servers."""
 
+from typing import TYPE_CHECKING
+
 from mdb.briefcase import BriefcaseType
 from mdb.central import Central, CentralIndex
 from mdb.engines import EngineRegistry
@@ -35,8 +37,22 @@ from mdb.store import Store
 from mdb.repository import Repository
 from mdb.urls import mask_url
 
+if TYPE_CHECKING:
+    from mdb.aio import AsyncStore
+
+
+def __getattr__(name: str) -> object:
+    """``mdb.AsyncStore``, imported on first use: SQLAlchemy's asyncio extension (greenlet) costs
+    ~50 ms at import, which every ``mdb`` command and sync application would otherwise pay."""
+    if name == "AsyncStore":
+        from mdb.aio import AsyncStore
+
+        return AsyncStore
+    raise AttributeError(f"module 'mdb' has no attribute {name!r}")
+
 __all__ = [
     "ApplyReport",
+    "AsyncStore",
     "MapDiff",
     "apply_map",
     "diff_maps",

@@ -157,7 +157,9 @@ def _pg_begin_pooled(fairy: Any) -> None:
 
 def _sqlite_begin(fairy: Any, begin: str) -> None:
     prelude: BeginPrelude | None = fairy.info.pop(_PRELUDE, None)
-    cursor = fairy.driver_connection.cursor()
+    # The DBAPI connection, not the driver's: for pysqlite they are one object, and for
+    # aiosqlite (mdb.aio) it is SQLAlchemy's adapter, whose cursor has this same sync API.
+    cursor = fairy.dbapi_connection.cursor()
     try:
         if prelude is None:
             cursor.execute(begin)

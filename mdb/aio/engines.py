@@ -1,0 +1,271 @@
+"""Async engines for the servers of a map: SQLAlchemy's asyncio extension, psycopg 3 and aiosqlite.
+
+One :class:`~sqlalchemy.ext.asyncio.AsyncEngine` per (URL, reader, pooler) as in
+:class:`mdb.engines.EngineRegistry`, whose URLs, ``direct:``/replica choice and engine settings
+are read, never copied. Like the sync engines, mdb issues BEGIN itself from the dialect's
+``do_begin`` (driver autocommit mode), so the ownership check travels with BEGIN in ONE round
+trip: the SAME :class:`mdb.engines.BeginPrelude` (:class:`mdb.ownership.OwnershipCheck`) is
+handed over with :func:`mdb.engines.set_prelude` and its rows read with
+:func:`mdb.engines.take_result`.
+
+Why that works on an async driver: SQLAlchemy runs the sync core of an AsyncConnection inside
+a greenlet, where ``await_`` suspends on the event loop. The prelude's code speaks psycopg's
+sync cursor API (``cursor()``, ``execute``, ``nextset``, ``pgresult``, ``fetchall``), so
+:class:`_GreenletConnection` offers that API over a ``psycopg.AsyncConnection``, awaiting each
+call on the loop. The ownership SQL, the prepare-once bookkeeping and the re-prepare after a
+``DEALLOCATE`` are therefore the sync ones, not a second copy. On SQLite, SQLAlchemy's aiosqlite
+adapter already offers a sync-looking cursor and connection: the sync engine's SQLite BEGIN and
+connection setup are used as they are.
+
+No :class:`mdb.budget.BudgetPool` here: it waits on a ``threading.Condition``, which would block
+the event loop. Async engines use SQLAlchemy's ``AsyncAdaptedQueuePool`` with the map's sizes
+(they are not counted in the Store's connection budget; docs/async.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any, cast
+
+import psycopg
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
+from sqlalchemy.util import await_
+
+# The same per-connection ``info`` keys and record as mdb.engines (set_prelude, take_result and
+# prelude_of are used unchanged on the sync Connection inside an AsyncConnection).
+from mdb.engines import (
+    _PRELUDE,
+    _RESULT,
+    DEFAULT_ENGINE,
+    BeginPrelude,
+    EngineRegistry,
+    Rows,
+    _prepared,
+    _sqlite_begin_read,
+    _sqlite_begin_write,
+    _sqlite_setup,
+)
+from mdb.errors import CapacityError
+from mdb.partition_map import EngineSpec
+from mdb.urls import mask_url, sqlalchemy_url
+
+__all__ = ["AsyncEngines"]
+
+log = logging.getLogger("mdb.aio.engines")
+
+
+class _GreenletCursor:
+    """psycopg's sync cursor API over an AsyncCursor, each call awaited on the loop (greenlet)."""
+
+    __slots__ = ("_cursor",)
+
+    def __init__(self, cursor: psycopg.AsyncCursor[Any]) -> None:
+        self._cursor = cursor
+
+    def __enter__(self) -> _GreenletCursor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        await_(self._cursor.close())
+
+    def execute(self, query: str, params: Any = None) -> _GreenletCursor:
+        await_(self._cursor.execute(query, params))
+        return self
+
+    def nextset(self) -> bool | None:
+        return self._cursor.nextset()
+
+    @property
+    def pgresult(self) -> Any:
+        return self._cursor.pgresult
+
+    def fetchall(self) -> list[Any]:
+        return await_(self._cursor.fetchall())
+
+
+class _GreenletConnection:
+    """``connection.cursor()`` of psycopg's sync API over a ``psycopg.AsyncConnection``."""
+
+    __slots__ = ("_connection",)
+
+    def __init__(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        self._connection = connection
+
+    def cursor(self) -> _GreenletCursor:
+        return _GreenletCursor(self._connection.cursor())
+
+
+def _pg_begin_through(fairy: Any, run: Callable[[BeginPrelude, psycopg.Connection[Any]], Rows | None]) -> None:
+    """The sync engine's PostgreSQL BEGIN, with the driver connection seen through the greenlet facade."""
+    prelude: BeginPrelude | None = fairy.info.pop(_PRELUDE, None)
+    driver = fairy.driver_connection
+    if prelude is None:
+        await_(driver.execute("BEGIN"))
+        return
+    facade = cast(psycopg.Connection[Any], _GreenletConnection(driver))  # the API the prelude uses
+    fairy.info[_RESULT] = run(prelude, facade)
+
+
+def _pg_begin(fairy: Any) -> None:
+    _pg_begin_through(fairy, lambda prelude, conn: prelude.begin_postgresql(conn, _prepared(fairy)))
+
+
+def _pg_begin_pooled(fairy: Any) -> None:
+    # Behind a transaction pooler: the check as a call of its PL/pgSQL function, nothing prepared.
+    _pg_begin_through(fairy, lambda prelude, conn: prelude.begin_postgresql_pooled(conn))
+
+
+def _begin_with(engine: AsyncEngine, begin: Callable[[Any], None]) -> AsyncEngine:
+    """Make ``begin`` the BEGIN of the engine's dialect (not an event: see mdb.engines._begin_with)."""
+    sync: Engine = engine.sync_engine
+    sync.dialect.do_begin = begin  # type: ignore[method-assign, assignment]
+    return engine
+
+
+def create_async(url: str, readonly: bool, settings: EngineSpec | None = None, pooled: bool = False) -> AsyncEngine:
+    """A new async engine for ``url`` under the server's engine settings (unset: mdb's defaults)."""
+    spec = (settings or EngineSpec()).over(DEFAULT_ENGINE)
+    parsed = sqlalchemy_url(url)
+    pool_args: dict[str, Any] = {
+        "pool_size": spec.pool_size, "max_overflow": spec.max_overflow, "pool_timeout": spec.pool_timeout,
+        "pool_recycle": -1 if spec.pool_recycle is None else spec.pool_recycle,
+    }
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        database = parsed.database
+        async_url = parsed.set(drivername="sqlite+aiosqlite")
+        if database in (None, "", ":memory:"):
+            sqlite = create_async_engine(async_url, poolclass=NullPool)
+        else:
+            sqlite = create_async_engine(async_url, **pool_args)
+        event.listen(sqlite.sync_engine, "connect", _sqlite_setup)
+        return _begin_with(sqlite, _sqlite_begin_read if readonly else _sqlite_begin_write)
+    if backend == "postgresql":
+        connect_args: dict[str, Any] = {} if "connect_timeout" in parsed.query else {"connect_timeout": spec.connect_timeout}
+        if pooled:
+            connect_args["prepare_threshold"] = None
+        # postgresql+psycopg: create_async_engine picks the dialect's async variant (psycopg.AsyncConnection).
+        pg = create_async_engine(parsed, isolation_level="AUTOCOMMIT", connect_args=connect_args, **pool_args)
+        return _begin_with(pg, _pg_begin_pooled if pooled else _pg_begin)
+    raise ValueError(f"no async driver for {backend!r} servers ({mask_url(url)})")
+
+
+class FairGate:
+    """At most ``size`` holders (the pool's ``pool_size``), first come, first served; a waiter gives up after ``timeout``.
+
+    Why not just the pool: SQLAlchemy's async pool waits on an ``asyncio.Queue``, where a task
+    that returns a connection and asks again without yielding takes it back before the woken
+    waiter runs, and a woken waiter that finds the queue empty queues again at the END. Under
+    load (200 readers on a pool of 30) some tasks then waited past ``pool_timeout`` while others
+    looped (measured: ``QueuePool limit ... timed out``). The gate hands a freed slot straight to
+    the oldest waiter, so a checkout after it never waits in the pool's queue.
+    """
+
+    def __init__(self, size: int, timeout: float | None) -> None:
+        self.size = size
+        self.timeout = timeout
+        self._free = size
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def in_use(self) -> int:
+        return self.size - self._free
+
+    async def acquire(self, server: str) -> None:
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return
+        slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(slot)
+        try:
+            await asyncio.wait_for(asyncio.shield(slot), self.timeout)
+        except asyncio.TimeoutError as exc:
+            self._give_up(slot)
+            raise CapacityError(
+                f"server {server!r}: all {self.size} async connections stayed in use for {self.timeout:g} s",
+                server=server,
+            ) from exc
+        except BaseException:  # cancelled while waiting
+            self._give_up(slot)
+            raise
+
+    def _give_up(self, slot: asyncio.Future[None]) -> None:
+        if slot.done() and not slot.cancelled():
+            self.release()  # the slot was handed over just as we gave up: pass it on
+        else:
+            slot.cancel()
+            self._waiters.remove(slot)
+
+    def release(self) -> None:
+        while self._waiters:
+            slot = self._waiters.popleft()
+            if not slot.done():
+                slot.set_result(None)  # the slot goes to the oldest waiter, never back to the pool
+                return
+        self._free += 1
+
+
+class AsyncEngines:
+    """Lazily created async engines for the servers of a sync :class:`EngineRegistry`.
+
+    The registry decides which URL a use of a server connects to (primary, replica, ``direct:``)
+    and whether it is behind a transaction pooler; this only keeps one AsyncEngine per answer.
+    Creating one does no I/O (connections are made on first checkout), so it runs on the loop.
+    """
+
+    def __init__(self, registry: EngineRegistry) -> None:
+        self._registry = registry
+        self._engines: dict[tuple[str, bool, bool], AsyncEngine] = {}
+        self._gates: dict[tuple[str, bool, bool], FairGate] = {}
+        self._by_server: dict[tuple[str, str, bool], tuple[AsyncEngine, FairGate]] = {}
+
+    def engine(self, server: str, readonly: bool = False) -> AsyncEngine:
+        """The async engine of ``server``; ``readonly`` picks the replica when the map has one."""
+        return self.engine_and_gate(server, readonly)[0]
+
+    def gate(self, server: str, readonly: bool = False) -> FairGate:
+        """The first-come-first-served gate in front of that engine's pool (one slot per connection)."""
+        return self.engine_and_gate(server, readonly)[1]
+
+    def engine_and_gate(self, server: str, readonly: bool = False) -> tuple[AsyncEngine, FairGate]:
+        registry = self._registry
+        url = registry.url(server, readonly)
+        found = self._by_server.get((server, url, readonly))
+        if found is not None:
+            return found
+        spec = registry.spec(server)
+        separate_reader = spec.replica is not None or registry.is_sqlite(server)
+        key = (url, readonly and separate_reader, registry.pooled(server, readonly))
+        engine = self._engines.get(key)
+        if engine is None:
+            engine = self._engines[key] = create_async(url, readonly=key[1], settings=spec.engine, pooled=key[2])
+            settings = (spec.engine or EngineSpec()).over(DEFAULT_ENGINE)
+            # pool_size, not + max_overflow: under sustained load the QueuePool closes every
+            # overflow connection as it is returned (its idle queue is full) and opens a new one
+            # for the next waiter, which connects and prepares the check again each time
+            # (measured: 200 readers got 4x fewer reads/s than 8). The overflow stays for
+            # what bypasses the gate (a plain AsyncSession on engine()).
+            self._gates[key] = FairGate(max(1, settings.pool_size or 1), settings.pool_timeout)
+            log.debug("created async engine for server %s at %s", server, mask_url(url))
+        found = self._by_server[(server, url, readonly)] = (engine, self._gates[key])
+        return found
+
+    def all(self) -> list[AsyncEngine]:
+        """Every engine created so far (tests read their pools)."""
+        return list(self._engines.values())
+
+    def gates(self) -> list[FairGate]:
+        """Every engine's gate (tests check that no slot outlives its session)."""
+        return list(self._gates.values())
+
+    async def dispose(self) -> None:
+        engines = list(self._engines.values())
+        self._engines.clear()
+        self._by_server.clear()
+        await asyncio.gather(*(e.dispose() for e in engines))
