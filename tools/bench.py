@@ -53,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sections", nargs="*", metavar="SECTION", help=f"sections to run (default: all of {', '.join(sections)})")
     parser.add_argument("--quick", action="store_true", help="fewer iterations: a smoke run, not a measurement")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    parser.add_argument("--async", dest="aio", action="store_true",
+                        help="the asyncio variant of each section that has one (briefcase -> briefcase_async)")
     args = parser.parse_args(argv)
+    if args.aio:
+        args.sections = [f"{s}_async" if f"{s}_async" in sections else s for s in args.sections or ["briefcase"]]
     unknown = [s for s in args.sections if s not in sections]
     if unknown:
         parser.error(f"unknown section(s) {', '.join(unknown)}; available: {', '.join(sections)}")
