@@ -19,6 +19,7 @@ from mdb.sqltypes import GDIDType
 
 __all__ = [
     "CENTRAL_TABLE_MODULES",
+    "MIGRATION_VERSION_PREFIX",
     "STATE_FROZEN",
     "STATE_GONE",
     "STATE_INCOMING",
@@ -27,6 +28,7 @@ __all__ = [
     "central_metadata",
     "load_system_tables",
     "shard_layout",
+    "version_table",
     "shard_metadata",
 ]
 
@@ -85,3 +87,11 @@ def load_system_tables() -> tuple[MetaData, MetaData]:
     for module in CENTRAL_TABLE_MODULES:
         importlib.import_module(module)
     return shard_metadata, central_metadata
+
+
+MIGRATION_VERSION_PREFIX: Final = "alembic_version_"
+
+
+def version_table(area: str) -> str:
+    """The name of ``area``'s Alembic version table (``mdb migrate``): one per area, so areas on one server never share one."""
+    return MIGRATION_VERSION_PREFIX + area

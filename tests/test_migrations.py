@@ -481,3 +481,25 @@ def test_up_to_an_older_revision_leaves_servers_past_it_alone_and_an_unknown_rev
         assert "zz99" in (run.failed[0].detail or "")
         status = {s.server: s for s in fleet_status(store, fleet.root).servers}
         assert status["u4"].state == "failed" and "zz99" in (status["u4"].error or "")
+
+
+def test_mdb_schema_apply_records_head_on_a_server_it_built_and_schema_check_accepts_the_version_table(fleet: Fleet) -> None:
+    """`mdb schema apply` (the CLI) on a fleet whose shards were migrated: the spare gets the notes table
+    from the models and is recorded at head, so `mdb migrate up` has nothing to run there; the
+    version tables are mdb's own, never "extra tables" to `mdb schema check`."""
+    fleet.write_revision("a1_create", REV1)
+    fleet.write_revision("b2_priority", REV2)
+    with fleet.store() as store:
+        assert migrate(store, fleet.root, servers=SHARDS).ok
+    assert fleet.revision_of("s") is None
+    tests = str(Path(__file__).resolve().parent)
+    env = {"MDB_TEST_KEEP_NOTES": "1", "PYTHONPATH": tests + os.pathsep + str(ROOT), "COLUMNS": "250"}
+    done = run_cli(["schema", "apply", str(fleet.map_path), "--models", "test_migrations"], env=env)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert "s: area notes recorded at migration revision b2 (created from the models)" in done.stdout
+    assert "u1: area notes" not in done.stdout  # its table was there already: left to mdb migrate
+    assert fleet.revision_of("s") == "b2"
+    with fleet.store() as store:
+        assert [r.outcome for r in migrate(store, fleet.root).results] == ["already"] * 5
+    check = run_cli(["schema", "check", str(fleet.map_path), "--models", "test_migrations", "--json"], env=env)
+    assert check.returncode == 0, (check.stdout, check.stderr)

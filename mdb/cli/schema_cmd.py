@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -20,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from mdb.cli.app import app, console, emit_json, err_console, fail, open_store
+from mdb.migrations.scripts import scripts_root, stamp_new_servers
 from mdb.parallel import DEFAULT_PARALLEL, MAX_PARALLEL
 from mdb.schema import ShardReport, apply_schema, check_schema
 from mdb.urls import SQL, mask_secrets
@@ -144,8 +146,13 @@ def schema_apply(
     try:
         with shard_progress("schema apply", len(pmap.servers)) as on_done:
             reports = apply_schema(store, parallel=parallel, on_done=on_done)
+        # A server whose area tables were all created now is at the head of the area's history.
+        stamped = stamp_new_servers(store, {r.server: r.created for r in reports if r.error is None}, scripts_root(Path(map_path)))
     finally:
         store.close()
+    if not as_json:
+        for server, area, revision in stamped:
+            console.print(f"{server}: area {area} recorded at migration revision {revision} (created from the models)", markup=False)
     _finish(reports, pmap.version, as_json, _report_json, _print)
 
 

@@ -19,6 +19,7 @@ from sqlalchemy.engine import Connection
 
 from alembic.runtime.migration import MigrationContext
 from mdb.errors import MigrationError
+from mdb.system_tables import MIGRATION_VERSION_PREFIX, version_table
 
 __all__ = [
     "SCHEMA_LOCK_KEY",
@@ -31,17 +32,12 @@ __all__ = [
     "version_table",
 ]
 
-VERSION_TABLE_PREFIX = "alembic_version_"
+VERSION_TABLE_PREFIX = MIGRATION_VERSION_PREFIX
 """Every area's version table starts so (``schema check`` should not call these tables extra)."""
 
 
 SCHEMA_LOCK_KEY = 0x6D64626D69677261  # "mdbmigra": one PostgreSQL advisory lock key per server
 """A migration holds it exclusive on a server, a move's copy shared: the two never overlap on one server."""
-
-
-def version_table(area: str) -> str:
-    """The name of ``area``'s Alembic version table."""
-    return VERSION_TABLE_PREFIX + area
 
 
 def _context(conn: Connection, area: str) -> MigrationContext:

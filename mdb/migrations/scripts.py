@@ -17,6 +17,7 @@ never in a generated revision (an ``include_object`` filter), so a revision can 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -197,3 +198,26 @@ def stamp_created(conn: Connection, root: Path, area: str, tables: list[str], cr
     if head is not None:
         stamp_revision(conn, area, head)
     return head
+
+
+def stamp_new_servers(cluster: Cluster, created: Mapping[str, Sequence[str]], root: Path) -> list[tuple[str, str, str]]:
+    """After ``mdb schema apply``: record head on every SQL server where an area's tables were all created just now.
+
+    ``created``: server -> the tables schema apply created there. A new or spare server built
+    from the models is at the head of each area's history (:func:`stamp_created`); without the
+    stamp, ``mdb migrate up`` would run every revision on it and fail on columns that exist.
+    Returns (server, area, revision) for each stamp written.
+    """
+    done: list[tuple[str, str, str]] = []
+    for server, tables in created.items():
+        if not tables or cluster.map.kind_of(server) != SQL:
+            continue
+        for area in cluster.map.areas:
+            names = [t.name for t in area_tables(cluster, area)]
+            if not names or not set(names) <= set(tables):
+                continue
+            with cluster.transaction(server) as conn:
+                head = stamp_created(conn, root, area, names, list(tables))
+            if head is not None:
+                done.append((server, area, head))
+    return done
