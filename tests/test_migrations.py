@@ -503,3 +503,27 @@ def test_mdb_schema_apply_records_head_on_a_server_it_built_and_schema_check_acc
         assert [r.outcome for r in migrate(store, fleet.root).results] == ["already"] * 5
     check = run_cli(["schema", "check", str(fleet.map_path), "--models", "test_migrations", "--json"], env=env)
     assert check.returncode == 0, (check.stdout, check.stderr)
+
+
+def test_mdb_map_apply_records_head_on_a_server_it_adds(fleet: Fleet, pg_databases: Callable[[int], list[str]]) -> None:
+    """A new map version gives the notes area a partition on a new server: `mdb map apply` builds its
+    tables from the models and records the head there, so the fleet stays at one revision."""
+    fleet.write_revision("a1_create", REV1)
+    fleet.write_revision("b2_priority", REV2)
+    with fleet.store() as store:
+        assert migrate(store, fleet.root).ok
+    (new_url,) = pg_databases(1)
+    data = yaml.safe_load(fleet.map_path.read_text(encoding="utf-8"))
+    data["version"] = 2
+    data["servers"]["n"] = {"primary": new_url}
+    data["areas"]["notes"]["partitions"].append({"start": "1:0:0", "shards": ["n"]})
+    new_map = fleet.map_path.with_name("map.v2.yaml")
+    new_map.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    tests = str(Path(__file__).resolve().parent)
+    env = {"MDB_TEST_KEEP_NOTES": "1", "PYTHONPATH": tests + os.pathsep + str(ROOT), "COLUMNS": "250"}
+    done = run_cli(["map", "apply", str(fleet.map_path), str(new_map), "--models", "test_migrations"], env=env)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert "n: area notes recorded at migration revision b2 (created from the models)" in done.stdout
+    fleet.urls["n"] = new_url
+    assert fleet.revision_of("n") == "b2"
+    assert "priority" in fleet.columns_of("n")

@@ -26,6 +26,7 @@ from mdb.maps.diff import MapDiff, diff_maps
 from mdb.maps.high_water import high_water_marks
 from mdb.maps.history import applied_maps, newest_applied
 from mdb.maps.text import write_map_file
+from mdb.migrations.scripts import scripts_root, stamp_new_servers
 from mdb.partition_map import PartitionMap, read_map_text
 from mdb.store import Store
 
@@ -170,6 +171,10 @@ def map_apply(
                 console.print("dry run: nothing was changed", markup=False)
             return
         report = apply_map(store, new, yaml_text=text, allow_reshard_of=reshard, margin=margin, lock_timeout=lock_timeout)
+        stamped: list[tuple[str, str, str]] = []
+        if any(report.prepared.values()):  # servers new to the map, their tables built from the models
+            store.refresh()  # route with the map just applied: it names the new servers
+            stamped = stamp_new_servers(store, report.prepared, scripts_root(Path(map_path)))
     finally:
         store.close()
     if as_json:
@@ -177,6 +182,8 @@ def map_apply(
     else:
         print_diff(report.diff)
         _print_apply(report)
+        for server, area, revision in stamped:
+            console.print(f"{server}: area {area} recorded at migration revision {revision} (created from the models)", markup=False)
 
 
 @map_app.command("history")
