@@ -20,6 +20,7 @@ from mdb import Store
 from mdb.migrations import ledger
 from mdb.migrations.documents import MANAGED, declared_hash, declared_indexes, document_status, migrate_documents
 from mdb.mongo import FakeMongo, MongoIndex, MongoStore
+import mdb.mongo.types as _document_types
 from mdb.mongo.types import DocumentBriefcaseType
 from mdb.schema import apply_schema
 
@@ -64,6 +65,13 @@ class V3Unique(DocumentBriefcaseType):
     root = "users"
     children = ("orders",)
     indexes = (*V1.indexes, MongoIndex("orders", [("user_id", 1), ("sku", 1)], unique=True, name="orders_sku"))
+
+
+# Declaring a type registers it for the whole process. These are versions of one type (their
+# collections clash) and a Store of another test module would take them for its own types of
+# area "docs": out of the registry again; every Store here names the one version it deploys.
+for _version in (V1, V2, V2Changed, V3Unique):
+    _document_types._REGISTRY.pop(f"{_version.__module__}.{_version.__qualname__}", None)
 
 
 class Fleet:
