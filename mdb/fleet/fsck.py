@@ -357,7 +357,9 @@ def fsck(store: Any, area: str, *, repair: bool = False) -> FsckReport:
                     "which holds no row of it; not changed (find it with `mdb where MAP AREA GDID`)")
             for g in sorted(expected) if g not in unfinished.briefcases
         ]
-    indexes = [idx for idx in registered_indexes() if idx.area == area]
+    # The CENTRAL check confirms an entry on its briefcase's root row: SQL briefcase types only. A
+    # document area's entries (MongoDB CENTRAL, mdb.mongo.central) are not checked here.
+    indexes = [idx for idx in registered_indexes() if idx.area == area] if store.types_of(area) else []
     report.central_indexes = sorted(idx.name for idx in indexes)
     report.findings += _central(store, indexes)
     return report
