@@ -247,3 +247,20 @@ def test_create_accepts_gdid_text(map_path: Path) -> None:
         assert created == GDID.parse(text)
         assert store.central.lookup(EmailIndex, "text@example.org") == created
         assert_invariants(store)
+
+
+def test_a_central_made_without_a_store_draws_root_ids_from_the_types_own_sequence(map_path: Path) -> None:
+    """``Central(cluster)`` alone (the public class, as a tool builds it) creates briefcases with root ids
+    from ``{area}/ids``, the sequence ``store.new_gdid`` draws from: the two never hand out one id twice."""
+    from mdb.central import Central
+
+    with open_store(map_path) as store:
+        own = Central(store, ttl=0.0)
+        made = own.create(UserBriefcase, lambda g: User(user_id=g, email="alone@example.com", name="Alone"), [EmailIndex])
+        drawn = store.new_gdid(UserBriefcase)
+        assert made != drawn and store.central.lookup(EmailIndex, "alone@example.com") == made
+        sequences = []
+        for server in store.router.central_servers():
+            with store.transaction(server) as conn:
+                sequences += conn.exec_driver_sql("SELECT sequence FROM mdb_gdid_sequences WHERE scope = 'user'").scalars().all()
+        assert sequences == ["ids"]  # both drew from user/ids

@@ -33,8 +33,18 @@ from mdb.central.indexes import (
 )
 from mdb.errors import DuplicateKeyError, DuplicateRowError, RoutingError, SchemaError
 from mdb.gdid import GDID
+from mdb.idgen import Ids
 
 __all__ = ["Central", "IndexRow", "RootProbe"]
+
+def _from_own_sequences(ids: Ids) -> Callable[[type[BriefcaseType]], GDID]:
+    """Root GDIDs from each type's own sequence, for a Central made without a Store's id source."""
+
+    def new_gdid(btype: type[BriefcaseType]) -> GDID:
+        return ids.of(btype).next()
+
+    return new_gdid
+
 
 class Central:
     """The CENTRAL index API of one Store; see the module docstring for the entry states.
@@ -48,14 +58,17 @@ class Central:
         self,
         cluster: Cluster,
         *,
-        new_gdid: Callable[[type[BriefcaseType]], GDID],
+        new_gdid: Callable[[type[BriefcaseType]], GDID] | None = None,
         cache_size: int = 100_000,
         ttl: float = 30.0,
         grace: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cluster = cluster
+        if new_gdid is None:
+            new_gdid = _from_own_sequences(Ids(cluster))
         self._new_gdid = new_gdid
+        """Root GDIDs for :meth:`create` (the Store passes ``store.new_gdid``; alone, the type's own sequence)."""
         self.cache = CentralCache(cache_size, ttl, clock)
         self.grace = grace
 
