@@ -26,9 +26,8 @@ from sqlalchemy.orm import Session
 
 from benchmarks import BenchContext, Result, compare
 from mdb.demo.models import User, UserBriefcase
-from mdb.engines import Prelude
 from mdb.gdid import GDID
-from mdb.ownership import PG_PREPARED, ownership_prelude
+from mdb.ownership import PG_PREPARED, Prelude, ownership_prelude
 from mdb.schema import apply_schema
 from mdb.store import Store
 from mdb.testing.pgbouncer import PgBouncer
