@@ -16,6 +16,7 @@ from rich.table import Table
 from mdb.central.indexes import CentralIndex, index_by_name, registered_indexes
 from mdb.central.reconcile import CheckReport, check, repair
 from mdb.cli.app import app, console, emit_json, fail, open_store
+from mdb.cli.options import JsonOpt, MapArg, ModelsOpt
 from mdb.cli.schema_cmd import ParallelOpt
 from mdb.parallel import DEFAULT_PARALLEL
 from mdb.store import Store
@@ -25,12 +26,6 @@ __all__ = ["central_app"]
 central_app = typer.Typer(help="CENTRAL indexes: look keys up, check and repair index entries.", no_args_is_help=True)
 app.add_typer(central_app, name="central")
 
-MapArg = Annotated[str, typer.Argument(metavar="MAP", help="partition map YAML")]
-ModelsOpt = Annotated[
-    list[str] | None,
-    typer.Option("--models", metavar="MODULE", help="also import this module for briefcase types and indexes"),
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 IndexOpt = Annotated[
     list[str] | None, typer.Option("--index", metavar="NAME", help="only this index (repeatable; default: all declared)")
 ]

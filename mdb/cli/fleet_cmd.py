@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, fail, open_store
+from mdb.cli.options import JsonOpt, MapArg
 from mdb.cli.metrics import MetricsPortOpt, serve_metrics
 from mdb.fleet.balance import MEASURES, AreaBalance, Measure, balance
 from mdb.fleet.fsck import FsckReport, fsck
@@ -22,9 +23,7 @@ from mdb.store import Store
 
 __all__: list[str] = []
 
-MapArg = Annotated[str, typer.Argument(metavar="MAP", help="partition map YAML")]
 AreaOpt = Annotated[str | None, typer.Argument(metavar="[AREA]", help="one area (default: every partitioned area)", show_default=False)]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 BAR_WIDTH = 30
 
 

@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mdb.cli.app import DefaultCommandGroup, app, console, emit_json, map_app, open_map, read_map_file
+from mdb.cli.options import JsonOpt
 from mdb.gdid import GDID
 from mdb.partition_map import PartitionMap
 from mdb.router import Router
@@ -25,11 +26,10 @@ gdid_app = typer.Typer(
 )
 app.add_typer(gdid_app, name="gdid")
 
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 
 
 @gdid_app.command("show")
-def gdid_show(value: Annotated[str, typer.Argument(help="GDID as era:authority:counter or 24 hex digits")], as_json: JsonFlag = False) -> None:
+def gdid_show(value: Annotated[str, typer.Argument(help="GDID as era:authority:counter or 24 hex digits")], as_json: JsonOpt = False) -> None:
     """Show every form of a GDID."""
     g = GDID.parse(value)
     data = {"text": str(g), "hex": g.hex, "era": g.era, "authority": g.authority, "counter": g.counter,
@@ -48,7 +48,7 @@ def route(
     map_path: Annotated[str, typer.Argument(metavar="MAP")],
     area: str,
     gdid: str,
-    as_json: JsonFlag = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Explain where the map the system runs places a GDID of an area (range set, partition, shard, server)."""
     pmap = open_map(map_path)
@@ -75,7 +75,7 @@ def route(
 def central_shard(
     map_path: Annotated[str, typer.Argument(metavar="MAP")],
     key: Annotated[str, typer.Argument(help="the key exactly as stored (already normalized)")],
-    as_json: JsonFlag = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Show which CENTRAL shard a key hashes to (FNV-1a-64 of its UTF-8 bytes)."""
     pmap = open_map(map_path)
@@ -96,7 +96,7 @@ def _count(n: int, noun: str) -> str:
 
 
 @map_app.command("check")
-def map_check(map_path: Annotated[str, typer.Argument(metavar="MAP")], as_json: JsonFlag = False) -> None:
+def map_check(map_path: Annotated[str, typer.Argument(metavar="MAP")], as_json: JsonOpt = False) -> None:
     """Validate a map file (every server's URL and driver included); a one-line summary, or the problems with file and line."""
     pmap = read_map_file(map_path)
     router = Router(pmap)
@@ -121,7 +121,7 @@ def _partition_rows(pmap: PartitionMap) -> list[dict[str, Any]]:
 
 
 @map_app.command("show")
-def map_show(map_path: Annotated[str, typer.Argument(metavar="MAP")], as_json: JsonFlag = False) -> None:
+def map_show(map_path: Annotated[str, typer.Argument(metavar="MAP")], as_json: JsonOpt = False) -> None:
     """Show the map the system runs: servers (masked URLs) and every partition's shards."""
     pmap = open_map(map_path)
     router = Router(pmap)

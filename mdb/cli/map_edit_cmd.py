@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mdb.cli.app import EXIT_NOT_FOUND, EXIT_REFUSED, console, emit_json, fail, map_app, open_map, open_store, read_map_file
+from mdb.cli.options import JsonOpt, ModelsOpt
 from mdb.errors import GDIDError
 from mdb.gdid import GDID
 from mdb.maps.apply import ApplyReport, apply_map, live_diff
@@ -32,11 +33,6 @@ from mdb.store import Store
 
 __all__ = ["map_apply", "map_diff", "map_history", "map_pull"]
 
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
-ModelsOpt = Annotated[
-    list[str] | None,
-    typer.Option("--models", metavar="MODULE", help="also import this module for briefcase types (repeatable)"),
-]
 MarginOpt = Annotated[
     int, typer.Option("--margin", min=0, help="add this many counter values of headroom to each live high-water mark"),
 ]
@@ -99,7 +95,7 @@ def map_diff(
     margin: MarginOpt = 0,
     allow_reshard: ReshardOpt = None,
     models: ModelsOpt = None,
-    as_json: JsonFlag = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """List every change from OLD to NEW, accepted or refused with the reason; exit 2 if any is refused."""
     new = read_map_file(new_path)
@@ -147,7 +143,7 @@ def map_apply(
     lock_timeout: Annotated[float, typer.Option("--lock-timeout", min=0.1, help="seconds to wait for a shard's in-flight sessions")] = 10.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="check against the live system, change nothing")] = False,
     models: ModelsOpt = None,
-    as_json: JsonFlag = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Check NEW against the live system and stamp it onto every shard; the only way a map change is applied."""
     new = read_map_file(new_path)
@@ -187,7 +183,7 @@ def map_apply(
 
 
 @map_app.command("history")
-def map_history(map_path: Annotated[str, typer.Argument(metavar="MAP")], as_json: JsonFlag = False) -> None:
+def map_history(map_path: Annotated[str, typer.Argument(metavar="MAP")], as_json: JsonOpt = False) -> None:
     """List the map versions applied in CENTRAL."""
     store = open_store(map_path, types=[])
     try:

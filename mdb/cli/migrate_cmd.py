@@ -13,17 +13,15 @@ server was touched (unknown area, no history, bad ``--to``); 3 a server or CENTR
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Protocol
+from typing import Annotated
 
 import typer
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, err_console, open_store
+from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, open_store
+from mdb.cli.options import JsonOpt, MapArg, ModelsOpt, server_progress
 from mdb.errors import MigrationError
 from mdb.migrations.documents import DocumentStatus, document_areas, document_status, document_targets, migrate_documents
 from mdb.migrations.fleet import DEFAULT_LOCK_TIMEOUT, FleetStatus, MigrationRun, ServerResult, ServerStatus, fleet_status, migrate, work_targets
@@ -37,8 +35,6 @@ __all__ = ["migrate_app"]
 migrate_app = typer.Typer(help="Schema migrations (Alembic) on every shard: write, check, roll out.", no_args_is_help=True)
 app.add_typer(migrate_app, name="migrate")
 
-MapArg = Annotated[str, typer.Argument(metavar="MAP", help="partition map YAML")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 ScriptsOpt = Annotated[
     str | None,
     typer.Option("--scripts", metavar="DIR", help="folder of the histories, one per area (default: migrations/ beside the map)"),
@@ -46,29 +42,6 @@ ScriptsOpt = Annotated[
 ServerOpt = Annotated[list[str] | None, typer.Option("--server", help="only this server (repeatable; default: every server of the areas)")]
 AreaOpt = Annotated[list[str] | None, typer.Option("--area", help="only this area (repeatable; default: every area with a history)")]
 ParallelOpt = Annotated[int, typer.Option("--parallel", min=1, max=MAX_PARALLEL, help="Servers migrated at once.")]
-ModelsOpt = Annotated[
-    list[str] | None,
-    typer.Option("--models", metavar="MODULE", help="also import this module for briefcase types (repeatable)"),
-]
-
-
-class _HasServer(Protocol):
-    @property
-    def server(self) -> str: ...
-
-
-@contextmanager
-def _progress(what: str, total: int) -> Iterator[Callable[[_HasServer], None]]:
-    """A progress bar on stderr, on a terminal only (stdout stays the report or the JSON)."""
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=err_console, transient=True, disable=not err_console.is_terminal)
-    task = progress.add_task(what, total=total)
-
-    def on_done(item: _HasServer) -> None:
-        progress.update(task, advance=1, description=f"{what} (last: {item.server})")
-
-    with progress:
-        yield on_done
 
 
 def _root(store: Store, scripts: str | None) -> Path:
@@ -192,11 +165,11 @@ def migrate_status(
         root = _root(store, scripts)
         sql_areas, doc_areas = _split(store, area)
         total = sum(1 + store.engines.has_replica(t.server) for t in work_targets(store, root, sql_areas))
-        with _progress("migrate status", total) as on_done:
+        with server_progress("migrate status", total) as on_done:
             status = fleet_status(store, root, areas=sql_areas, parallel=parallel, on_done=on_done)
         documents: list[DocumentStatus] = []
         if doc_areas is None or doc_areas:
-            with _progress("migrate status (document indexes)", len(document_targets(store, doc_areas))) as on_done:
+            with server_progress("migrate status (document indexes)", len(document_targets(store, doc_areas))) as on_done:
                 documents = document_status(store, areas=doc_areas, parallel=parallel, on_done=on_done)
     finally:
         store.close()
@@ -264,13 +237,13 @@ def _run(map_path: str, direction: str, to: str | None, area: list[str] | None, 
             raise MigrationError(f"canary {canary!r} is not a server of any area being migrated")
         run: MigrationRun | None = None
         if sql_work or not doc_work:  # SQL areas as before (an empty run, too, when there is nothing at all)
-            with _progress(f"migrate {direction}", len(sql_work)) as on_done:
+            with server_progress(f"migrate {direction}", len(sql_work)) as on_done:
                 run = migrate(store, root, direction=direction, to=to, areas=sql_areas, servers=sql_servers, parallel=parallel,
                               canary=canary if canary in {t.server for t in sql_work} or not doc_work else None,
                               dry_run=dry_run, lock_timeout=lock_timeout, on_done=on_done)
         documents: MigrationRun | None = None
         if doc_work and (run is None or run.ok):  # a failed SQL server stops the rollout: no document server starts
-            with _progress("migrate up (document indexes)", len(doc_work)) as on_done:
+            with server_progress("migrate up (document indexes)", len(doc_work)) as on_done:
                 documents = migrate_documents(store, areas=doc_areas, servers=doc_servers, parallel=parallel,
                                               canary=canary if canary in {t.server for t in doc_work} else None,
                                               dry_run=dry_run, on_done=on_done)

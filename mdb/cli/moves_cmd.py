@@ -17,6 +17,7 @@ from rich.table import Table
 
 from mdb.cli.metrics import MetricsPortOpt, serve_metrics
 from mdb.cli.app import EXIT_INTERRUPTED, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, app, console, emit_json, fail, open_store, warn
+from mdb.cli.options import MapArg
 from mdb.gdid import GDID
 from mdb.moves.plan import PlannedMove
 from mdb.moves.move import DEFAULT_MAX_PAUSE, move_briefcase
@@ -30,7 +31,6 @@ __all__ = ["moves_app"]
 moves_app = typer.Typer(help="Status and crash recovery of briefcase moves and reshards.", no_args_is_help=True)
 app.add_typer(moves_app, name="moves")
 
-MapArg = Annotated[str, typer.Argument(metavar="MAP", help="partition map YAML")]
 BIG_MOVE_ROWS = 10_000
 
 

@@ -10,52 +10,31 @@ a model change that was never applied to the databases is seen before a write fa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from mdb.cli.app import app, console, emit_json, err_console, fail, open_store
+from mdb.cli.app import app, console, emit_json, open_store
+from mdb.cli.options import JsonOpt, MapArg, ModelsOpt, server_progress
 from mdb.migrations.scripts import scripts_root, stamp_new_servers
 from mdb.parallel import DEFAULT_PARALLEL, MAX_PARALLEL
 from mdb.schema import ShardReport, apply_schema, check_schema
 from mdb.urls import SQL, mask_secrets
 
-__all__ = ["ParallelOpt", "schema_app", "shard_progress"]
+__all__ = ["ParallelOpt", "schema_app"]
 
 schema_app = typer.Typer(help="Create, and check for drift, mdb's and the briefcase types' tables on every shard.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
 
 
-MapArg = Annotated[str, typer.Argument(metavar="MAP", help="partition map YAML")]
-ModelsOpt = Annotated[
-    list[str] | None,
-    typer.Option("--models", metavar="MODULE", help="also import this module for briefcase types (repeatable)"),
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 ParallelOpt = Annotated[
     int,
     typer.Option("--parallel", min=1, max=MAX_PARALLEL, help="Servers worked on at once (1: one after the other)."),
 ]
-
-
-@contextmanager
-def shard_progress(what: str, total: int) -> Iterator[Callable[[ShardReport], None]]:
-    """A progress bar on stderr (a terminal only: stdout stays the report, or the JSON); yields ``on_done``."""
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=err_console, transient=True, disable=not err_console.is_terminal)
-    task = progress.add_task(what, total=total)
-
-    def on_done(report: ShardReport) -> None:
-        progress.update(task, advance=1, description=f"{what} (last: {report.server})")
-
-    with progress:
-        yield on_done
 
 
 def _status(report: ShardReport) -> str:
@@ -144,7 +123,7 @@ def schema_apply(
     store = open_store(map_path, models, tool=True)
     pmap = store.map
     try:
-        with shard_progress("schema apply", len(pmap.servers)) as on_done:
+        with server_progress("schema apply", len(pmap.servers)) as on_done:
             reports = apply_schema(store, parallel=parallel, on_done=on_done)
         # A server whose area tables were all created now is at the head of the area's history.
         stamped = stamp_new_servers(store, {r.server: r.created for r in reports if r.error is None}, scripts_root(Path(map_path)))
@@ -183,7 +162,7 @@ def schema_check(
     pmap = store.map
     try:
         sql_servers = pmap.servers_of_kind(SQL)  # check skips MongoDB
-        with shard_progress("schema check", len(sql_servers)) as on_done:
+        with server_progress("schema check", len(sql_servers)) as on_done:
             reports = check_schema(store, parallel=parallel, on_done=on_done)
     finally:
         store.close()
