@@ -9,6 +9,9 @@ Store's retry loop and application code agree on what may be retried.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 
 class MdbError(Exception):
     """Base of every error mdb raises on purpose."""
@@ -102,6 +105,20 @@ class MoveAbortedError(RetryableError):
         super().__init__(message)
         self.move_id = move_id
         self.mismatches = mismatches or []
+
+
+class BatchAbortedError(MoveAbortedError):
+    """A batched cutover (mdb.moves.batch) was rolled back before its commit point: the source holds every briefcase of it.
+
+    ``refused`` names the briefcases that cannot be batched at all (another move's state, a
+    copy already on the target): the caller moves them one at a time, where the single move's
+    precheck says exactly what is wrong.
+    """
+
+    def __init__(self, message: str, move_id: str | None, refused: Iterable[Any] = ()) -> None:
+        super().__init__(message, move_id, None)
+        self.refused: list[Any] = list(refused)
+        """The GDIDs (typed loosely: this module imports nothing of mdb)."""
 
 
 class MoveLeaseHeldError(MdbError):

@@ -23,7 +23,7 @@ Read-only sessions ignore the marker: reads cannot strand a briefcase.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +39,8 @@ from mdb.router import Placement
 from mdb.system_tables import STATE_FROZEN, STATE_GONE, STATE_INCOMING, STATE_RESIDENT
 
 __all__ = [
-    "FREEZE_GDID", "OwnershipCheck", "Prelude", "check_ownership", "install_pg_functions", "lock_key_sql", "ownership_prelude",
-    "partition_lock_key_sql",
+    "FREEZE_GDID", "OwnershipCheck", "Prelude", "check_ownership", "install_pg_functions", "lock_key_sql", "lock_keys_sql",
+    "ownership_prelude", "partition_lock_key_sql",
 ]
 
 FREEZE_GDID = GDID(0, 0, 0)
@@ -158,6 +158,14 @@ def lock_key_sql(area: str, gdid: GDID) -> str:
     Area names are restricted by the map to a safe alphabet, so inlining them is safe.
     """
     return f"hashtextextended('{_lock_key(area, gdid)}', 0)"
+
+
+def lock_keys_sql(area: str, gdids: Iterable[GDID]) -> str:
+    """SQL for an array of the briefcases' advisory lock keys, in a fixed order (a batched cutover locks them all).
+
+    Sorted by GDID, so two lockers of overlapping sets take the keys in the same order.
+    """
+    return "ARRAY[" + ", ".join(lock_key_sql(area, g) for g in sorted(set(gdids))) + "]::bigint[]"
 
 
 def partition_lock_key_sql(area: str, partition_start: GDID) -> str:

@@ -11,11 +11,13 @@ business (:mod:`mdb.backends`); these two functions are the directory's whole in
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from mdb.backends import Servers, backend_of
 from mdb.gdid import GDID
 from mdb.router import Router
 
-__all__ = ["load_relocations", "set_relocation"]
+__all__ = ["load_relocations", "set_relocation", "set_relocations"]
 
 
 def load_relocations(cluster: Servers, router: Router | None = None) -> dict[tuple[str, GDID], str]:
@@ -37,6 +39,17 @@ def set_relocation(cluster: Servers, area: str, gdid: GDID, server: str | None) 
     Written on the CENTRAL shard that owns the GDID's bytes, in its own unit of work: a move
     writes it after its commit point, and a crash before it is finished by resume.
     """
+    set_relocations(cluster, area, {gdid: server})
+
+
+def set_relocations(cluster: Servers, area: str, targets: Mapping[GDID, str | None]) -> None:
+    """:func:`set_relocation` for many briefcases: one unit of work per CENTRAL shard they hash to.
+
+    Idempotent, like the single form: a batched cutover finished by resume writes them again.
+    """
     router = Router(cluster.map)  # pure: CENTRAL placement needs no relocations
-    central = router.locate_central(gdid).server
-    backend_of(cluster.map, central).set_relocation(cluster, central, area, gdid, server)
+    by_central: dict[str, dict[GDID, str | None]] = {}
+    for gdid, server in targets.items():
+        by_central.setdefault(router.locate_central(gdid).server, {})[gdid] = server
+    for central, entries in by_central.items():
+        backend_of(cluster.map, central).set_relocations(cluster, central, area, entries)

@@ -17,11 +17,13 @@ from typing import Any
 
 import pytest
 from movehelp import Cluster, create_user, locations, make_cluster, run_cli, snapshot
+from test_reshard_batches import BATCH_POINTS
 
 from mdb.demo.models import User, UserBriefcase
 from mdb.gdid import GDID
 from mdb import faults
 from mdb.moves import cancel as _cancel, reshard as _reshard, resume as _resume  # noqa: F401  (they register their points)
+from mdb.moves.batch import BATCH_KIND
 from mdb.moves.freeze import frozen_by
 from mdb.moves.journal import Journal
 from mdb.store import Store
@@ -83,8 +85,9 @@ def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster
 
 def test_every_fault_point_is_exercised_here_or_in_the_reshard_test() -> None:
     covered = {p for p, _ in MOVE_POINTS} | {p for p, _ in RESHARD_POINTS} | {"resume.after_discard"} \
-        | {"cancel.after_first_move_back"}  # tests/test_moves_cancel.py
-    FAULT_POINTS = [p for p in faults.points() if p.split(".")[0] in ("move", "reshard", "resume", "cancel")]
+        | {"cancel.after_first_move_back"} \
+        | set(BATCH_POINTS)  # tests/test_moves_cancel.py, tests/test_reshard_batches.py
+    FAULT_POINTS = [p for p in faults.points() if p.split(".")[0] in ("move", "reshard", "resume", "cancel", "batch")]
     assert covered == set(FAULT_POINTS)
     assert len(FAULT_POINTS) >= 20
 
@@ -166,10 +169,13 @@ def test_sigkill_at_every_reshard_step_then_resume(cluster: Cluster) -> None:
         before = snapshot(store, SERVERS)
     _check(cluster, before)
     lists = [["u1", "u2", "x"], ["u1", "u2"]]
+    # The single-move points with --batch-pause 0 (one briefcase at a time, as a reshard of an older
+    # mdb resumes); the batch points are killed with writers running in tests/test_reshard_batches.py.
     cases = [*RESHARD_POINTS, ("move.after_copy_commit", {"MDB_FAULT_SKIP": "1"}), ("move.after_commit_point", {"MDB_FAULT_SKIP": "1"})]
     for i, (point, env) in enumerate(cases):
         shards = lists[i % 2]
-        run = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", ",".join(shards)],
+        one_at_a_time = ["--batch-pause", "0"] if point.startswith("move.") else []
+        run = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", ",".join(shards), *one_at_a_time],
                       env={"MDB_FAULT_POINT": point, **env})
         assert run.returncode == -signal.SIGKILL, f"{point}: {run.returncode} {run.stdout} {run.stderr}"
         with cluster.store() as store:
@@ -200,7 +206,8 @@ def _assert_counts_are_the_finished_moves(journal: Journal, reshard_id: str, poi
     entry = journal.get(reshard_id)
     assert entry is not None and entry.status == "done", point
     finished = [m for m in journal.moves_of(reshard_id) if m.status == "done"]
-    assert (entry.briefcases_done, entry.briefcases_total) == (len(finished), len(finished)), point
+    briefcases = sum(len(m.params["gdids"]) if m.kind == BATCH_KIND else 1 for m in finished)  # a batch moves several
+    assert (entry.briefcases_done, entry.briefcases_total) == (briefcases, briefcases), point
     rows = sum(m.rows_done for m in finished)
     assert (entry.rows_done, entry.rows_total) == (rows, rows), point
     assert all(done == total for total, done in entry.tables.values()), (point, entry.tables)

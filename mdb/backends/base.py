@@ -237,8 +237,11 @@ class Backend(ABC):
         """The relocation directory entries kept on the CENTRAL server ``server``."""
 
     @abstractmethod
-    def set_relocation(self, cluster: Servers, server: str, area: str, gdid: GDID, target: str | None) -> None:
-        """Point ``area``/``gdid`` at ``target`` in the directory on CENTRAL ``server`` (None clears it)."""
+    def set_relocations(self, cluster: Servers, server: str, area: str, targets: Mapping[GDID, str | None]) -> None:
+        """Point each ``area``/gdid of ``targets`` at its server in the directory on CENTRAL ``server`` (None clears it).
+
+        One unit of work for them all: a batched cutover records its briefcases together.
+        """
 
     @abstractmethod
     def apply_schema(self, cluster: Servers, server: str, schema: ServerSchema) -> SchemaOutcome:

@@ -10,7 +10,7 @@ pymongo itself is never imported here, so the registry can load this module with
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar, Final
 
 from mdb.backends.base import (
@@ -161,13 +161,14 @@ class MongoBackend(Backend):
         docs = documents_of(cluster).database(server)[RELOCATIONS].find({})
         return {(doc["area"], GDID.from_bytes(doc["gdid"])): doc["server"] for doc in docs}
 
-    def set_relocation(self, cluster: Servers, server: str, area: str, gdid: GDID, target: str | None) -> None:
+    def set_relocations(self, cluster: Servers, server: str, area: str, targets: Mapping[GDID, str | None]) -> None:
         directory = documents_of(cluster).database(server)[RELOCATIONS]
-        key = {"_id": f"{area}:{gdid.hex}"}
-        if target is None:
-            directory.delete_one(key)
-        else:
-            directory.replace_one(key, {"area": area, "gdid": bytes(gdid), "server": target}, upsert=True)
+        for gdid, target in targets.items():  # each entry is one document; a write of one is atomic
+            key = {"_id": f"{area}:{gdid.hex}"}
+            if target is None:
+                directory.delete_one(key)
+            else:
+                directory.replace_one(key, {"area": area, "gdid": bytes(gdid), "server": target}, upsert=True)
 
     def apply_schema(self, cluster: Servers, server: str, schema: ServerSchema) -> SchemaOutcome:
         outcome = SchemaOutcome()

@@ -9,7 +9,7 @@ a larger transaction (schema apply creates tables and stamps in one).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 from sqlalchemy import Column, DateTime, Sequence, String, Table, and_, delete, func, insert, select, update
@@ -30,7 +30,7 @@ from mdb.urls import SQL
 
 __all__ = [
     "SqlBackend", "create_tables", "lock_layout", "read_layouts", "relocation_rows", "relocations", "stamp_layout",
-    "write_layout", "write_relocation",
+    "write_layout", "write_relocations",
 ]
 
 relocations = Table(
@@ -51,18 +51,21 @@ def relocation_rows(conn: Connection) -> dict[tuple[str, GDID], str]:
     }
 
 
-def write_relocation(conn: Connection, area: str, gdid: GDID, target: str | None) -> None:
-    """Upsert (or with ``target=None`` delete) one entry on the CENTRAL shard ``conn`` is on."""
-    if target is None:
-        conn.execute(delete(relocations).where(relocations.c.area == area, relocations.c.gdid == gdid))
-        return
-    changed = conn.execute(
-        update(relocations)
-        .where(relocations.c.area == area, relocations.c.gdid == gdid)
-        .values(server=target, changed_at=func.current_timestamp())
-    ).rowcount
-    if not changed:
-        conn.execute(insert(relocations).values(area=area, gdid=gdid, server=target))
+def write_relocations(conn: Connection, area: str, targets: Mapping[GDID, str | None]) -> None:
+    """Replace (or with a None target delete) entries on the CENTRAL shard ``conn`` is on.
+
+    Set-based, two statements whatever the number: a batched cutover records hundreds of
+    briefcases at once. The caller's transaction makes delete and insert one change; no other
+    writer touches these entries meanwhile (only a move of the briefcase does, and the briefcase
+    is locked by its move).
+    """
+    gdids = list(targets)
+    for i in range(0, len(gdids), 1000):
+        chunk = gdids[i : i + 1000]
+        conn.execute(delete(relocations).where(relocations.c.area == area, relocations.c.gdid.in_(chunk)))
+        rows = [{"area": area, "gdid": g, "server": targets[g]} for g in chunk if targets[g] is not None]
+        if rows:
+            conn.execute(insert(relocations), rows)
 
 
 def stamp_layout(conn: Connection, layout: ShardLayout, map_version: int, *, replace: bool) -> str | None:
@@ -179,9 +182,9 @@ class SqlBackend(Backend):
         with cluster.transaction(server) as conn:
             return relocation_rows(conn)
 
-    def set_relocation(self, cluster: Servers, server: str, area: str, gdid: GDID, target: str | None) -> None:
+    def set_relocations(self, cluster: Servers, server: str, area: str, targets: Mapping[GDID, str | None]) -> None:
         with cluster.transaction(server) as conn:
-            write_relocation(conn, area, gdid, target)
+            write_relocations(conn, area, targets)
 
     def apply_schema(self, cluster: Servers, server: str, schema: ServerSchema) -> SchemaOutcome:
         outcome = SchemaOutcome()

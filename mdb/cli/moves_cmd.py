@@ -21,7 +21,7 @@ from mdb.cli.options import MapArg
 from mdb.gdid import GDID
 from mdb.moves.plan import PlannedMove
 from mdb.moves.move import DEFAULT_MAX_PAUSE, move_briefcase
-from mdb.moves.reshard import ReshardCounts
+from mdb.moves.reshard import DEFAULT_BATCH_PAUSE, ReshardCounts
 from mdb.moves.resume import FAILED, HELD, resume_all
 from mdb.moves.status import MoveStatus, move_status, where
 from mdb.store import Store
@@ -256,6 +256,8 @@ def reshard_cmd(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
     parallel: Annotated[int, typer.Option("--parallel", min=1, max=64, help="Moves in flight at once.")] = 1,
     max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Per briefcase: abort a cutover that would block its writes longer.", min=0.0)] = DEFAULT_MAX_PAUSE,
+    batch_pause: Annotated[float, typer.Option("--batch-pause", metavar="SECONDS", min=0.0,
+                                               help="Write pause a batch of briefcases aims at (batches grow or shrink to keep it); 0: one briefcase at a time.")] = DEFAULT_BATCH_PAUSE,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
     metrics_port: MetricsPortOpt = None,
 ) -> None:
@@ -271,10 +273,12 @@ def reshard_cmd(
             warn(f"--parallel runs as 1: SQLite lets one writer at a time into a file ({', '.join(sqlite)} are SQLite)")
         try:
             if dry_run or as_json:
-                outcome = reshard(store, area, _gdid(partition), new_shards, dry_run=dry_run, parallel=parallel, max_pause=max_pause, map_path=map_path)
+                outcome = reshard(store, area, _gdid(partition), new_shards, dry_run=dry_run, parallel=parallel, max_pause=max_pause,
+                                  map_path=map_path, batch_pause=batch_pause)
             else:
                 with _RichReshardProgress() as progress:
-                    outcome = reshard(store, area, _gdid(partition), new_shards, parallel=parallel, max_pause=max_pause, map_path=map_path, progress=progress)
+                    outcome = reshard(store, area, _gdid(partition), new_shards, parallel=parallel, max_pause=max_pause,
+                                      map_path=map_path, progress=progress, batch_pause=batch_pause)
         except KeyboardInterrupt:
             _say_how_to_resume(store, area, map_path)
             raise

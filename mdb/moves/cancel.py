@@ -28,6 +28,7 @@ from mdb.faults import fault_point, register
 from mdb.moves.freeze import unfreeze_partition
 from mdb.moves.journal import CANCELLED, DONE, FINISHED, RUNNING, Journal, JournalEntry
 from mdb.moves.lease import hold, me, request_stop
+from mdb.moves.batch import BATCH_KIND
 from mdb.moves.move import DEFAULT_MAX_PAUSE, move_briefcase, move_kinds, resolve_move
 
 __all__ = ["CANCEL_STEP", "CANCELLABLE_STEPS", "CancelOutcome", "cancel", "finish_cancel"]
@@ -140,6 +141,14 @@ def _cancel_move(store: Cluster, journal: Journal, entry: JournalEntry, move_bac
     return out
 
 
+def _briefcases_of(move: JournalEntry) -> list[GDID]:
+    """The briefcases a finished forward move of a reshard moved: one, or a batch's."""
+    if move.kind == BATCH_KIND:
+        return [GDID.parse(g) for g in move.params["gdids"]]
+    assert move.gdid is not None
+    return [move.gdid]
+
+
 def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move_back: bool | None = None) -> CancelOutcome:
     """Cancel a reshard whose lease the caller holds; re-run safely after a crash (resume calls it at step ``cancel``)."""
     if move_back is None:
@@ -159,15 +168,16 @@ def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move
     unfreeze_partition(store, entry.area, start, entry.params["old_shards"])
     store.refresh()
     moves = journal.moves_of(entry.move_id)
-    undone = {m.params.get("reverse_of") for m in moves if m.status == DONE}
-    forward = [m for m in moves if m.status == DONE and not m.params.get("reverse_of")]
+    # What was moved back already, per (forward move, briefcase): a batch is moved back one briefcase at a time.
+    undone = {(m.params.get("reverse_of"), m.gdid) for m in moves if m.status == DONE}
+    forward = [(m, g) for m in moves if m.status == DONE and not m.params.get("reverse_of") for g in _briefcases_of(m)]
     max_pause = float(entry.params.get("max_pause", DEFAULT_MAX_PAUSE))
-    for move in forward:
-        if move.move_id in undone:
+    for move, gdid in forward:
+        if (move.move_id, gdid) in undone:
             out.moved_back += 1
         elif move_back:
-            assert move.gdid is not None and move.source is not None
-            move_briefcase(store, entry.area, move.gdid, move.source, source=move.target, max_pause=max_pause,
+            assert move.source is not None and move.target is not None
+            move_briefcase(store, entry.area, gdid, move.source, source=move.target, max_pause=max_pause,
                            reshard_id=entry.move_id, journal=journal, reverse_of=move.move_id)
             out.moved_back += 1
             if out.moved_back == 1:

@@ -19,7 +19,7 @@ from sqlalchemy.engine import Connection
 
 from mdb.gdid import GDID
 
-__all__ = ["AreaTable", "copy_rows", "delete_briefcase", "delete_keys", "delete_rows", "is_postgres", "measure", "select_keys"]
+__all__ = ["AreaTable", "copy_batch", "copy_rows", "delete_batch", "delete_briefcase", "delete_keys", "delete_rows", "is_postgres", "measure", "select_keys"]
 
 BATCH = 2000
 RELAY_BLOCK = 64 * 1024
@@ -78,8 +78,57 @@ def _pg_copy(src: Connection, dst: Connection, at: AreaTable, gdid: GDID, on_str
         return int(dcur.rowcount)
 
 
-def _generic_copy(src: Connection, dst: Connection, at: AreaTable, gdid: GDID, where: Any = None) -> int:
-    query = select(at.table).where(at.table.c[at.key] == gdid)
+def _pg_keys(gdids: Sequence[GDID]) -> sql.Composable:
+    """``ARRAY['\\x..'::bytea, ...]``: the briefcase keys of a batch, inlined (hex only, nothing to escape)."""
+    return sql.SQL("ARRAY[{}]").format(sql.SQL(", ").join(_pg_literal(g) for g in gdids))
+
+
+def _pg_copy_batch(src: Connection, dst: Connection, at: AreaTable, gdids: Sequence[GDID]) -> int:
+    cols = sql.SQL(", ").join(sql.Identifier(c) for c in at.columns)
+    out_stmt = sql.SQL("COPY (SELECT {cols} FROM {table} WHERE {key} = ANY({keys})) TO STDOUT (FORMAT BINARY)").format(
+        cols=cols, table=sql.Identifier(at.name), key=sql.Identifier(at.key), keys=_pg_keys(gdids)
+    )
+    in_stmt = sql.SQL("COPY {table} ({cols}) FROM STDIN (FORMAT BINARY)").format(table=sql.Identifier(at.name), cols=cols)
+    src_raw: Any = src.connection.driver_connection
+    dst_raw: Any = dst.connection.driver_connection
+    with src_raw.cursor() as scur, dst_raw.cursor() as dcur:
+        with scur.copy(out_stmt) as out, dcur.copy(in_stmt) as into:
+            block = bytearray()
+            for chunk in out:
+                block += chunk
+                if len(block) >= RELAY_BLOCK:
+                    into.write(block)
+                    block = bytearray()
+            if block:
+                into.write(block)
+        return int(dcur.rowcount)
+
+
+def copy_batch(src: Connection, dst: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID]) -> dict[str, int]:
+    """Copy every row of the briefcases ``gdids``, one statement per table for all of them (parents first).
+
+    What makes a batched cutover cheap: 8 tables cost 8 COPY streams whether the batch holds
+    one briefcase or five hundred.
+    """
+    both_pg = is_postgres(src) and is_postgres(dst)
+    counts: dict[str, int] = {}
+    for at in tables:
+        if both_pg:
+            counts[at.name] = _pg_copy_batch(src, dst, at, gdids)
+        else:
+            counts[at.name] = _generic_copy(src, dst, at, None, where=at.table.c[at.key].in_(list(gdids)))
+    return counts
+
+
+def delete_batch(conn: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID]) -> dict[str, int]:
+    """Delete every row of the briefcases ``gdids``, children first; rows deleted per table."""
+    return {at.name: conn.execute(delete(at.table).where(at.table.c[at.key].in_(list(gdids)))).rowcount for at in reversed(tables)}
+
+
+def _generic_copy(src: Connection, dst: Connection, at: AreaTable, gdid: GDID | None, where: Any = None) -> int:
+    query = select(at.table)
+    if gdid is not None:
+        query = query.where(at.table.c[at.key] == gdid)
     if where is not None:
         query = query.where(where)
     result = src.execute(query.order_by(*at.table.primary_key.columns))

@@ -33,7 +33,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from mdb import telemetry
 from mdb.cluster import Cluster
@@ -58,6 +58,7 @@ __all__ = [
     "move_class",
     "move_kinds",
     "register_move",
+    "register_resolver",
     "resolve_move",
 ]
 
@@ -312,8 +313,25 @@ class Move(ABC):
         """Resolve an unfinished entry of this kind by the fence: past the commit point finish, before it roll back."""
 
 
+class Resolver(Protocol):
+    """What resume and cancel call for an unfinished journal row of one kind (a move class, a batch class)."""
+
+    journal_kind: ClassVar[str]
+
+    @classmethod
+    def resume(cls, cluster: Cluster, journal: Journal, entry: JournalEntry, *, retry: bool = False) -> ResumeOutcome: ...
+
+
 _KINDS: dict[str, type[Move]] = {}
-_JOURNAL_KINDS: dict[str, type[Move]] = {}
+_JOURNAL_KINDS: dict[str, type[Resolver]] = {}
+
+
+def register_resolver(cls: type[Resolver]) -> type[Resolver]:
+    """``cls`` resolves unfinished journal rows of ``cls.journal_kind`` (a kind that is not a single move's)."""
+    if cls.journal_kind in _JOURNAL_KINDS:
+        raise MdbError(f"two resolvers for journal kind {cls.journal_kind!r}: {_JOURNAL_KINDS[cls.journal_kind].__name__} and {cls.__name__}")
+    _JOURNAL_KINDS[cls.journal_kind] = cls
+    return cls
 
 
 def register_move(cls: type[Move]) -> type[Move]:
@@ -333,8 +351,8 @@ def move_class(server_kind: str) -> type[Move]:
         raise RoutingError(f"briefcases on {server_kind} servers cannot be moved (no move implementation)") from None
 
 
-def move_kinds() -> dict[str, type[Move]]:
-    """Journal kind -> implementation (resume and cancel pick by an entry's kind)."""
+def move_kinds() -> dict[str, type[Resolver]]:
+    """Journal kind -> implementation (resume and cancel pick by an entry's kind): single moves and batches."""
     return dict(_JOURNAL_KINDS)
 
 

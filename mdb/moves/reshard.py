@@ -38,10 +38,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+from collections.abc import Callable
 
 from mdb.backends import backend_of
 from mdb.cluster import Cluster
-from mdb.errors import MdbError, MoveAbortedError, RoutingError
+from mdb.errors import BatchAbortedError, MdbError, MoveAbortedError, RoutingError
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.maps.apply import apply_map
@@ -51,9 +52,12 @@ from mdb.moves.freeze import freeze_partition, unfreeze_partition
 from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.lease import check_stop, describe_liveness, hold
 from mdb.moves.plan import PartitionScan, PlannedMove, ReshardPlan, find_partition, plan_reshard, scan_for
-from mdb.moves.move import DEFAULT_MAX_PAUSE, check_max_pause, move_briefcase
+from mdb.moves.batch import BATCH_KIND, BatchMove
+from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult, check_max_pause, move_briefcase
+from mdb.moves.sql_steps import area_tables
 from mdb.partition_map import PartitionMap, parse_map
-from mdb.relocations import set_relocation
+from mdb.relocations import set_relocations
+from mdb.urls import SQL
 
 __all__ = ["ReshardCounts", "ReshardOutcome", "ReshardProgress", "continue_reshard", "reshard"]
 
@@ -78,6 +82,10 @@ FAULT_POINTS = register(
 
 MOVE_ATTEMPTS = 3
 MAX_SWEEPS = 5
+DEFAULT_BATCH_PAUSE = 0.025
+"""The write pause a batch of briefcases aims at (seconds); 0 moves one briefcase at a time."""
+BATCH_START = 8
+BATCH_LARGEST = 500
 
 
 @dataclass
@@ -103,7 +111,7 @@ class ReshardCounts:
         counts = cls()
         for move in journal.moves_of(reshard_id):
             if move.status == DONE and not move.params.get("reverse_of"):
-                counts.briefcases_done += 1
+                counts.briefcases_done += len(move.params["gdids"]) if move.kind == BATCH_KIND else 1
                 counts.rows_done += move.rows_done
                 for name, (_, done) in move.tables.items():
                     counts.tables_done[name] = counts.tables_done.get(name, 0) + done
@@ -210,9 +218,16 @@ def reshard(
     max_pause: float = DEFAULT_MAX_PAUSE,
     map_path: str | Path | None = None,
     progress: ReshardProgress | None = None,
+    batch_pause: float = DEFAULT_BATCH_PAUSE,
 ) -> ReshardOutcome:
-    """Re-shard partition ``start`` of ``area`` onto ``new_shards``; see the module docstring."""
+    """Re-shard partition ``start`` of ``area`` onto ``new_shards``; see the module docstring.
+
+    ``batch_pause``: the write pause (seconds) a batch of briefcases aims at; batches grow or
+    shrink to keep it (:class:`BatchSizer`), and never exceed ``max_pause``. 0: one at a time.
+    """
     check_max_pause(max_pause)
+    if not 0 <= batch_pause <= max_pause:
+        raise MdbError(f"batch pause must be between 0 and the max pause ({max_pause}s), got {batch_pause!r}")
     store.refresh()
     _validate(store, area, start, new_shards)
     _, _, old = find_partition(store.router, area, start)
@@ -236,7 +251,8 @@ def reshard(
     journal.start(JournalEntry(
         move_id=reshard_id, kind="reshard", area=area, step="plan", status=RUNNING,
         params={"partition_start": str(start), "old_shards": old, "new_shards": list(new_shards), "parallel": parallel,
-                "max_pause": max_pause, "map_path": None if map_path is None else str(Path(map_path).resolve())},
+                "max_pause": max_pause, "batch_pause": batch_pause,
+                "map_path": None if map_path is None else str(Path(map_path).resolve())},
         tables={name: [rows, 0] for name, rows in plan.rows_per_table().items()},
         briefcases_total=len(plan.moves), rows_total=plan.total_rows,
     ))
@@ -287,40 +303,155 @@ def _record(journal: Journal, entry: JournalEntry, counts: ReshardCounts, progre
         progress.counts(counts, last)
 
 
-def _move_all(store: Cluster, journal: Journal, entry: JournalEntry, moves: list[PlannedMove], parallel: int, max_pause: float, progress: ReshardProgress | None, counts: ReshardCounts) -> None:
-    lock = threading.Lock()
+@dataclass
+class _Run:
+    """One run of a reshard (its start, or a resume): what every phase of it needs."""
 
-    def one(m: PlannedMove) -> None:
-        check_stop(entry.move_id)  # `mdb moves cancel` from another process: stop between two moves
-        last: Exception | None = None
-        for _ in range(MOVE_ATTEMPTS):
-            try:
-                result = move_briefcase(store, entry.area, m.gdid, m.target, source=m.source, max_pause=max_pause,
-                                        reshard_id=entry.move_id, journal=journal, refresh=False)
-                break
-            except MoveAbortedError as exc:  # e.g. --max-pause: the source is intact, try again
-                last = exc
-        else:
-            raise MdbError(f"reshard {entry.move_id}: briefcase {entry.area}/{m.gdid} could not be moved: {last}")
+    store: Cluster
+    journal: Journal
+    entry: JournalEntry
+    scan: PartitionScan
+    parallel: int
+    max_pause: float
+    progress: ReshardProgress | None
+    counts: ReshardCounts
+    sizer: BatchSizer
+    pace: Callable[[int, int], None] | None = None
+    """Called with (briefcases, rows) before each batch is cut over; may wait (throttling)."""
+
+
+def _move_one(store: Cluster, journal: Journal, entry: JournalEntry, m: PlannedMove, max_pause: float) -> MoveResult:
+    """One briefcase by the single-move protocol, tried MOVE_ATTEMPTS times (an abort leaves the source intact)."""
+    last: Exception | None = None
+    for _ in range(MOVE_ATTEMPTS):
+        try:
+            return move_briefcase(store, entry.area, m.gdid, m.target, source=m.source, max_pause=max_pause,
+                                  reshard_id=entry.move_id, journal=journal, refresh=False)
+        except MoveAbortedError as exc:  # e.g. --max-pause: the source is intact, try again
+            last = exc
+    raise MdbError(f"reshard {entry.move_id}: briefcase {entry.area}/{m.gdid} could not be moved: {last}")
+
+
+class BatchSizer:
+    """How many briefcases the next batch takes, so that its write pause stays near ``target`` seconds.
+
+    Starts small, then follows the measured pause per briefcase (a moving estimate, so one slow
+    batch does not halve the throughput for good); an aborted batch halves it. Shared by the
+    parallel workers of one reshard.
+    """
+
+    def __init__(self, target: float, *, start: int = BATCH_START, largest: int = BATCH_LARGEST) -> None:
+        self.target = target
+        self.largest = largest
+        self.size = max(1, min(start, largest))
+        self._lock = threading.Lock()
+
+    def next(self) -> int:
+        with self._lock:
+            return self.size
+
+    def observed(self, briefcases: int, pause: float) -> None:
+        with self._lock:
+            ideal = self.target / max(pause / max(briefcases, 1), 1e-5)
+            self.size = max(1, min(self.largest, int(0.5 * self.size + 0.5 * ideal)))
+
+    def aborted(self) -> None:
+        with self._lock:
+            self.size = max(1, self.size // 2)
+
+
+class _Feeder:
+    """Hands out the next batch to whichever worker is free: one (source, target) pair per batch, pairs in turn."""
+
+    def __init__(self, moves: list[PlannedMove], sizer: BatchSizer, batched: bool) -> None:
+        groups: dict[tuple[str, str], list[PlannedMove]] = {}
+        for m in moves:
+            groups.setdefault((m.source, m.target), []).append(m)
+        self._groups = [g[::-1] for g in groups.values()]  # popped from the end, in plan order
+        self._sizer = sizer
+        self._batched = batched
+        self._turn = 0
+        self._lock = threading.Lock()
+        self.stopped = False
+
+    def next(self) -> list[PlannedMove]:
+        with self._lock:
+            self._groups = [g for g in self._groups if g]
+            if self.stopped or not self._groups:
+                return []
+            self._turn = (self._turn + 1) % len(self._groups)
+            group = self._groups[self._turn]
+            n = self._sizer.next() if self._batched else 1
+            return [group.pop() for _ in range(min(n, len(group)))]
+
+
+def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
+    """Move ``moves``: in batches where the servers' kind has a batched cutover, else one at a time.
+
+    ``parallel`` workers each take the next batch; a batch that cannot be taken whole is split
+    (:func:`_cut_over`). Counts are recorded per batch, after its commit point.
+    """
+    store, journal, entry, counts, sizer, max_pause = run.store, run.journal, run.entry, run.counts, run.sizer, run.max_pause
+    lock = threading.Lock()
+    batched = bool(moves) and sizer.target > 0 and store.map.kind_of(moves[0].source) == SQL
+    feeder = _Feeder(moves, sizer, batched)
+    tables = area_tables(store, entry.area) if batched else None
+
+    def finished(done: list[tuple[PlannedMove, dict[str, int]]]) -> None:
         with lock:
-            counts.moved(m, {name: rows for name, (rows, _) in result.tables.items()})
-            _record(journal, entry, counts, progress, m)
-            if counts.briefcases_done == 1:
+            first = counts.briefcases_done == 0
+            for m, rows in done:
+                counts.moved(m, rows)
+            _record(journal, entry, counts, run.progress, done[-1][0])
+            if first and counts.briefcases_done:
                 fault_point("reshard.after_first_move")
 
-    if parallel <= 1:
-        for m in moves:
-            one(m)
+    def cut_over(batch: list[PlannedMove]) -> None:
+        if len(batch) == 1 and not batched:
+            result = _move_one(store, journal, entry, batch[0], max_pause)
+            finished([(batch[0], {name: rows for name, (rows, _) in result.tables.items()})])
+            return
+        try:
+            moved = BatchMove(store, journal, entry.area, [m.gdid for m in batch], batch[0].source, batch[0].target,
+                              reshard_id=entry.move_id, tables=tables, max_pause=max_pause).run()
+        except BatchAbortedError as exc:
+            # Rolled back, the source holds them all. Briefcases it named go one at a time (the single
+            # move's checks say what is wrong with them); the rest as two smaller batches.
+            log.info("reshard %s: %s", entry.move_id, exc)
+            sizer.aborted()
+            alone = [m for m in batch if m.gdid in set(exc.refused)] if len(batch) > 1 else batch
+            rest = [m for m in batch if m not in alone]
+            for m in alone:
+                result = _move_one(store, journal, entry, m, max_pause)
+                finished([(m, {name: rows for name, (rows, _) in result.tables.items()})])
+            half = (len(rest) + 1) // 2
+            for part in (rest[:half], rest[half:]):
+                if part:
+                    cut_over(part)
+            return
+        sizer.observed(len(batch), moved.pause_seconds)
+        finished([(m, moved.rows[m.gdid]) for m in batch])
+
+    def work() -> None:
+        try:
+            while batch := feeder.next():
+                check_stop(entry.move_id)  # `mdb moves cancel` from another process: stop between two batches
+                if run.pace is not None:
+                    run.pace(len(batch), sum(m.total_rows for m in batch))
+                cut_over(batch)
+        except BaseException:
+            feeder.stopped = True  # the other workers finish their batch and stop
+            raise
+
+    if run.parallel <= 1:
+        work()
         return
-    with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="mdb-reshard") as pool:
-        for future in [pool.submit(one, m) for m in moves]:
+    with ThreadPoolExecutor(max_workers=run.parallel, thread_name_prefix="mdb-reshard") as pool:
+        for future in [pool.submit(work) for _ in range(run.parallel)]:
             future.result()
 
 
-def _sweep(
-    store: Cluster, journal: Journal, entry: JournalEntry, scan: PartitionScan, plan: ReshardPlan, sweeps: int,
-    parallel: int, max_pause: float, progress: ReshardProgress | None, counts: ReshardCounts,
-) -> ReshardPlan:
+def _sweep(run: _Run, plan: ReshardPlan, sweeps: int) -> ReshardPlan:
     """Move the plan's briefcases and re-plan (briefcases created meanwhile), up to ``sweeps`` passes.
 
     Stops early when a pass finds no fewer briefcases than the one before: the application
@@ -330,12 +461,12 @@ def _sweep(
     for _ in range(sweeps):
         if not plan.moves:
             break
-        _move_all(store, journal, entry, plan.moves, parallel, max_pause, progress, counts)
-        store.refresh()
+        _move_all(run, plan.moves)
+        run.store.refresh()
         before = len(plan.moves)
-        plan = plan_reshard(store, scan, entry.area, plan.partition_start, plan.new_shards)
-        counts.plan(plan)
-        _record(journal, entry, counts, progress)
+        plan = plan_reshard(run.store, run.scan, run.entry.area, plan.partition_start, plan.new_shards)
+        run.counts.plan(plan)
+        _record(run.journal, run.entry, run.counts, run.progress)
         if len(plan.moves) >= before:
             break
     return plan
@@ -367,6 +498,7 @@ def continue_reshard(
     *,
     progress: ReshardProgress | None = None,
     first_plan: ReshardPlan | None = None,
+    pace: Callable[[int, int], None] | None = None,
 ) -> ReshardOutcome:
     """Run (or resume) a journaled reshard from its recorded step to the end.
 
@@ -386,6 +518,9 @@ def continue_reshard(
     report = plan
     store.refresh()
     counts = ReshardCounts.from_journal(journal, entry.move_id)
+    # A reshard journaled by an older mdb has no batch_pause: it resumes one briefcase at a time, as it began.
+    run = _Run(store, journal, entry, scan, parallel, max_pause, progress, counts,
+               BatchSizer(float(params.get("batch_pause", 0.0))), pace)
     if entry.step in ("plan", "prechecks", "moves"):
         if plan is None:
             plan = plan_reshard(store, scan, area, start, new_shards)
@@ -403,13 +538,13 @@ def continue_reshard(
             progress.counts(counts, None)
         # Online sweeps: the application keeps writing; briefcases created meanwhile are picked
         # up by the next pass. Whatever is left after MAX_SWEEPS is moved under the freeze.
-        plan = _sweep(store, journal, entry, scan, plan, MAX_SWEEPS, parallel, max_pause, progress, counts)
+        plan = _sweep(run, plan, MAX_SWEEPS)
         fault_point("reshard.after_moves")
         check_stop(entry.move_id)
         entry.step = "freeze"
         journal.step(entry.move_id, "freeze")
     if entry.step in ("freeze", "final_moves", "map_apply"):
-        _frozen_phase(store, journal, entry, scan, old_shards, map_path, parallel, max_pause, progress, counts)
+        _frozen_phase(run, old_shards, map_path)
         entry.step = "unfreeze"
     if entry.step == "unfreeze":
         if progress is not None:
@@ -430,10 +565,7 @@ def continue_reshard(
                           params.get("map_backup"))
 
 
-def _frozen_phase(
-    store: Cluster, journal: Journal, entry: JournalEntry, scan: PartitionScan, old_shards: list[str], map_path: str | None,
-    parallel: int, max_pause: float, progress: ReshardProgress | None, counts: ReshardCounts,
-) -> None:
+def _frozen_phase(run: _Run, old_shards: list[str], map_path: str | None) -> None:
     """Freeze the partition on its old shards, move the stragglers, apply the new map.
 
     With the freeze in place no briefcase of the partition can be created or written on an old
@@ -441,6 +573,7 @@ def _frozen_phase(
     the partition is unfrozen (the old map is still authoritative, or the new map is fully in
     place) and the error raised; the journal stays at its step, so resume freezes again.
     """
+    store, journal, entry, scan, progress, counts = run.store, run.journal, run.entry, run.scan, run.progress, run.counts
     area, start, new_shards = entry.area, GDID.parse(entry.params["partition_start"]), list(entry.params["new_shards"])
     if progress is not None:
         progress.phase("freeze")
@@ -456,7 +589,7 @@ def _frozen_phase(
             plan = plan_reshard(store, scan, area, start, new_shards)
             counts.plan(plan)
             _record(journal, entry, counts, progress)
-            plan = _sweep(store, journal, entry, scan, plan, 1, parallel, max_pause, progress, counts)
+            plan = _sweep(run, plan, 1)
             if plan.moves:
                 raise MdbError(
                     f"reshard {entry.move_id}: {len(plan.moves)} briefcase(s) of the frozen partition appeared after the "
@@ -515,9 +648,7 @@ def _cleanup(store: Cluster, area: str, start: GDID) -> None:
         (g, srv) for (a, g), srv in router.relocations.items()
         if a == area and router.default_placement(area, g).partition_start == start
     ]
-    for gdid, server in in_partition:
-        if router.default_placement(area, gdid).server == server:
-            set_relocation(store, area, gdid, None)
+    set_relocations(store, area, {gdid: None for gdid, server in in_partition if router.default_placement(area, gdid).server == server})
     fault_point("reshard.after_clear_relocations")
     store.refresh()
     router = store.router

@@ -36,7 +36,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any, ClassVar
 
-from psycopg import errors as pg_errors
 from sqlalchemy.engine import Connection
 
 from mdb import dberrors, telemetry
@@ -50,6 +49,8 @@ from mdb.migrations.revisions import lock_out_migrations
 from mdb.moves.journal import ABORTED, ROLLED_BACK, RUNNING, Journal, JournalEntry
 from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, Move, MoveOptions, MoveResult, ResumeOutcome, refuse_if_busy, register_move
 from mdb.moves.sql_steps import (
+    bound_statements,
+    statement_cancelled,
     area_tables,
     check_schemas,
     discard_target,
@@ -171,26 +172,6 @@ def _table_sums_on(store: Cluster, server: str, tables: list[AreaTable], gdid: G
 SourceSide = tuple[list[verify.Part], list[verify.TableSum], dict[str, int]]
 
 
-def _bound_statements(conn: Connection, deadline: float) -> None:
-    """PostgreSQL: cancel any later statement of this transaction that runs past ``deadline``
-    (``time.monotonic()``) with ``statement_timeout``, set to the time left.
-
-    This is what makes ``--max-pause`` bound the pause instead of only refusing, at the
-    commit point, a cutover that already took too long: every statement run under the lock
-    (copy, checksums on their own connections, fence and delete) is given the time left when
-    its phase starts, and a cancelled one aborts the move (source authoritative). SQLite has
-    no statement timeout; there the checks between phases and at the commit point remain.
-    """
-    if conn.dialect.name == "postgresql":
-        left_ms = min(max(1, int((deadline - time.monotonic()) * 1000)), 2**31 - 1)  # the setting is an int4 of ms
-        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {left_ms}")
-
-
-def _cancelled(exc: BaseException) -> bool:
-    """Was this a statement PostgreSQL cancelled (``statement_timeout``, or an operator's cancel)?"""
-    return isinstance(getattr(exc, "orig", exc), pg_errors.QueryCanceled)
-
-
 def _source_side(store: Cluster, source: str, tables: list[AreaTable], gdid: GDID, deadline: float, *, checksums: bool = True) -> SourceSide:
     """The locked source's checksum parts, their sums and the bytes per table (SQL method).
 
@@ -199,7 +180,7 @@ def _source_side(store: Cluster, source: str, tables: list[AreaTable], gdid: GDI
     ``checksums`` only the bytes (a re-sync has taken the source's sums already).
     """
     with store.transaction(source) as conn:
-        _bound_statements(conn, deadline)
+        bound_statements(conn, deadline)
         sizes = measure(conn, tables, gdid)
         nbytes = {name: b for name, (_, b) in sizes.items()}
         if not checksums:
@@ -211,7 +192,7 @@ def _source_side(store: Cluster, source: str, tables: list[AreaTable], gdid: GDI
 def _part_sums_on(store: Cluster, server: str, parts: list[verify.Part], gdid: GDID, deadline: float | None = None) -> list[verify.TableSum]:
     with store.transaction(server) as conn:
         if deadline is not None:
-            _bound_statements(conn, deadline)
+            bound_statements(conn, deadline)
         return verify.part_sums(conn, parts, gdid)
 
 
@@ -346,7 +327,7 @@ class SqlMove(Move):
         self.pool = self._held.enter_context(ThreadPoolExecutor(max_workers=VERIFY_WAYS, thread_name_prefix="mdb-move-verify"))
         fault_point("move.after_lock")
         self.deadline = self.locked_at + o.max_pause
-        _bound_statements(self.src, self.deadline)
+        bound_statements(self.src, self.deadline)
         src_state = state_row(self.src, self.area, self.gdid)
         if (src_state is not None and src_state["state"] in (STATE_GONE, STATE_INCOMING)) or not root_exists(self.src, self.tables, self.gdid):
             raise self.abort("under the lock the source no longer holds the briefcase (another move?)")
@@ -384,7 +365,7 @@ class SqlMove(Move):
         self.journal.step(self.move_id, "copy")
         largest = max(self.sizes, key=lambda name: self.sizes[name][0])
         with store.transaction(self.target) as dst:
-            _bound_statements(dst, self.deadline)
+            bound_statements(dst, self.deadline)
             lock_out_migrations(dst, self.target)  # the source took it with the briefcase's lock
             self.method = verify.method_for(src, dst)
             if self.precopied or self.sizes[largest][0] < verify.SPLIT_ROWS:
@@ -432,7 +413,7 @@ class SqlMove(Move):
             src_sums = verify.combine(parts, src_part_sums)
             groups = verify.spread(parts, VERIFY_WAYS)
             dst_jobs = [self.pool.submit(_part_sums_on, store, self.target, [parts[i] for i in group], gdid, self.deadline) for group in groups]
-        _bound_statements(src, self.deadline)  # the time left, for the fence and the delete
+        bound_statements(src, self.deadline)  # the time left, for the fence and the delete
         self.cut = src.begin_nested()
         set_state(src, self.area, gdid, STATE_GONE, self.target, self.move_id)
         deleted = delete_rows(src, tables, gdid)
@@ -472,7 +453,7 @@ class SqlMove(Move):
         self.moved = {n: (r, self.nbytes.get(n, 0)) for n, r in moved.items()}
 
     def failed(self, exc: BaseException) -> None:
-        if _cancelled(exc):
+        if statement_cancelled(exc):
             # A statement under the lock ran past --max-pause (or an operator cancelled it): the
             # source transaction was rolled back when the lock was let go, so abort like any
             # cutover over its pause (the committed target copy, if any, is discarded).

@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import delete, func, insert, select
 from sqlalchemy.engine import Connection
+from psycopg import errors as pg_errors
 from sqlalchemy.exc import OperationalError
 
 from mdb import dberrors
@@ -33,6 +34,7 @@ from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefc
 
 __all__ = [
     "area_tables",
+    "bound_statements",
     "check_schemas",
     "check_target_schema",
     "discard_target",
@@ -42,6 +44,7 @@ __all__ = [
     "root_exists",
     "set_state",
     "state_row",
+    "statement_cancelled",
 ]
 
 FINALIZE_POINTS = register("move.after_relocation", "move.after_target_state")
@@ -229,3 +232,22 @@ def finalize(store: Cluster, journal: Journal, entry: JournalEntry) -> None:
     fault_point("move.after_target_state")
     journal.finish(entry.move_id, DONE, briefcases_done=1)
 
+
+def bound_statements(conn: Connection, deadline: float) -> None:
+    """PostgreSQL: cancel any later statement of this transaction that runs past ``deadline``
+    (``time.monotonic()``) with ``statement_timeout``, set to the time left.
+
+    This is what makes ``--max-pause`` bound the pause instead of only refusing, at the
+    commit point, a cutover that already took too long: every statement run under the lock
+    (copy, checksums on their own connections, fence and delete) is given the time left when
+    its phase starts, and a cancelled one aborts the move (source authoritative). SQLite has
+    no statement timeout; there the checks between phases and at the commit point remain.
+    """
+    if conn.dialect.name == "postgresql":
+        left_ms = min(max(1, int((deadline - time.monotonic()) * 1000)), 2**31 - 1)  # the setting is an int4 of ms
+        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {left_ms}")
+
+
+def statement_cancelled(exc: BaseException) -> bool:
+    """Was this a statement PostgreSQL cancelled (``statement_timeout``, or an operator's cancel)?"""
+    return isinstance(getattr(exc, "orig", exc), pg_errors.QueryCanceled)

@@ -27,7 +27,7 @@ from mdb.gdid import GDID
 from mdb.moves.copy import AreaTable, is_postgres
 
 __all__ = [
-    "SPLIT_ROWS", "Method", "Part", "TableSum", "combine", "compare", "describe_key", "differing_keys", "method_for",
+    "SPLIT_ROWS", "Method", "Part", "TableSum", "batch_sums", "combine", "compare", "describe_key", "differing_keys", "method_for",
     "part_sums", "plan_parts", "row_digests", "spread", "table_sums",
 ]
 
@@ -220,6 +220,48 @@ def table_sums(conn: Connection, tables: Sequence[AreaTable], gdid: GDID, method
             digest.update(_row_hash(row).encode("ascii"))
             count += 1
         out[at.name] = TableSum(count, digest.hexdigest() if count else "")
+    return out
+
+
+def batch_sums(conn: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID], method: Method) -> dict[tuple[str, GDID], TableSum]:
+    """(table, briefcase) -> (row count, checksum) for every briefcase of a batch on this server.
+
+    The same sums as :func:`table_sums`, grouped by the briefcase key: one statement for every
+    table and briefcase (SQL method), or one ordered read per table (Python method). A briefcase
+    with no row in a table has no entry for it (an empty table's sum).
+    """
+    out: dict[tuple[str, GDID], TableSum] = {}
+    if not gdids:
+        return out
+    if method == "sql":
+        _pin_pg_output(conn)
+        keys = "ARRAY[" + ", ".join(f"'\\x{g.hex}'::bytea" for g in gdids) + "]"
+        queries = [
+            f'SELECT {i}, "{at.key}", count(*), md5(string_agg({_sql_row_expr(at)}, \'\' ORDER BY {_order(at)})) '
+            f'FROM "{at.name}" WHERE "{at.key}" = ANY({keys}) GROUP BY "{at.key}"'
+            for i, at in enumerate(tables)
+        ]
+        for i, key, count, digest in conn.exec_driver_sql(" UNION ALL ".join(queries)).all():
+            out[(tables[int(i)].name, GDID.from_bytes(bytes(key)))] = TableSum(int(count), str(digest))
+        return out
+    wanted = list(gdids)
+    for at in tables:
+        key_col = at.table.c[at.key]
+        result = conn.execute(select(at.table).where(key_col.in_(wanted)).order_by(key_col, *at.table.primary_key.columns))
+        index = at.columns.index(at.key)
+        current: GDID | None = None
+        digest = hashlib.md5(usedforsecurity=False)
+        count = 0
+        for row in result:
+            gdid = row[index]
+            if gdid != current:
+                if current is not None:
+                    out[(at.name, current)] = TableSum(count, digest.hexdigest())
+                current, digest, count = gdid, hashlib.md5(usedforsecurity=False), 0
+            digest.update(_row_hash(row).encode("ascii"))
+            count += 1
+        if current is not None:
+            out[(at.name, current)] = TableSum(count, digest.hexdigest())
     return out
 
 

@@ -1,0 +1,416 @@
+"""Cutting over many briefcases in one step: how a reshard moves thousands of them (issue 15).
+
+Moved one at a time, each briefcase of a reshard pays for its own journal row, lock, copy
+statements, checksums, fence, deletes, relocation entry and target state: some fifty round
+trips across three servers, about 35 briefcases a second. A batch moves ``N`` briefcases that
+share a source and a target with the round trips of one:
+
+1. **one lock**: every briefcase's exclusive advisory lock on the source in one statement
+   (tried without waiting and retried while sessions hold some; then one wait bounded by
+   ``max_pause``). From here new write sessions of any of them wait;
+2. **one copy**: per table one ``COPY`` of all ``N`` briefcases' rows into the target, behind
+   their ``incoming`` state rows, committed;
+3. **one verification**: per table and briefcase, row counts and checksums computed on each
+   side by a query of its own (``GROUP BY`` the briefcase key), never from the copy's stream;
+4. **one commit point**: the ``N`` fences and the deletes of their rows in the locked source
+   transaction, checked to delete exactly the verified rows, committed at once;
+5. **finalize**: the relocation entries (one write per CENTRAL shard), the ``N`` target
+   states (one statement), the journal row ``done``.
+
+Every guarantee of a single move holds per briefcase (docs/design.md invariant 3): sessions
+never see a half-copied briefcase (``incoming`` on the target, the lock on the source), a stale
+router meets the fence and refreshes, the write pause of a briefcase is the batch's lock time.
+After a crash, resume decides by the fences, like for one move: the commit point is one
+transaction, so either all ``N`` fences of the batch's id are on the source (finish) or none
+(discard the ``N`` copies and restore the target's earlier state rows). A batch that cannot be
+taken whole (a lock that does not come free, a checksum that differs, a pause over its bound)
+is rolled back with the source authoritative and :class:`BatchAbortedError` says why; the
+reshard then splits it (:mod:`mdb.moves.reshard`), down to single moves, whose own report
+names the differing rows.
+
+SQL servers only (PostgreSQL, SQLite): a document area's reshard moves one briefcase at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from sqlalchemy import delete, insert, select, update
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import OperationalError
+
+from mdb import dberrors, telemetry
+from mdb.cluster import Cluster
+from mdb.dberrors import translated
+from mdb.errors import BatchAbortedError, MdbError
+from mdb.faults import fault_point, register
+from mdb.gdid import GDID
+from mdb.migrations.revisions import current_revision, lock_out_migrations
+from mdb.moves import verify
+from mdb.moves.copy import AreaTable, copy_batch, delete_batch
+from mdb.moves.journal import ABORTED, DONE, ROLLED_BACK, RUNNING, Journal, JournalEntry, new_move_id
+from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, ResumeOutcome, register_resolver
+from mdb.moves.sql_steps import area_tables, bound_statements, statement_cancelled
+from mdb.ownership import lock_keys_sql
+from mdb.relocations import set_relocations
+from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
+
+__all__ = ["BATCH_KIND", "BatchAbortedError", "BatchMove", "BatchResult"]
+
+log = logging.getLogger("mdb.moves.batch")
+
+BATCH_KIND = "batch-move"
+"""The journal kind of a batch's row (one row per batch, its briefcases in ``params['gdids']``)."""
+
+FAULT_POINTS = register(
+    "batch.after_journal_start",
+    "batch.after_lock",
+    "batch.after_copy_commit",
+    "batch.after_verify",
+    "batch.before_commit_point",
+    "batch.after_commit_point",
+    "batch.after_relocations",
+    "batch.after_target_states",
+    "batch.resume.after_discard",
+)
+"""A batch's crash points (tests SIGKILL a reshard at each, with writers running, then resume)."""
+
+
+@dataclass
+class BatchResult:
+    move_id: str
+    gdids: list[GDID]
+    rows: dict[GDID, dict[str, int]]
+    """Verified rows per briefcase and table (what the commit point deleted on the source)."""
+    pause_seconds: float
+
+    @property
+    def rows_per_table(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for per_table in self.rows.values():
+            for name, n in per_table.items():
+                out[name] = out.get(name, 0) + n
+        return out
+
+
+@contextmanager
+def _locked_batch(cluster: Cluster, server: str, area: str, gdids: Sequence[GDID], *, lock_wait: float, max_pause: float) -> Iterator[tuple[Connection, float]]:
+    """A source transaction holding every briefcase's exclusive lock; yields (conn, lock start).
+
+    The single move's protocol (:func:`mdb.moves.sql_steps.locked_source`) for a set of keys:
+    all of them tried at once without queueing (so sessions are not held up while some key is
+    busy), retried with back-off for ``lock_wait`` seconds, then one wait bounded by
+    ``max_pause``. A failed try releases the keys it got (they are transaction locks).
+    SQLite: ``BEGIN IMMEDIATE`` is the lock.
+    """
+    conn = cluster.connect(server)
+    try:
+        with translated(server):
+            if conn.dialect.name != "postgresql":
+                conn.begin()
+                yield conn, time.monotonic()
+                return
+            keys = lock_keys_sql(area, gdids)
+            deadline = time.monotonic() + lock_wait
+            delay = 0.002
+            while True:
+                conn.begin()
+                started = time.monotonic()
+                if conn.exec_driver_sql(f"SELECT bool_and(pg_try_advisory_xact_lock(k)) FROM unnest({keys}) AS k").scalar_one():
+                    break
+                conn.rollback()
+                if time.monotonic() + delay >= deadline:
+                    conn.begin()
+                    started = time.monotonic()
+                    conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{max(1, int(max_pause * 1000))}ms'")
+                    try:
+                        conn.exec_driver_sql(f"SELECT count(pg_advisory_xact_lock(k)) FROM unnest({keys}) AS k")
+                    except OperationalError as exc:
+                        raise BatchAbortedError(
+                            f"a batch of {len(gdids)} briefcase(s) of {area!r}: could not take their write locks on {server!r} "
+                            f"within {lock_wait:.1f}s + {max_pause:.1f}s (sessions kept them busy): {dberrors.describe(exc)}", None,
+                        ) from None
+                    conn.exec_driver_sql("SET LOCAL lock_timeout = 0")
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+            lock_out_migrations(conn, server)
+            yield conn, started
+    finally:
+        if conn.in_transaction():
+            conn.rollback()
+        conn.close()
+
+
+def _states(conn: Connection, area: str, gdids: Sequence[GDID]) -> dict[GDID, dict[str, Any]]:
+    rows = conn.execute(
+        select(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid.in_(list(gdids)))
+    ).mappings()
+    return {r["gdid"]: dict(r) for r in rows}
+
+
+def _with_rows(conn: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID]) -> dict[GDID, str]:
+    """Briefcases of ``gdids`` with at least one row here -> the first table they have one in."""
+    found: dict[GDID, str] = {}
+    for at in tables:
+        col = at.table.c[at.key]
+        for (g,) in conn.execute(select(col).where(col.in_(list(gdids))).distinct()):
+            found.setdefault(g, at.name)
+    return found
+
+
+def _roots(conn: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID]) -> set[GDID]:
+    out: set[GDID] = set()
+    for at in tables:
+        if at.pk == [at.key]:
+            col = at.table.c[at.key]
+            out.update(g for (g,) in conn.execute(select(col).where(col.in_(list(gdids)))))
+    return out
+
+
+def _set_states(conn: Connection, area: str, gdids: Sequence[GDID], state: str, peer: str | None, move_id: str | None) -> None:
+    conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid.in_(list(gdids))))
+    conn.execute(insert(briefcase_state), [
+        {"area": area, "gdid": g, "state": state, "peer": peer, "move_id": move_id} for g in gdids
+    ])
+
+
+def _discard(cluster: Cluster, entry: JournalEntry, tables: Sequence[AreaTable]) -> int:
+    """Delete the batch's copies on the target and restore the state rows they replaced; idempotent.
+
+    Only briefcases whose target state is this batch's ``incoming`` row are touched: the copy
+    and those rows commit together, so anything else was never copied by this batch.
+    """
+    assert entry.target is not None
+    gdids = [GDID.parse(g) for g in entry.params["gdids"]]
+    previous: dict[str, dict[str, Any]] = entry.params.get("previous_target_states", {})
+    with cluster.transaction(entry.target) as conn:
+        mine = [g for g, s in _states(conn, entry.area, gdids).items()
+                if s["state"] == STATE_INCOMING and s["move_id"] == entry.move_id]
+        if not mine:
+            return 0
+        deleted = sum(delete_batch(conn, tables, mine).values())
+        conn.execute(delete(briefcase_state).where(briefcase_state.c.area == entry.area, briefcase_state.c.gdid.in_(mine)))
+        restore = [previous[str(g)] | {"area": entry.area, "gdid": g} for g in mine if str(g) in previous]
+        if restore:
+            conn.execute(insert(briefcase_state), restore)
+        return deleted
+
+
+def _finalize(cluster: Cluster, journal: Journal, entry: JournalEntry) -> None:
+    """After the commit point: relocations, then the target states, then ``done``. Idempotent (resume runs it again)."""
+    assert entry.target is not None
+    area, target = entry.area, entry.target
+    gdids = [GDID.parse(g) for g in entry.params["gdids"]]
+    router = cluster.router
+    journal.step(entry.move_id, "relocation")
+    homes = {g: router.default_placement(area, g).server for g in gdids}
+    set_relocations(cluster, area, {g: None if target == home else target for g, home in homes.items()})
+    fault_point("batch.after_relocations")
+    journal.step(entry.move_id, "target_state")
+    with cluster.transaction(target) as conn:
+        mine = (briefcase_state.c.area == area) & (briefcase_state.c.move_id == entry.move_id) \
+            & (briefcase_state.c.state == STATE_INCOMING) & briefcase_state.c.gdid.in_(gdids)
+        at_home = [g for g, home in homes.items() if home == target]
+        if at_home:
+            conn.execute(delete(briefcase_state).where(mine, briefcase_state.c.gdid.in_(at_home)))
+        conn.execute(update(briefcase_state).where(mine).values(state=STATE_RESIDENT, peer=entry.source))
+    fault_point("batch.after_target_states")
+    journal.finish(entry.move_id, DONE, briefcases_done=len(gdids))
+
+
+class BatchMove:
+    """``gdids`` of ``area`` from ``source`` to ``target`` as one cutover (see the module docstring)."""
+
+    journal_kind: ClassVar[str] = BATCH_KIND
+
+    def __init__(
+        self, cluster: Cluster, journal: Journal, area: str, gdids: Sequence[GDID], source: str, target: str, *,
+        reshard_id: str | None, tables: list[AreaTable] | None = None, max_pause: float = DEFAULT_MAX_PAUSE,
+        lock_wait: float = DEFAULT_LOCK_WAIT,
+    ) -> None:
+        if not gdids:
+            raise MdbError("a batch needs at least one briefcase")
+        self.cluster = cluster
+        self.journal = journal
+        self.area = area
+        self.gdids = sorted(set(gdids))
+        self.source = source
+        self.target = target
+        self.reshard_id = reshard_id
+        self.tables = tables if tables is not None else area_tables(cluster, area)
+        self.max_pause = max_pause
+        self.lock_wait = lock_wait
+        self.move_id = ""
+
+    def _precheck(self) -> dict[str, dict[str, Any]]:
+        """Briefcases that cannot be batched (refused, the caller moves them singly); the target's earlier state rows.
+
+        Read before anything is written: nothing needs undoing when this refuses. Checked again
+        where it matters under the lock (the source's side) or made harmless by it (a copy
+        commits with its ``incoming`` rows, so a second mover into the target fails on them).
+        """
+        refused: set[GDID] = set()
+        with self.cluster.transaction(self.target) as conn:
+            previous = _states(conn, self.area, self.gdids)
+            refused.update(g for g, s in previous.items() if s["state"] != STATE_GONE)
+            refused.update(_with_rows(conn, self.tables, self.gdids))
+        if refused:
+            raise BatchAbortedError(
+                f"{len(refused)} briefcase(s) of the batch already have a state or rows on {self.target!r}", None, sorted(refused)
+            )
+        return {str(g): {"state": s["state"], "peer": s["peer"], "move_id": s["move_id"]} for g, s in previous.items()}
+
+    def run(self) -> BatchResult:
+        previous = self._precheck()
+        self.move_id = new_move_id("batch")
+        self.journal.start(JournalEntry(
+            move_id=self.move_id, kind=BATCH_KIND, area=self.area, step="lock", status=RUNNING, gdid=self.gdids[0],
+            source=self.source, target=self.target, reshard_id=self.reshard_id,
+            params={"gdids": [str(g) for g in self.gdids], "max_pause": self.max_pause, "previous_target_states": previous},
+            briefcases_total=len(self.gdids),
+        ))
+        fault_point("batch.after_journal_start")
+        try:
+            with _locked_batch(self.cluster, self.source, self.area, self.gdids, lock_wait=self.lock_wait, max_pause=self.max_pause) as (src, locked_at):
+                rows, pause = self._cut_over(src, locked_at)
+        except BatchAbortedError as exc:
+            exc.move_id = self.move_id
+            self._roll_back(str(exc))
+            raise
+        except BaseException as exc:
+            if statement_cancelled(exc):  # a statement under the lock ran past max_pause
+                self._roll_back(f"a statement under the write lock was cancelled at max pause {self.max_pause:.2f}s")
+                raise BatchAbortedError(
+                    f"batch {self.move_id} rolled back: a statement under the write lock ran past {self.max_pause:.2f}s "
+                    f"({dberrors.describe(exc)})", self.move_id,
+                ) from None
+            # A server gone, a bug: the source transaction was rolled back; resume discards the copy.
+            log.error("batch %s of %d briefcase(s) failed before its commit point (%s); run `mdb moves resume`",
+                      self.move_id, len(self.gdids), type(exc).__name__)
+            raise
+        fault_point("batch.after_commit_point")
+        entry = self.journal.get(self.move_id)
+        assert entry is not None
+        _finalize(self.cluster, self.journal, entry)
+        for per_table in rows.values():
+            telemetry.move_done(self.area, self.reshard_id, sum(per_table.values()), pause)
+        return BatchResult(self.move_id, list(self.gdids), rows, pause)
+
+    def _cut_over(self, src: Connection, locked_at: float) -> tuple[dict[GDID, dict[str, int]], float]:
+        """Lock held: check the source, copy, verify, fence and delete; commit. Returns verified rows and the pause."""
+        cluster, area, gdids, tables = self.cluster, self.area, self.gdids, self.tables
+        deadline = locked_at + self.max_pause
+        fault_point("batch.after_lock")
+        bound_statements(src, deadline)
+        states = _states(src, area, gdids)
+        moving = sorted(g for g, s in states.items() if s["state"] in (STATE_GONE, STATE_INCOMING))
+        missing = sorted(set(gdids) - _roots(src, tables, gdids))
+        if moving or missing:
+            raise BatchAbortedError(
+                f"under the lock {self.source!r} no longer holds {len(moving) + len(missing)} briefcase(s) of the batch "
+                f"(e.g. {(moving + missing)[0]}: another move?)", self.move_id, moving + missing,
+            )
+        with cluster.transaction(self.target) as dst:
+            bound_statements(dst, deadline)
+            lock_out_migrations(dst, self.target)
+            revisions = {self.source: current_revision(src, area), self.target: current_revision(dst, area)}
+            if len(set(revisions.values())) > 1:
+                raise BatchAbortedError(
+                    f"{self.source!r} and {self.target!r} are at different migration revisions of {area!r} ({revisions}): "
+                    "run `mdb migrate up MAP` first", self.move_id,
+                )
+            method = verify.method_for(src, dst)
+            _set_states(dst, area, gdids, STATE_INCOMING, self.source, self.move_id)
+            copy_batch(src, dst, tables, gdids)
+        fault_point("batch.after_copy_commit")
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mdb-batch-verify") as pool:
+            # The target's sums on a connection of its own while the source sums under its lock.
+            dst_job = pool.submit(self._target_sums, method, deadline) if method == "sql" else None
+            src_sums = verify.batch_sums(src, tables, gdids, method)
+            dst_sums = dst_job.result() if dst_job is not None else self._target_sums(method, deadline)
+        differ = sorted({g for key in src_sums.keys() | dst_sums.keys() if src_sums.get(key) != dst_sums.get(key) for g in [key[1]]})
+        if differ:
+            telemetry.move_verification_failed(area)
+            raise BatchAbortedError(
+                f"verification of {len(gdids)} briefcase(s) found {len(differ)} that differ between {self.source!r} and "
+                f"{self.target!r} (e.g. {differ[0]}); every one is moved again on its own", self.move_id, differ,
+            )
+        fault_point("batch.after_verify")
+        bound_statements(src, deadline)
+        cut = src.begin_nested()
+        _set_states(src, area, gdids, STATE_GONE, self.target, self.move_id)
+        deleted = delete_batch(src, tables, gdids)
+        verified: dict[str, int] = {}
+        for (name, _), s in src_sums.items():
+            verified[name] = verified.get(name, 0) + s.rows
+        wrong = [f"{name}: {n} deleted, {verified.get(name, 0)} verified" for name, n in deleted.items() if n != verified.get(name, 0)]
+        if wrong:
+            cut.rollback()
+            raise BatchAbortedError(f"the commit point would delete rows that were not verified ({'; '.join(wrong)})", self.move_id)
+        # What the commit point moves, journaled before it (counts of a batch that resume finishes).
+        self.journal.step(self.move_id, "commit_point", tables={n: [r, r] for n, r in verified.items()}, rows_done=sum(verified.values()))
+        held = time.monotonic() - locked_at
+        if held > self.max_pause:
+            cut.rollback()
+            raise BatchAbortedError(f"the write lock was held {held:.3f}s, over max pause {self.max_pause:.3f}s", self.move_id)
+        cut.commit()
+        fault_point("batch.before_commit_point")
+        src.commit()
+        pause = time.monotonic() - locked_at
+        rows: dict[GDID, dict[str, int]] = {g: {} for g in gdids}
+        for (name, g), s in src_sums.items():
+            rows[g][name] = s.rows
+        return rows, pause
+
+    def _target_sums(self, method: verify.Method, deadline: float) -> dict[tuple[str, GDID], verify.TableSum]:
+        with self.cluster.transaction(self.target) as dst:
+            bound_statements(dst, deadline)
+            return verify.batch_sums(dst, self.tables, self.gdids, method)
+
+    def _roll_back(self, why: str) -> None:
+        entry = self.journal.get(self.move_id)
+        assert entry is not None
+        _discard(self.cluster, entry, self.tables)
+        self.journal.finish(self.move_id, ABORTED, why)
+        telemetry.move_aborted(self.area, self.reshard_id)
+
+    @classmethod
+    def resume(cls, cluster: Cluster, journal: Journal, entry: JournalEntry, *, retry: bool = False) -> ResumeOutcome:
+        """Under the batch's locks on the source (a commit in flight when the mover died has landed or
+        is gone for good): all fences of this batch there -> finish; none -> discard the copies.
+
+        ``retry`` is for single moves; a batch belongs to a reshard, which moves what a rolled
+        back batch held again when it continues.
+        """
+        assert entry.source is not None and entry.target is not None
+        gdids = [GDID.parse(g) for g in entry.params["gdids"]]
+        tables = area_tables(cluster, entry.area)
+        with _locked_batch(cluster, entry.source, entry.area, gdids, lock_wait=DEFAULT_LOCK_WAIT, max_pause=DEFAULT_MAX_PAUSE) as (src, _):
+            fenced = [g for g, s in _states(src, entry.area, gdids).items()
+                      if s["state"] == STATE_GONE and s["move_id"] == entry.move_id]
+            src.rollback()
+        if fenced and len(fenced) != len(gdids):
+            raise MdbError(
+                f"batch {entry.move_id}: {len(fenced)} of its {len(gdids)} briefcases carry its fence on {entry.source!r} "
+                "(its commit point is one transaction, so all or none should): inspect with `mdb where` before resuming"
+            )
+        if fenced:
+            _finalize(cluster, journal, entry)
+            return ResumeOutcome(entry.move_id, BATCH_KIND, "finalized",
+                                 f"commit point had passed (step {entry.step!r}); {len(gdids)} briefcase(s) on {entry.target!r}")
+        deleted = _discard(cluster, entry, tables)
+        fault_point("batch.resume.after_discard")
+        journal.finish(entry.move_id, ROLLED_BACK,
+                       f"interrupted at step {entry.step!r}; discarded {deleted} copied row(s) of {len(gdids)} briefcase(s) on {entry.target!r}")
+        return ResumeOutcome(entry.move_id, BATCH_KIND, "rolled back",
+                             f"interrupted at step {entry.step!r}; source {entry.source!r} is authoritative for {len(gdids)} briefcase(s)")
+
+
+register_resolver(BatchMove)

@@ -1,0 +1,290 @@
+"""Batched cutovers (mdb.moves.batch) under a reshard: crashes inside a batch, writers, stale routers.
+
+Writers in a separate process (routing with its own copy of the map, never told to refresh)
+and in a thread of this process add transactions to every briefcase the whole time; a write
+counts only when its commit returned. The reshard runs as the real CLI, killed with SIGKILL at
+each point of a batch, then ``mdb moves resume`` finishes it. Afterwards every acknowledged
+write is present exactly once, on the one server that holds its briefcase, which is where a
+fresh Store routes it; no briefcase has rows anywhere else; the journal has nothing unfinished.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from movehelp import ROOT, Cluster, add_transaction, create_user, locations, make_cluster, run_cli
+from sqlalchemy import select
+
+from mdb import faults
+from mdb.demo.models import Transaction, UserBriefcase
+from mdb.errors import RetryableError
+from mdb.gdid import GDID
+from mdb.moves import verify
+from mdb.moves.batch import BATCH_KIND
+from mdb.moves.journal import Journal
+from mdb.moves.reshard import BatchSizer, reshard
+
+SERVERS = ["u1", "u2", "x"]
+USERS = [GDID(0, 0, i) for i in range(1, 41)]
+
+BATCH_POINTS = [
+    "batch.after_journal_start",
+    "batch.after_lock",
+    "batch.after_copy_commit",
+    "batch.after_verify",
+    "batch.before_commit_point",
+    "batch.after_commit_point",
+    "batch.after_relocations",
+    "batch.after_target_states",
+    "batch.resume.after_discard",
+]
+
+WRITER = r"""
+import sys, itertools
+sys.path.insert(0, "tests")
+from pathlib import Path
+from movehelp import add_transaction
+from mdb.demo.models import UserBriefcase
+from mdb.errors import RetryableError
+from mdb.gdid import GDID
+from mdb.store import Store
+path, stop, base, users = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+gdids = [GDID(0, 0, i) for i in range(1, users + 1)]
+with Store.from_yaml(path, types=[UserBriefcase]) as store:
+    print(f"version {store.map.version}", flush=True)
+    for n in itertools.count():
+        if stop.exists():
+            break
+        g, tid = gdids[n % len(gdids)], base + n
+        try:
+            add_transaction(store, g, tid, n)
+        except RetryableError:
+            continue
+        print(f"{g} {tid}", flush=True)
+"""
+
+
+@pytest.fixture
+def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster:
+    cluster = make_cluster(dict(zip(["c", *SERVERS], pg_databases(4))), tmp_path, [("0:0:0", ["u1", "u2"])])
+    with cluster.store() as store:
+        for g in USERS:
+            create_user(store, g, orders=1, lines=2)
+    return cluster
+
+
+class Writers:
+    """A writer process on a frozen copy of the map (a stale router) and a writer thread; acknowledged writes."""
+
+    def __init__(self, cluster: Cluster, tmp_path: Path) -> None:
+        self.cluster = cluster
+        self.acked: list[tuple[GDID, int]] = []
+        self.retried: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._stop_file = tmp_path / "stop-writers"
+        stale_map = tmp_path / "stale-map.yaml"  # never rewritten: the process routes by the map it started with
+        shutil.copy(cluster.path, stale_map)
+        self.stale_version = Cluster(cluster.urls, stale_map, cluster.central).store().map.version
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(stale_map), str(self._stop_file), "5000000", str(len(USERS))],
+            cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        self._thread = threading.Thread(target=self._write, args=(1_000_000,))
+        self._thread.start()
+
+    def _write(self, base: int) -> None:
+        with self.cluster.store() as store:
+            n = 0
+            while not self._stop.is_set():
+                g, tid = USERS[n % len(USERS)], base + n
+                n += 1
+                try:
+                    add_transaction(store, g, tid, n)
+                except RetryableError as exc:
+                    self.retried[type(exc).__name__] += 1
+                    continue
+                with self._lock:
+                    self.acked.append((g, tid))
+
+    def wait_for(self, more: int) -> None:
+        start = len(self.acked)
+        while len(self.acked) < start + more:
+            threading.Event().wait(0.01)
+
+    def stop(self) -> int:
+        """Stop both; returns how many writes the process acknowledged."""
+        self._stop.set()
+        self._stop_file.touch()
+        self._thread.join()
+        out, err = self._proc.communicate(timeout=120)
+        assert self._proc.returncode == 0, err
+        lines = out.splitlines()
+        assert lines[0] == f"version {self.stale_version}"
+        for line in lines[1:]:
+            text, tid = line.split()
+            self.acked.append((GDID.parse(text), int(tid)))
+        return len(lines) - 1
+
+
+@pytest.fixture
+def writers(cluster: Cluster, tmp_path: Path) -> Iterator[Writers]:
+    w = Writers(cluster, tmp_path)
+    try:
+        yield w
+    finally:
+        if not w._stop.is_set():
+            w._stop.set()
+            w._stop_file.touch()
+            w._thread.join()
+            w._proc.kill()
+
+
+def _check_placement(cluster: Cluster) -> dict[GDID, str]:
+    """Every briefcase on exactly one server, routed there by a fresh Store; the journal has nothing unfinished."""
+    with cluster.store() as store:
+        store.refresh()
+        found = locations(store, SERVERS)
+        assert set(found) == set(USERS)
+        for g, servers in found.items():
+            assert len(servers) == 1, f"{g} is on {servers}"
+            assert store.router.locate("user", g).server == servers[0], f"{g} routed away from its data"
+        assert Journal(store).entries(unfinished=True) == []
+        return {g: s[0] for g, s in found.items()}
+
+
+def _check_writes(cluster: Cluster, acked: list[tuple[GDID, int]]) -> None:
+    """Every acknowledged write once, on its briefcase's server; no row of any briefcase anywhere else."""
+    homes = _check_placement(cluster)
+    rows: Counter[tuple[str, GDID, int]] = Counter()
+    with cluster.store() as store:
+        for server in SERVERS:
+            with store.transaction(server) as conn:
+                for table in UserBriefcase.tables:
+                    key = UserBriefcase.key_column(table)
+                    wrong = [g for (g,) in conn.execute(select(key).distinct()) if homes[g] != server]
+                    assert not wrong, f"{table.name} on {server!r} holds rows of {wrong[:3]}, whose home is elsewhere"
+                t = Transaction.__table__
+                for uid, tid in conn.execute(select(t.c.user_id, t.c.transaction_id)):
+                    rows[(server, uid, tid.counter)] += 1
+    assert all(n == 1 for n in rows.values()), "a transaction row is duplicated"
+    by_tid = {tid: (server, uid) for server, uid, tid in rows}
+    for g, tid in acked:
+        assert tid in by_tid, f"acknowledged write {g}/{tid} is lost"
+        assert by_tid[tid] == (homes[g], g), f"write {tid} is on {by_tid[tid]}, its briefcase on {homes[g]}"
+
+
+def _batches(cluster: Cluster) -> list[tuple[str, int]]:
+    with cluster.store() as store:
+        return [(e.status, len(e.params["gdids"])) for e in Journal(store).entries() if e.kind == BATCH_KIND]
+
+
+def test_sigkill_inside_a_batch_with_writers_then_resume(cluster: Cluster, writers: Writers) -> None:
+    writers.wait_for(20)
+    lists = [["u1", "u2", "x"], ["u1", "u2"]]
+    cases = [(p, {}) for p in BATCH_POINTS if p != "batch.resume.after_discard"]
+    cases += [("batch.after_copy_commit", {"MDB_FAULT_SKIP": "1"}), ("batch.after_commit_point", {"MDB_FAULT_SKIP": "1"})]
+    for i, (point, env) in enumerate(cases):
+        shards = lists[i % 2]
+        run = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", ",".join(shards)],
+                      env={"MDB_FAULT_POINT": point, **env})
+        assert run.returncode == -signal.SIGKILL, f"{point}: {run.returncode} {run.stdout} {run.stderr}"
+        with cluster.store() as store:
+            cut = [e for e in Journal(store).entries(unfinished=True) if e.kind == BATCH_KIND]
+        assert len(cut) == 1 and len(cut[0].params["gdids"]) > 1, (point, cut)  # killed inside a batch of several
+        writers.wait_for(10)  # the application writes while the reshard lies interrupted
+        done = run_cli(["moves", "resume", str(cluster.path)])
+        assert done.returncode == 0, (point, done.stdout, done.stderr)
+        _check_placement(cluster)
+        with cluster.store() as store:
+            store.refresh()
+            assert [list(p[2]) for p in store.router.partitions("user")] == [shards], point
+        writers.wait_for(10)
+    # Resume itself killed while it discards a batch's copies, then resumed again.
+    run = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", "u1,u2,x"],
+                  env={"MDB_FAULT_POINT": "batch.after_copy_commit"})
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    crashed = run_cli(["moves", "resume", str(cluster.path)], env={"MDB_FAULT_POINT": "batch.resume.after_discard"})
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    done = run_cli(["moves", "resume", str(cluster.path)])
+    assert done.returncode == 0, done.stderr
+    writers.wait_for(20)
+    from_process = writers.stop()
+    assert from_process > 0, "the stale writer process acknowledged nothing"
+    _check_writes(cluster, writers.acked)
+    batches = _batches(cluster)
+    assert any(status == "done" and n > 1 for status, n in batches), batches
+    assert any(status == "rolled back" for status, _ in batches), batches
+
+
+def test_a_stale_router_writes_during_a_batched_reshard_and_lands_nowhere_wrong(cluster: Cluster, writers: Writers) -> None:
+    """The writer process routes by the map version it started with and never refreshes by itself."""
+    writers.wait_for(20)
+    with cluster.store() as admin:
+        outcome = reshard(admin, "user", GDID(0, 0, 0), ["u1", "u2", "x"], parallel=2, map_path=cluster.path)
+        assert outcome.map_version is not None and outcome.map_version > writers.stale_version
+        writers.wait_for(30)
+        outcome = reshard(admin, "user", GDID(0, 0, 0), ["x", "u2"], parallel=2, map_path=cluster.path)
+    writers.wait_for(30)
+    from_process = writers.stop()
+    assert from_process > 0
+    _check_writes(cluster, writers.acked)
+    batches = _batches(cluster)
+    assert batches and all(status == "done" for status, _ in batches) and max(n for _, n in batches) > 1, batches
+
+
+def test_a_batch_that_fails_verification_is_rolled_back_and_its_briefcases_move_singly(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wrong checksum for one briefcase on the target: the batch rolls back, that one moves on its own."""
+    real = verify.batch_sums
+    spoiled: list[GDID] = []
+
+    def spoil_target(conn, tables, gdids, method):  # type: ignore[no-untyped-def]
+        sums = real(conn, tables, gdids, method)
+        if not spoiled and conn.engine.url.database == cluster.urls["x"].rsplit("/", 1)[-1]:
+            key = next(k for k in sums if k[0] == "users")
+            sums[key] = verify.TableSum(sums[key].rows, "0" * 32)
+            spoiled.append(key[1])
+        return sums
+
+    monkeypatch.setattr(verify, "batch_sums", spoil_target)
+    with cluster.store() as admin:
+        outcome = reshard(admin, "user", GDID(0, 0, 0), ["u1", "u2", "x"], map_path=cluster.path)
+        assert outcome.moved == len(outcome.plan.moves)
+        journal = Journal(admin)
+        entries = journal.moves_of(outcome.reshard_id or "")
+    assert spoiled, "no batch into x was verified"
+    aborted = [e for e in entries if e.kind == BATCH_KIND and e.status == "aborted"]
+    assert len(aborted) == 1 and "differ" in (aborted[0].detail or ""), [(e.kind, e.status, e.detail) for e in entries]
+    assert any(e.kind == "move" and e.gdid == spoiled[0] and e.status == "done" for e in entries)
+    _check_placement(cluster)
+
+
+def test_the_batch_size_follows_the_measured_pause() -> None:
+    sizer = BatchSizer(0.025, start=8, largest=500)
+    sizer.observed(8, 0.008)  # 1 ms a briefcase: 25 would take the target pause
+    assert 8 < sizer.next() <= 25
+    for _ in range(20):
+        sizer.observed(sizer.next(), sizer.next() * 0.001)
+    assert sizer.next() in (24, 25)
+    sizer.aborted()
+    assert sizer.next() in (12, 13)
+    for _ in range(20):
+        sizer.observed(sizer.next(), sizer.next() * 0.1)  # 100 ms a briefcase: one at a time
+    assert sizer.next() == 1
+    for _ in range(30):
+        sizer.observed(sizer.next(), sizer.next() * 1e-6)
+    assert sizer.next() == 500
+
+
+def test_every_batch_fault_point_is_listed_here() -> None:
+    assert {p for p in faults.points() if p.startswith("batch.")} == set(BATCH_POINTS)
