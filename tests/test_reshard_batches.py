@@ -270,20 +270,26 @@ def test_a_batch_that_fails_verification_is_rolled_back_and_its_briefcases_move_
 
 
 def test_the_batch_size_follows_the_measured_pause() -> None:
-    sizer = BatchSizer(0.025, start=8, largest=500)
-    sizer.observed(8, 0.008)  # 1 ms a briefcase: 25 would take the target pause
-    assert 8 < sizer.next() <= 25
-    for _ in range(20):
-        sizer.observed(sizer.next(), sizer.next() * 0.001)
-    assert sizer.next() in (24, 25)
+    fixed, per = 0.010, 0.0005  # 10 ms of round trips, 0.5 ms a briefcase: 60 fit in 40 ms
+    sizer = BatchSizer(0.040, start=8, largest=500)
+    sizes = []
+    for _ in range(12):
+        n = sizer.next()
+        sizes.append(n)
+        sizer.observed(n, fixed + per * n)
+    assert sizes[:4] == [8, 16, 32, 60], sizes  # at most doubling, then what fits
+    assert sizer.next() == 60
+    assert sizer.fit() == pytest.approx((fixed, per))
     sizer.aborted()
-    assert sizer.next() in (12, 13)
-    for _ in range(20):
-        sizer.observed(sizer.next(), sizer.next() * 0.1)  # 100 ms a briefcase: one at a time
-    assert sizer.next() == 1
-    for _ in range(30):
-        sizer.observed(sizer.next(), sizer.next() * 1e-6)
-    assert sizer.next() == 500
+    assert sizer.next() == 30
+    slow = BatchSizer(0.040, start=8, largest=500, smallest=2)
+    for _ in range(6):
+        slow.observed(slow.next(), 0.050 + 0.001 * slow.next())  # the fixed part alone is over the target
+    assert slow.next() == 2
+    fast = BatchSizer(0.040, start=8, largest=500)
+    for _ in range(12):
+        fast.observed(fast.next(), 1e-6 * fast.next())
+    assert fast.next() == 500
 
 
 def test_every_batch_fault_point_is_listed_here() -> None:

@@ -37,21 +37,23 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import delete, func, insert, select, text, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import OperationalError
 
 from mdb import dberrors, telemetry
 from mdb.cluster import Cluster
 from mdb.dberrors import translated
-from mdb.errors import BatchAbortedError, MdbError
+from mdb.errors import BatchAbortedError, MdbError, MigrationError
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
-from mdb.migrations.revisions import current_revision, lock_out_migrations
+from mdb.migrations.revisions import SCHEMA_LOCK_KEY, current_revision, require_one_revision
 from mdb.moves import verify
 from mdb.moves.copy import AreaTable, copy_batch, delete_batch
 from mdb.moves.journal import ABORTED, DONE, ROLLED_BACK, RUNNING, Journal, JournalEntry, new_move_id
@@ -61,7 +63,7 @@ from mdb.ownership import lock_keys_sql
 from mdb.relocations import set_relocations
 from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
 
-__all__ = ["BATCH_KIND", "BatchAbortedError", "BatchMove", "BatchResult"]
+__all__ = ["BATCH_KIND", "BatchMove", "BatchResult", "hold_schemas"]
 
 log = logging.getLogger("mdb.moves.batch")
 
@@ -116,7 +118,7 @@ def _locked_batch(cluster: Cluster, server: str, area: str, gdids: Sequence[GDID
                 conn.begin()
                 yield conn, time.monotonic()
                 return
-            keys = lock_keys_sql(area, gdids)
+            keys = lock_keys_sql(area, gdids)  # the schema lock: held for the pass by hold_schemas
             deadline = time.monotonic() + lock_wait
             delay = 0.002
             while True:
@@ -140,12 +142,42 @@ def _locked_batch(cluster: Cluster, server: str, area: str, gdids: Sequence[GDID
                     break
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
-            lock_out_migrations(conn, server)
             yield conn, started
     finally:
         if conn.in_transaction():
             conn.rollback()
         conn.close()
+
+
+@contextmanager
+def hold_schemas(cluster: Cluster, area: str, servers: Sequence[str]) -> Iterator[None]:
+    """Keep migrations off ``servers`` while batches run, and check they are at one revision of ``area``.
+
+    A single move takes each server's schema lock shared inside its own transactions and
+    compares revisions every time; a batch would pay that on every cutover. Instead the
+    reshard holds the lock shared at session level on one connection per PostgreSQL server for
+    the whole pass (released when the block ends, or by the server when this process dies),
+    so the revisions compared once here cannot change under any batch of the pass.
+    """
+    with ExitStack() as held:
+        revisions: dict[str, str | None] = {}
+        for server in dict.fromkeys(servers):
+            conn = held.enter_context(cluster.connect(server))
+            with translated(server):
+                if conn.dialect.name == "postgresql":
+                    if not conn.execute(text("SELECT pg_try_advisory_lock_shared(:key)"), {"key": SCHEMA_LOCK_KEY}).scalar():
+                        raise MigrationError(f"server {server!r}: a schema migration is running on it; reshard after it ends")
+                    held.callback(_unlock_schema, conn)
+                revisions[server] = current_revision(conn, area)
+                conn.commit()
+        require_one_revision(area, revisions)
+        yield
+
+
+def _unlock_schema(conn: Connection) -> None:
+    conn.rollback()
+    conn.execute(text("SELECT pg_advisory_unlock_shared(:key)"), {"key": SCHEMA_LOCK_KEY})
+    conn.commit()
 
 
 def _states(conn: Connection, area: str, gdids: Sequence[GDID]) -> dict[GDID, dict[str, Any]]:
@@ -175,10 +207,16 @@ def _roots(conn: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID])
 
 
 def _set_states(conn: Connection, area: str, gdids: Sequence[GDID], state: str, peer: str | None, move_id: str | None) -> None:
-    conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid.in_(list(gdids))))
-    conn.execute(insert(briefcase_state), [
-        {"area": area, "gdid": g, "state": state, "peer": peer, "move_id": move_id} for g in gdids
-    ])
+    """Every briefcase's state row on this server, replacing any it had: one upsert statement."""
+    upsert = (pg_insert if conn.dialect.name == "postgresql" else sqlite_insert)(briefcase_state)
+    conn.execute(
+        upsert.on_conflict_do_update(
+            index_elements=[briefcase_state.c.area, briefcase_state.c.gdid],
+            set_={"state": upsert.excluded.state, "peer": upsert.excluded.peer, "move_id": upsert.excluded.move_id,
+                  "changed_at": func.current_timestamp()},
+        ),
+        [{"area": area, "gdid": g, "state": state, "peer": peer, "move_id": move_id} for g in gdids],
+    )
 
 
 def _discard(cluster: Cluster, entry: JournalEntry, tables: Sequence[AreaTable]) -> int:
@@ -209,11 +247,9 @@ def _finalize(cluster: Cluster, journal: Journal, entry: JournalEntry) -> None:
     area, target = entry.area, entry.target
     gdids = [GDID.parse(g) for g in entry.params["gdids"]]
     router = cluster.router
-    journal.step(entry.move_id, "relocation")
     homes = {g: router.default_placement(area, g).server for g in gdids}
     set_relocations(cluster, area, {g: None if target == home else target for g, home in homes.items()})
     fault_point("batch.after_relocations")
-    journal.step(entry.move_id, "target_state")
     with cluster.transaction(target) as conn:
         mine = (briefcase_state.c.area == area) & (briefcase_state.c.move_id == entry.move_id) \
             & (briefcase_state.c.state == STATE_INCOMING) & briefcase_state.c.gdid.in_(gdids)
@@ -226,7 +262,10 @@ def _finalize(cluster: Cluster, journal: Journal, entry: JournalEntry) -> None:
 
 
 class BatchMove:
-    """``gdids`` of ``area`` from ``source`` to ``target`` as one cutover (see the module docstring)."""
+    """``gdids`` of ``area`` from ``source`` to ``target`` as one cutover (see the module docstring).
+
+    Run inside :func:`hold_schemas` of both servers: a batch takes no schema lock of its own.
+    """
 
     journal_kind: ClassVar[str] = BATCH_KIND
 
@@ -319,13 +358,6 @@ class BatchMove:
             )
         with cluster.transaction(self.target) as dst:
             bound_statements(dst, deadline)
-            lock_out_migrations(dst, self.target)
-            revisions = {self.source: current_revision(src, area), self.target: current_revision(dst, area)}
-            if len(set(revisions.values())) > 1:
-                raise BatchAbortedError(
-                    f"{self.source!r} and {self.target!r} are at different migration revisions of {area!r} ({revisions}): "
-                    "run `mdb migrate up MAP` first", self.move_id,
-                )
             method = verify.method_for(src, dst)
             _set_states(dst, area, gdids, STATE_INCOMING, self.source, self.move_id)
             copy_batch(src, dst, tables, gdids)

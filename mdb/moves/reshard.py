@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,7 +54,7 @@ from mdb.moves.freeze import freeze_partition, unfreeze_partition
 from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.lease import check_stop, describe_liveness, hold
 from mdb.moves.plan import PartitionScan, PlannedMove, ReshardPlan, find_partition, plan_reshard, scan_for
-from mdb.moves.batch import BATCH_KIND, BatchMove
+from mdb.moves.batch import BATCH_KIND, BatchMove, hold_schemas
 from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult, check_max_pause, move_briefcase
 from mdb.moves.sql_steps import area_tables
 from mdb.partition_map import PartitionMap, parse_map
@@ -82,7 +84,7 @@ FAULT_POINTS = register(
 
 MOVE_ATTEMPTS = 3
 MAX_SWEEPS = 5
-DEFAULT_BATCH_PAUSE = 0.025
+DEFAULT_BATCH_PAUSE = 0.04
 """The write pause a batch of briefcases aims at (seconds); 0 moves one briefcase at a time."""
 BATCH_START = 8
 BATCH_LARGEST = 500
@@ -335,25 +337,44 @@ def _move_one(store: Cluster, journal: Journal, entry: JournalEntry, m: PlannedM
 class BatchSizer:
     """How many briefcases the next batch takes, so that its write pause stays near ``target`` seconds.
 
-    Starts small, then follows the measured pause per briefcase (a moving estimate, so one slow
-    batch does not halve the throughput for good); an aborted batch halves it. Shared by the
-    parallel workers of one reshard.
+    A batch's pause is a fixed part (its round trips under the lock) plus a part per briefcase
+    (its rows). Both are fitted by least squares over the latest batches, and the size is what
+    the fit says fits in ``target``, at most doubling from one batch to the next. Where the
+    fixed part alone exceeds the target (a loaded server), the size falls to ``smallest``: the
+    pause is then the fixed part's, the least any cutover can take, and batching still pays it
+    once per batch. An aborted batch halves the size. Shared by the parallel workers.
     """
 
-    def __init__(self, target: float, *, start: int = BATCH_START, largest: int = BATCH_LARGEST) -> None:
+    def __init__(self, target: float, *, start: int = BATCH_START, largest: int = BATCH_LARGEST, smallest: int = 1) -> None:
         self.target = target
         self.largest = largest
-        self.size = max(1, min(start, largest))
+        self.smallest = max(1, min(smallest, largest))
+        self.size = max(self.smallest, min(start, largest))
+        self._samples: deque[tuple[int, float]] = deque(maxlen=12)
         self._lock = threading.Lock()
 
     def next(self) -> int:
         with self._lock:
             return self.size
 
+    def fit(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per briefcase) of the latest batches' pauses."""
+        points = list(self._samples)
+        n = len(points)
+        mean_x = sum(x for x, _ in points) / n
+        mean_y = sum(y for _, y in points) / n
+        var = sum((x - mean_x) ** 2 for x, _ in points)
+        if var == 0:  # one size only: assume half of the pause is fixed
+            return mean_y / 2, mean_y / 2 / max(mean_x, 1)
+        per = max(sum((x - mean_x) * (y - mean_y) for x, y in points) / var, 1e-6)
+        return max(mean_y - per * mean_x, 0.0), per
+
     def observed(self, briefcases: int, pause: float) -> None:
         with self._lock:
-            ideal = self.target / max(pause / max(briefcases, 1), 1e-5)
-            self.size = max(1, min(self.largest, int(0.5 * self.size + 0.5 * ideal)))
+            self._samples.append((briefcases, pause))
+            fixed, per = self.fit()
+            fits = int((self.target - fixed) / per + 1e-6) if self.target > fixed else self.smallest
+            self.size = max(self.smallest, min(self.largest, 2 * self.size, fits))
 
     def aborted(self) -> None:
         with self._lock:
@@ -396,6 +417,7 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
     batched = bool(moves) and sizer.target > 0 and store.map.kind_of(moves[0].source) == SQL
     feeder = _Feeder(moves, sizer, batched)
     tables = area_tables(store, entry.area) if batched else None
+    servers = sorted({m.source for m in moves} | {m.target for m in moves})
 
     def finished(done: list[tuple[PlannedMove, dict[str, int]]]) -> None:
         with lock:
@@ -443,12 +465,13 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
             feeder.stopped = True  # the other workers finish their batch and stop
             raise
 
-    if run.parallel <= 1:
-        work()
-        return
-    with ThreadPoolExecutor(max_workers=run.parallel, thread_name_prefix="mdb-reshard") as pool:
-        for future in [pool.submit(work) for _ in range(run.parallel)]:
-            future.result()
+    with hold_schemas(store, entry.area, servers) if batched else nullcontext():
+        if run.parallel <= 1:
+            work()
+            return
+        with ThreadPoolExecutor(max_workers=run.parallel, thread_name_prefix="mdb-reshard") as pool:
+            for future in [pool.submit(work) for _ in range(run.parallel)]:
+                future.result()
 
 
 def _sweep(run: _Run, plan: ReshardPlan, sweeps: int) -> ReshardPlan:

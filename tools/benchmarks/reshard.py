@@ -1,0 +1,241 @@
+"""Reshard throughput: briefcases per second of ``mdb reshard`` 2 -> 3 shards, next to raw COPY.
+
+N briefcases of 100 rows each over the demo user's 8 tables (users 1, pay accounts 2,
+authorizations 6, addresses 2, orders 5, order line items 60, transactions 22, balances 2; the
+ledger tables empty), on shards a and b, re-sharded onto a, b, x. Filled with raw COPY and
+settled with VACUUM ANALYZE before anything is timed. Measured in the same run:
+
+- **per-briefcase COPY**: what a hand-written mover does, one briefcase at a time: for each of
+  a sample of the briefcases, one ``COPY (SELECT ... WHERE user_id = g) TO STDOUT`` per table
+  piped into ``COPY ... FROM STDIN`` of an empty database with the same tables (keys, foreign
+  keys), one commit per briefcase. No lock, no verification, no fence, no delete on the source;
+- **raw COPY pipe**: one COPY per table for all of the sample's rows at once, one commit: what
+  the servers and the pipe can do at all (rows/s);
+- **mdb reshard** with batched cutovers at ``--parallel`` 1, 2 and 4 (2 -> 3, 3 -> 2, 2 -> 3 again,
+  each moving about two thirds of the briefcases), and one at a time (``--batch-pause 0``, the
+  cutover of earlier versions) on a smaller set. The write pause of a briefcase is the time its
+  batch held the write lock; median and p99 over every moved briefcase.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import yaml
+from sqlalchemy.engine import make_url
+
+from benchmarks import BenchContext, Result
+from mdb.demo.models import UserBriefcase
+from mdb.gdid import GDID
+from mdb.moves import batch as batch_module
+from mdb.moves.reshard import reshard
+from mdb.schema import apply_schema
+from mdb.store import Store
+
+SECTION = "reshard"
+AT = datetime(2026, 1, 1, tzinfo=UTC)
+
+COLUMNS: dict[str, tuple[str, ...]] = {
+    "users": ("user_id", "email", "name", "created_at"),
+    "pay_accounts": ("user_id", "account_id", "kind", "masked_number"),
+    "account_authorization_history": ("user_id", "authorization_id", "account_id", "amount", "approved", "at"),
+    "addresses": ("user_id", "address_id", "line1", "city", "country"),
+    "orders": ("user_id", "order_id", "status", "total_cents", "placed_at"),
+    "order_line_items": ("user_id", "line_id", "order_id", "sku", "quantity", "price_cents"),
+    "transactions": ("user_id", "transaction_id", "amount_cents", "memo", "at"),
+    "balances": ("user_id", "balance_id", "currency", "amount_cents"),
+}
+
+
+def _rows(table: str, g: GDID) -> Iterator[tuple[Any, ...]]:
+    """The briefcase's rows of ``table``: 100 over the 8 tables."""
+    u, c = bytes(g), g.counter
+
+    def k(kind: int, i: int) -> bytes:
+        return bytes(GDID(0, kind, c * 100 + i))
+
+    if table == "users":
+        yield (u, f"user{c}@example.com", f"user {c}", AT)
+    elif table == "pay_accounts":
+        for i in range(2):
+            yield (u, k(5, i), "card", f"**** {i:04}")
+    elif table == "account_authorization_history":
+        for i in range(6):
+            yield (u, k(6, i), k(5, i % 2), 100 + i, i % 3 != 0, AT)
+    elif table == "addresses":
+        for i in range(2):
+            yield (u, k(1, i), f"{i} Main St", "Springfield", "US")
+    elif table == "orders":
+        for i in range(5):
+            yield (u, k(2, i), "placed", 1000 + i, AT)
+    elif table == "order_line_items":
+        for i in range(60):
+            yield (u, k(3, i), k(2, i % 5), f"sku-{i}", 1 + i % 3, 99 + i)
+    elif table == "transactions":
+        for i in range(22):
+            yield (u, k(4, i), 10 * i - 50, f"t{i}", AT)
+    elif table == "balances":
+        for i, cur in enumerate(("USD", "EUR")):
+            yield (u, k(7, i), cur, 1000 * i)
+
+
+def _dsn(url: str) -> str:
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def _fill(url: str, users: list[GDID]) -> None:
+    with psycopg.connect(_dsn(url)) as conn:
+        for table, cols in COLUMNS.items():  # parents first
+            with conn.cursor().copy(f"COPY {table} ({', '.join(cols)}) FROM STDIN") as copy:
+                for g in users:
+                    for row in _rows(table, g):
+                        copy.write_row(row)
+        conn.commit()
+    with psycopg.connect(_dsn(url), autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE")
+
+
+def _map(directory: Path, urls: dict[str, str], shards: list[str]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "map.yaml"
+    data = {
+        "version": 1,
+        "servers": {name: {"primary": url} for name, url in urls.items()},
+        "areas": {"central": {"kind": "central", "shards": ["c"]}, "user": {"partitions": [{"start": "0:0:0", "shards": shards}]}},
+        "models": ["mdb.demo.models"],
+    }
+    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def _cluster(ctx: BenchContext, name: str, n: int) -> tuple[Path, dict[str, str], list[GDID]]:
+    """Four fresh databases (CENTRAL, a, b, x) with the schema; n briefcases on a and b by default routing."""
+    urls = dict(zip(["c", "a", "b", "x"], ctx.pg_urls(4)))
+    path = _map(ctx.tmpdir / name, urls, ["a", "b"])
+    users = [GDID(0, 0, i) for i in range(10, 10 + n)]
+    with Store.from_yaml(path, types=[UserBriefcase]) as store:
+        assert all(r.ok for r in apply_schema(store))
+    for server in ("a", "b"):
+        _fill(urls[server], [g for g in users if ["a", "b"][g.sharding_value % 2] == server])
+    return path, urls, users
+
+
+def _pipe(src: psycopg.Connection[Any], dst: psycopg.Connection[Any], table: str, where: str) -> int:
+    cols = ", ".join(COLUMNS[table])
+    with src.cursor().copy(f"COPY (SELECT {cols} FROM {table} WHERE {where}) TO STDOUT (FORMAT BINARY)") as out, \
+            dst.cursor().copy(f"COPY {table} ({cols}) FROM STDIN (FORMAT BINARY)") as into:
+        block = bytearray()
+        for chunk in out:
+            block += chunk
+            if len(block) >= 64 * 1024:
+                into.write(block)
+                block = bytearray()
+        if block:
+            into.write(block)
+    return 1
+
+
+def _empty_copy_target(ctx: BenchContext, name: str) -> str:
+    """A fresh database with the demo's tables (keys and foreign keys), as a COPY target."""
+    url = ctx.pg_urls(4)[3]
+    path = _map(ctx.tmpdir / name, {"c": url, "a": url}, ["a"])
+    with Store.from_yaml(path, types=[UserBriefcase]) as store:
+        assert all(r.ok for r in apply_schema(store))
+    return url
+
+
+def _per_briefcase_copy(src_url: str, dst_url: str, sample: list[GDID]) -> float:
+    """Seconds to copy each briefcase of ``sample`` on its own: one COPY per table, a commit each."""
+    with psycopg.connect(_dsn(src_url)) as src, psycopg.connect(_dsn(dst_url)) as dst:
+        start = time.perf_counter()
+        for g in sample:
+            where = f"user_id = '\\x{g.hex}'::bytea"
+            for table in COLUMNS:
+                _pipe(src, dst, table, where)
+            dst.commit()
+            src.commit()
+        return time.perf_counter() - start
+
+
+def _raw_pipe(src_url: str, dst_url: str, sample: list[GDID]) -> float:
+    """Seconds to copy all of ``sample``'s rows with one COPY per table and one commit."""
+    keys = ", ".join(f"'\\x{g.hex}'::bytea" for g in sample)
+    with psycopg.connect(_dsn(src_url)) as src, psycopg.connect(_dsn(dst_url)) as dst:
+        start = time.perf_counter()
+        for table in COLUMNS:
+            _pipe(src, dst, table, f"user_id = ANY(ARRAY[{keys}])")
+        dst.commit()
+        return time.perf_counter() - start
+
+
+class _Pauses:
+    """Every moved briefcase's write pause (its batch's lock time), recorded around BatchMove.run."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+        self.batches: list[int] = []
+        self._run = batch_module.BatchMove.run
+
+    def __enter__(self) -> _Pauses:
+        original = self._run
+
+        def run(move: batch_module.BatchMove) -> batch_module.BatchResult:
+            result = original(move)
+            self.pauses.extend([result.pause_seconds] * len(result.gdids))
+            self.batches.append(len(result.gdids))
+            return result
+
+        batch_module.BatchMove.run = run  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        batch_module.BatchMove.run = self._run  # type: ignore[method-assign]
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+def run(ctx: BenchContext) -> list[Result]:
+    results: list[Result] = []
+    n = ctx.iterations(10_000, 1_000)
+    path, urls, users = _cluster(ctx, "reshard-batched", n)
+    sample = users[: ctx.iterations(500, 100)]
+    on_a = [g for g in sample if g.sharding_value % 2 == 0]
+    per_briefcase = len(on_a) / _per_briefcase_copy(urls["a"], _empty_copy_target(ctx, "reshard-copy-one"), on_a)
+    raw_rows = len(on_a) * 100 / _raw_pipe(urls["a"], _empty_copy_target(ctx, "reshard-copy-all"), on_a)
+
+    steps = [(1, ["a", "b", "x"]), (2, ["a", "b"]), (4, ["a", "b", "x"])]
+    with Store.from_yaml(path, types=[UserBriefcase]) as store:
+        for parallel, shards in steps:
+            with _Pauses() as pauses:
+                start = time.perf_counter()
+                outcome = reshard(store, "user", GDID(0, 0, 0), shards, parallel=parallel, map_path=path)
+                elapsed = time.perf_counter() - start
+            moved = outcome.moved
+            note = (f"{moved} of {n} briefcases ({outcome.rows_moved} rows) in {elapsed:.1f}s, {len(pauses.batches)} batches "
+                    f"(median {statistics.median(pauses.batches):.0f}); pause median {statistics.median(pauses.pauses) * 1000:.1f} ms, "
+                    f"p99 {_p99(pauses.pauses) * 1000:.1f} ms")
+            name = f"mdb reshard --parallel {parallel} ({len(outcome.plan.old_shards)} -> {len(shards)} shards)"
+            results.append(Result(SECTION, name, moved / elapsed, "briefcases/s", "per-briefcase COPY, a commit each", per_briefcase, note=note))
+            results.append(Result(SECTION, name, outcome.rows_moved / elapsed, "rows/s", "raw COPY pipe, one per table", raw_rows))
+            results.append(Result(SECTION, f"{name}: write pause p99", _p99(pauses.pauses) * 1000, "ms",
+                                  "aim (issue 15)", 50.0, note="per briefcase: its batch's lock time"))
+
+    small = ctx.iterations(600, 150)
+    path, urls, users = _cluster(ctx, "reshard-single", small)
+    with Store.from_yaml(path, types=[UserBriefcase]) as store:
+        start = time.perf_counter()
+        outcome = reshard(store, "user", GDID(0, 0, 0), ["a", "b", "x"], parallel=2, map_path=path, batch_pause=0)
+        elapsed = time.perf_counter() - start
+    results.append(Result(SECTION, "mdb reshard --parallel 2 --batch-pause 0 (one briefcase per cutover)", outcome.moved / elapsed,
+                          "briefcases/s", "per-briefcase COPY, a commit each", per_briefcase,
+                          note=f"{outcome.moved} of {small} briefcases in {elapsed:.1f}s: the cutover before batching"))
+    return results
