@@ -294,7 +294,7 @@ def reshard_cmd(
         table.add_row(escape(src), escape(dst), str(n), str(rows))
     console.print(table)
     if dry_run:
-        console.print(f"{len(plan.moves)} of {plan.briefcases_in_partition} briefcases would move; rows per table: "
+        console.print(f"{plan.briefcases_to_move} of {plan.briefcases_in_partition} briefcases would move; rows per table: "
                       + ", ".join(f"{k} {v}" for k, v in plan.rows_per_table().items()), markup=False)
         return
     # The table above is the plan made at the start; briefcases created meanwhile were planned

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+import heapq
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from sqlalchemy import func, inspect as sa_inspect, select
+from sqlalchemy import func, inspect as sa_inspect, select, union_all
 
 from mdb.cluster import Cluster
 from mdb.errors import MdbError, RoutingError
@@ -65,6 +66,16 @@ class PartitionScan(ABC):
     @abstractmethod
     def check_servers(self, servers: Iterable[str], what: str) -> None:
         """Refuse (before anything moves) servers that are unreachable or cannot take the area's briefcases."""
+
+    def stream(self, server: str, in_partition: Callable[[GDID], bool]) -> Iterator[tuple[GDID, dict[str, int]]]:
+        """:meth:`holdings` one briefcase at a time, in GDID byte order (what the plan's merge needs).
+
+        A kind that can read its briefcases in key order without holding them overrides this;
+        the default holds one server's holdings at a time.
+        """
+        held = self.holdings(server, in_partition)
+        for g in sorted(held.briefcases, key=bytes):
+            yield g, held.rows.get(g, {})
 
 
 _SCANS: dict[str, type[PartitionScan]] = {}
@@ -127,6 +138,32 @@ class SqlPartitionScan(PartitionScan):
     def check_servers(self, servers: Iterable[str], what: str) -> None:
         check_schemas(self.cluster, self.area, servers, self.tables, what)
 
+    def stream(self, server: str, in_partition: Callable[[GDID], bool]) -> Iterator[tuple[GDID, dict[str, int]]]:
+        """One statement: the root keys with each table's row count, in key order, read in blocks.
+
+        The server joins the counts; this process holds one block of rows at a time, so a
+        partition of a million briefcases is planned in bounded memory.
+        """
+        with self.cluster.transaction(server) as conn:
+            present = set(sa_inspect(conn).get_table_names())
+            tables = [at for at in self.tables if at.name in present]
+            roots = [at for at in tables if at.pk == [at.key]]
+            if not roots:
+                return
+            keys = union_all(*(select(at.table.c[at.key].label("k")) for at in roots)).subquery("keys")
+            incoming = select(briefcase_state.c.gdid).where(briefcase_state.c.area == self.area, briefcase_state.c.state == STATE_INCOMING)
+            query = select(keys.c.k).where(keys.c.k.not_in(incoming))
+            for i, at in enumerate(tables):
+                col = at.table.c[at.key]
+                counts = select(col.label("k"), func.count().label("n")).group_by(col).subquery(f"c{i}")
+                query = query.outerjoin(counts, counts.c.k == keys.c.k).add_columns(func.coalesce(counts.c.n, 0))
+            names = [at.name for at in tables]
+            result = conn.execution_options(stream_results=True, yield_per=2_000).execute(query.order_by(keys.c.k))
+            for row in result:
+                g = row[0]
+                if in_partition(g):
+                    yield g, {name: int(n) for name, n in zip(names, row[1:], strict=True)}
+
 
 @dataclass(frozen=True)
 class PlannedMove:
@@ -142,6 +179,12 @@ class PlannedMove:
 
 @dataclass
 class ReshardPlan:
+    """Which briefcases of a partition change shard: totals always, the moves themselves when kept.
+
+    A dry run keeps only the totals (a partition of a million briefcases is planned in bounded
+    memory); a reshard keeps the moves it is about to make.
+    """
+
     area: str
     partition_start: GDID
     partition_end: GDID | None
@@ -149,31 +192,36 @@ class ReshardPlan:
     new_shards: list[str]
     moves: list[PlannedMove] = field(default_factory=list)
     briefcases_in_partition: int = 0
+    briefcases_to_move: int = 0
+    _pairs: dict[tuple[str, str], list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+    _rows: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, move: PlannedMove, *, keep: bool = True) -> None:
+        self.briefcases_to_move += 1
+        pair = self._pairs[(move.source, move.target)]
+        pair[0] += 1
+        pair[1] += move.total_rows
+        for name, n in move.rows.items():
+            self._rows[name] += n
+        if keep:
+            self.moves.append(move)
 
     def pairs(self) -> dict[tuple[str, str], tuple[int, int]]:
-        out: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
-        for m in self.moves:
-            out[(m.source, m.target)][0] += 1
-            out[(m.source, m.target)][1] += m.total_rows
-        return {k: (v[0], v[1]) for k, v in out.items()}
+        return {k: (v[0], v[1]) for k, v in self._pairs.items()}
 
     def rows_per_table(self) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
-        for m in self.moves:
-            for name, n in m.rows.items():
-                out[name] += n
-        return dict(out)
+        return dict(self._rows)
 
     @property
     def total_rows(self) -> int:
-        return sum(m.total_rows for m in self.moves)
+        return sum(self._rows.values())
 
     def to_json(self) -> dict[str, Any]:
         return {
             "area": self.area, "partition_start": str(self.partition_start),
             "partition_end": None if self.partition_end is None else str(self.partition_end),
             "old_shards": self.old_shards, "new_shards": self.new_shards,
-            "briefcases_in_partition": self.briefcases_in_partition, "briefcases_to_move": len(self.moves),
+            "briefcases_in_partition": self.briefcases_in_partition, "briefcases_to_move": self.briefcases_to_move,
             "rows_to_move": self.total_rows, "rows_per_table": self.rows_per_table(),
             "pairs": [{"source": s, "target": t, "briefcases": n, "rows": r} for (s, t), (n, r) in sorted(self.pairs().items())],
         }
@@ -188,8 +236,13 @@ def find_partition(router: Any, area: str, start: GDID) -> tuple[GDID, GDID | No
     raise RoutingError(f"area {area!r} has no partition starting at {start} (starts: {', '.join(starts)})")
 
 
-def plan_reshard(store: Cluster, scan: PartitionScan, area: str, start: GDID, new_shards: list[str]) -> ReshardPlan:
-    """Enumerate the partition's briefcases where they live now and pick those whose shard changes."""
+def plan_reshard(store: Cluster, scan: PartitionScan, area: str, start: GDID, new_shards: list[str], *, keep_moves: bool = True) -> ReshardPlan:
+    """Enumerate the partition's briefcases where they live now and pick those whose shard changes.
+
+    Every server's briefcases arrive in key order (:meth:`PartitionScan.stream`) and are merged,
+    so a briefcase held by two servers is caught as two equal keys in a row, without a set of
+    every key seen. ``keep_moves=False`` (a dry run) keeps the totals only: bounded memory.
+    """
     router = store.router
     pstart, pend, old_shards = find_partition(router, area, start)
     plan = ReshardPlan(area, pstart, pend, old_shards, list(new_shards))
@@ -199,17 +252,15 @@ def plan_reshard(store: Cluster, scan: PartitionScan, area: str, start: GDID, ne
 
     relocated_to = {srv for (a, g), srv in router.relocations.items() if a == area and in_partition(g)}
     servers = list(dict.fromkeys([*old_shards, *sorted(relocated_to), *new_shards]))
-    seen: dict[GDID, str] = {}
-    for server in servers:
-        held = scan.holdings(server, in_partition)
-        for g in held.briefcases:
-            if g in seen:
-                raise RoutingError(f"briefcase {area}/{g} has rows on both {seen[g]!r} and {server!r}: run `mdb where` and `mdb moves resume` first")
-            seen[g] = server
-            target = new_shards[g.sharding_value % len(new_shards)]
-            if target != server:
-                rows = held.rows.get(g, {})
-                plan.moves.append(PlannedMove(g, server, target, {name: rows.get(name, 0) for name in scan.units}))
-    plan.briefcases_in_partition = len(seen)
+    streams = [((bytes(g), server, g, rows) for g, rows in scan.stream(server, in_partition)) for server in servers]
+    last: tuple[bytes, str] | None = None
+    for key, server, g, rows in heapq.merge(*streams, key=lambda item: item[0]):
+        if last is not None and last[0] == key:
+            raise RoutingError(f"briefcase {area}/{g} has rows on both {last[1]!r} and {server!r}: run `mdb where` and `mdb moves resume` first")
+        last = (key, server)
+        plan.briefcases_in_partition += 1
+        target = new_shards[g.sharding_value % len(new_shards)]
+        if target != server:
+            plan.add(PlannedMove(g, server, target, {name: rows.get(name, 0) for name in scan.units}), keep=keep_moves)
     plan.moves.sort(key=lambda m: (m.source, m.gdid))
     return plan

@@ -244,7 +244,7 @@ def reshard(
             f"area {area!r} has unfinished moves/reshards ({'; '.join(f'{e.move_id}: {describe_liveness(journal, e)}' for e in busy)}): "
             "let a running one finish, or run `mdb moves resume MAP` for an interrupted one"
         )
-    plan = plan_reshard(store, scan, area, start, new_shards)
+    plan = plan_reshard(store, scan, area, start, new_shards, keep_moves=not dry_run)  # a dry run: totals only
     parallel, _ = parallel_for(store, area, start, new_shards, parallel)
     if dry_run:
         _prechecks(store, plan, scan, map_path, dry_run=True)
@@ -289,8 +289,9 @@ def _next_version(store: Cluster) -> int:
 
 def _prechecks(store: Cluster, plan: ReshardPlan, scan: PartitionScan, map_path: str | Path | None, *, dry_run: bool) -> tuple[PartitionMap, str]:
     """Every target's schema and the new map (through apply_map's dry run), before anything moves."""
-    targets = [*plan.new_shards, *(m.target for m in plan.moves)]
-    sources = [m.source for m in plan.moves]  # reachable, and matching the models
+    pairs = plan.pairs()
+    targets = [*plan.new_shards, *(target for _, target in pairs)]
+    sources = [source for source, _ in pairs]  # reachable, and matching the models
     scan.check_servers([*targets, *sources], f"reshard of {plan.area} partition {plan.partition_start}")
     text = new_map_text(_store_map_text(store, None if map_path is None else str(map_path)), plan.area, plan.partition_start, plan.new_shards, _next_version(store))
     new_map = parse_map(text, "<new map>")
