@@ -9,16 +9,13 @@ window); they are marked in their docstrings and fail, never skip, until it is m
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from movehelp import ROOT, Cluster, create_user, make_cluster
+from movehelp import Cluster, create_user, make_cluster, run_cli
 
 from mdb.cli.moves_cmd import _RichReshardProgress, format_eta
 from mdb.gdid import GDID
@@ -132,19 +129,23 @@ def test_the_bars_and_status_show_the_same_rate_and_eta() -> None:
     assert status.to_json()["rate_window_seconds"] == RATE_WINDOW
 
 
+def test_the_bar_says_why_the_throttle_waits_until_the_next_counts() -> None:
+    bars = _RichReshardProgress(RateWindow(clock=Clock()))
+    counts = SimpleNamespace(briefcases_done=1, briefcases_total=4, rows_done=10, rows_total=40)
+    bars.counts(counts, None)  # type: ignore[arg-type]
+    bars.waiting("replica lag above 5 s: u1 9.0 s", 1.0)
+    descriptions = [task.description for task in bars._progress.tasks]
+    assert descriptions[0] == "briefcases (waiting: replica lag above 5 s: u1 9.0 s)"
+    bars.counts(counts, None)  # type: ignore[arg-type]
+    assert bars._progress.tasks[0].description == "briefcases"
+
+
 @pytest.mark.parametrize(("seconds", "shown"), [(None, "-"), (0.0, "0s"), (59.4, "59s"), (61.0, "1m01s"), (3725.0, "1h02m")])
 def test_eta_format(seconds: float | None, shown: str) -> None:
     assert format_eta(seconds) == shown
 
 
 # -- through the CLI ---------------------------------------------------------------------------
-
-
-def cli(args: Sequence[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full = {**os.environ, **(env or {})}
-    full["PYTHONPATH"] = str(ROOT) + os.pathsep + full.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-c", "from mdb.cli import main; main()", *args],
-                          capture_output=True, text=True, env=full, timeout=120, cwd=str(ROOT))
 
 
 @pytest.fixture
@@ -166,7 +167,7 @@ def cluster(tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path) -> Clus
     ],
 )
 def test_bad_throttle_options_are_one_line_and_exit_2_before_anything_moves(cluster: Cluster, option: str, value: str, message: str) -> None:
-    run = cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", "u1,u2,x", option, value])
+    run = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", "u1,u2,x", option, value])
     assert run.returncode == 2, (run.stdout, run.stderr)
     assert run.stderr.strip() == message or run.stderr.strip().startswith(message), run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
@@ -196,7 +197,7 @@ def running_reshard(cluster: Cluster) -> Iterator[tuple[Cluster, JournalEntry]]:
 def test_status_json_and_table_show_the_windowed_rate_and_eta(running_reshard: tuple[Cluster, JournalEntry]) -> None:
     cluster, entry = running_reshard
     before = status_of(entry, datetime.now(timezone.utc))
-    run = cli(["moves", "status", str(cluster.path), "--json"])
+    run = run_cli(["moves", "status", str(cluster.path), "--json"])
     after = status_of(entry, datetime.now(timezone.utc))
     assert run.returncode == 0, run.stderr
     (shown,) = [s for s in json.loads(run.stdout)["in_flight"] if s["move_id"] == entry.move_id]
@@ -210,7 +211,7 @@ def test_status_json_and_table_show_the_windowed_rate_and_eta(running_reshard: t
     assert after.rate_rows <= shown["rows_per_second"] <= before.rate_rows  # type: ignore[operator]
     assert shown["eta_seconds"] == pytest.approx(max(60 / shown["briefcases_per_second"], 600 / shown["rows_per_second"]))
 
-    table = cli(["moves", "status", str(cluster.path)])
+    table = run_cli(["moves", "status", str(cluster.path)])
     assert table.returncode == 0, table.stderr
     assert "briefcases/s" in table.stdout and "40/100" in table.stdout and "400/1000" in table.stdout
     assert f"{entry.move_id}: rate over the last 30 s" in table.stdout
@@ -228,7 +229,7 @@ def test_status_of_a_stalled_reshard_shows_rate_0_and_no_eta(cluster: Cluster) -
         journal = Journal(store)
         journal.start(entry)
         with hold(journal, entry.move_id):
-            run = cli(["moves", "status", str(cluster.path), "--json"])
+            run = run_cli(["moves", "status", str(cluster.path), "--json"])
     assert run.returncode == 0, run.stderr
     (shown,) = json.loads(run.stdout)["in_flight"]
     assert (shown["briefcases_per_second"], shown["rows_per_second"], shown["eta_seconds"]) == (0.0, 0.0, None)
@@ -236,7 +237,7 @@ def test_status_of_a_stalled_reshard_shows_rate_0_and_no_eta(cluster: Cluster) -
 
 def test_a_throttled_reshard_through_the_cli_journals_its_settings(cluster: Cluster) -> None:
     """NEEDS THE LEAD'S PART: reshard(..., throttle=ThrottleSettings) journaling settings.to_params()."""
-    run = cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", "u1,u2,x",
+    run = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", "u1,u2,x",
                "--rate", "200,50000rows", "--max-lag", "5"])
     assert run.returncode == 0, (run.stdout, run.stderr)
     assert "throttle: at most 200 briefcases/s, at most 50000 rows/s, pause while replica lag > 5 s" in run.stdout
@@ -248,7 +249,7 @@ def test_a_throttled_reshard_through_the_cli_journals_its_settings(cluster: Clus
 
 def test_a_reshard_journals_its_window_with_its_counts(cluster: Cluster) -> None:
     """NEEDS THE LEAD'S PART: every counts update also journals RateWindow.to_params() (docs/moves.md)."""
-    run = cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", "u1,u2,x"])
+    run = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", "u1,u2,x"])
     assert run.returncode == 0, (run.stdout, run.stderr)
     with cluster.store() as store:
         [entry] = [e for e in Journal(store).entries() if e.kind == "reshard"]

@@ -3,6 +3,7 @@ waiting for lagging and unreachable replicas (the real replica is in test_thrott
 
 from __future__ import annotations
 
+import json
 import threading
 from types import SimpleNamespace
 from typing import Any
@@ -127,7 +128,7 @@ def test_bad_replica_timeout_and_bad_settings_are_refused() -> None:
 
 def test_settings_travel_through_the_journal_params_and_older_journals_mean_unlimited() -> None:
     settings = ThrottleSettings.parse("500,20000rows", "2.5s", replica_timeout=60.0)
-    params = {"partition_start": "0:0:0", **settings.to_params()}
+    params = json.loads(json.dumps({"partition_start": "0:0:0", **settings.to_params()}))  # as the journal stores it
     assert ThrottleSettings.from_params(params) == settings
     assert ThrottleSettings.from_params({"partition_start": "0:0:0"}) == ThrottleSettings()
     assert ThrottleSettings.from_params({"throttle": {"max_lag": 3}}) == ThrottleSettings(max_lag=3.0)
