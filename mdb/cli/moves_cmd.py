@@ -17,13 +17,15 @@ from rich.table import Table
 
 from mdb.cli.metrics import MetricsPortOpt, serve_metrics
 from mdb.cli.app import EXIT_INTERRUPTED, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, app, console, emit_json, fail, open_store, warn
+from mdb.errors import MdbError
 from mdb.cli.options import MapArg
 from mdb.gdid import GDID
 from mdb.moves.plan import PlannedMove
 from mdb.moves.move import DEFAULT_MAX_PAUSE, move_briefcase
 from mdb.moves.reshard import DEFAULT_BATCH_PAUSE, ReshardCounts
 from mdb.moves.resume import FAILED, HELD, resume_all
-from mdb.moves.status import MoveStatus, move_status, where
+from mdb.moves.status import MoveStatus, RateEta, RateWindow, move_status, where
+from mdb.moves.throttle import DEFAULT_REPLICA_TIMEOUT, RATE_SYNTAX, ThrottleSettings
 from mdb.store import Store
 
 __all__ = ["moves_app"]
@@ -179,10 +181,28 @@ def status_cmd(
             raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
+def _per_second(rate: float | None) -> str:
+    if rate is None:
+        return "-"
+    return f"{rate:.1f}" if rate < 10 else f"{rate:.0f}"
+
+
+def format_eta(seconds: float | None) -> str:
+    """An ETA as status and the bars show it: 45s, 12m05s, 3h20m; "-" when unknown."""
+    if seconds is None:
+        return "-"
+    whole = int(round(seconds))
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+
+
 def _print_status(running: list[MoveStatus], finished: list[MoveStatus]) -> None:
     for title, items in (("in flight", running), ("recently finished", finished)):
         table = Table(title=title)
-        for column in ("id", "kind", "briefcase / partition", "from -> to", "phase", "briefcases", "rows", "rows/s", "ETA", "last change"):
+        for column in ("id", "kind", "briefcase / partition", "from -> to", "phase", "briefcases", "rows", "briefcases/s", "rows/s", "ETA", "last change"):
             table.add_column(column)
         for s in items:
             e = s.entry
@@ -191,13 +211,14 @@ def _print_status(running: list[MoveStatus], finished: list[MoveStatus]) -> None
             table.add_row(
                 escape(e.move_id), e.kind, escape(subject), escape(route), escape(e.step),
                 f"{e.briefcases_done}/{e.briefcases_total}", f"{e.rows_done}/{e.rows_total}",
-                "-" if s.rate_rows is None else f"{s.rate_rows:.0f}", "-" if s.eta_seconds is None else f"{s.eta_seconds:.0f}s",
-                _ago(e.updated_at),
+                _per_second(s.rate_briefcases), _per_second(s.rate_rows), format_eta(s.eta_seconds), _ago(e.updated_at),
             )
         console.print(table)
         for s in items:
             if s.driver is not None:
                 console.print(f"  {s.entry.move_id}: {s.driver}", markup=False)
+            if s.rate_window is not None and s.entry.status == "running":
+                console.print(f"  {s.entry.move_id}: rate over the last {s.rate_window:.0f} s", markup=False)
             if s.entry.tables and s.entry.status == "running":
                 per = ", ".join(f"{name} {done}/{planned}" for name, (planned, done) in s.entry.tables.items())
                 console.print(f"  {s.entry.move_id} rows per table: {per}", markup=False)
@@ -258,6 +279,9 @@ def reshard_cmd(
     max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Per briefcase: abort a cutover that would block its writes longer.", min=0.0)] = DEFAULT_MAX_PAUSE,
     batch_pause: Annotated[float, typer.Option("--batch-pause", metavar="SECONDS", min=0.0,
                                                help="Write pause a batch of briefcases aims at (batches grow or shrink to keep it); 0: one briefcase at a time.")] = DEFAULT_BATCH_PAUSE,
+    rate: Annotated[str | None, typer.Option("--rate", metavar="RATE", help=f"At most this fast: {RATE_SYNTAX}.")] = None,
+    max_lag: Annotated[str | None, typer.Option("--max-lag", metavar="SECONDS", help="Pause while a replica (in the map) of a server the reshard writes lags more, e.g. 5 or 500ms.")] = None,
+    replica_timeout: Annotated[float, typer.Option("--replica-timeout", metavar="SECONDS", help="With --max-lag: how long an unreachable replica is waited for before the reshard stops (resumable).")] = DEFAULT_REPLICA_TIMEOUT,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
     metrics_port: MetricsPortOpt = None,
 ) -> None:
@@ -267,6 +291,10 @@ def reshard_cmd(
     new_shards = [s.strip() for s in shards.split(",") if s.strip()]
     if not new_shards:
         fail("--shards needs at least one server name")
+    try:
+        settings = ThrottleSettings.parse(rate, max_lag, replica_timeout)
+    except MdbError as exc:
+        fail(str(exc))
     with serve_metrics(metrics_port), open_store(map_path, tool=True) as store:
         parallel, sqlite = parallel_for(store, area, _gdid(partition), new_shards, parallel)
         if sqlite:
@@ -274,11 +302,13 @@ def reshard_cmd(
         try:
             if dry_run or as_json:
                 outcome = reshard(store, area, _gdid(partition), new_shards, dry_run=dry_run, parallel=parallel, max_pause=max_pause,
-                                  map_path=map_path, batch_pause=batch_pause)
+                                  map_path=map_path, batch_pause=batch_pause, throttle=settings)
             else:
+                if settings.limited:
+                    console.print(f"throttle: {settings.describe()}", markup=False)
                 with _RichReshardProgress() as progress:
                     outcome = reshard(store, area, _gdid(partition), new_shards, parallel=parallel, max_pause=max_pause,
-                                      map_path=map_path, progress=progress, batch_pause=batch_pause)
+                                      map_path=map_path, progress=progress, batch_pause=batch_pause, throttle=settings)
         except KeyboardInterrupt:
             _say_how_to_resume(store, area, map_path)
             raise
@@ -324,17 +354,22 @@ class _RichReshardProgress:
     """Briefcases and rows bars with rate and ETA; the description shows the last change.
 
     The bars show the counts the reshard has just written to its journal row (never a count of
-    their own), so they agree with `mdb moves status` and the final line.
+    their own), so they agree with `mdb moves status` and the final line; the rate and ETA come
+    from :func:`mdb.moves.status.rate_and_eta` over the same window of those counts that the
+    reshard journals, not from rich's own estimate (which averages since the bar started).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, window: RateWindow | None = None) -> None:
         self._progress = Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
-            TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), TimeElapsedColumn(), console=console,
+            TextColumn("{task.fields[rate]}"), TextColumn("ETA {task.fields[eta]}"), TimeElapsedColumn(), console=console,
         )
         self._bc: Any = None
         self._rows: Any = None
-        self._started = time.monotonic()
+        self._window = RateWindow() if window is None else window
+        self._last = "briefcases"
+        self.figures: RateEta | None = None
+        """What the bars show now (tests compare it with `mdb moves status`)."""
 
     def __enter__(self) -> _RichReshardProgress:
         self._progress.start()
@@ -348,10 +383,19 @@ class _RichReshardProgress:
 
     def counts(self, counts: ReshardCounts, last: PlannedMove | None) -> None:
         if self._bc is None:
-            self._bc = self._progress.add_task("briefcases", total=counts.briefcases_total, rate="")
-            self._rows = self._progress.add_task("rows", total=counts.rows_total, rate="")
-        elapsed = max(time.monotonic() - self._started, 1e-6)
-        self._progress.update(self._bc, completed=counts.briefcases_done, total=counts.briefcases_total)
+            self._bc = self._progress.add_task("briefcases", total=counts.briefcases_total, rate="", eta="-")
+            self._rows = self._progress.add_task("rows", total=counts.rows_total, rate="", eta="-")
+        self._window.add(counts.briefcases_done, counts.rows_done)
+        self.figures = f = self._window.figures(counts.briefcases_done, counts.briefcases_total, counts.rows_done, counts.rows_total)
+        eta = format_eta(f.eta_seconds)
         if last is not None:
-            self._progress.update(self._bc, description=f"briefcases (last: {last.gdid} {last.source}->{last.target})")
-        self._progress.update(self._rows, completed=counts.rows_done, total=counts.rows_total, rate=f"{counts.rows_done / elapsed:.0f} rows/s")
+            self._last = f"briefcases (last: {last.gdid} {last.source}->{last.target})"
+        self._progress.update(self._bc, completed=counts.briefcases_done, total=counts.briefcases_total, description=self._last,
+                              rate=f"{_per_second(f.briefcases_per_second)} briefcases/s", eta=eta)
+        self._progress.update(self._rows, completed=counts.rows_done, total=counts.rows_total,
+                              rate=f"{_per_second(f.rows_per_second)} rows/s", eta=eta)
+
+    def waiting(self, reason: str, seconds: float) -> None:
+        """The throttle's on_wait: why the reshard waits, until the next counts update replaces it."""
+        if self._bc is not None:
+            self._progress.update(self._bc, description=f"briefcases (waiting: {reason})")

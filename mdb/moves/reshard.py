@@ -53,6 +53,8 @@ from mdb.maps.text import new_map_text, rewrite_map_file
 from mdb.moves.freeze import freeze_partition, unfreeze_partition
 from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.lease import check_stop, describe_liveness, hold
+from mdb.moves.status import RateWindow
+from mdb.moves.throttle import Throttle, ThrottleSettings
 from mdb.moves.plan import PartitionScan, PlannedMove, ReshardPlan, find_partition, plan_reshard, scan_for
 from mdb.moves.batch import BATCH_KIND, BatchMove, hold_schemas
 from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult, check_max_pause, move_briefcase
@@ -107,6 +109,8 @@ class ReshardCounts:
     rows_done: int = 0
     tables_done: dict[str, int] = field(default_factory=dict)
     pending: dict[GDID, PlannedMove] = field(default_factory=dict)
+    window: RateWindow = field(default_factory=RateWindow)
+    """Recent (time, done) samples: the rate and ETA that the bars and `mdb moves status` show."""
 
     @classmethod
     def from_journal(cls, journal: Journal, reshard_id: str) -> ReshardCounts:
@@ -155,6 +159,8 @@ class ReshardProgress(Protocol):
     def phase(self, name: str) -> None: ...
     def counts(self, counts: ReshardCounts, last: PlannedMove | None) -> None:
         """The counts just written to the journal (``last``: the move that changed them, if any)."""
+    def waiting(self, reason: str, seconds: float) -> None:
+        """The throttle holds the next cutover back for up to ``seconds`` (:mod:`mdb.moves.throttle`)."""
 
 
 @dataclass
@@ -221,11 +227,13 @@ def reshard(
     map_path: str | Path | None = None,
     progress: ReshardProgress | None = None,
     batch_pause: float = DEFAULT_BATCH_PAUSE,
+    throttle: ThrottleSettings | None = None,
 ) -> ReshardOutcome:
     """Re-shard partition ``start`` of ``area`` onto ``new_shards``; see the module docstring.
 
     ``batch_pause``: the write pause (seconds) a batch of briefcases aims at; batches grow or
     shrink to keep it (:class:`BatchSizer`), and never exceed ``max_pause``. 0: one at a time.
+    ``throttle``: a rate and a replica lag not to exceed (journaled: a resume keeps them).
     """
     check_max_pause(max_pause)
     if not 0 <= batch_pause <= max_pause:
@@ -254,7 +262,8 @@ def reshard(
         move_id=reshard_id, kind="reshard", area=area, step="plan", status=RUNNING,
         params={"partition_start": str(start), "old_shards": old, "new_shards": list(new_shards), "parallel": parallel,
                 "max_pause": max_pause, "batch_pause": batch_pause,
-                "map_path": None if map_path is None else str(Path(map_path).resolve())},
+                "map_path": None if map_path is None else str(Path(map_path).resolve()),
+                **(throttle or ThrottleSettings()).to_params()},
         tables={name: [rows, 0] for name, rows in plan.rows_per_table().items()},
         briefcases_total=len(plan.moves), rows_total=plan.total_rows,
     ))
@@ -300,8 +309,10 @@ def _prechecks(store: Cluster, plan: ReshardPlan, scan: PartitionScan, map_path:
 
 
 def _record(journal: Journal, entry: JournalEntry, counts: ReshardCounts, progress: ReshardProgress | None, last: PlannedMove | None = None) -> None:
-    """Write the counts to the reshard's journal row, then show exactly those numbers."""
-    journal.update(entry.move_id, **counts.journal_values())
+    """Write the counts (and the rate window) to the reshard's journal row, then show exactly those numbers."""
+    counts.window.add(counts.briefcases_done, counts.rows_done)
+    entry.params.update(counts.window.to_params())
+    journal.update(entry.move_id, params=entry.params, **counts.journal_values())
     if progress is not None:
         progress.counts(counts, last)
 
@@ -543,6 +554,8 @@ def continue_reshard(
     store.refresh()
     counts = ReshardCounts.from_journal(journal, entry.move_id)
     # A reshard journaled by an older mdb has no batch_pause: it resumes one briefcase at a time, as it began.
+    if pace is None:
+        pace = _pace(store, entry, old_shards, new_shards, progress)
     run = _Run(store, journal, entry, scan, parallel, max_pause, progress, counts,
                BatchSizer(float(params.get("batch_pause", 0.0))), pace)
     if entry.step in ("plan", "prechecks", "moves"):
@@ -587,6 +600,21 @@ def continue_reshard(
     store.refresh()
     return ReshardOutcome(entry.move_id, report, params.get("map_version"), counts.briefcases_done, counts.rows_done,
                           params.get("map_backup"))
+
+
+def _pace(store: Cluster, entry: JournalEntry, old_shards: list[str], new_shards: list[str],
+          progress: ReshardProgress | None) -> Callable[[int, int], None] | None:
+    """The throttle of the journaled settings (None when unthrottled); a cancel is noticed while it waits."""
+    settings = ThrottleSettings.from_params(entry.params)
+    if not settings.limited:
+        return None
+
+    def on_wait(reason: str, seconds: float) -> None:
+        check_stop(entry.move_id)
+        if progress is not None:
+            progress.waiting(reason, seconds)
+
+    return Throttle(store, settings, list(dict.fromkeys([*old_shards, *new_shards])), on_wait=on_wait).wait
 
 
 def _frozen_phase(run: _Run, old_shards: list[str], map_path: str | None) -> None:
