@@ -39,7 +39,8 @@ def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster
 
 
 def _reshard_args(cluster: Cluster) -> list[str]:
-    return [RESHARD[0], str(cluster.path), "user", *RESHARD[1:]]
+    """One briefcase per cutover, so a kill lands between single moves; a cancel of batches: tests/test_reshard_batches.py."""
+    return [RESHARD[0], str(cluster.path), "user", *RESHARD[1:], "--batch-pause", "0"]
 
 
 def _state(cluster: Cluster) -> tuple[dict, dict[GDID, list[str]]]:

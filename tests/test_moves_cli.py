@@ -52,7 +52,9 @@ def test_reshard_keeps_the_old_map_file_and_its_counts_agree(cluster: Cluster) -
     n, rows = int(moved.group(1)), int(moved.group(2))
     assert n > 0 and (entry["briefcases_done"], entry["briefcases_total"], entry["rows_done"], entry["rows_total"]) == (n, n, rows, rows)
     assert entry["params"]["map_backup"] == str(backup)
-    assert len(status["recent"]) == n + 1, "--limit 100 must show the reshard and each of its moves"
+    rows_of_it = [s for s in status["recent"] if s["reshard_id"] == entry["move_id"]]
+    assert sum(len(s["params"].get("gdids", [s["gdid"]])) for s in rows_of_it) == n, "each moved briefcase in one of its rows"
+    assert len(status["recent"]) == len(rows_of_it) + 1, "--limit 100 must show the reshard and each of its moves"
     one = json.loads(run_cli(["moves", "status", str(cluster.path), "--json", "--limit", "1"]).stdout)
     assert [s["move_id"] for s in one["recent"]] == [entry["move_id"]], "the reshard finished last: it comes first"
     text = run_cli(["moves", "status", str(cluster.path), "--limit", "100"])
@@ -61,7 +63,8 @@ def test_reshard_keeps_the_old_map_file_and_its_counts_agree(cluster: Cluster) -
 
 def test_a_retried_move_is_counted_once(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first attempt of one move really aborts (--max-pause 0 on the real servers) and is
-    retried; the reshard counts its finished moves only, so done = total = moves that finished."""
+    retried; the reshard counts its finished moves only, so done = total = moves that finished.
+    One briefcase per cutover (batch_pause=0); an aborted batch: tests/test_reshard_batches.py."""
     from mdb.moves import reshard as reshard_mod
 
     real = reshard_mod.move_briefcase
@@ -78,7 +81,7 @@ def test_a_retried_move_is_counted_once(cluster: Cluster, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(reshard_mod, "move_briefcase", first_attempt_aborts)
     with cluster.store() as store:
-        outcome = reshard_mod.reshard(store, "user", GDID(0, 0, 0), ["u1", "u2", "x"], map_path=cluster.path)
+        outcome = reshard_mod.reshard(store, "user", GDID(0, 0, 0), ["u1", "u2", "x"], map_path=cluster.path, batch_pause=0)
         journal = Journal(store)
         moves = journal.moves_of(str(outcome.reshard_id))
         entry = journal.get(str(outcome.reshard_id))

@@ -23,7 +23,6 @@ from mdb.demo.models import User, UserBriefcase
 from mdb.gdid import GDID
 from mdb import faults
 from mdb.moves import cancel as _cancel, reshard as _reshard, resume as _resume  # noqa: F401  (they register their points)
-from mdb.moves.batch import BATCH_KIND
 from mdb.moves.freeze import frozen_by
 from mdb.moves.journal import Journal
 from mdb.store import Store
@@ -206,7 +205,7 @@ def _assert_counts_are_the_finished_moves(journal: Journal, reshard_id: str, poi
     entry = journal.get(reshard_id)
     assert entry is not None and entry.status == "done", point
     finished = [m for m in journal.moves_of(reshard_id) if m.status == "done"]
-    briefcases = sum(len(m.params["gdids"]) if m.kind == BATCH_KIND else 1 for m in finished)  # a batch moves several
+    briefcases = sum(len(m.briefcases) for m in finished)  # a batch moves several
     assert (entry.briefcases_done, entry.briefcases_total) == (briefcases, briefcases), point
     rows = sum(m.rows_done for m in finished)
     assert (entry.rows_done, entry.rows_total) == (rows, rows), point

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from movehelp import ROOT, Cluster, add_transaction, create_user, locations, make_cluster, run_cli
+from movehelp import ROOT, Cluster, add_transaction, create_user, locations, make_cluster, run_cli, snapshot
 from sqlalchemy import select
 
 from mdb import faults
@@ -294,3 +294,34 @@ def test_the_batch_size_follows_the_measured_pause() -> None:
 
 def test_every_batch_fault_point_is_listed_here() -> None:
     assert {p for p in faults.points() if p.startswith("batch.")} == set(BATCH_POINTS)
+
+
+@pytest.mark.parametrize("mode", ["--move-back", "--leave"])
+def test_cancel_of_a_reshard_killed_inside_a_batch(cluster: Cluster, mode: str) -> None:
+    """Killed with one batch finished and the next copied: cancel rolls the copied one back and
+    moves the finished batch's briefcases back one by one (or leaves them as relocations)."""
+    with cluster.store() as store:
+        before = snapshot(store, SERVERS)
+        homes = {g: s[0] for g, s in locations(store, SERVERS).items()}
+    run = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", "u1,u2,x"],
+                  env={"MDB_FAULT_POINT": "batch.after_copy_commit", "MDB_FAULT_SKIP": "1"})
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    with cluster.store() as store:
+        journal = Journal(store)
+        (reshard_entry,) = [e for e in journal.entries(unfinished=True) if e.kind == "reshard"]
+        finished = [g for e in journal.moves_of(reshard_entry.move_id) if e.status == "done" for g in e.briefcases]
+    assert len(finished) > 1, "the first batch did not finish before the kill"
+    done = run_cli(["moves", "cancel", str(cluster.path), reshard_entry.move_id, mode])
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert f"1 interrupted move(s) rolled back, {len(finished)} finished" in done.stdout, done.stdout
+    with cluster.store() as store:
+        store.refresh()
+        assert snapshot(store, SERVERS) == before, "rows differ from the snapshot taken before the reshard"
+        assert [list(p[2]) for p in store.router.partitions("user")] == [["u1", "u2"]]
+        now = {g: s[0] for g, s in locations(store, SERVERS).items()}
+        assert Journal(store).entries(unfinished=True) == []
+        if mode == "--move-back":
+            assert now == homes and not store.router.relocations
+        else:
+            assert {g for g in now if now[g] != homes[g]} == set(finished) == {g for _, g in store.router.relocations}
+    _check_placement(cluster)

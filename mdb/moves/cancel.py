@@ -28,7 +28,6 @@ from mdb.faults import fault_point, register
 from mdb.moves.freeze import unfreeze_partition
 from mdb.moves.journal import CANCELLED, DONE, FINISHED, RUNNING, Journal, JournalEntry
 from mdb.moves.lease import hold, me, request_stop
-from mdb.moves.batch import BATCH_KIND
 from mdb.moves.move import DEFAULT_MAX_PAUSE, move_briefcase, move_kinds, resolve_move
 
 __all__ = ["CANCEL_STEP", "CANCELLABLE_STEPS", "CancelOutcome", "cancel", "finish_cancel"]
@@ -141,14 +140,6 @@ def _cancel_move(store: Cluster, journal: Journal, entry: JournalEntry, move_bac
     return out
 
 
-def _briefcases_of(move: JournalEntry) -> list[GDID]:
-    """The briefcases a finished forward move of a reshard moved: one, or a batch's."""
-    if move.kind == BATCH_KIND:
-        return [GDID.parse(g) for g in move.params["gdids"]]
-    assert move.gdid is not None
-    return [move.gdid]
-
-
 def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move_back: bool | None = None) -> CancelOutcome:
     """Cancel a reshard whose lease the caller holds; re-run safely after a crash (resume calls it at step ``cancel``)."""
     if move_back is None:
@@ -170,7 +161,7 @@ def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move
     moves = journal.moves_of(entry.move_id)
     # What was moved back already, per (forward move, briefcase): a batch is moved back one briefcase at a time.
     undone = {(m.params.get("reverse_of"), m.gdid) for m in moves if m.status == DONE}
-    forward = [(m, g) for m in moves if m.status == DONE and not m.params.get("reverse_of") for g in _briefcases_of(m)]
+    forward = [(m, g) for m in moves if m.status == DONE and not m.params.get("reverse_of") for g in m.briefcases]
     max_pause = float(entry.params.get("max_pause", DEFAULT_MAX_PAUSE))
     for move, gdid in forward:
         if (move.move_id, gdid) in undone:

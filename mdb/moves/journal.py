@@ -118,6 +118,13 @@ class JournalEntry:
             started_at=row["started_at"], updated_at=row["updated_at"],
         )
 
+    @property
+    def briefcases(self) -> list[GDID]:
+        """The briefcases this row moves: a batch's (listed in ``params['gdids']``), a move's one, a reshard's none."""
+        if "gdids" in self.params:
+            return [GDID.parse(g) for g in self.params["gdids"]]
+        return [] if self.gdid is None else [self.gdid]
+
     def to_json(self) -> dict[str, Any]:
         return {
             "move_id": self.move_id, "kind": self.kind, "area": self.area,

@@ -56,7 +56,7 @@ from mdb.moves.lease import check_stop, describe_liveness, hold
 from mdb.moves.status import RateWindow
 from mdb.moves.throttle import Throttle, ThrottleSettings
 from mdb.moves.plan import PartitionScan, PlannedMove, ReshardPlan, find_partition, plan_reshard, scan_for
-from mdb.moves.batch import BATCH_KIND, BatchMove, hold_schemas
+from mdb.moves.batch import BatchMove, hold_schemas
 from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult, check_max_pause, move_briefcase
 from mdb.moves.sql_steps import area_tables
 from mdb.partition_map import PartitionMap, parse_map
@@ -117,7 +117,7 @@ class ReshardCounts:
         counts = cls()
         for move in journal.moves_of(reshard_id):
             if move.status == DONE and not move.params.get("reverse_of"):
-                counts.briefcases_done += len(move.params["gdids"]) if move.kind == BATCH_KIND else 1
+                counts.briefcases_done += len(move.briefcases)
                 counts.rows_done += move.rows_done
                 for name, (_, done) in move.tables.items():
                     counts.tables_done[name] = counts.tables_done.get(name, 0) + done
