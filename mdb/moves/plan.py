@@ -252,7 +252,11 @@ def plan_reshard(store: Cluster, scan: PartitionScan, area: str, start: GDID, ne
 
     relocated_to = {srv for (a, g), srv in router.relocations.items() if a == area and in_partition(g)}
     servers = list(dict.fromkeys([*old_shards, *sorted(relocated_to), *new_shards]))
-    streams = [((bytes(g), server, g, rows) for g, rows in scan.stream(server, in_partition)) for server in servers]
+    def keyed(server: str) -> Iterator[tuple[bytes, str, GDID, dict[str, int]]]:
+        for g, rows in scan.stream(server, in_partition):
+            yield bytes(g), server, g, rows
+
+    streams = [keyed(server) for server in servers]
     last: tuple[bytes, str] | None = None
     for key, server, g, rows in heapq.merge(*streams, key=lambda item: item[0]):
         if last is not None and last[0] == key:
