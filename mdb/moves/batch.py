@@ -41,7 +41,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sqlalchemy import delete, func, insert, select, text, update
+from sqlalchemy import delete, func, insert, select, text, union, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
@@ -55,7 +55,7 @@ from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.migrations.revisions import SCHEMA_LOCK_KEY, current_revision, require_one_revision
 from mdb.moves import verify
-from mdb.moves.copy import AreaTable, copy_batch, delete_batch
+from mdb.moves.copy import AreaTable, copy_batch, count_batch, delete_batch
 from mdb.moves.journal import ABORTED, DONE, ROLLED_BACK, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, ResumeOutcome, register_resolver
 from mdb.moves.sql_steps import area_tables, bound_statements, statement_cancelled
@@ -180,6 +180,13 @@ def _unlock_schema(conn: Connection) -> None:
     conn.commit()
 
 
+def _settle(conn: Connection, deadline: float) -> None:
+    """PostgreSQL: the statement bound (time left to ``deadline``) and the pinned output settings, one round trip."""
+    if conn.dialect.name == "postgresql":
+        left_ms = min(max(1, int((deadline - time.monotonic()) * 1000)), 2**31 - 1)
+        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {left_ms}; {verify.PG_OUTPUT_SETTINGS}")
+
+
 def _states(conn: Connection, area: str, gdids: Sequence[GDID]) -> dict[GDID, dict[str, Any]]:
     rows = conn.execute(
         select(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid.in_(list(gdids)))
@@ -187,23 +194,11 @@ def _states(conn: Connection, area: str, gdids: Sequence[GDID]) -> dict[GDID, di
     return {r["gdid"]: dict(r) for r in rows}
 
 
-def _with_rows(conn: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID]) -> dict[GDID, str]:
-    """Briefcases of ``gdids`` with at least one row here -> the first table they have one in."""
-    found: dict[GDID, str] = {}
-    for at in tables:
-        col = at.table.c[at.key]
-        for (g,) in conn.execute(select(col).where(col.in_(list(gdids))).distinct()):
-            found.setdefault(g, at.name)
-    return found
-
-
-def _roots(conn: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID]) -> set[GDID]:
-    out: set[GDID] = set()
-    for at in tables:
-        if at.pk == [at.key]:
-            col = at.table.c[at.key]
-            out.update(g for (g,) in conn.execute(select(col).where(col.in_(list(gdids)))))
-    return out
+def _with_rows(conn: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID]) -> set[GDID]:
+    """Briefcases of ``gdids`` with at least one row here, in any table (one statement)."""
+    wanted = list(gdids)
+    query = union(*(select(at.table.c[at.key].label("k")).where(at.table.c[at.key].in_(wanted)) for at in tables))
+    return {g for (g,) in conn.execute(query)}
 
 
 def _set_states(conn: Connection, area: str, gdids: Sequence[GDID], state: str, peer: str | None, move_id: str | None) -> None:
@@ -241,8 +236,13 @@ def _discard(cluster: Cluster, entry: JournalEntry, tables: Sequence[AreaTable])
         return deleted
 
 
-def _finalize(cluster: Cluster, journal: Journal, entry: JournalEntry) -> None:
-    """After the commit point: relocations, then the target states, then ``done``. Idempotent (resume runs it again)."""
+def _finalize(cluster: Cluster, journal: Journal, entry: JournalEntry, rows: dict[str, int] | None = None) -> None:
+    """After the commit point: relocations, then the target states, then ``done`` with the rows moved. Idempotent.
+
+    ``rows`` (per table) are the verified counts; resume finishing a batch has none and counts
+    what the briefcases hold on the target then (writers may have added rows since the commit
+    point: the journal says so in its detail).
+    """
     assert entry.target is not None
     area, target = entry.area, entry.target
     gdids = [GDID.parse(g) for g in entry.params["gdids"]]
@@ -258,7 +258,13 @@ def _finalize(cluster: Cluster, journal: Journal, entry: JournalEntry) -> None:
             conn.execute(delete(briefcase_state).where(mine, briefcase_state.c.gdid.in_(at_home)))
         conn.execute(update(briefcase_state).where(mine).values(state=STATE_RESIDENT, peer=entry.source))
     fault_point("batch.after_target_states")
-    journal.finish(entry.move_id, DONE, briefcases_done=len(gdids))
+    detail = None
+    if rows is None:
+        with cluster.transaction(target) as conn:
+            rows = count_batch(conn, area_tables(cluster, area), gdids)
+        detail = "finished by resume: rows counted on the target then"
+    journal.finish(entry.move_id, DONE, detail, briefcases_done=len(gdids), rows_done=sum(rows.values()),
+                   tables={name: [n, n] for name, n in rows.items() if n})
 
 
 class BatchMove:
@@ -337,62 +343,71 @@ class BatchMove:
         fault_point("batch.after_commit_point")
         entry = self.journal.get(self.move_id)
         assert entry is not None
-        _finalize(self.cluster, self.journal, entry)
+        per_table: dict[str, int] = {}
+        for counts in rows.values():
+            for name, n in counts.items():
+                per_table[name] = per_table.get(name, 0) + n
+        _finalize(self.cluster, self.journal, entry, per_table)
         for per_table in rows.values():
             telemetry.move_done(self.area, self.reshard_id, sum(per_table.values()), pause)
         return BatchResult(self.move_id, list(self.gdids), rows, pause)
 
     def _cut_over(self, src: Connection, locked_at: float) -> tuple[dict[GDID, dict[str, int]], float]:
-        """Lock held: check the source, copy, verify, fence and delete; commit. Returns verified rows and the pause."""
+        """Lock held: sum the source, copy and sum the target (one transaction, committed only when
+        the sums agree), fence and delete on the source, commit. Returns verified rows and the pause.
+
+        Every round trip here is write pause, so there are few: the source's sums come first and
+        say which tables hold rows of the batch (only those are copied); the target's sums run in
+        its copy's own transaction, so a difference rolls the copy back instead of leaving one to
+        discard. Each side's sums are a query of its own, never the copy's stream.
+        """
         cluster, area, gdids, tables = self.cluster, self.area, self.gdids, self.tables
         deadline = locked_at + self.max_pause
         fault_point("batch.after_lock")
-        bound_statements(src, deadline)
+        _settle(src, deadline)
         states = _states(src, area, gdids)
         moving = sorted(g for g, s in states.items() if s["state"] in (STATE_GONE, STATE_INCOMING))
-        missing = sorted(set(gdids) - _roots(src, tables, gdids))
-        if moving or missing:
+        if moving:
             raise BatchAbortedError(
-                f"under the lock {self.source!r} no longer holds {len(moving) + len(missing)} briefcase(s) of the batch "
-                f"(e.g. {(moving + missing)[0]}: another move?)", self.move_id, moving + missing,
+                f"under the lock {self.source!r} records {len(moving)} briefcase(s) of the batch as moving or gone "
+                f"(e.g. {moving[0]}: another move?)", self.move_id, moving,
             )
         with cluster.transaction(self.target) as dst:
-            bound_statements(dst, deadline)
+            _settle(dst, deadline)
             method = verify.method_for(src, dst)
+            src_sums = verify.batch_sums(src, tables, gdids, method, pinned=True)
+            roots = [at.name for at in tables if at.pk == [at.key]]
+            missing = sorted(g for g in gdids if not any((name, g) in src_sums for name in roots))
+            if missing:
+                raise BatchAbortedError(
+                    f"under the lock {self.source!r} no longer holds {len(missing)} briefcase(s) of the batch (e.g. {missing[0]})",
+                    self.move_id, missing,
+                )
+            holding = {name for name, _ in src_sums}
             _set_states(dst, area, gdids, STATE_INCOMING, self.source, self.move_id)
-            copy_batch(src, dst, tables, gdids)
+            copy_batch(src, dst, [at for at in tables if at.name in holding], gdids)
+            dst_sums = verify.batch_sums(dst, tables, gdids, method, pinned=True)
+            differ = sorted({key[1] for key in src_sums.keys() | dst_sums.keys() if src_sums.get(key) != dst_sums.get(key)})
+            if differ:
+                telemetry.move_verification_failed(area)
+                raise BatchAbortedError(
+                    f"verification of {len(gdids)} briefcase(s) found {len(differ)} that differ between {self.source!r} and "
+                    f"{self.target!r} (e.g. {differ[0]}); every one is moved again on its own", self.move_id, differ,
+                )
+            fault_point("batch.after_verify")
         fault_point("batch.after_copy_commit")
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mdb-batch-verify") as pool:
-            # The target's sums on a connection of its own while the source sums under its lock.
-            dst_job = pool.submit(self._target_sums, method, deadline) if method == "sql" else None
-            src_sums = verify.batch_sums(src, tables, gdids, method)
-            dst_sums = dst_job.result() if dst_job is not None else self._target_sums(method, deadline)
-        differ = sorted({g for key in src_sums.keys() | dst_sums.keys() if src_sums.get(key) != dst_sums.get(key) for g in [key[1]]})
-        if differ:
-            telemetry.move_verification_failed(area)
-            raise BatchAbortedError(
-                f"verification of {len(gdids)} briefcase(s) found {len(differ)} that differ between {self.source!r} and "
-                f"{self.target!r} (e.g. {differ[0]}); every one is moved again on its own", self.move_id, differ,
-            )
-        fault_point("batch.after_verify")
         bound_statements(src, deadline)
-        cut = src.begin_nested()
         _set_states(src, area, gdids, STATE_GONE, self.target, self.move_id)
         deleted = delete_batch(src, tables, gdids)
         verified: dict[str, int] = {}
         for (name, _), s in src_sums.items():
             verified[name] = verified.get(name, 0) + s.rows
         wrong = [f"{name}: {n} deleted, {verified.get(name, 0)} verified" for name, n in deleted.items() if n != verified.get(name, 0)]
-        if wrong:
-            cut.rollback()
+        if wrong:  # the source transaction, fences and deletes with it, is rolled back with the lock
             raise BatchAbortedError(f"the commit point would delete rows that were not verified ({'; '.join(wrong)})", self.move_id)
-        # What the commit point moves, journaled before it (counts of a batch that resume finishes).
-        self.journal.step(self.move_id, "commit_point", tables={n: [r, r] for n, r in verified.items()}, rows_done=sum(verified.values()))
         held = time.monotonic() - locked_at
         if held > self.max_pause:
-            cut.rollback()
             raise BatchAbortedError(f"the write lock was held {held:.3f}s, over max pause {self.max_pause:.3f}s", self.move_id)
-        cut.commit()
         fault_point("batch.before_commit_point")
         src.commit()
         pause = time.monotonic() - locked_at
@@ -400,11 +415,6 @@ class BatchMove:
         for (name, g), s in src_sums.items():
             rows[g][name] = s.rows
         return rows, pause
-
-    def _target_sums(self, method: verify.Method, deadline: float) -> dict[tuple[str, GDID], verify.TableSum]:
-        with self.cluster.transaction(self.target) as dst:
-            bound_statements(dst, deadline)
-            return verify.batch_sums(dst, self.tables, self.gdids, method)
 
     def _roll_back(self, why: str) -> None:
         entry = self.journal.get(self.move_id)

@@ -27,7 +27,7 @@ from mdb.gdid import GDID
 from mdb.moves.copy import AreaTable, is_postgres
 
 __all__ = [
-    "SPLIT_ROWS", "Method", "Part", "TableSum", "batch_sums", "combine", "compare", "describe_key", "differing_keys", "method_for",
+    "PG_OUTPUT_SETTINGS", "SPLIT_ROWS", "Method", "Part", "TableSum", "batch_sums", "combine", "compare", "describe_key", "differing_keys", "method_for",
     "part_sums", "plan_parts", "row_digests", "spread", "table_sums",
 ]
 
@@ -44,12 +44,15 @@ def method_for(a: Connection, b: Connection) -> Method:
     return "sql" if is_postgres(a) and is_postgres(b) else "python"
 
 
+PG_OUTPUT_SETTINGS = (
+    "SET LOCAL TimeZone = 'UTC'; SET LOCAL DateStyle = 'ISO, YMD'; SET LOCAL extra_float_digits = 3; "
+    "SET LOCAL IntervalStyle = 'postgres'; SET LOCAL bytea_output = 'hex'"
+)
+"""Text forms depend on session settings; pinned so two servers print the same values alike."""
+
+
 def _pin_pg_output(conn: Connection) -> None:
-    # Text forms depend on session settings; pin them so two servers print the same values alike.
-    conn.exec_driver_sql(
-        "SET LOCAL TimeZone = 'UTC'; SET LOCAL DateStyle = 'ISO, YMD'; SET LOCAL extra_float_digits = 3; "
-        "SET LOCAL IntervalStyle = 'postgres'; SET LOCAL bytea_output = 'hex'"
-    )
+    conn.exec_driver_sql(PG_OUTPUT_SETTINGS)
 
 
 def _canon(value: Any) -> str:
@@ -223,7 +226,9 @@ def table_sums(conn: Connection, tables: Sequence[AreaTable], gdid: GDID, method
     return out
 
 
-def batch_sums(conn: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID], method: Method) -> dict[tuple[str, GDID], TableSum]:
+def batch_sums(
+    conn: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID], method: Method, *, pinned: bool = False,
+) -> dict[tuple[str, GDID], TableSum]:
     """(table, briefcase) -> (row count, checksum) for every briefcase of a batch on this server.
 
     The same sums as :func:`table_sums`, grouped by the briefcase key: one statement for every
@@ -234,7 +239,8 @@ def batch_sums(conn: Connection, tables: Sequence[AreaTable], gdids: Sequence[GD
     if not gdids:
         return out
     if method == "sql":
-        _pin_pg_output(conn)
+        if not pinned:  # else the caller ran PG_OUTPUT_SETTINGS in this transaction already
+            _pin_pg_output(conn)
         keys = "ARRAY[" + ", ".join(f"'\\x{g.hex}'::bytea" for g in gdids) + "]"
         queries = [
             f'SELECT {i}, "{at.key}", count(*), md5(string_agg({_sql_row_expr(at)}, \'\' ORDER BY {_order(at)})) '
