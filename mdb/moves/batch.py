@@ -5,13 +5,14 @@ statements, checksums, fence, deletes, relocation entry and target state: some f
 trips across three servers, about 35 briefcases a second. A batch moves ``N`` briefcases that
 share a source and a target with the round trips of one:
 
-1. **one lock**: every briefcase's exclusive advisory lock on the source in one statement
+1. **one copy, before the lock**: per table one ``COPY`` of all ``N`` briefcases' rows into
+   the target, behind their ``incoming`` state rows, committed (sessions keep writing);
+2. **one lock**: every briefcase's exclusive advisory lock on the source in one statement
    (tried without waiting and retried while sessions hold some; then one wait bounded by
    ``max_pause``). From here new write sessions of any of them wait;
-2. **one copy**: per table one ``COPY`` of all ``N`` briefcases' rows into the target, behind
-   their ``incoming`` state rows, committed;
 3. **one verification**: per table and briefcase, row counts and checksums computed on each
    side by a query of its own (``GROUP BY`` the briefcase key), never from the copy's stream;
+   briefcases written since the copy are copied again and summed again;
 4. **one commit point**: the ``N`` fences and the deletes of their rows in the locked source
    transaction, checked to delete exactly the verified rows, committed at once;
 5. **finalize**: the relocation entries (one write per CENTRAL shard), the ``N`` target
@@ -72,6 +73,7 @@ BATCH_KIND = "batch-move"
 
 FAULT_POINTS = register(
     "batch.after_journal_start",
+    "batch.after_precopy",
     "batch.after_lock",
     "batch.after_copy_commit",
     "batch.after_verify",
@@ -178,6 +180,11 @@ def _unlock_schema(conn: Connection) -> None:
     conn.rollback()
     conn.execute(text("SELECT pg_advisory_unlock_shared(:key)"), {"key": SCHEMA_LOCK_KEY})
     conn.commit()
+
+
+def _differing(a: dict[tuple[str, GDID], verify.TableSum], b: dict[tuple[str, GDID], verify.TableSum]) -> list[GDID]:
+    """Briefcases whose count or checksum of some table differs between two sides' sums."""
+    return sorted({key[1] for key in a.keys() | b.keys() if a.get(key) != b.get(key)})
 
 
 def _settle(conn: Connection, deadline: float) -> None:
@@ -323,6 +330,8 @@ class BatchMove:
         ))
         fault_point("batch.after_journal_start")
         try:
+            self._precopy()
+            fault_point("batch.after_precopy")
             with _locked_batch(self.cluster, self.source, self.area, self.gdids, lock_wait=self.lock_wait, max_pause=self.max_pause) as (src, locked_at):
                 rows, pause = self._cut_over(src, locked_at)
         except BatchAbortedError as exc:
@@ -352,14 +361,27 @@ class BatchMove:
             telemetry.move_done(self.area, self.reshard_id, sum(per_table.values()), pause)
         return BatchResult(self.move_id, list(self.gdids), rows, pause)
 
-    def _cut_over(self, src: Connection, locked_at: float) -> tuple[dict[GDID, dict[str, int]], float]:
-        """Lock held: sum the source, copy and sum the target (one transaction, committed only when
-        the sums agree), fence and delete on the source, commit. Returns verified rows and the pause.
+    def _precopy(self) -> None:
+        """Copy the batch to the target before the lock, behind committed ``incoming`` rows.
 
-        Every round trip here is write pause, so there are few: the source's sums come first and
-        say which tables hold rows of the batch (only those are copied); the target's sums run in
-        its copy's own transaction, so a difference rolls the copy back instead of leaving one to
-        discard. Each side's sums are a query of its own, never the copy's stream.
+        Sessions on the source go on meanwhile; what they change is found under the lock by
+        the checksums and copied again, briefcase by briefcase (:meth:`_cut_over`), so the write
+        pause holds the checksums and the commit point, not the copy (how MongoDB's chunk
+        migration and Vitess's VReplication cut over too). A crash from here on leaves a copy
+        that resume discards (no fence on the source).
+        """
+        with self.cluster.transaction(self.source) as src, self.cluster.transaction(self.target) as dst:
+            _set_states(dst, self.area, self.gdids, STATE_INCOMING, self.source, self.move_id)
+            copy_batch(src, dst, self.tables, self.gdids)
+
+    def _cut_over(self, src: Connection, locked_at: float) -> tuple[dict[GDID, dict[str, int]], float]:
+        """Lock held: sum both sides, copy again what changed since the pre-copy, fence and delete on
+        the source, commit. Returns the verified rows and the pause.
+
+        Every round trip here is write pause, so there are few: one checksum statement per side
+        for the whole batch (each a query of its own, never the copy's stream); the re-sync of
+        briefcases written since the pre-copy and their second sums run in one target
+        transaction, committed only when every sum agrees.
         """
         cluster, area, gdids, tables = self.cluster, self.area, self.gdids, self.tables
         deadline = locked_at + self.max_pause
@@ -383,17 +405,23 @@ class BatchMove:
                     f"under the lock {self.source!r} no longer holds {len(missing)} briefcase(s) of the batch (e.g. {missing[0]})",
                     self.move_id, missing,
                 )
-            holding = {name for name, _ in src_sums}
-            _set_states(dst, area, gdids, STATE_INCOMING, self.source, self.move_id)
-            copy_batch(src, dst, [at for at in tables if at.name in holding], gdids)
+            mine = [g for g, st in _states(dst, area, gdids).items() if st["state"] == STATE_INCOMING and st["move_id"] == self.move_id]
+            if len(mine) != len(gdids):
+                raise BatchAbortedError(f"the pre-copy's incoming rows on {self.target!r} changed under it (another mover?)", self.move_id)
             dst_sums = verify.batch_sums(dst, tables, gdids, method, pinned=True)
-            differ = sorted({key[1] for key in src_sums.keys() | dst_sums.keys() if src_sums.get(key) != dst_sums.get(key)})
-            if differ:
-                telemetry.move_verification_failed(area)
-                raise BatchAbortedError(
-                    f"verification of {len(gdids)} briefcase(s) found {len(differ)} that differ between {self.source!r} and "
-                    f"{self.target!r} (e.g. {differ[0]}); every one is moved again on its own", self.move_id, differ,
-                )
+            changed = _differing(src_sums, dst_sums)
+            if changed:  # written since the pre-copy: copied again, then summed again
+                delete_batch(dst, tables, changed)
+                copy_batch(src, dst, [at for at in tables if any((at.name, g) in src_sums for g in changed)], changed)
+                again = verify.batch_sums(dst, tables, changed, method, pinned=True)
+                wanted = {key: value for key, value in src_sums.items() if key[1] in set(changed)}
+                differ = _differing(wanted, again)
+                if differ:
+                    telemetry.move_verification_failed(area)
+                    raise BatchAbortedError(
+                        f"verification of {len(gdids)} briefcase(s) found {len(differ)} that differ between {self.source!r} and "
+                        f"{self.target!r} (e.g. {differ[0]}); every one is moved again on its own", self.move_id, differ,
+                    )
             fault_point("batch.after_verify")
         fault_point("batch.after_copy_commit")
         bound_statements(src, deadline)
