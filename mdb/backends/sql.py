@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import ClassVar
 
-from sqlalchemy import Column, DateTime, Sequence, String, Table, and_, delete, func, insert, select, update
+from sqlalchemy import Column, DateTime, Sequence, String, Table, and_, delete, func, insert, select
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import ColumnElement

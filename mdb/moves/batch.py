@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -46,12 +45,11 @@ from sqlalchemy import delete, func, insert, select, text, union, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import OperationalError
 
 from mdb import dberrors, telemetry
 from mdb.cluster import Cluster
 from mdb.dberrors import translated
-from mdb.errors import BatchAbortedError, MdbError, MigrationError
+from mdb.errors import BatchAbortedError, MdbError, MigrationError, MoveAbortedError
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.migrations.revisions import SCHEMA_LOCK_KEY, current_revision, require_one_revision
@@ -59,8 +57,7 @@ from mdb.moves import verify
 from mdb.moves.copy import AreaTable, copy_batch, count_batch, delete_batch
 from mdb.moves.journal import ABORTED, DONE, ROLLED_BACK, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, ResumeOutcome, register_resolver
-from mdb.moves.sql_steps import area_tables, bound_statements, statement_cancelled
-from mdb.ownership import lock_keys_sql
+from mdb.moves.sql_steps import area_tables, bound_statements, locked_briefcases, statement_cancelled
 from mdb.relocations import set_relocations
 from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
 
@@ -105,50 +102,16 @@ class BatchResult:
 
 @contextmanager
 def _locked_batch(cluster: Cluster, server: str, area: str, gdids: Sequence[GDID], *, lock_wait: float, max_pause: float) -> Iterator[tuple[Connection, float]]:
-    """A source transaction holding every briefcase's exclusive lock; yields (conn, lock start).
+    """:func:`mdb.moves.sql_steps.locked_briefcases`; a lock that does not come free aborts the batch (it is split).
 
-    The single move's protocol (:func:`mdb.moves.sql_steps.locked_source`) for a set of keys:
-    all of them tried at once without queueing (so sessions are not held up while some key is
-    busy), retried with back-off for ``lock_wait`` seconds, then one wait bounded by
-    ``max_pause``. A failed try releases the keys it got (they are transaction locks).
-    SQLite: ``BEGIN IMMEDIATE`` is the lock.
+    No schema lock per batch: :func:`hold_schemas` holds it for the pass.
     """
-    conn = cluster.connect(server)
-    try:
-        with translated(server):
-            if conn.dialect.name != "postgresql":
-                conn.begin()
-                yield conn, time.monotonic()
-                return
-            keys = lock_keys_sql(area, gdids)  # the schema lock: held for the pass by hold_schemas
-            deadline = time.monotonic() + lock_wait
-            delay = 0.002
-            while True:
-                conn.begin()
-                started = time.monotonic()
-                if conn.exec_driver_sql(f"SELECT bool_and(pg_try_advisory_xact_lock(k)) FROM unnest({keys}) AS k").scalar_one():
-                    break
-                conn.rollback()
-                if time.monotonic() + delay >= deadline:
-                    conn.begin()
-                    started = time.monotonic()
-                    conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{max(1, int(max_pause * 1000))}ms'")
-                    try:
-                        conn.exec_driver_sql(f"SELECT count(pg_advisory_xact_lock(k)) FROM unnest({keys}) AS k")
-                    except OperationalError as exc:
-                        raise BatchAbortedError(
-                            f"a batch of {len(gdids)} briefcase(s) of {area!r}: could not take their write locks on {server!r} "
-                            f"within {lock_wait:.1f}s + {max_pause:.1f}s (sessions kept them busy): {dberrors.describe(exc)}", None,
-                        ) from None
-                    conn.exec_driver_sql("SET LOCAL lock_timeout = 0")
-                    break
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
-            yield conn, started
-    finally:
-        if conn.in_transaction():
-            conn.rollback()
-        conn.close()
+    with ExitStack() as stack:
+        try:
+            conn, started = stack.enter_context(locked_briefcases(cluster, server, area, gdids, lock_wait=lock_wait, max_pause=max_pause))
+        except MoveAbortedError as exc:
+            raise BatchAbortedError(str(exc), None) from None
+        yield conn, started
 
 
 @contextmanager

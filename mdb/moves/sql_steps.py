@@ -9,7 +9,7 @@ fence) is what a move's steps write and what resume reads to decide.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,7 +28,7 @@ from mdb.moves.copy import AreaTable, delete_briefcase, measure
 from mdb.relocations import set_relocation
 from mdb.moves.journal import DONE, Journal, JournalEntry
 from mdb.migrations.revisions import current_revision, lock_out_migrations, require_one_revision
-from mdb.ownership import lock_key_sql
+from mdb.ownership import lock_keys_sql
 from mdb.schema_diff import compare_tables, format_differences
 from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state, load_system_tables
 
@@ -39,6 +39,7 @@ __all__ = [
     "check_target_schema",
     "discard_target",
     "finalize",
+    "locked_briefcases",
     "locked_source",
     "precheck",
     "root_exists",
@@ -86,12 +87,26 @@ def root_exists(conn: Connection, tables: list[AreaTable], gdid: GDID) -> bool:
 
 @contextmanager
 def locked_source(store: Cluster, server: str, area: str, gdid: GDID, *, lock_wait: float, max_pause: float) -> Iterator[tuple[Connection, float]]:
-    """A source transaction holding the briefcase's exclusive lock; yields (conn, lock start time).
+    """A source transaction holding the briefcase's exclusive lock and the schema lock shared; yields (conn, lock start).
 
-    PostgreSQL: ``pg_try_advisory_xact_lock`` polled for ``lock_wait`` seconds (no queue forms,
-    so sessions are not held up while we wait for a gap), then one blocking attempt bounded by
-    ``max_pause`` via ``lock_timeout``. SQLite: BEGIN IMMEDIATE is the lock. The caller commits;
-    leaving the block without commit rolls back.
+    :func:`locked_briefcases` for one briefcase, with migrations locked out for the transaction.
+    """
+    with locked_briefcases(store, server, area, [gdid], lock_wait=lock_wait, max_pause=max_pause) as (conn, started):
+        lock_out_migrations(conn, server)  # no migration changes the tables while they are copied
+        yield conn, started
+
+
+@contextmanager
+def locked_briefcases(
+    store: Cluster, server: str, area: str, gdids: Sequence[GDID], *, lock_wait: float, max_pause: float,
+) -> Iterator[tuple[Connection, float]]:
+    """A source transaction holding every briefcase's exclusive lock; yields (conn, lock start time).
+
+    PostgreSQL: ``pg_try_advisory_xact_lock`` on every key in one statement, polled for
+    ``lock_wait`` seconds (no queue forms, so sessions are not held up while we wait for a gap;
+    a failed try lets go of the keys it got, they are transaction locks), then one blocking
+    attempt bounded by ``max_pause`` via ``lock_timeout``, the keys in GDID order. SQLite:
+    BEGIN IMMEDIATE is the lock. The caller commits; leaving the block without commit rolls back.
     """
     conn = store.connect(server)
     try:
@@ -101,13 +116,13 @@ def locked_source(store: Cluster, server: str, area: str, gdid: GDID, *, lock_wa
                 conn.begin()
                 yield conn, started
                 return
-            key = lock_key_sql(area, gdid)
+            keys = lock_keys_sql(area, gdids)
             deadline = time.monotonic() + lock_wait
             delay = 0.002
             while True:
                 conn.begin()
                 started = time.monotonic()
-                if conn.exec_driver_sql(f"SELECT pg_try_advisory_xact_lock({key})").scalar_one():
+                if conn.exec_driver_sql(f"SELECT bool_and(pg_try_advisory_xact_lock(k)) FROM unnest({keys}) AS k").scalar_one():
                     break
                 conn.rollback()
                 if time.monotonic() + delay >= deadline:
@@ -115,17 +130,17 @@ def locked_source(store: Cluster, server: str, area: str, gdid: GDID, *, lock_wa
                     started = time.monotonic()
                     conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{max(1, int(max_pause * 1000))}ms'")
                     try:
-                        conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({key})")
+                        conn.exec_driver_sql(f"SELECT count(pg_advisory_xact_lock(k)) FROM unnest({keys}) AS k")
                     except OperationalError as exc:
+                        what = f"briefcase {area}/{gdids[0]}" if len(gdids) == 1 else f"{len(gdids)} briefcases of {area!r}"
                         raise MoveAbortedError(
-                            f"briefcase {area}/{gdid}: could not take its write lock on {server!r} within "
+                            f"{what}: could not take the write lock on {server!r} within "
                             f"{lock_wait:.1f}s + {max_pause:.1f}s (sessions kept it busy): {dberrors.describe(exc)}"
                         ) from None
                     conn.exec_driver_sql("SET LOCAL lock_timeout = 0")
                     break
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
-            lock_out_migrations(conn, server)  # no migration changes the tables while they are copied
             yield conn, started
     finally:
         if conn.in_transaction():
