@@ -145,7 +145,8 @@ def test_one_statement_runs_without_begin_and_the_next_transaction_begins_again(
         with registry.engine("db").connect() as conn:
             one_statement(conn)
             assert conn.execute(same_start).scalar_one() is True
-            assert conn.connection.dbapi_connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            driver = conn.connection.dbapi_connection
+            assert driver is not None and driver.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
             conn.commit()
             assert conn.execute(same_start).scalar_one() is False  # BEGIN went first again
             conn.commit()
