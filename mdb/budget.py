@@ -140,8 +140,9 @@ class ConnectionBudget:
     def peak_connections(self, instance: str | None = None) -> int:
         """The most connections this budget has counted open at once, on ``instance`` or in total.
 
-        What the servers saw of this process at worst (a cap holds if this never exceeds it),
-        which :meth:`open_connections` after the fact cannot tell.
+        Whether a cap held over a run, which :meth:`open_connections` after the fact cannot
+        tell. (A server may list a closed connection's backend a moment longer: it exits
+        after its client has gone.)
         """
         with self._cond:
             return self._peak_total if instance is None else self._peak.get(instance, 0)

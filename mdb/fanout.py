@@ -32,8 +32,7 @@ from sqlalchemy.engine import Connection, Row
 from sqlalchemy.engine.result import IteratorResult, SimpleResultMetaData
 from sqlalchemy.exc import CompileError, DBAPIError
 from sqlalchemy.orm import Session
-from sqlalchemy.sql import operators
-from sqlalchemy.sql import Executable
+from sqlalchemy.sql import Executable, operators
 from sqlalchemy.sql.elements import BinaryExpression, ColumnElement, Label, UnaryExpression, _textual_label_reference
 from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.sql.schema import Table
@@ -364,8 +363,8 @@ def _read(store: Cluster, server: str, statement: Executable, readonly: bool) ->
     """The rows of ONE statement on ``server``, sent without BEGIN and COMMIT (:func:`one_statement`).
 
     The statement is its own transaction, so it reads committed data of one moment, as before;
-    the shard costs one round trip instead of three, which is most of a fan-out's time once its
-    connections exist and much of a cold one's. A pooled connection that died with its server
+    the shard costs one round trip instead of three (a warm fan-out count over 128 shards: 43
+    -> 34 ms, docs/fan-out.md). A pooled connection that died with its server
     (a restart) now fails on the statement instead of on BEGIN: it is replaced once, as
     ``Store`` replaces one whose BEGIN failed (nothing ran on it: the statement only reads).
     """

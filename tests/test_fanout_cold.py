@@ -8,7 +8,7 @@ connections are opened at once, and a server that is down must still be reported
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,23 +36,6 @@ CAP = 4
 COUNT = select(func.count().label("n")).select_from(User)
 
 
-@pytest.fixture
-def own_server(pg_server_factory: Callable[[], PostgresServer]) -> Iterator[Callable[[int], PostgresServer]]:
-    """Factory: a server of the test's own with ``max_connections=n`` (asks for
-    ``pg_server_factory`` so the test is marked and skipped or failed like every PostgreSQL test)."""
-    made: list[PostgresServer] = []
-
-    def make(n: int) -> PostgresServer:
-        server = PostgresServer({"max_connections": str(n), "superuser_reserved_connections": "0"}, name="cold")
-        made.append(server)
-        server.start()
-        return server
-
-    yield make
-    for server in made:
-        server.close()
-
-
 def _shard_map(path: Path, central: str, shards: list[str], engine: dict[str, Any] | None = None) -> Path:
     names = [f"s{i}" for i in range(len(shards))]
     data = map_dict({"c": central, **dict(zip(names, shards))}, central=["c"], partitions=[("0:0:0", names)])
@@ -77,7 +60,7 @@ def _fill(shards: list[str]) -> list[int]:
 
 
 def test_a_cold_fan_out_over_more_shards_than_the_cap_completes_within_it(
-    own_server: Callable[[int], PostgresServer], tmp_path: Path
+    pg_server_factory: Callable[[], PostgresServer], tmp_path: Path
 ) -> None:
     """20 shard databases on one instance, a cap of 4 connections, 16 fan-out threads, a new Store:
     every shard is read, and the process never holds more than 4 connections at once.
@@ -87,7 +70,7 @@ def test_a_cold_fan_out_over_more_shards_than_the_cap_completes_within_it(
     the one opened in its place can both be listed for that moment (sampled here: 5 for a cap
     of 4); a refusal for capacity in that moment is retried (mdb.budget.connect_patiently).
     """
-    server = own_server(SHARDS + 10)
+    server = pg_server_factory()
     urls = [server.create_database() for _ in range(SHARDS + 1)]
     path = _shard_map(tmp_path / "map.yaml", urls[0], urls[1:], {"max_connections_per_instance": CAP, "pool_timeout": 60})
     with Store.from_yaml(path, types=[UserBriefcase]) as store:
