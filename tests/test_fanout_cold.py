@@ -119,20 +119,24 @@ def _registry(url: str) -> EngineRegistry:
 
 
 def test_one_statement_runs_without_begin_and_the_next_transaction_begins_again(pg_databases: Any) -> None:
-    """Within a transaction begun by BEGIN, a later statement starts after the transaction did;
-    a statement sent alone is its transaction, so both start together (statement_timestamp)."""
+    """The server's transaction status (sent with every ReadyForQuery): after a statement sent
+    alone no transaction is open (the statement's own ended with it), after BEGIN and a
+    statement one is, until COMMIT."""
     (url,) = pg_databases(1)
     registry = _registry(url)
-    same_start = text("SELECT now() = statement_timestamp()")
+    status = psycopg.pq.TransactionStatus
     try:
         with registry.engine("db").connect() as conn:
-            one_statement(conn)
-            assert conn.execute(same_start).scalar_one() is True
             driver = conn.connection.dbapi_connection
-            assert driver is not None and driver.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            assert driver is not None
+            one_statement(conn)
+            assert conn.execute(text("SELECT 41 + 1")).scalar_one() == 42
+            assert driver.info.transaction_status == status.IDLE
             conn.commit()
-            assert conn.execute(same_start).scalar_one() is False  # BEGIN went first again
+            assert conn.execute(text("SELECT 41 + 1")).scalar_one() == 42  # taken once: BEGIN again
+            assert driver.info.transaction_status == status.INTRANS
             conn.commit()
+            assert driver.info.transaction_status == status.IDLE
     finally:
         registry.dispose()
 
