@@ -105,6 +105,8 @@ class ConnectionBudget:
         self._caps: dict[str, int] = {}
         self._open: dict[str, int] = {}
         self._open_total = 0
+        self._peak: dict[str, int] = {}
+        self._peak_total = 0
         self._cond = threading.Condition(threading.Lock())
         self._pools: weakref.WeakSet[BudgetPool] = weakref.WeakSet()
         self._pools_lock = threading.Lock()
@@ -134,6 +136,16 @@ class ConnectionBudget:
         """Connections this budget counts as open, on ``instance`` or in total."""
         with self._cond:
             return self._open_total if instance is None else self._open.get(instance, 0)
+
+    def peak_connections(self, instance: str | None = None) -> int:
+        """The most connections this budget has counted open at once, on ``instance`` or in total.
+
+        Whether a cap held over a run, which :meth:`open_connections` after the fact cannot
+        tell. (A server may list a closed connection's backend a moment longer: it exits
+        after its client has gone.)
+        """
+        with self._cond:
+            return self._peak_total if instance is None else self._peak.get(instance, 0)
 
     def register(self, pool: BudgetPool) -> None:
         with self._pools_lock:
@@ -167,8 +179,10 @@ class ConnectionBudget:
                 with self._cond:
                     full = self._full(instance)
                     if full is None:
-                        self._open[instance] = self._open.get(instance, 0) + 1
+                        now = self._open[instance] = self._open.get(instance, 0) + 1
                         self._open_total += 1
+                        self._peak[instance] = max(now, self._peak.get(instance, 0))
+                        self._peak_total = max(self._open_total, self._peak_total)
                         return
                     idled = self._idled
                 if self._shed(instance if full == "instance" else None):

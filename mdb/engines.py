@@ -38,7 +38,7 @@ from mdb.servers import ServerDirectory
 from mdb.urls import mask_url, sqlalchemy_url
 
 __all__ = [
-    "BeginPrelude", "EngineRegistry", "PreparedNames", "Rows", "prelude_of", "set_prelude",
+    "BeginPrelude", "EngineRegistry", "PreparedNames", "Rows", "one_statement", "prelude_of", "set_prelude",
     "take_result",
 ]
 
@@ -114,6 +114,40 @@ class BeginPrelude(Protocol):
 def set_prelude(conn: Connection, prelude: BeginPrelude) -> None:
     """Make the next BEGIN on ``conn`` run ``prelude`` (taken by that BEGIN, never run twice)."""
     conn.info[_PRELUDE] = prelude
+
+
+class _OneStatement:
+    """The prelude of a "transaction" that is one statement: on PostgreSQL it sends nothing."""
+
+    def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:
+        return None
+
+    def begin_postgresql_pooled(self, connection: psycopg.Connection[Any]) -> Rows | None:
+        return None
+
+    def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
+        cursor.execute(begin)  # a local call, no round trip to save
+        return None
+
+
+_ONE_STATEMENT = _OneStatement()
+
+
+def one_statement(conn: Connection) -> None:
+    """Run the next transaction on ``conn``, which must be ONE statement, without BEGIN on PostgreSQL.
+
+    Why: the driver runs in autocommit mode and every BEGIN is sent by mdb; a statement sent
+    without one is a transaction of its own on the server (one snapshot, committed data only,
+    exactly what BEGIN; statement; COMMIT gives a lone read). The COMMIT that follows then costs
+    nothing either (psycopg sees no transaction open and sends nothing): two round trips of
+    three saved, per shard of a fan-out. A second statement would run in a transaction of its
+    own, so this is for single statements only. SQLite keeps its BEGIN (no round trip there).
+
+    A pooled connection that died with its server fails on the statement, not on BEGIN, so
+    the caller's retry on a fresh connection (as ``Store`` does for a failed BEGIN) must be
+    around the statement.
+    """
+    set_prelude(conn, _ONE_STATEMENT)
 
 
 def prelude_of(conn: Connection) -> BeginPrelude | None:

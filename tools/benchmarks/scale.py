@@ -8,7 +8,10 @@ engines does. Per S, next to same-run baselines:
 - fan-out count and ORM top-10 vs a sequential loop and a thread-pool loop of plain Sessions
   running the same statement on every shard (the baselines skip mdb's 'incoming' filter);
 - the cold first fan-out (a new Store: refresh, engines, connections) vs a warm one, and the
-  first fan-out of a new Store after ``store.warm_up("user")`` vs the cold one;
+  first fan-out of a new Store after ``store.warm_up("user")`` vs the cold one; the CPU the
+  PostgreSQL servers spent on the cold one (their new backends) vs the mdb process's CPU; the
+  cold first fan-out of a new Store through PgBouncer (transaction pooling, its server
+  connections already open: no backend to start) vs the direct one;
 - schema apply wall time (first run, --parallel 8) vs a sequential re-run (nothing to create),
   and a parallel re-run vs the sequential one;
 - connections the Store holds after the run vs S (one per shard).
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import ExitStack
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -37,6 +41,7 @@ from mdb.urls import sqlalchemy_url
 from mdb.gdid import GDID
 from mdb.schema import apply_schema
 from mdb.store import Store
+from mdb.testing.pgbouncer import PgBouncer, pgbouncer_unavailable_reason
 
 SECTION = "scale"
 SIZES = (4, 16, 64, 128)
@@ -83,6 +88,71 @@ def _fill(store: Store, engines: dict[str, Engine], shards: int) -> GDID:
                 for g in gids for k in range(ORDERS_PER_USER)
             ])
     return next(iter(by_server.values()))[0]
+
+
+def _pooled_map(path: Path, central: str, shards: list[str], pooled: list[str]) -> Path:
+    """The map of :func:`_write_map` with the shards reached through a transaction pooler."""
+    servers: dict[str, Any] = {"c": {"primary": central}}
+    for i, (direct, through) in enumerate(zip(shards, pooled, strict=True)):
+        servers[f"s{i}"] = {"primary": through, "pooler": "transaction", "direct": direct}
+    data = {"version": 1, "servers": servers, "areas": {
+        "central": {"kind": "central", "shards": ["c"]},
+        "user": {"partitions": [{"start": "0:0:0", "shards": [f"s{i}" for i in range(len(shards))]}]},
+    }}
+    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return path
+
+
+class _ServersCpu:
+    """CPU the local PostgreSQL servers spent in backends that have exited (ms), read from /proc.
+
+    A backend is a child of its server's postmaster; the kernel adds an exited child's CPU to
+    the parent's ``cutime``/``cstime``. So the CPU of the backends a cold fan-out starts shows
+    there once its Store has closed them. Only where the servers run on this machine (they do
+    in the benchmark); None elsewhere.
+    """
+
+    def __init__(self, urls: list[str]) -> None:
+        self._postmasters: list[int] = []
+        for url in urls:
+            engine = create_engine(sqlalchemy_url(url))
+            try:
+                with engine.connect() as conn:
+                    backend = int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+            finally:
+                engine.dispose()
+            try:
+                self._postmasters.append(int(self._stat(backend)[1]))  # the backend's parent
+            except OSError:
+                self._postmasters = []
+                return
+
+    @staticmethod
+    def _stat(pid: int) -> list[str]:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()
+
+    def now(self) -> float | None:
+        if not self._postmasters:
+            return None
+        try:
+            ticks = sum(int(f[13]) + int(f[14]) for f in map(self._stat, self._postmasters))
+        except OSError:
+            return None
+        return ticks * 1000 / os.sysconf("SC_CLK_TCK")
+
+
+def _settled(measure: _ServersCpu) -> float | None:
+    """The servers' CPU once the backends of just-closed connections have exited (they exit a
+    moment after their clients leave)."""
+    last = measure.now()
+    for _ in range(20):
+        time.sleep(0.1)
+        now = measure.now()
+        if now == last:
+            return now
+        last = now
+    return last
 
 
 def _loops(engines: list[Engine]) -> tuple[Callable[[Any], list[Any]], Callable[[Any], list[Any]]]:
@@ -135,12 +205,22 @@ def _one_size(ctx: BenchContext, shards: int, rounds: int, calls: int) -> list[R
     try:
         user = _fill(store, plain, shards)
         store.close()
+        servers_cpu = _ServersCpu(urls[:2])  # the databases alternate over the 2 servers
+        before = _settled(servers_cpu)
         store = Store.from_yaml(path, types=[UserBriefcase])
+        cpu = time.process_time()
         start = time.perf_counter()
         store.fan_out("user", COUNT, aggregate=True)
         cold = time.perf_counter() - start
+        cpu = time.process_time() - cpu
 
         store.close()
+        after = _settled(servers_cpu)
+        if before is not None and after is not None:
+            out.append(Result(SECTION, f"cold first fan-out count: CPU of the PostgreSQL servers, S={shards}",
+                              after - before, "ms", "CPU of the mdb process", cpu * 1000,
+                              f"{shards} new backends; both servers and mdb share this machine's {os.cpu_count()} cores"))
+        out.extend(_through_pgbouncer(ctx, urls, shards, cold))
         store = Store.from_yaml(path, types=[UserBriefcase])
         start = time.perf_counter()
         assert store.warm_up("user") == []
@@ -206,6 +286,24 @@ def _one_size(ctx: BenchContext, shards: int, rounds: int, calls: int) -> list[R
         for engine_ in plain.values():
             engine_.dispose()
     return out
+
+
+def _through_pgbouncer(ctx: BenchContext, urls: list[str], shards: int, cold: float) -> list[Result]:
+    """The cold first fan-out of a new Store through PgBouncer whose server connections are open."""
+    if pgbouncer_unavailable_reason() is not None:
+        return []
+    with ExitStack() as stack:
+        bouncer = stack.enter_context(PgBouncer(urls[1:], pool_size=2))
+        path = _pooled_map(ctx.tmpdir / f"scale-{shards}-pooled.yaml", urls[0], urls[1:], bouncer.pooled_urls)
+        with Store.from_yaml(path, types=[UserBriefcase]) as first:  # opens PgBouncer's server connections
+            first.fan_out("user", COUNT, aggregate=True)
+        store = stack.enter_context(Store.from_yaml(path, types=[UserBriefcase]))
+        start = time.perf_counter()
+        store.fan_out("user", COUNT, aggregate=True)
+        through = time.perf_counter() - start
+    return [Result(SECTION, f"cold first fan-out count through PgBouncer, S={shards}", through * 1000, "ms",
+                   "cold first fan-out count (direct)", cold * 1000,
+                   "new Store; PgBouncer's server connections already open (no backend to start)")]
 
 
 def run(ctx: BenchContext) -> list[Result]:
