@@ -154,7 +154,7 @@ def _settle(conn: Connection, deadline: float) -> None:
     """PostgreSQL: the statement bound (time left to ``deadline``) and the pinned output settings, one round trip."""
     if conn.dialect.name == "postgresql":
         left_ms = min(max(1, int((deadline - time.monotonic()) * 1000)), 2**31 - 1)
-        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {left_ms}; {verify.PG_OUTPUT_SETTINGS}")
+        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {left_ms}; SET LOCAL enable_seqscan = off; {verify.PG_OUTPUT_SETTINGS}")
 
 
 def _states(conn: Connection, area: str, gdids: Sequence[GDID]) -> dict[GDID, dict[str, Any]]:

@@ -86,7 +86,7 @@ FAULT_POINTS = register(
 
 MOVE_ATTEMPTS = 3
 MAX_SWEEPS = 5
-DEFAULT_BATCH_PAUSE = 0.04
+DEFAULT_BATCH_PAUSE = 0.03
 """The write pause a batch of briefcases aims at (seconds); 0 moves one briefcase at a time."""
 BATCH_START = 8
 BATCH_LARGEST = 500
