@@ -151,7 +151,12 @@ def _differing(a: dict[tuple[str, GDID], verify.TableSum], b: dict[tuple[str, GD
 
 
 def _settle(conn: Connection, deadline: float) -> None:
-    """PostgreSQL: the statement bound (time left to ``deadline``) and the pinned output settings, one round trip."""
+    """PostgreSQL: the statement bound (time left to ``deadline``) and the pinned output settings, one round trip.
+
+    Sequential scans are switched off for the transaction: every statement of a batch selects a
+    few briefcases by key, and a target shard filled by the reshard itself has no statistics yet
+    (it was empty when it was last analyzed), where the planner would scan whole tables.
+    """
     if conn.dialect.name == "postgresql":
         left_ms = min(max(1, int((deadline - time.monotonic()) * 1000)), 2**31 - 1)
         conn.exec_driver_sql(f"SET LOCAL statement_timeout = {left_ms}; SET LOCAL enable_seqscan = off; {verify.PG_OUTPUT_SETTINGS}")

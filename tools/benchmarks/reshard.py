@@ -11,6 +11,8 @@ settled with VACUUM ANALYZE before anything is timed. Measured in the same run:
   keys), one commit per briefcase. No lock, no verification, no fence, no delete on the source;
 - **raw COPY pipe**: one COPY per table for all of the sample's rows at once, one commit: what
   the servers and the pipe can do at all (rows/s);
+- **the plan of many briefcases**: ``mdb reshard --dry-run`` over 1,000,000 root-only briefcases,
+  wall time and peak Python memory, next to reading every key into a list;
 - **mdb reshard** with batched cutovers at ``--parallel`` 1, 2 and 4 (2 -> 3, 3 -> 2, 2 -> 3 again,
   each moving about two thirds of the briefcases), and one at a time (``--batch-pause 0``, the
   cutover of earlier versions) on a smaller set. The write pause of a briefcase is the time its
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import tracemalloc
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -203,8 +206,62 @@ def _p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
 
+def _plan_of_many(ctx: BenchContext) -> list[Result]:
+    """``mdb reshard --dry-run`` over N root-only briefcases: wall time and peak Python memory.
+
+    Baseline: reading the partition's keys into a list with one SELECT per shard (what holding
+    one object per briefcase costs at the least).
+    """
+    n = ctx.iterations(1_000_000, 100_000)
+    urls = dict(zip(["c", "a", "b", "x"], ctx.pg_urls(4)))
+    path = _map(ctx.tmpdir / "reshard-plan", urls, ["a", "b"])
+    with Store.from_yaml(path, types=[UserBriefcase]) as store:
+        assert all(r.ok for r in apply_schema(store))
+    users = [GDID(0, 0, i) for i in range(1, n + 1)]
+    for i, server in enumerate(["a", "b"]):
+        with psycopg.connect(_dsn(urls[server])) as conn:
+            with conn.cursor().copy("COPY users (user_id, email, name, created_at) FROM STDIN") as copy:
+                for g in users:
+                    if g.sharding_value % 2 == i:
+                        copy.write_row((bytes(g), "e", "n", AT))
+        with psycopg.connect(_dsn(urls[server]), autocommit=True) as conn:
+            conn.execute("VACUUM ANALYZE users")
+    del users
+    def naive() -> list[GDID]:
+        keys: list[GDID] = []
+        for server in ("a", "b"):
+            with psycopg.connect(_dsn(urls[server])) as conn:
+                keys.extend(GDID.from_bytes(k) for (k,) in conn.execute("SELECT user_id FROM users"))
+        return keys
+
+    def dry_run() -> Any:
+        with Store.from_yaml(path, types=[UserBriefcase]) as store:
+            return reshard(store, "user", GDID(0, 0, 0), ["a", "b", "x"], dry_run=True, map_path=path)
+
+    start = time.perf_counter()
+    naive()
+    naive_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    outcome = dry_run()
+    seconds = time.perf_counter() - start
+    # Memory in second runs: tracemalloc slows every allocation, so it stays out of the timed ones.
+    peaks = []
+    for job in (naive, dry_run):
+        tracemalloc.start()
+        job()
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    naive_peak, peak = peaks
+    note = f"{outcome.plan.briefcases_to_move} of {outcome.plan.briefcases_in_partition} would move"
+    return [
+        Result(SECTION, f"mdb reshard --dry-run, {n} briefcases: wall time", seconds, "s", "SELECT every key into a list", naive_seconds, note=note),
+        Result(SECTION, f"mdb reshard --dry-run, {n} briefcases: peak Python memory", peak / 1e6, "MB",
+               "SELECT every key into a list", naive_peak / 1e6, note="tracemalloc peak"),
+    ]
+
+
 def run(ctx: BenchContext) -> list[Result]:
-    results: list[Result] = []
+    results: list[Result] = _plan_of_many(ctx)
     n = ctx.iterations(10_000, 1_000)
     path, urls, users = _cluster(ctx, "reshard-batched", n)
     sample = users[: ctx.iterations(500, 100)]
