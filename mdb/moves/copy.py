@@ -53,12 +53,9 @@ def _pg_literal(gdid: GDID) -> sql.Composable:
     return sql.SQL("'\\x{}'::bytea").format(sql.SQL(gdid.hex))
 
 
-def _pg_copy(src: Connection, dst: Connection, at: AreaTable, gdid: GDID, on_streamed: Callable[[], None] | None = None) -> int:
-    cols = sql.SQL(", ").join(sql.Identifier(c) for c in at.columns)
-    out_stmt = sql.SQL("COPY (SELECT {cols} FROM {table} WHERE {key} = {gdid}) TO STDOUT (FORMAT BINARY)").format(
-        cols=cols, table=sql.Identifier(at.name), key=sql.Identifier(at.key), gdid=_pg_literal(gdid)
-    )
-    in_stmt = sql.SQL("COPY {table} ({cols}) FROM STDIN (FORMAT BINARY)").format(table=sql.Identifier(at.name), cols=cols)
+def _pg_relay(src: Connection, dst: Connection, out_stmt: sql.Composable, in_stmt: sql.Composable,
+              on_streamed: Callable[[], None] | None = None) -> int:
+    """Stream ``out_stmt`` (a COPY TO STDOUT on the source) into ``in_stmt`` (COPY FROM STDIN on the target); rows copied."""
     src_raw: Any = src.connection.driver_connection
     dst_raw: Any = dst.connection.driver_connection
     with src_raw.cursor() as scur, dst_raw.cursor() as dcur:
@@ -78,30 +75,19 @@ def _pg_copy(src: Connection, dst: Connection, at: AreaTable, gdid: GDID, on_str
         return int(dcur.rowcount)
 
 
+def _pg_copy(src: Connection, dst: Connection, at: AreaTable, where: sql.Composable, on_streamed: Callable[[], None] | None = None) -> int:
+    """One table's rows matching ``where`` (the briefcase key's condition), COPY to COPY, binary."""
+    cols = sql.SQL(", ").join(sql.Identifier(c) for c in at.columns)
+    out_stmt = sql.SQL("COPY (SELECT {cols} FROM {table} WHERE {key} {where}) TO STDOUT (FORMAT BINARY)").format(
+        cols=cols, table=sql.Identifier(at.name), key=sql.Identifier(at.key), where=where
+    )
+    in_stmt = sql.SQL("COPY {table} ({cols}) FROM STDIN (FORMAT BINARY)").format(table=sql.Identifier(at.name), cols=cols)
+    return _pg_relay(src, dst, out_stmt, in_stmt, on_streamed)
+
+
 def _pg_keys(gdids: Sequence[GDID]) -> sql.Composable:
     """``ARRAY['\\x..'::bytea, ...]``: the briefcase keys of a batch, inlined (hex only, nothing to escape)."""
     return sql.SQL("ARRAY[{}]").format(sql.SQL(", ").join(_pg_literal(g) for g in gdids))
-
-
-def _pg_copy_batch(src: Connection, dst: Connection, at: AreaTable, gdids: Sequence[GDID]) -> int:
-    cols = sql.SQL(", ").join(sql.Identifier(c) for c in at.columns)
-    out_stmt = sql.SQL("COPY (SELECT {cols} FROM {table} WHERE {key} = ANY({keys})) TO STDOUT (FORMAT BINARY)").format(
-        cols=cols, table=sql.Identifier(at.name), key=sql.Identifier(at.key), keys=_pg_keys(gdids)
-    )
-    in_stmt = sql.SQL("COPY {table} ({cols}) FROM STDIN (FORMAT BINARY)").format(table=sql.Identifier(at.name), cols=cols)
-    src_raw: Any = src.connection.driver_connection
-    dst_raw: Any = dst.connection.driver_connection
-    with src_raw.cursor() as scur, dst_raw.cursor() as dcur:
-        with scur.copy(out_stmt) as out, dcur.copy(in_stmt) as into:
-            block = bytearray()
-            for chunk in out:
-                block += chunk
-                if len(block) >= RELAY_BLOCK:
-                    into.write(block)
-                    block = bytearray()
-            if block:
-                into.write(block)
-        return int(dcur.rowcount)
 
 
 def copy_batch(src: Connection, dst: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID]) -> dict[str, int]:
@@ -114,7 +100,7 @@ def copy_batch(src: Connection, dst: Connection, tables: Sequence[AreaTable], gd
     counts: dict[str, int] = {}
     for at in tables:
         if both_pg:
-            counts[at.name] = _pg_copy_batch(src, dst, at, gdids)
+            counts[at.name] = _pg_copy(src, dst, at, sql.SQL("= ANY({})").format(_pg_keys(gdids)))
         else:
             counts[at.name] = _generic_copy(src, dst, at, None, where=at.table.c[at.key].in_(list(gdids)))
     return counts
@@ -187,7 +173,7 @@ def copy_rows(
     for at in tables:
         if both_pg:
             streamed = None if on_streamed is None else (lambda name=at.name: on_streamed(name))
-            counts[at.name] = _pg_copy(src, dst, at, gdid, streamed)
+            counts[at.name] = _pg_copy(src, dst, at, sql.SQL("= {}").format(_pg_literal(gdid)), streamed)
         else:
             counts[at.name] = _generic_copy(src, dst, at, gdid)
             if on_streamed is not None:

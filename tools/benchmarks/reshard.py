@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-import yaml
 from sqlalchemy.engine import make_url
 
 from benchmarks import BenchContext, Result
+from benchmarks.moves import _map
 from mdb.demo.models import UserBriefcase
 from mdb.gdid import GDID
 from mdb.moves import batch as batch_module
@@ -102,19 +102,6 @@ def _fill(url: str, users: list[GDID]) -> None:
         conn.commit()
     with psycopg.connect(_dsn(url), autocommit=True) as conn:
         conn.execute("VACUUM ANALYZE")
-
-
-def _map(directory: Path, urls: dict[str, str], shards: list[str]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "map.yaml"
-    data = {
-        "version": 1,
-        "servers": {name: {"primary": url} for name, url in urls.items()},
-        "areas": {"central": {"kind": "central", "shards": ["c"]}, "user": {"partitions": [{"start": "0:0:0", "shards": shards}]}},
-        "models": ["mdb.demo.models"],
-    }
-    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
-    return path
 
 
 def _cluster(ctx: BenchContext, name: str, n: int) -> tuple[Path, dict[str, str], list[GDID]]:
