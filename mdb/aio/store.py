@@ -318,6 +318,7 @@ class AsyncStore:
 
     # -- briefcase sessions ------------------------------------------------------------------
 
+    @telemetry.observed_async_session
     @asynccontextmanager
     async def briefcase(
         self, btype: type[BriefcaseType], gdid: GDID | str, *, readonly: bool = False, exclusive: bool = False
