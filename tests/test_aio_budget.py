@@ -18,7 +18,7 @@ import yaml
 from mapfiles import map_dict
 from sqlalchemy import event, insert, select, text
 from sqlalchemy.pool import Pool
-from test_budget import connections_to, small_server  # noqa: F401 (small_server: the suite's fixture)
+from test_budget import connections_to, fill, refusals, small_server, write_budget_map  # noqa: F401 (refusals, small_server: the suite's fixtures)
 
 from mdb.aio import AsyncStore
 from mdb.aio.engines import AsyncBudgetPool
@@ -225,3 +225,31 @@ def test_idle_async_connections_are_closed_by_the_reaper_on_their_loop(
             assert connections_to(server, admin) == 0
     finally:
         store.close()
+
+
+def test_an_async_capacity_refusal_is_retried_on_the_loop_until_a_slot_frees(
+    small_server: Callable[[int], PostgresServer], tmp_path: Path, refusals: Any
+) -> None:
+    """The server itself is full (other clients): the async connect is retried with backoff,
+    sleeping on the loop, where another task frees a slot; then the transaction runs."""
+    server = small_server(6)
+    path = write_budget_map(tmp_path / "map.yaml", {"c": server.create_database()}, ["c"], {"pool_timeout": 60})
+    held = fill(server)
+
+    async def main() -> tuple[int, bool]:
+        async def free_a_slot() -> bool:
+            seen = await asyncio.to_thread(refusals.seen.wait, 60)
+            held.pop().close()  # one slot frees: the next retry gets it
+            return seen
+
+        async with AsyncStore.from_yaml(path, types=[]) as aio:
+            freer = asyncio.create_task(free_a_slot())
+            async with aio.transaction("c") as conn:
+                answer = int((await conn.execute(text("SELECT 41 + 1"))).scalar_one())
+            return answer, await freer
+
+    try:
+        assert asyncio.run(main()) == (42, True)
+    finally:
+        for conn in held:
+            conn.close()
