@@ -174,8 +174,9 @@ class AsyncBudgetPool(BudgetPool):
         self._closing: set[asyncio.Task[None]] = set()
 
     def _do_get(self) -> ConnectionPoolEntry:
-        if self._loop is None:  # the loop its connections belong to (the first checkout runs on it)
-            self._loop = asyncio.get_running_loop()
+        # The loop its connections are used on: a checkout runs on it (an AsyncStore that moves
+        # to a new loop, as a second asyncio.run does, brings its idle connections along).
+        self._loop = asyncio.get_running_loop()
         return super()._do_get()
 
     def _wait_for_return(self, remaining: float) -> None:
