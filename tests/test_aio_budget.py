@@ -253,3 +253,29 @@ def test_an_async_capacity_refusal_is_retried_on_the_loop_until_a_slot_frees(
     finally:
         for conn in held:
             conn.close()
+
+
+def test_idle_async_connections_of_an_ended_loop_leave_the_budget(
+    small_server: Callable[[int], PostgresServer], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An AsyncStore left open when its loop ended: the reaper cannot close its connections on
+    that loop any more; they are dropped with a warning and the budget stops counting them."""
+    server = small_server(30)
+    store, instance = shard_store(server, tmp_path, {"idle_timeout": 0.2})
+
+    async def main() -> int:
+        aio = AsyncStore(store)  # never closed
+        await aio.fan_out("user", select(User.user_id))
+        return async_records(aio)
+
+    try:
+        with caplog.at_level("WARNING", logger="mdb.aio.engines"):
+            assert asyncio.run(main()) == len(SHARDS)
+            deadline = time.monotonic() + 30  # generous: the reaper runs every 0.1 s here
+            while store.engines.budget.open_connections(instance) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert store.engines.budget.open_connections(instance) == 0
+        dropped = [r.getMessage() for r in caplog.records if "event loop is closed" in r.getMessage()]
+        assert dropped and all(f"instance {instance}" in m for m in dropped)
+    finally:
+        store.close()
