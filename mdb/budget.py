@@ -113,11 +113,11 @@ class ConnectionBudget:
         self._pools_lock = threading.Lock()
         """Guards adding to and reading ``_pools``: a WeakSet iterated while another thread adds raises."""
         self.waiting = 0
-        self._handed_over = 0
-        """Connections pools ever handed to another thread to close (see :meth:`_shed`)."""
+        """Threads waiting in :meth:`acquire`; a pool that keeps a returned connection idle wakes them."""
         self._idled = 0
         """How many times a pool kept a connection idle while someone waited (see :meth:`acquire`)."""
-        """Threads waiting in :meth:`acquire`; a pool that keeps a returned connection idle wakes them."""
+        self._handed_over = 0
+        """Connections pools ever handed to another thread to close (see :meth:`_shed`)."""
 
     def __repr__(self) -> str:
         return f"ConnectionBudget(per_instance={self.per_instance}, total={self.total}, open={self._open_total})"
