@@ -70,11 +70,14 @@ def instance_of(url: URL) -> str | None:
     return f"{host}:{url.port or 5432}"
 
 
-def connect_patiently(connect: Callable[[], T], deadline: float, where: str) -> T:
+def connect_patiently(
+    connect: Callable[[], T], deadline: float, where: str, sleep: Callable[[float], None] = time.sleep
+) -> T:
     """``connect()``, retried with backoff while the server refuses for capacity, until ``deadline``.
 
     The last refusal is raised as it came (the caller's error translation turns it into a
-    CapacityError); any other error is raised at once.
+    CapacityError); any other error is raised at once. ``sleep`` waits between tries (an async
+    engine passes one that suspends on its event loop instead of blocking it).
     """
     delay = 0.05
     while True:
@@ -84,7 +87,7 @@ def connect_patiently(connect: Callable[[], T], deadline: float, where: str) -> 
             if not is_capacity_refusal(exc) or time.monotonic() + delay > deadline:
                 raise
             log.info("instance %s refused a connection for capacity; retrying in %.2f s", where, delay)
-        time.sleep(delay)
+        sleep(delay)
         delay = min(delay * 2, 1.0)
 
 
@@ -112,9 +115,11 @@ class ConnectionBudget:
         self._pools_lock = threading.Lock()
         """Guards adding to and reading ``_pools``: a WeakSet iterated while another thread adds raises."""
         self.waiting = 0
+        """Threads waiting in :meth:`acquire`; a pool that keeps a returned connection idle wakes them."""
         self._idled = 0
         """How many times a pool kept a connection idle while someone waited (see :meth:`acquire`)."""
-        """Threads waiting in :meth:`acquire`; a pool that keeps a returned connection idle wakes them."""
+        self._handed_over = 0
+        """Connections pools ever handed to another thread to close (see :meth:`_shed`)."""
 
     def __repr__(self) -> str:
         return f"ConnectionBudget(per_instance={self.per_instance}, total={self.total}, open={self._open_total})"
@@ -165,6 +170,16 @@ class ConnectionBudget:
             return "total"
         return None
 
+    def _count_one_locked(self, instance: str) -> str | None:
+        """Count one more connection to ``instance`` unless a cap is full; which one is (None: counted)."""
+        full = self._full(instance)
+        if full is None:
+            now = self._open[instance] = self._open.get(instance, 0) + 1
+            self._open_total += 1
+            self._peak[instance] = max(now, self._peak.get(instance, 0))
+            self._peak_total = max(self._open_total, self._peak_total)
+        return full
+
     def acquire(self, instance: str, timeout: float) -> None:
         """Count one more open connection to ``instance``; make room or wait for it, or raise.
 
@@ -177,12 +192,8 @@ class ConnectionBudget:
         try:
             while True:
                 with self._cond:
-                    full = self._full(instance)
+                    full = self._count_one_locked(instance)
                     if full is None:
-                        now = self._open[instance] = self._open.get(instance, 0) + 1
-                        self._open_total += 1
-                        self._peak[instance] = max(now, self._peak.get(instance, 0))
-                        self._peak_total = max(self._open_total, self._peak_total)
                         return
                     idled = self._idled
                 if self._shed(instance if full == "instance" else None):
@@ -197,6 +208,28 @@ class ConnectionBudget:
         finally:
             with self._cond:
                 self.waiting -= 1
+
+    def try_acquire(self, instance: str) -> str | None:
+        """Count one more open connection to ``instance`` if the caps allow, never waiting.
+
+        Makes room as :meth:`acquire` does (closing the least recently used idle connection of
+        another pool). None: counted; otherwise which cap is full ("instance" or "total"). Why:
+        an async pool must not wait on this budget's thread condition, which would block its
+        event loop; it retries on the loop instead (mdb.aio.engines).
+        """
+        while True:
+            with self._cond:
+                full = self._count_one_locked(instance)
+                if full is None:
+                    return None
+            if not self._shed(instance if full == "instance" else None):
+                return full
+
+    def handed_over(self, n: int) -> None:
+        """A pool took ``n`` idle connections out to be closed on another thread (its event
+        loop); each stays counted until its :meth:`release`."""
+        with self._cond:
+            self._handed_over += n
 
     def wake(self) -> None:
         """A connection became idle: the waiters may now close it to make room."""
@@ -228,7 +261,16 @@ class ConnectionBudget:
             since = pool.oldest_idle()
             if since is not None:
                 candidates.append((since, n, pool))
-        return any(pool.close_idle(1) > 0 for _, _, pool in sorted(candidates))
+        for _, _, pool in sorted(candidates):
+            handed = self._handed_over
+            if pool.close_idle(1) > 0:
+                return True
+            if self._handed_over != handed:
+                # The pool handed its idle connection to its event loop to close (an async pool
+                # asked from another thread): that release() wakes the caller; asking the next
+                # pool as well would close one connection more than needed.
+                return False
+        return False
 
     def _exhausted(self, instance: str, full: str, timeout: float) -> CapacityError:
         if full == "instance":
@@ -289,17 +331,26 @@ class BudgetPool(Pool):
                         f"is too small for this process's concurrency: docs/operations.md)",
                         instance=self.instance or None,
                     )
-                self._cond.wait(remaining)
+                self._wait_for_return(remaining)
             if self._idle:
                 return self._idle.pop()[0]
             self._count += 1
         return self._open_new(deadline)
 
+    def _wait_for_return(self, remaining: float) -> None:
+        """Wait (holding ``_cond``) up to ``remaining`` seconds for a connection to come back."""
+        self._cond.wait(remaining)
+
+    def _acquire_budget(self, timeout: float) -> None:
+        """Count a new connection in the budget, waiting up to ``timeout`` for room (or raise)."""
+        assert self.budget is not None
+        self.budget.acquire(self.instance, timeout)
+
     def _open_new(self, deadline: float) -> ConnectionPoolEntry:
         """A new connection record; its slot in the pool (``_count``) is already taken."""
         try:
             if self.budget is not None:
-                self.budget.acquire(self.instance, max(0.0, deadline - time.monotonic()))
+                self._acquire_budget(max(0.0, deadline - time.monotonic()))
             try:
                 return self._create_connection()
             except BaseException:
@@ -342,6 +393,13 @@ class BudgetPool(Pool):
     def close_idle(self, limit: int | None = None, returned_before: float | None = None) -> int:
         """Close up to ``limit`` idle connections, oldest first (only those returned before
         ``returned_before``, when given); the number closed."""
+        taken = self._take_idle(limit, returned_before)
+        for record in taken:
+            self._close_record(record)
+        return len(taken)
+
+    def _take_idle(self, limit: int | None, returned_before: float | None) -> list[ConnectionPoolEntry]:
+        """Remove up to ``limit`` idle connections from the pool (see :meth:`close_idle`); the caller closes them."""
         with self._cond:
             n = 0
             while n < len(self._idle) and (limit is None or n < limit) and (
@@ -352,9 +410,7 @@ class BudgetPool(Pool):
             del self._idle[:n]
             self._count -= n
             self._cond.notify_all()
-        for record in taken:
-            self._close_record(record)
-        return n
+        return taken
 
     def reap(self, now: float) -> int:
         """Close the connections idle for longer than ``idle_timeout``; the number closed."""

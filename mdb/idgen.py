@@ -45,6 +45,7 @@ from mdb.gdid import (
     _new_object,
     _set_era,
     _set_raw,
+    _trusted,
     _trusted_run,
     check_sequence_name,
     sequence_key,
@@ -380,29 +381,59 @@ class GdidGenerator:
         _set_raw(g, raw)
         return g
 
+    def try_next(self) -> GDID | None:
+        """One new GDID if a block already reserved has one, else None; never waits on the database.
+
+        Why: an event loop (``mdb.aio.AsyncGdids``) hands ids out inline while a block is ready
+        and sends only a refill to a worker thread, without reading the generator's internals.
+        A None also starts the prefetch, as running out in :meth:`next` does.
+        """
+        with self._lock:
+            raw = self._next
+            if raw > self._last:
+                if not self._queue:
+                    self._start_prefetch_locked()
+                    return None
+                self._install_locked(1)  # a queued block: installed, never reserved here
+                raw = self._next
+            self._next = raw + 1
+            if raw >= self._low_mark:
+                self._start_prefetch_locked()
+            era = self._era
+        return _trusted(era, raw)
+
     def take(self, n: int) -> list[GDID]:
         """``n`` new GDIDs in increasing order (for bulk inserts)."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise GDIDError(f"invalid GDID count {n!r}: must be an int >= 0")
-        runs: list[tuple[int, int, int]] = []
+        _check_count(n)
         with self._lock:
-            while n > 0:
-                available = self._last - self._next + 1
-                if available <= 0:
-                    self._install_locked(n)
-                    continue
-                k = available if available < n else n
-                runs.append((self._era, self._next, k))
-                self._next += k
-                n -= k
-            if self._next > self._low_mark:
+            runs = self._take_locked(n)
+        return _from_runs(runs)
+
+    def try_take(self, n: int) -> list[GDID] | None:
+        """``n`` new GDIDs if the blocks already reserved hold them all, else None (none taken); never waits."""
+        _check_count(n)
+        with self._lock:
+            if self._last - self._next + 1 + sum(len(block) for block in self._queue) < n:
                 self._start_prefetch_locked()
-        if len(runs) == 1:
-            return _trusted_run(*runs[0])
-        out: list[GDID] = []
-        for run in runs:
-            out.extend(_trusted_run(*run))
-        return out
+                return None
+            runs = self._take_locked(n)
+        return _from_runs(runs)
+
+    def _take_locked(self, n: int) -> list[tuple[int, int, int]]:
+        """Take ``n`` ids as (era, first raw id, count) runs; reserves a block when those reserved run out."""
+        runs: list[tuple[int, int, int]] = []
+        while n > 0:
+            available = self._last - self._next + 1
+            if available <= 0:
+                self._install_locked(n)
+                continue
+            k = available if available < n else n
+            runs.append((self._era, self._next, k))
+            self._next += k
+            n -= k
+        if self._next > self._low_mark:
+            self._start_prefetch_locked()
+        return runs
 
     def __iter__(self) -> GdidGenerator:
         return self
@@ -481,6 +512,20 @@ class GdidGenerator:
         """Wait until no reservation is in flight (tests, orderly shutdown)."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._fetching, timeout)
+
+
+def _check_count(n: object) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise GDIDError(f"invalid GDID count {n!r}: must be an int >= 0")
+
+
+def _from_runs(runs: list[tuple[int, int, int]]) -> list[GDID]:
+    if len(runs) == 1:
+        return _trusted_run(*runs[0])
+    out: list[GDID] = []
+    for run in runs:
+        out.extend(_trusted_run(*run))
+    return out
 
 
 _NEVER: Final = 1 << 200

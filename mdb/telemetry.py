@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, contextmanager
 from functools import wraps
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -52,6 +52,7 @@ __all__ = [
     "move_finished",
     "move_step",
     "move_verification_failed",
+    "observed_async_session",
     "observed_documents",
     "observed_session",
     "ownership_refused",
@@ -151,23 +152,51 @@ NO_SERVER = "-"
 """The server label of a session that failed before it was routed to one."""
 
 
-class _ObservedSession(AbstractContextManager[_S], Generic[_S]):
-    """Wraps a briefcase session's context manager: counts it by outcome and spans it when traced."""
+class _Observation:
+    """One briefcase session being observed: its span while it runs, its count when it ends.
 
-    __slots__ = ("_inner", "_area", "_server", "_span", "_token")
+    Shared by the sync and the async wrapper, so both feed the same instruments and spans.
+    """
 
-    def __init__(self, inner: AbstractContextManager[_S], area: str) -> None:
-        self._inner = inner
+    __slots__ = ("_area", "_server", "_span", "_token")
+
+    def __init__(self, area: str) -> None:
         self._area = area
         self._server = NO_SERVER
         self._span: trace.Span | None = None
         self._token: object = None
 
-    def __enter__(self) -> _S:
+    def _start(self) -> None:
         span = _tracer.start_span("mdb.briefcase", attributes={"mdb.area": self._area})
         if span.is_recording():  # only with an SDK: the no-op path skips the context switch
             self._span = span
             self._token = trace.context_api.attach(trace.set_span_in_context(span))
+
+    def _finish(self, outcome: str, exc: BaseException | None) -> None:
+        SESSIONS.add(1, _attrs(_SESSION, (self._area, self._server, outcome)))
+        span = self._span
+        if span is not None:
+            span.set_attribute("mdb.server", self._server)
+            span.set_attribute("mdb.outcome", outcome)
+            if exc is not None:
+                span.record_exception(exc)
+                span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+            span.end()
+            trace.context_api.detach(self._token)  # type: ignore[arg-type]
+            self._span = None
+
+
+class _ObservedSession(_Observation, AbstractContextManager[_S], Generic[_S]):
+    """Wraps a briefcase session's context manager: counts it by outcome and spans it when traced."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: AbstractContextManager[_S], area: str) -> None:
+        super().__init__(area)
+        self._inner = inner
+
+    def __enter__(self) -> _S:
+        self._start()
         try:
             session = self._inner.__enter__()
         except BaseException as exc:
@@ -187,18 +216,41 @@ class _ObservedSession(AbstractContextManager[_S], Generic[_S]):
         self._finish("ok" if exc is None else "error", exc)
         return suppressed
 
-    def _finish(self, outcome: str, exc: BaseException | None) -> None:
-        SESSIONS.add(1, _attrs(_SESSION, (self._area, self._server, outcome)))
-        span = self._span
-        if span is not None:
-            span.set_attribute("mdb.server", self._server)
-            span.set_attribute("mdb.outcome", outcome)
-            if exc is not None:
-                span.record_exception(exc)
-                span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
-            span.end()
-            trace.context_api.detach(self._token)  # type: ignore[arg-type]
-            self._span = None
+
+class _ObservedAsyncSession(_Observation, AbstractAsyncContextManager[_S], Generic[_S]):
+    """The async twin of :class:`_ObservedSession` (``AsyncStore.briefcase``): same counts, same span.
+
+    The span's context is attached in ``__aenter__`` and detached in ``__aexit__``; both run in
+    the task that uses the session, whose own contextvars copy holds it, so concurrent sessions
+    on one loop never see each other's span.
+    """
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: AbstractAsyncContextManager[_S], area: str) -> None:
+        super().__init__(area)
+        self._inner = inner
+
+    async def __aenter__(self) -> _S:
+        self._start()
+        try:
+            session = await self._inner.__aenter__()
+        except BaseException as exc:
+            self._finish("error", exc)
+            raise
+        self._server = session.placement.server
+        return session
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        try:
+            suppressed = await self._inner.__aexit__(exc_type, exc, tb)
+        except BaseException as raised:
+            self._finish("error", raised)
+            raise
+        self._finish("ok" if exc is None else "error", exc)
+        return suppressed
 
 
 _SessionMethod = Callable[..., AbstractContextManager[_S]]
@@ -234,6 +286,27 @@ def observed_documents(method: _SessionMethod[_S]) -> _SessionMethod[_S]:
         return _ObservedSession(method(mongo, dtype, gdid, readonly=readonly), dtype.area)
 
     return documents
+
+
+_AsyncSessionMethod = Callable[..., AbstractAsyncContextManager[_S]]
+
+
+def observed_async_session(method: _AsyncSessionMethod[_S]) -> _AsyncSessionMethod[_S]:
+    """Decorate ``AsyncStore.briefcase``: the series and span of :func:`observed_session`, for async sessions.
+
+    One set of instruments for both APIs: a dashboard of sessions per shard counts a service's
+    sync and async sessions alike (labels area, server, outcome).
+    """
+
+    @wraps(method)
+    def briefcase(
+        store: Any, btype: Any, gdid: Any, *, readonly: bool = False, exclusive: bool = False
+    ) -> AbstractAsyncContextManager[_S]:
+        if not sdk_installed():
+            return method(store, btype, gdid, readonly=readonly, exclusive=exclusive)
+        return _ObservedAsyncSession(method(store, btype, gdid, readonly=readonly, exclusive=exclusive), btype.area)
+
+    return briefcase
 
 
 def ownership_refused(area: str, server: str, exc: BaseException) -> None:

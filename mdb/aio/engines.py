@@ -17,25 +17,31 @@ call on the loop. The ownership SQL, the prepare-once bookkeeping and the re-pre
 adapter already offers a sync-looking cursor and connection: the sync engine's SQLite BEGIN and
 connection setup are used as they are.
 
-No :class:`mdb.budget.BudgetPool` here: it waits on a ``threading.Condition``, which would block
-the event loop. Async engines use SQLAlchemy's ``AsyncAdaptedQueuePool`` with the map's sizes
-(they are not counted in the Store's connection budget; docs/async.md).
+PostgreSQL async engines count their connections in the sync registry's
+:class:`~mdb.budget.ConnectionBudget` (:class:`AsyncBudgetPool`): the per-instance and total
+caps hold for sync and async connections of a process together.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import types
 from collections import deque
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any, TypeVar, cast
 
 import psycopg
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from sqlalchemy.pool import NullPool
+from sqlalchemy.pool import ConnectionPoolEntry, NullPool
+from sqlalchemy.pool.base import _AsyncConnDialect
 from sqlalchemy.util import await_
+from sqlalchemy.util.concurrency import greenlet_spawn, in_greenlet
+
+from mdb.budget import BudgetPool, ConnectionBudget, connect_patiently, instance_of
 
 # The same per-connection ``info`` keys and record as mdb.engines (set_prelude, take_result and
 # prelude_of are used unchanged on the sync Connection inside an AsyncConnection).
@@ -55,13 +61,48 @@ from mdb.errors import CapacityError
 from mdb.partition_map import EngineSpec
 from mdb.urls import mask_url, sqlalchemy_url
 
-__all__ = ["AsyncEngines"]
+__all__ = ["AsyncBudgetPool", "AsyncEngines"]
 
 log = logging.getLogger("mdb.aio.engines")
 
 
+_T = TypeVar("_T")
+
+
+def _at_once(coro: Coroutine[Any, Any, _T]) -> _T:
+    """``coro``'s result, run right here when it never waits (psycopg's fetch of a result that
+    has arrived, its cursor close); handed to the loop where it stopped when it does wait.
+
+    Why not ``await_`` for all: each is a round trip between the greenlet and the loop, which
+    costs more than those calls' own work (2 of the 3 driver calls of the ownership check).
+    """
+    try:
+        waits_for = coro.send(None)
+    except StopIteration as done:
+        return cast(_T, done.value)
+    return await_(_resume(coro, waits_for))
+
+
+@types.coroutine
+def _resume(coro: Coroutine[Any, Any, _T], waits_for: Any) -> Generator[Any, Any, _T]:
+    """Go on with a coroutine that stopped at its first wait: what ``await coro`` would have done from there."""
+    while True:
+        try:
+            sent = yield waits_for
+        except BaseException as exc:  # thrown in by the loop (a cancellation): the coroutine's to handle
+            try:
+                waits_for = coro.throw(exc)
+            except StopIteration as done:
+                return cast(_T, done.value)
+        else:
+            try:
+                waits_for = coro.send(sent)
+            except StopIteration as done:
+                return cast(_T, done.value)
+
+
 class _GreenletCursor:
-    """psycopg's sync cursor API over an AsyncCursor, each call awaited on the loop (greenlet)."""
+    """psycopg's sync cursor API over an AsyncCursor, its calls awaited on the loop (greenlet) when they wait."""
 
     __slots__ = ("_cursor",)
 
@@ -72,7 +113,7 @@ class _GreenletCursor:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        await_(self._cursor.close())
+        _at_once(self._cursor.close())
 
     def execute(self, query: str, params: Any = None) -> _GreenletCursor:
         await_(self._cursor.execute(query, params))
@@ -86,7 +127,7 @@ class _GreenletCursor:
         return self._cursor.pgresult
 
     def fetchall(self) -> list[Any]:
-        return await_(self._cursor.fetchall())
+        return _at_once(self._cursor.fetchall())
 
 
 class _GreenletConnection:
@@ -128,8 +169,142 @@ def _begin_with(engine: AsyncEngine, begin: Callable[[Any], None]) -> AsyncEngin
     return engine
 
 
-def create_async(url: str, readonly: bool, settings: EngineSpec | None = None, pooled: bool = False) -> AsyncEngine:
-    """A new async engine for ``url`` under the server's engine settings (unset: mdb's defaults)."""
+_POLL_FIRST = 0.002
+_POLL_MAX = 0.05
+"""How often a task waiting for room in the budget or for a returned connection looks again (s)."""
+
+
+def _suspend(seconds: float) -> None:
+    """Sleep on the event loop from sync code running in SQLAlchemy's greenlet (the pool's code)."""
+    await_(asyncio.sleep(seconds))
+
+
+class AsyncBudgetPool(BudgetPool):
+    """:class:`mdb.budget.BudgetPool` for async engines: the same counts in the same budget, waits on the loop.
+
+    Why not SQLAlchemy's AsyncAdaptedQueuePool: the budget's caps (per instance, in total) and
+    its closing of other pools' idle connections to make room must hold for async connections
+    too, or an async fan-out over 64 shard databases of one instance opens 64 connections
+    whatever the cap says. What differs from the sync pool is how it waits and how it closes:
+
+    * it waits (for a returned connection, or for room in the budget) by sleeping on the event
+      loop and looking again, with a growing pause (``await_`` from the greenlet its code runs
+      in): the sync pool's thread condition would block the loop. The pause is the price of
+      the rare full-budget path only; a checkout of an idle connection takes one lock.
+    * an async connection can only be closed on its own loop, inside a greenlet. The budget
+      asks from anywhere (a waiter of another pool, possibly a sync one in another thread; the
+      idle reaper's thread): on the pool's loop the connection is closed at once; from elsewhere
+      it is taken out of the pool and handed to its loop to close, and ``close_idle`` answers 0
+      (nothing is free yet). It stays counted in the budget until it is closed, so the budget
+      never counts fewer connections than the servers see.
+    """
+
+    _is_asyncio = True  # a class attribute, as AsyncAdaptedQueuePool's
+    _dialect = _AsyncConnDialect()
+
+    def __init__(
+        self, creator: Any, pool_size: int = 10, max_overflow: int = 20, timeout: float = 30.0, **kw: Any
+    ) -> None:
+        super().__init__(creator, pool_size=pool_size, max_overflow=max_overflow, timeout=timeout, **kw)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def _do_get(self) -> ConnectionPoolEntry:
+        # The loop its connections are used on: a checkout runs on it (an AsyncStore that moves
+        # to a new loop, as a second asyncio.run does, brings its idle connections along).
+        self._loop = asyncio.get_running_loop()
+        return super()._do_get()
+
+    def _wait_for_return(self, remaining: float) -> None:
+        self._cond.release()
+        try:
+            _suspend(min(remaining, _POLL_MAX / 5))
+        finally:
+            self._cond.acquire()
+
+    def _acquire_budget(self, timeout: float) -> None:
+        budget = self.budget
+        assert budget is not None
+        deadline = time.monotonic() + timeout
+        pause = _POLL_FIRST
+        while budget.try_acquire(self.instance) is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                budget.acquire(self.instance, 0)  # the budget's own CapacityError, unless room came just now
+                return
+            _suspend(min(pause, remaining))
+            pause = min(pause * 2, _POLL_MAX)
+
+    def close_idle(self, limit: int | None = None, returned_before: float | None = None) -> int:
+        if self._on_own_loop():
+            return super().close_idle(limit, returned_before)
+        taken = self._take_idle(limit, returned_before)
+        if taken:
+            self._close_on_loop(taken)
+        return 0
+
+    def _on_own_loop(self) -> bool:
+        """True in a greenlet on the loop of this pool's connections (where they can be closed)."""
+        if self._loop is None:
+            return True  # never connected: nothing to close
+        if not in_greenlet():
+            return False
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
+    def _close_on_loop(self, records: list[ConnectionPoolEntry]) -> None:
+        loop = self._loop
+        assert loop is not None
+
+        if self.budget is not None:
+            self.budget.handed_over(len(records))
+
+        async def close() -> None:
+            for record in records:
+                await greenlet_spawn(self._close_record, record)
+
+        def start() -> None:
+            task = loop.create_task(close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+        try:
+            loop.call_soon_threadsafe(start)
+        except RuntimeError:  # the loop is closed: its connections cannot be closed in order any more
+            log.warning("%d idle async connections of instance %s dropped unclosed: their event loop is closed",
+                        len(records), self.instance or "?")
+            if self.budget is not None:
+                for _ in records:
+                    self.budget.release(self.instance)
+
+
+def _budgeted(engine: AsyncEngine, instance: str, spec: EngineSpec, budget: ConnectionBudget | None) -> None:
+    """Count the engine's connections in ``budget`` and wait out "too many clients" on the loop.
+
+    The async twin of ``mdb.engines._budgeted``: the same pool attachment and patience, with
+    the pause between connection attempts taken on the event loop.
+    """
+    pool = engine.sync_engine.pool
+    assert isinstance(pool, AsyncBudgetPool)  # create_async chose the class
+    pool.attach(budget, instance, spec.idle_timeout)
+    patience = spec.pool_timeout or 0.0
+
+    def connect(dialect: Any, _record: Any, cargs: Any, cparams: Any) -> Any:
+        return connect_patiently(
+            lambda: dialect.connect(*cargs, **cparams), time.monotonic() + patience, instance, sleep=_suspend
+        )
+
+    event.listen(engine.sync_engine, "do_connect", connect)
+
+
+def create_async(
+    url: str, readonly: bool, settings: EngineSpec | None = None, pooled: bool = False,
+    budget: ConnectionBudget | None = None,
+) -> AsyncEngine:
+    """A new async engine for ``url`` under the server's engine settings (unset: mdb's defaults);
+    a PostgreSQL engine counts its connections in ``budget``."""
     spec = (settings or EngineSpec()).over(DEFAULT_ENGINE)
     parsed = sqlalchemy_url(url)
     pool_args: dict[str, Any] = {
@@ -151,7 +326,10 @@ def create_async(url: str, readonly: bool, settings: EngineSpec | None = None, p
         if pooled:
             connect_args["prepare_threshold"] = None
         # postgresql+psycopg: create_async_engine picks the dialect's async variant (psycopg.AsyncConnection).
-        pg = create_async_engine(parsed, isolation_level="AUTOCOMMIT", connect_args=connect_args, **pool_args)
+        pg = create_async_engine(
+            parsed, isolation_level="AUTOCOMMIT", connect_args=connect_args, poolclass=AsyncBudgetPool, **pool_args
+        )
+        _budgeted(pg, instance_of(parsed) or "", spec, budget)
         return _begin_with(pg, _pg_begin_pooled if pooled else _pg_begin)
     raise ValueError(f"no async driver for {backend!r} servers ({mask_url(url)})")
 
@@ -244,7 +422,9 @@ class AsyncEngines:
         key = (url, readonly and separate_reader, registry.pooled(server, readonly))
         engine = self._engines.get(key)
         if engine is None:
-            engine = self._engines[key] = create_async(url, readonly=key[1], settings=spec.engine, pooled=key[2])
+            engine = self._engines[key] = create_async(
+                url, readonly=key[1], settings=spec.engine, pooled=key[2], budget=registry.budget
+            )
             settings = (spec.engine or EngineSpec()).over(DEFAULT_ENGINE)
             # pool_size, not + max_overflow: under sustained load the QueuePool closes every
             # overflow connection as it is returned (its idle queue is full) and opens a new one

@@ -150,29 +150,21 @@ class AsyncGdids:
 
     The blocks, their reservation, growth and prefetch are the sync
     :class:`mdb.idgen.GdidGenerator`'s (one generator per sequence per Store, shared with sync
-    callers). An id from the current or a prefetched block is handed out on the loop; when the
-    generator would have to reserve a block in the foreground, the call runs in a worker
-    thread, so a refill never blocks the loop.
+    callers). An id from a block already reserved is handed out on the loop
+    (:meth:`~mdb.idgen.GdidGenerator.try_next`, which never waits); only when none is left does
+    the call run in a worker thread, so a refill never blocks the loop.
     """
 
     def __init__(self, generator: GdidGenerator) -> None:
         self.sync = generator
 
-    def _ready(self, n: int) -> bool:
-        # Read without the generator's lock: a stale answer only sends the call to a thread
-        # (or, if a sync thread took the last ids meanwhile, makes next() reserve inline once).
-        gen = self.sync
-        return gen._last - gen._next + 1 >= n or bool(gen._queue and n == 1)
-
     async def next(self) -> GDID:
-        if self._ready(1):
-            return self.sync.next()
-        return await asyncio.to_thread(self.sync.next)
+        gdid = self.sync.try_next()
+        return gdid if gdid is not None else await asyncio.to_thread(self.sync.next)
 
     async def take(self, n: int) -> list[GDID]:
-        if self._ready(n):
-            return self.sync.take(n)
-        return await asyncio.to_thread(self.sync.take, n)
+        gdids = self.sync.try_take(n)
+        return gdids if gdids is not None else await asyncio.to_thread(self.sync.take, n)
 
 
 class AsyncCentral:
@@ -326,6 +318,7 @@ class AsyncStore:
 
     # -- briefcase sessions ------------------------------------------------------------------
 
+    @telemetry.observed_async_session
     @asynccontextmanager
     async def briefcase(
         self, btype: type[BriefcaseType], gdid: GDID | str, *, readonly: bool = False, exclusive: bool = False

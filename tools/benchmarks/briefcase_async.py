@@ -1,6 +1,6 @@
 """Async routed point read (``tools/bench.py briefcase_async``): AsyncStore vs a plain AsyncSession.
 
-1. Latency: one briefcase session reading one row by GDID (``AsyncStore.briefcase``: routing,
+1. Latency (wall time, and this process's CPU time per read): one briefcase session reading one row by GDID (``AsyncStore.briefcase``: routing,
    the ownership check carried by BEGIN, the confining criteria) vs what an async application
    without mdb writes, ``AsyncSession(engine)`` on the SAME async engine (same pool, same
    psycopg async driver), one read after the other on one event loop, alternating rounds.
@@ -34,23 +34,28 @@ CONCURRENT = 200
 THREADS = 8
 
 
-async def _per_call(fn: Callable[[], Awaitable[object]], iterations: int) -> float:
-    start = time.perf_counter()
+async def _per_call(fn: Callable[[], Awaitable[object]], iterations: int) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) per call."""
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(iterations):
         await fn()
-    return (time.perf_counter() - start) / iterations
+    return (time.perf_counter() - start) / iterations, (time.process_time() - cpu) / iterations
 
 
 async def _compare(subject: Callable[[], Awaitable[object]], baseline: Callable[[], Awaitable[object]],
-                   iterations: int, rounds: int, warmup: int) -> tuple[float, float]:
-    """Median seconds per call of (subject, baseline) in alternating rounds (as benchmarks.compare)."""
+                   iterations: int, rounds: int, warmup: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Median (wall, CPU) seconds per call of subject and of baseline in alternating rounds (as benchmarks.compare)."""
     await _per_call(subject, warmup)
     await _per_call(baseline, warmup)
     subject_times, baseline_times = [], []
     for _ in range(rounds):
         subject_times.append(await _per_call(subject, iterations))
         baseline_times.append(await _per_call(baseline, iterations))
-    return statistics.median(subject_times), statistics.median(baseline_times)
+    return _medians(subject_times), _medians(baseline_times)
+
+
+def _medians(times: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
 def run(ctx: BenchContext) -> list[Result]:
@@ -80,10 +85,15 @@ def run(ctx: BenchContext) -> list[Result]:
             async with AsyncSession(engine) as session, session.begin():
                 return (await session.scalars(select(User).where(User.user_id == g))).one()
 
-        value, base = await _compare(routed, plain, iterations, rounds, warmup)
+        (value, value_cpu), (base, base_cpu) = await _compare(routed, plain, iterations, rounds, warmup)
         results = [Result(
             "briefcase_async", "postgresql: async routed point read (readonly session)", value * 1e6, "µs/read",
             "plain AsyncSession on the same async engine", base * 1e6, f"{iterations} reads x {rounds} rounds, median",
+        ), Result(
+            # The client's own CPU per read (the loop's thread; the servers are other processes):
+            # what mdb adds, with less of the scheduling noise of a busy machine in it than the wall time.
+            "briefcase_async", "postgresql: async routed point read, client CPU", value_cpu * 1e6, "µs/read",
+            "plain AsyncSession, client CPU", base_cpu * 1e6, "same rounds; time.process_time of this process",
         )]
 
         async def reader(share: int) -> None:
