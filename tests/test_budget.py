@@ -297,7 +297,7 @@ with Store.from_yaml(sys.argv[1], types=[UserBriefcase]) as store:
         result = store.fan_out("user", select(func.count().label("n")).select_from(User), aggregate=True)
         counts.append(result.rows[0].n)
         counts.append(len(store.fan_out("user", select(User.user_id).order_by(User.user_id)).rows))
-print(json.dumps({"counts": counts, "refused": refused}))
+print(json.dumps({"counts": counts, "refused": refused, "peak": store.engines.budget.peak_connections()}))
 """
 
 SHARDS = 64
@@ -308,7 +308,12 @@ PER_PROCESS = 8
 def test_four_processes_fan_out_over_64_shards_within_the_budget(small_server: Any, tmp_path: Path) -> None:
     """max_connections 40; 4 processes x 64 shards would need up to 4 x 64 idle connections
     (plus up to 16 busy per process) without a budget. With 8 per process, every fan-out
-    completes and the server never sees more than 4 x 8 of them, never refuses one."""
+    completes, no process ever holds more than 8 (its budget's peak), the server never refuses
+    one, and never counts more than its 40 minus the watcher's own.
+
+    The server's count may pass 4 x 8 for a moment: to open a connection the budget closes an
+    idle one, and PostgreSQL removes that backend from pg_stat_activity a moment after its client
+    left (measured 34 of 32 once in a full CI run). What a process holds is the budget's contract."""
     server = small_server(40)
     dbs = [server.create_database() for _ in range(SHARDS + 1)]
     servers = {"c": dbs[0], **{f"s{i:02}": url for i, url in enumerate(dbs[1:])}}
@@ -340,4 +345,5 @@ def test_four_processes_fan_out_over_64_shards_within_the_budget(small_server: A
         assert report["counts"] == [len(users)] * 8
         assert report["refused"] == [], "a fan-out met 'too many clients'"
         assert "too many clients" not in err
-    assert 0 < peak <= PROCESSES * PER_PROCESS
+        assert 0 < report["peak"] <= PER_PROCESS, report["peak"]
+    assert 0 < peak < 40, peak
