@@ -41,9 +41,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sqlalchemy import delete, func, insert, select, text, union, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy import delete, insert, select, text, union, update
 from sqlalchemy.engine import Connection
 
 from mdb import dberrors, telemetry
@@ -57,7 +55,7 @@ from mdb.moves import verify
 from mdb.moves.copy import AreaTable, copy_batch, count_batch, delete_batch
 from mdb.moves.journal import ABORTED, DONE, ROLLED_BACK, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, ResumeOutcome, register_resolver
-from mdb.moves.sql_steps import area_tables, bound_statements, locked_briefcases, statement_cancelled
+from mdb.moves.sql_steps import area_tables, bound_statements, locked_briefcases, set_states, statement_cancelled, states
 from mdb.relocations import set_relocations
 from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
 
@@ -151,22 +149,13 @@ def _differing(a: dict[tuple[str, GDID], verify.TableSum], b: dict[tuple[str, GD
 
 
 def _settle(conn: Connection, deadline: float) -> None:
-    """PostgreSQL: the statement bound (time left to ``deadline``) and the pinned output settings, one round trip.
+    """The statement bound, index scans only and the pinned output settings, in one round trip (PostgreSQL).
 
     Sequential scans are switched off for the transaction: every statement of a batch selects a
     few briefcases by key, and a target shard filled by the reshard itself has no statistics yet
     (it was empty when it was last analyzed), where the planner would scan whole tables.
     """
-    if conn.dialect.name == "postgresql":
-        left_ms = min(max(1, int((deadline - time.monotonic()) * 1000)), 2**31 - 1)
-        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {left_ms}; SET LOCAL enable_seqscan = off; {verify.PG_OUTPUT_SETTINGS}")
-
-
-def _states(conn: Connection, area: str, gdids: Sequence[GDID]) -> dict[GDID, dict[str, Any]]:
-    rows = conn.execute(
-        select(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid.in_(list(gdids)))
-    ).mappings()
-    return {r["gdid"]: dict(r) for r in rows}
+    bound_statements(conn, deadline, also=f"SET LOCAL enable_seqscan = off; {verify.PG_OUTPUT_SETTINGS}")
 
 
 def _with_rows(conn: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID]) -> set[GDID]:
@@ -174,19 +163,6 @@ def _with_rows(conn: Connection, tables: Sequence[AreaTable], gdids: Sequence[GD
     wanted = list(gdids)
     query = union(*(select(at.table.c[at.key].label("k")).where(at.table.c[at.key].in_(wanted)) for at in tables))
     return {g for (g,) in conn.execute(query)}
-
-
-def _set_states(conn: Connection, area: str, gdids: Sequence[GDID], state: str, peer: str | None, move_id: str | None) -> None:
-    """Every briefcase's state row on this server, replacing any it had: one upsert statement."""
-    upsert = (pg_insert if conn.dialect.name == "postgresql" else sqlite_insert)(briefcase_state)
-    conn.execute(
-        upsert.on_conflict_do_update(
-            index_elements=[briefcase_state.c.area, briefcase_state.c.gdid],
-            set_={"state": upsert.excluded.state, "peer": upsert.excluded.peer, "move_id": upsert.excluded.move_id,
-                  "changed_at": func.current_timestamp()},
-        ),
-        [{"area": area, "gdid": g, "state": state, "peer": peer, "move_id": move_id} for g in gdids],
-    )
 
 
 def _discard(cluster: Cluster, entry: JournalEntry, tables: Sequence[AreaTable]) -> int:
@@ -199,7 +175,7 @@ def _discard(cluster: Cluster, entry: JournalEntry, tables: Sequence[AreaTable])
     gdids = [GDID.parse(g) for g in entry.params["gdids"]]
     previous: dict[str, dict[str, Any]] = entry.params.get("previous_target_states", {})
     with cluster.transaction(entry.target) as conn:
-        mine = [g for g, s in _states(conn, entry.area, gdids).items()
+        mine = [g for g, s in states(conn, entry.area, gdids).items()
                 if s["state"] == STATE_INCOMING and s["move_id"] == entry.move_id]
         if not mine:
             return 0
@@ -278,7 +254,7 @@ class BatchMove:
         """
         refused: set[GDID] = set()
         with self.cluster.transaction(self.target) as conn:
-            previous = _states(conn, self.area, self.gdids)
+            previous = states(conn, self.area, self.gdids)
             refused.update(g for g, s in previous.items() if s["state"] != STATE_GONE)
             refused.update(_with_rows(conn, self.tables, self.gdids))
         if refused:
@@ -339,7 +315,7 @@ class BatchMove:
         that resume discards (no fence on the source).
         """
         with self.cluster.transaction(self.source) as src, self.cluster.transaction(self.target) as dst:
-            _set_states(dst, self.area, self.gdids, STATE_INCOMING, self.source, self.move_id)
+            set_states(dst, self.area, self.gdids, STATE_INCOMING, self.source, self.move_id)
             copy_batch(src, dst, self.tables, self.gdids)
 
     def _cut_over(self, src: Connection, locked_at: float) -> tuple[dict[GDID, dict[str, int]], float]:
@@ -355,8 +331,8 @@ class BatchMove:
         deadline = locked_at + self.max_pause
         fault_point("batch.after_lock")
         _settle(src, deadline)
-        states = _states(src, area, gdids)
-        moving = sorted(g for g, s in states.items() if s["state"] in (STATE_GONE, STATE_INCOMING))
+        recorded = states(src, area, gdids)
+        moving = sorted(g for g, s in recorded.items() if s["state"] in (STATE_GONE, STATE_INCOMING))
         if moving:
             raise BatchAbortedError(
                 f"under the lock {self.source!r} records {len(moving)} briefcase(s) of the batch as moving or gone "
@@ -373,7 +349,7 @@ class BatchMove:
                     f"under the lock {self.source!r} no longer holds {len(missing)} briefcase(s) of the batch (e.g. {missing[0]})",
                     self.move_id, missing,
                 )
-            mine = [g for g, st in _states(dst, area, gdids).items() if st["state"] == STATE_INCOMING and st["move_id"] == self.move_id]
+            mine = [g for g, st in states(dst, area, gdids).items() if st["state"] == STATE_INCOMING and st["move_id"] == self.move_id]
             if len(mine) != len(gdids):
                 raise BatchAbortedError(f"the pre-copy's incoming rows on {self.target!r} changed under it (another mover?)", self.move_id)
             dst_sums = verify.batch_sums(dst, tables, gdids, method, pinned=True)
@@ -393,7 +369,7 @@ class BatchMove:
             fault_point("batch.after_verify")
         fault_point("batch.after_copy_commit")
         bound_statements(src, deadline)
-        _set_states(src, area, gdids, STATE_GONE, self.target, self.move_id)
+        set_states(src, area, gdids, STATE_GONE, self.target, self.move_id)
         deleted = delete_batch(src, tables, gdids)
         verified: dict[str, int] = {}
         for (name, _), s in src_sums.items():
@@ -431,7 +407,7 @@ class BatchMove:
         gdids = [GDID.parse(g) for g in entry.params["gdids"]]
         tables = area_tables(cluster, entry.area)
         with _locked_batch(cluster, entry.source, entry.area, gdids, lock_wait=DEFAULT_LOCK_WAIT, max_pause=DEFAULT_MAX_PAUSE) as (src, _):
-            fenced = [g for g, s in _states(src, entry.area, gdids).items()
+            fenced = [g for g, s in states(src, entry.area, gdids).items()
                       if s["state"] == STATE_GONE and s["move_id"] == entry.move_id]
             src.rollback()
         if fenced and len(fenced) != len(gdids):

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import delete, func, insert, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 from psycopg import errors as pg_errors
 from sqlalchemy.exc import OperationalError
@@ -44,7 +46,9 @@ __all__ = [
     "precheck",
     "root_exists",
     "set_state",
+    "set_states",
     "state_row",
+    "states",
     "statement_cancelled",
 ]
 
@@ -65,16 +69,33 @@ def area_tables(store: Cluster, area: str) -> list[AreaTable]:
     return out
 
 
+def states(conn: Connection, area: str, gdids: Sequence[GDID]) -> dict[GDID, dict[str, Any]]:
+    """The state rows of ``gdids`` on this server (briefcases without one are absent): one statement."""
+    rows = conn.execute(
+        select(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid.in_(list(gdids)))
+    ).mappings()
+    return {r["gdid"]: dict(r) for r in rows}
+
+
 def state_row(conn: Connection, area: str, gdid: GDID) -> dict[str, Any] | None:
-    row = conn.execute(
-        select(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid)
-    ).mappings().first()
-    return None if row is None else dict(row)
+    return states(conn, area, [gdid]).get(gdid)
+
+
+def set_states(conn: Connection, area: str, gdids: Sequence[GDID], state: str, peer: str | None, move_id: str | None) -> None:
+    """Every briefcase's state row on this server, replacing any it had: one upsert statement."""
+    upsert = (pg_insert if conn.dialect.name == "postgresql" else sqlite_insert)(briefcase_state)
+    conn.execute(
+        upsert.on_conflict_do_update(
+            index_elements=[briefcase_state.c.area, briefcase_state.c.gdid],
+            set_={"state": upsert.excluded.state, "peer": upsert.excluded.peer, "move_id": upsert.excluded.move_id,
+                  "changed_at": func.current_timestamp()},
+        ),
+        [{"area": area, "gdid": g, "state": state, "peer": peer, "move_id": move_id} for g in gdids],
+    )
 
 
 def set_state(conn: Connection, area: str, gdid: GDID, state: str, peer: str | None, move_id: str | None) -> None:
-    conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid))
-    conn.execute(insert(briefcase_state).values(area=area, gdid=gdid, state=state, peer=peer, move_id=move_id))
+    set_states(conn, area, [gdid], state, peer, move_id)
 
 
 def root_exists(conn: Connection, tables: list[AreaTable], gdid: GDID) -> bool:
@@ -248,7 +269,7 @@ def finalize(store: Cluster, journal: Journal, entry: JournalEntry) -> None:
     journal.finish(entry.move_id, DONE, briefcases_done=1)
 
 
-def bound_statements(conn: Connection, deadline: float) -> None:
+def bound_statements(conn: Connection, deadline: float, also: str = "") -> None:
     """PostgreSQL: cancel any later statement of this transaction that runs past ``deadline``
     (``time.monotonic()``) with ``statement_timeout``, set to the time left.
 
@@ -257,10 +278,11 @@ def bound_statements(conn: Connection, deadline: float) -> None:
     (copy, checksums on their own connections, fence and delete) is given the time left when
     its phase starts, and a cancelled one aborts the move (source authoritative). SQLite has
     no statement timeout; there the checks between phases and at the commit point remain.
+    ``also``: more ``SET LOCAL`` statements sent in the same round trip.
     """
     if conn.dialect.name == "postgresql":
         left_ms = min(max(1, int((deadline - time.monotonic()) * 1000)), 2**31 - 1)  # the setting is an int4 of ms
-        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {left_ms}")
+        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {left_ms}" + (f"; {also}" if also else ""))
 
 
 def statement_cancelled(exc: BaseException) -> bool:
