@@ -1,9 +1,6 @@
 """Progress and ETA of a reshard (issue 15): one computation (mdb.moves.status.rate_and_eta) over a
 recent window, the same numbers in the CLI's bars, in `mdb moves status` and its JSON; the
-`mdb reshard --rate/--max-lag` options.
-
-Two tests here need the lead's part of issue 15 (reshard(..., throttle=...) and the journaled
-window); they are marked in their docstrings and fail, never skip, until it is merged.
+`mdb reshard --rate/--max-lag` options, journaled by the reshard with its counts.
 """
 
 from __future__ import annotations
@@ -236,7 +233,7 @@ def test_status_of_a_stalled_reshard_shows_rate_0_and_no_eta(cluster: Cluster) -
 
 
 def test_a_throttled_reshard_through_the_cli_journals_its_settings(cluster: Cluster) -> None:
-    """NEEDS THE LEAD'S PART: reshard(..., throttle=ThrottleSettings) journaling settings.to_params()."""
+    """reshard(..., throttle=ThrottleSettings) journals settings.to_params(), so a resume keeps them."""
     run = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", "u1,u2,x",
                "--rate", "200,50000rows", "--max-lag", "5"])
     assert run.returncode == 0, (run.stdout, run.stderr)
@@ -248,7 +245,7 @@ def test_a_throttled_reshard_through_the_cli_journals_its_settings(cluster: Clus
 
 
 def test_a_reshard_journals_its_window_with_its_counts(cluster: Cluster) -> None:
-    """NEEDS THE LEAD'S PART: every counts update also journals RateWindow.to_params() (docs/moves.md)."""
+    """Every counts update also journals RateWindow.to_params() (docs/moves.md): status reads the same window."""
     run = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", "u1,u2,x"])
     assert run.returncode == 0, (run.stdout, run.stderr)
     with cluster.store() as store:
