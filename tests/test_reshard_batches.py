@@ -10,6 +10,7 @@ fresh Store routes it; no briefcase has rows anywhere else; the journal has noth
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -39,7 +40,8 @@ BATCH_POINTS = [
     "batch.after_journal_start",
     "batch.after_precopy",
     "batch.after_lock",
-    "batch.after_copy_commit",
+    "batch.after_source_cut",
+    "batch.after_resync",
     "batch.after_verify",
     "batch.before_commit_point",
     "batch.after_commit_point",
@@ -191,8 +193,10 @@ def _batches(cluster: Cluster) -> list[tuple[str, int]]:
 def test_sigkill_inside_a_batch_with_writers_then_resume(cluster: Cluster, writers: Writers) -> None:
     writers.wait_for(20)
     lists = [["u1", "u2", "x"], ["u1", "u2"]]
-    cases = [(p, {}) for p in BATCH_POINTS if p != "batch.resume.after_discard"]
-    cases += [("batch.after_copy_commit", {"MDB_FAULT_SKIP": "1"}), ("batch.after_commit_point", {"MDB_FAULT_SKIP": "1"})]
+    # after_resync is reached only when a briefcase was written between the pre-copy and the lock:
+    # test_sigkill_while_a_batch_copies_again_what_was_written_since_its_precopy makes that happen.
+    cases = [(p, {}) for p in BATCH_POINTS if p not in ("batch.resume.after_discard", "batch.after_resync")]
+    cases += [("batch.after_precopy", {"MDB_FAULT_SKIP": "1"}), ("batch.after_commit_point", {"MDB_FAULT_SKIP": "1"})]
     sizes: list[int] = []  # briefcases in the batch each kill cut
     for i, (point, env) in enumerate(cases):
         shards = lists[i % 2]
@@ -218,7 +222,7 @@ def test_sigkill_inside_a_batch_with_writers_then_resume(cluster: Cluster, write
     assert sum(n > 1 for n in sizes) >= len(sizes) - 2, sizes
     # Resume itself killed while it discards a batch's copies, then resumed again.
     run = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", ",".join(lists[len(cases) % 2])],
-                  env={"MDB_FAULT_POINT": "batch.after_copy_commit"})
+                  env={"MDB_FAULT_POINT": "batch.after_source_cut"})
     assert run.returncode == -signal.SIGKILL, run.stderr
     crashed = run_cli(["moves", "resume", str(cluster.path)], env={"MDB_FAULT_POINT": "batch.resume.after_discard"})
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
@@ -231,6 +235,56 @@ def test_sigkill_inside_a_batch_with_writers_then_resume(cluster: Cluster, write
     batches = _batches(cluster)
     assert any(status == "done" and n > 1 for status, n in batches), batches
     assert any(status == "rolled back" for status, _ in batches), batches
+
+
+RESYNC = r"""
+import sys
+sys.path.insert(0, "tests")
+from movehelp import add_transaction
+from mdb import faults
+from mdb.demo.models import UserBriefcase
+from mdb.gdid import GDID
+from mdb.moves.reshard import reshard
+from mdb.store import Store
+path, shards, users = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
+with Store.from_yaml(path, types=[UserBriefcase]) as writer, Store.from_yaml(path, types=[UserBriefcase]) as admin:
+    def write_every_briefcase(point):
+        # Between the first batch's pre-copy and its lock: the briefcases of that batch change
+        # on their source, so the cutover finds other sums there and copies them again.
+        if point == "batch.after_precopy" and not faults.hook.done:
+            faults.hook.done = True
+            for n in range(1, users + 1):
+                add_transaction(writer, GDID(0, 0, n), 7_000_000 + n, n)
+                print(f"{GDID(0, 0, n)} {7_000_000 + n}", flush=True)
+    write_every_briefcase.done = False
+    faults.hook = write_every_briefcase
+    reshard(admin, "user", GDID(0, 0, 0), shards, map_path=path)
+"""
+
+
+def test_sigkill_while_a_batch_copies_again_what_was_written_since_its_precopy(cluster: Cluster, writers: Writers) -> None:
+    """Killed after the re-sync committed its second copy on the target, before the source's commit
+    point: resume discards that copy (no fence on the source), and the reshard finishes with every write."""
+    writers.wait_for(10)
+    run = subprocess.run(
+        [sys.executable, "-c", RESYNC, str(cluster.path), "u1,u2,x", str(len(USERS))], cwd=str(ROOT),
+        env={**os.environ, "MDB_FAULT_POINT": "batch.after_resync"}, capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == -signal.SIGKILL, (run.stdout, run.stderr)
+    written = [(GDID.parse(g), int(tid)) for g, tid in (line.split() for line in run.stdout.splitlines())]
+    assert len(written) == len(USERS)
+    with cluster.store() as store:
+        (cut,) = [e for e in Journal(store).entries(unfinished=True) if e.kind == BATCH_KIND]
+    done = run_cli(["moves", "resume", str(cluster.path)])
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    with cluster.store() as store:
+        resolved = Journal(store).get(cut.move_id)
+        assert resolved is not None and resolved.status == "rolled back", resolved
+        store.refresh()
+        assert [list(p[2]) for p in store.router.partitions("user")] == [["u1", "u2", "x"]]
+    writers.wait_for(10)
+    writers.stop()
+    _check_writes(cluster, [*writers.acked, *written])
 
 
 def test_a_stale_router_writes_during_a_batched_reshard_and_lands_nowhere_wrong(cluster: Cluster, writers: Writers) -> None:
@@ -315,7 +369,7 @@ def test_cancel_of_a_reshard_killed_inside_a_batch(cluster: Cluster, mode: str) 
         before = snapshot(store, SERVERS)
         homes = {g: s[0] for g, s in locations(store, SERVERS).items()}
     run = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", "u1,u2,x"],
-                  env={"MDB_FAULT_POINT": "batch.after_copy_commit", "MDB_FAULT_SKIP": "1"})
+                  env={"MDB_FAULT_POINT": "batch.after_precopy", "MDB_FAULT_SKIP": "1"})
     assert run.returncode == -signal.SIGKILL, run.stderr
     with cluster.store() as store:
         journal = Journal(store)

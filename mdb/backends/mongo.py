@@ -217,10 +217,11 @@ class MongoBackend(Backend):
 
     def drop_residents(self, cluster: Servers, server: str, area: str, redundant: Callable[[GDID], bool]) -> int:
         states = documents_of(cluster).database(server)[STATE]
+        ids = [doc["_id"] for doc in states.find({"area": area, "state": STATE_RESIDENT}, {"gdid": 1})
+               if redundant(GDID.from_bytes(doc["gdid"]))]
         dropped = 0
-        for doc in list(states.find({"area": area, "state": STATE_RESIDENT})):
-            if redundant(GDID.from_bytes(doc["gdid"])):
-                dropped += int(states.delete_one({"_id": doc["_id"], "state": STATE_RESIDENT}).deleted_count)
+        for i in range(0, len(ids), 1000):  # one per briefcase a reshard moved: in bulk, like the SQL side
+            dropped += int(states.delete_many({"_id": {"$in": ids[i : i + 1000]}, "state": STATE_RESIDENT}).deleted_count)
         return dropped
 
     def read_layouts(self, cluster: Servers, server: str) -> dict[str, ShardLayout]:

@@ -235,8 +235,8 @@ class SqlBackend(Backend):
         resident = and_(briefcase_state.c.area == area, briefcase_state.c.state == STATE_RESIDENT)
         with cluster.transaction(server) as conn:
             gdids = [g for g in conn.execute(select(briefcase_state.c.gdid).where(resident)).scalars() if redundant(g)]
-            for g in gdids:
-                conn.execute(delete(briefcase_state).where(resident, briefcase_state.c.gdid == g))
+            for i in range(0, len(gdids), 1000):  # a reshard leaves one per briefcase it moved: set-based, like the relocations
+                conn.execute(delete(briefcase_state).where(resident, briefcase_state.c.gdid.in_(gdids[i : i + 1000])))
         return len(gdids)
 
     def read_layouts(self, cluster: Servers, server: str) -> dict[str, ShardLayout]:

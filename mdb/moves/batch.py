@@ -5,22 +5,25 @@ statements, checksums, fence, deletes, relocation entry and target state: some f
 trips across three servers, about 35 briefcases a second. A batch moves ``N`` briefcases that
 share a source and a target with the round trips of one:
 
-1. **one copy, before the lock**: per table one ``COPY`` of all ``N`` briefcases' rows into
-   the target, behind their ``incoming`` state rows, committed (sessions keep writing);
+1. **one copy, before the lock**: the briefcases' ``incoming`` rows on the target, per table
+   one ``COPY`` of all ``N`` briefcases' rows (read from one snapshot of the source), then the
+   target's checksums by a query of their own; committed (sessions keep writing);
 2. **one lock**: every briefcase's exclusive advisory lock on the source in one statement
    (tried without waiting and retried while sessions hold some; then one wait bounded by
    ``max_pause``). From here new write sessions of any of them wait;
-3. **one verification**: per table and briefcase, row counts and checksums computed on each
-   side by a query of its own (``GROUP BY`` the briefcase key), never from the copy's stream;
-   briefcases written since the copy are copied again and summed again;
-4. **one commit point**: the ``N`` fences and the deletes of their rows in the locked source
-   transaction, checked to delete exactly the verified rows, committed at once;
+3. **one statement on the source** (:func:`mdb.moves.batch_sql.fence_and_delete`): the ``N``
+   fences and the deletes of their rows, returning the checksums of the rows it deleted;
+   compared with the target's before anything commits. Briefcases written since the pre-copy
+   differ: the statement is rolled back to its savepoint, they are copied and summed again in
+   one target transaction, and the statement runs again;
+4. **one commit point**: the source's commit;
 5. **finalize**: the relocation entries (one write per CENTRAL shard), the ``N`` target
    states (one statement), the journal row ``done``.
 
 Every guarantee of a single move holds per briefcase (docs/design.md invariant 3): sessions
 never see a half-copied briefcase (``incoming`` on the target, the lock on the source), a stale
-router meets the fence and refreshes, the write pause of a briefcase is the batch's lock time.
+router meets the fence and refreshes, the write pause of a briefcase is the batch's lock time,
+and the checksums of each side come from a query on that side, never from the copy's stream.
 After a crash, resume decides by the fences, like for one move: the commit point is one
 transaction, so either all ``N`` fences of the batch's id are on the source (finish) or none
 (discard the ``N`` copies and restore the target's earlier state rows). A batch that cannot be
@@ -41,7 +44,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sqlalchemy import delete, insert, select, text, union, update
+from sqlalchemy import delete, insert, text, update
 from sqlalchemy.engine import Connection
 
 from mdb import dberrors, telemetry
@@ -52,10 +55,11 @@ from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.migrations.revisions import SCHEMA_LOCK_KEY, current_revision, require_one_revision
 from mdb.moves import verify
+from mdb.moves.batch_sql import Sums, claim_and_copy, fence_and_delete, settle, target_holdings, undo
 from mdb.moves.copy import AreaTable, copy_batch, count_batch, delete_batch
 from mdb.moves.journal import ABORTED, DONE, ROLLED_BACK, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, ResumeOutcome, register_resolver
-from mdb.moves.sql_steps import area_tables, bound_statements, locked_briefcases, set_states, statement_cancelled, states
+from mdb.moves.sql_steps import area_tables, locked_briefcases, statement_cancelled, states
 from mdb.relocations import set_relocations
 from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
 
@@ -70,7 +74,8 @@ FAULT_POINTS = register(
     "batch.after_journal_start",
     "batch.after_precopy",
     "batch.after_lock",
-    "batch.after_copy_commit",
+    "batch.after_source_cut",
+    "batch.after_resync",
     "batch.after_verify",
     "batch.before_commit_point",
     "batch.after_commit_point",
@@ -78,7 +83,10 @@ FAULT_POINTS = register(
     "batch.after_target_states",
     "batch.resume.after_discard",
 )
-"""A batch's crash points (tests SIGKILL a reshard at each, with writers running, then resume)."""
+"""A batch's crash points (tests SIGKILL a reshard at each, with writers running, then resume).
+
+``after_resync`` is reached only by a batch with briefcases written between its pre-copy and its lock.
+"""
 
 
 @dataclass
@@ -113,17 +121,20 @@ def _locked_batch(cluster: Cluster, server: str, area: str, gdids: Sequence[GDID
 
 
 @contextmanager
-def hold_schemas(cluster: Cluster, area: str, servers: Sequence[str]) -> Iterator[None]:
-    """Keep migrations off ``servers`` while batches run, and check they are at one revision of ``area``.
+def hold_schemas(cluster: Cluster, area: str, servers: Sequence[str], tables: Sequence[AreaTable]) -> Iterator[frozenset[str]]:
+    """Keep migrations off ``servers`` while batches run, check they are at one revision of ``area``,
+    and yield the tables every one of them can sum by row hash (:func:`mdb.moves.verify.hashable_tables`).
 
     A single move takes each server's schema lock shared inside its own transactions and
     compares revisions every time; a batch would pay that on every cutover. Instead the
     reshard holds the lock shared at session level on one connection per PostgreSQL server for
     the whole pass (released when the block ends, or by the server when this process dies),
-    so the revisions compared once here cannot change under any batch of the pass.
+    so the revisions compared once here, and the column types the checksum was chosen by,
+    cannot change under any batch of the pass.
     """
     with ExitStack() as held:
         revisions: dict[str, str | None] = {}
+        hashed: frozenset[str] | None = None
         for server in dict.fromkeys(servers):
             conn = held.enter_context(cluster.connect(server))
             with translated(server):
@@ -132,9 +143,11 @@ def hold_schemas(cluster: Cluster, area: str, servers: Sequence[str]) -> Iterato
                         raise MigrationError(f"server {server!r}: a schema migration is running on it; reshard after it ends")
                     held.callback(_unlock_schema, conn)
                 revisions[server] = current_revision(conn, area)
+                here = verify.hashable_tables(conn, tables)
+                hashed = here if hashed is None else hashed & here
                 conn.commit()
         require_one_revision(area, revisions)
-        yield
+        yield hashed or frozenset()
 
 
 def _unlock_schema(conn: Connection) -> None:
@@ -146,23 +159,6 @@ def _unlock_schema(conn: Connection) -> None:
 def _differing(a: dict[tuple[str, GDID], verify.TableSum], b: dict[tuple[str, GDID], verify.TableSum]) -> list[GDID]:
     """Briefcases whose count or checksum of some table differs between two sides' sums."""
     return sorted({key[1] for key in a.keys() | b.keys() if a.get(key) != b.get(key)})
-
-
-def _settle(conn: Connection, deadline: float) -> None:
-    """The statement bound, index scans only and the pinned output settings, in one round trip (PostgreSQL).
-
-    Sequential scans are switched off for the transaction: every statement of a batch selects a
-    few briefcases by key, and a target shard filled by the reshard itself has no statistics yet
-    (it was empty when it was last analyzed), where the planner would scan whole tables.
-    """
-    bound_statements(conn, deadline, also=f"SET LOCAL enable_seqscan = off; {verify.PG_OUTPUT_SETTINGS}")
-
-
-def _with_rows(conn: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID]) -> set[GDID]:
-    """Briefcases of ``gdids`` with at least one row here, in any table (one statement)."""
-    wanted = list(gdids)
-    query = union(*(select(at.table.c[at.key].label("k")).where(at.table.c[at.key].in_(wanted)) for at in tables))
-    return {g for (g,) in conn.execute(query)}
 
 
 def _discard(cluster: Cluster, entry: JournalEntry, tables: Sequence[AreaTable]) -> int:
@@ -229,7 +225,7 @@ class BatchMove:
     def __init__(
         self, cluster: Cluster, journal: Journal, area: str, gdids: Sequence[GDID], source: str, target: str, *,
         reshard_id: str | None, tables: list[AreaTable] | None = None, max_pause: float = DEFAULT_MAX_PAUSE,
-        lock_wait: float = DEFAULT_LOCK_WAIT,
+        lock_wait: float = DEFAULT_LOCK_WAIT, hashed: frozenset[str] = frozenset(),
     ) -> None:
         if not gdids:
             raise MdbError("a batch needs at least one briefcase")
@@ -244,6 +240,10 @@ class BatchMove:
         self.max_pause = max_pause
         self.lock_wait = lock_wait
         self.move_id = ""
+        self.hashed = hashed
+        """Tables both servers sum by row hash (what :func:`hold_schemas` yields); the others by md5."""
+        self.method: verify.Method = "sql"
+        """How both sides sum rows; decided by the servers' kinds when the pre-copy connects to both."""
 
     def _precheck(self) -> dict[str, dict[str, Any]]:
         """Briefcases that cannot be batched (refused, the caller moves them singly); the target's earlier state rows.
@@ -254,9 +254,9 @@ class BatchMove:
         """
         refused: set[GDID] = set()
         with self.cluster.transaction(self.target) as conn:
-            previous = states(conn, self.area, self.gdids)
+            previous, held = target_holdings(conn, self.area, self.tables, self.gdids)
             refused.update(g for g, s in previous.items() if s["state"] != STATE_GONE)
-            refused.update(_with_rows(conn, self.tables, self.gdids))
+            refused.update(held)
         if refused:
             raise BatchAbortedError(
                 f"{len(refused)} briefcase(s) of the batch already have a state or rows on {self.target!r}", None, sorted(refused)
@@ -266,24 +266,25 @@ class BatchMove:
     def run(self) -> BatchResult:
         previous = self._precheck()
         self.move_id = new_move_id("batch")
-        self.journal.start(JournalEntry(
+        entry = JournalEntry(
             move_id=self.move_id, kind=BATCH_KIND, area=self.area, step="lock", status=RUNNING, gdid=self.gdids[0],
             source=self.source, target=self.target, reshard_id=self.reshard_id,
             params={"gdids": [str(g) for g in self.gdids], "max_pause": self.max_pause, "previous_target_states": previous},
             briefcases_total=len(self.gdids),
-        ))
+        )
+        self.journal.start(entry)
         fault_point("batch.after_journal_start")
         try:
-            self._precopy()
+            target_sums = self._precopy()
             fault_point("batch.after_precopy")
             with _locked_batch(self.cluster, self.source, self.area, self.gdids, lock_wait=self.lock_wait, max_pause=self.max_pause) as (src, locked_at):
-                rows, pause = self._cut_over(src, locked_at)
+                rows, pause = self._cut_over(src, locked_at, target_sums)
         except BatchAbortedError as exc:
             exc.move_id = self.move_id
             self._roll_back(str(exc))
             raise
         except BaseException as exc:
-            if statement_cancelled(exc):  # a statement under the lock ran past max_pause
+            if statement_cancelled(exc):  # a statement under the write lock ran past max_pause
                 self._roll_back(f"a statement under the write lock was cancelled at max pause {self.max_pause:.2f}s")
                 raise BatchAbortedError(
                     f"batch {self.move_id} rolled back: a statement under the write lock ran past {self.max_pause:.2f}s "
@@ -294,8 +295,6 @@ class BatchMove:
                       self.move_id, len(self.gdids), type(exc).__name__)
             raise
         fault_point("batch.after_commit_point")
-        entry = self.journal.get(self.move_id)
-        assert entry is not None
         per_table: dict[str, int] = {}
         for counts in rows.values():
             for name, n in counts.items():
@@ -305,78 +304,66 @@ class BatchMove:
             telemetry.move_done(self.area, self.reshard_id, sum(per_table.values()), pause)
         return BatchResult(self.move_id, list(self.gdids), rows, pause)
 
-    def _precopy(self) -> None:
-        """Copy the batch to the target before the lock, behind committed ``incoming`` rows.
+    def _precopy(self) -> Sums:
+        """Copy the batch to the target before the lock, behind committed ``incoming`` rows; the target's sums.
 
         Sessions on the source go on meanwhile; what they change is found under the lock by
         the checksums and copied again, briefcase by briefcase (:meth:`_cut_over`), so the write
-        pause holds the checksums and the commit point, not the copy (how MongoDB's chunk
-        migration and Vitess's VReplication cut over too). A crash from here on leaves a copy
-        that resume discards (no fence on the source).
+        pause holds one statement and the commit, not the copy (how MongoDB's chunk migration
+        and Vitess's VReplication cut over too). The source is read in one snapshot, so a
+        parent and a child written between two tables' COPYs cannot arrive half. A crash from
+        here on leaves a copy that resume discards (no fence on the source).
         """
         with self.cluster.transaction(self.source) as src, self.cluster.transaction(self.target) as dst:
-            set_states(dst, self.area, self.gdids, STATE_INCOMING, self.source, self.move_id)
-            copy_batch(src, dst, self.tables, self.gdids)
+            if src.dialect.name == "postgresql":
+                src.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            self.method = verify.method_for(src, dst)
+            refused, sums = claim_and_copy(src, dst, self.area, self.tables, self.gdids, self.source, self.move_id, self.hashed)
+            if refused:  # rolls both back: nothing of this batch was written
+                raise BatchAbortedError(
+                    f"{len(refused)} briefcase(s) of the batch were taken on {self.target!r} by another mover since the precheck "
+                    f"(e.g. {refused[0]})", self.move_id, refused,
+                )
+        return sums
 
-    def _cut_over(self, src: Connection, locked_at: float) -> tuple[dict[GDID, dict[str, int]], float]:
-        """Lock held: sum both sides, copy again what changed since the pre-copy, fence and delete on
-        the source, commit. Returns the verified rows and the pause.
+    def _cut_over(self, src: Connection, locked_at: float, target_sums: Sums) -> tuple[dict[GDID, dict[str, int]], float]:
+        """Lock held: fence and delete on the source, compare its sums with the target's, copy again
+        what changed since the pre-copy, commit. Returns the verified rows and the pause.
 
-        Every round trip here is write pause, so there are few: one checksum statement per side
-        for the whole batch (each a query of its own, never the copy's stream); the re-sync of
-        briefcases written since the pre-copy and their second sums run in one target
-        transaction, committed only when every sum agrees.
+        Every round trip here is write pause: on the common path (nothing written since the
+        pre-copy) one pipeline of settings, savepoint and statement, then the commit.
         """
-        cluster, area, gdids, tables = self.cluster, self.area, self.gdids, self.tables
+        area, gdids, tables = self.area, self.gdids, self.tables
         deadline = locked_at + self.max_pause
         fault_point("batch.after_lock")
-        _settle(src, deadline)
-        recorded = states(src, area, gdids)
-        moving = sorted(g for g, s in recorded.items() if s["state"] in (STATE_GONE, STATE_INCOMING))
-        if moving:
+        cut = fence_and_delete(src, area, tables, gdids, self.target, self.move_id, self.method, deadline, self.hashed)
+        fault_point("batch.after_source_cut")
+        if cut.blocked:
+            moving = sorted(cut.blocked)
             raise BatchAbortedError(
                 f"under the lock {self.source!r} records {len(moving)} briefcase(s) of the batch as moving or gone "
                 f"(e.g. {moving[0]}: another move?)", self.move_id, moving,
             )
-        with cluster.transaction(self.target) as dst:
-            _settle(dst, deadline)
-            method = verify.method_for(src, dst)
-            src_sums = verify.batch_sums(src, tables, gdids, method, pinned=True)
-            roots = [at.name for at in tables if at.pk == [at.key]]
-            missing = sorted(g for g in gdids if not any((name, g) in src_sums for name in roots))
-            if missing:
+        roots = [at.name for at in tables if at.pk == [at.key]]
+        missing = sorted(g for g in gdids if not any((name, g) in cut.sums for name in roots))
+        if missing:
+            raise BatchAbortedError(
+                f"under the lock {self.source!r} no longer holds {len(missing)} briefcase(s) of the batch (e.g. {missing[0]})",
+                self.move_id, missing,
+            )
+        changed = _differing(cut.sums, target_sums)
+        if changed:  # written since the pre-copy: copied again, summed again, and the source's statement run again
+            undo(src)
+            target_sums = self._resync(src, changed, cut.sums, target_sums, deadline)
+            cut = fence_and_delete(src, area, tables, gdids, self.target, self.move_id, self.method, deadline, self.hashed)
+            differ = _differing(cut.sums, target_sums)
+            if differ:
+                telemetry.move_verification_failed(area)
                 raise BatchAbortedError(
-                    f"under the lock {self.source!r} no longer holds {len(missing)} briefcase(s) of the batch (e.g. {missing[0]})",
-                    self.move_id, missing,
+                    f"verification of {len(gdids)} briefcase(s) found {len(differ)} that differ between {self.source!r} and "
+                    f"{self.target!r} (e.g. {differ[0]}); every one is moved again on its own", self.move_id, differ,
                 )
-            mine = [g for g, st in states(dst, area, gdids).items() if st["state"] == STATE_INCOMING and st["move_id"] == self.move_id]
-            if len(mine) != len(gdids):
-                raise BatchAbortedError(f"the pre-copy's incoming rows on {self.target!r} changed under it (another mover?)", self.move_id)
-            dst_sums = verify.batch_sums(dst, tables, gdids, method, pinned=True)
-            changed = _differing(src_sums, dst_sums)
-            if changed:  # written since the pre-copy: copied again, then summed again
-                delete_batch(dst, tables, changed)
-                copy_batch(src, dst, [at for at in tables if any((at.name, g) in src_sums for g in changed)], changed)
-                again = verify.batch_sums(dst, tables, changed, method, pinned=True)
-                wanted = {key: value for key, value in src_sums.items() if key[1] in set(changed)}
-                differ = _differing(wanted, again)
-                if differ:
-                    telemetry.move_verification_failed(area)
-                    raise BatchAbortedError(
-                        f"verification of {len(gdids)} briefcase(s) found {len(differ)} that differ between {self.source!r} and "
-                        f"{self.target!r} (e.g. {differ[0]}); every one is moved again on its own", self.move_id, differ,
-                    )
-            fault_point("batch.after_verify")
-        fault_point("batch.after_copy_commit")
-        bound_statements(src, deadline)
-        set_states(src, area, gdids, STATE_GONE, self.target, self.move_id)
-        deleted = delete_batch(src, tables, gdids)
-        verified: dict[str, int] = {}
-        for (name, _), s in src_sums.items():
-            verified[name] = verified.get(name, 0) + s.rows
-        wrong = [f"{name}: {n} deleted, {verified.get(name, 0)} verified" for name, n in deleted.items() if n != verified.get(name, 0)]
-        if wrong:  # the source transaction, fences and deletes with it, is rolled back with the lock
-            raise BatchAbortedError(f"the commit point would delete rows that were not verified ({'; '.join(wrong)})", self.move_id)
+        fault_point("batch.after_verify")
         held = time.monotonic() - locked_at
         if held > self.max_pause:
             raise BatchAbortedError(f"the write lock was held {held:.3f}s, over max pause {self.max_pause:.3f}s", self.move_id)
@@ -384,9 +371,26 @@ class BatchMove:
         src.commit()
         pause = time.monotonic() - locked_at
         rows: dict[GDID, dict[str, int]] = {g: {} for g in gdids}
-        for (name, g), s in src_sums.items():
+        for (name, g), s in cut.sums.items():
             rows[g][name] = s.rows
         return rows, pause
+
+    def _resync(self, src: Connection, changed: list[GDID], source_sums: Sums, target_sums: Sums, deadline: float) -> Sums:
+        """Copy ``changed`` again from the locked source (their rows changed since the pre-copy); the target's sums after.
+
+        One target transaction: the old copies deleted, the tables that hold rows of them
+        copied, the sums taken again by a query of their own. Committed before the source's
+        commit point, like the pre-copy: a crash before that point leaves a copy resume discards.
+        """
+        tables = self.tables
+        again_of = set(changed)
+        with self.cluster.transaction(self.target) as dst:
+            settle(dst, deadline)
+            delete_batch(dst, tables, changed)
+            copy_batch(src, dst, [at for at in tables if any((at.name, g) in source_sums for g in changed)], changed)
+            again = verify.batch_sums(dst, tables, changed, self.method, pinned=True, hashed=self.hashed)
+        fault_point("batch.after_resync")
+        return {key: value for key, value in target_sums.items() if key[1] not in again_of} | again
 
     def _roll_back(self, why: str) -> None:
         entry = self.journal.get(self.move_id)

@@ -36,7 +36,7 @@ import logging
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -123,12 +123,23 @@ class ReshardCounts:
                     counts.tables_done[name] = counts.tables_done.get(name, 0) + done
         return counts
 
+    pending_tables: dict[str, int] = field(default_factory=dict)
+    """Rows per table of the pending moves, kept as they change: the counts are written after every
+    batch, and summing a plan of a million moves each time would cost more than the batch."""
+
     def plan(self, plan: ReshardPlan) -> None:
         self.pending = {m.gdid: m for m in plan.moves}
+        self.pending_tables = {}
+        for m in plan.moves:
+            for name, n in m.rows.items():
+                self.pending_tables[name] = self.pending_tables.get(name, 0) + n
 
     def moved(self, move: PlannedMove, rows: dict[str, int]) -> None:
         """``move`` finished, carrying ``rows`` (the verified counts, which a live writer may have changed)."""
-        self.pending.pop(move.gdid, None)
+        planned = self.pending.pop(move.gdid, None)
+        if planned is not None:
+            for name, n in planned.rows.items():
+                self.pending_tables[name] -= n
         self.briefcases_done += 1
         self.rows_done += sum(rows.values())
         for name, n in rows.items():
@@ -140,13 +151,13 @@ class ReshardCounts:
 
     @property
     def rows_total(self) -> int:
-        return self.rows_done + sum(m.total_rows for m in self.pending.values())
+        return self.rows_done + sum(self.pending_tables.values())
 
     def tables(self) -> dict[str, list[int]]:
         """table -> [rows total, rows done], the journal's ``tables`` column."""
         out = {name: [n, n] for name, n in self.tables_done.items()}
-        for m in self.pending.values():
-            for name, n in m.rows.items():
+        if self.pending:
+            for name, n in self.pending_tables.items():
                 out.setdefault(name, [0, 0])[0] += n
         return out
 
@@ -447,7 +458,7 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
             return
         try:
             moved = BatchMove(store, journal, entry.area, [m.gdid for m in batch], batch[0].source, batch[0].target,
-                              reshard_id=entry.move_id, tables=tables, max_pause=max_pause).run()
+                              reshard_id=entry.move_id, tables=tables, max_pause=max_pause, hashed=hashed).run()
         except BatchAbortedError as exc:
             # Rolled back, the source holds them all. Briefcases it named go one at a time (the single
             # move's checks say what is wrong with them); the rest as two smaller batches.
@@ -477,7 +488,8 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
             feeder.stopped = True  # the other workers finish their batch and stop
             raise
 
-    with hold_schemas(store, entry.area, servers) if batched else nullcontext():
+    with ExitStack() as held:
+        hashed = held.enter_context(hold_schemas(store, entry.area, servers, tables)) if tables is not None else frozenset()
         if run.parallel <= 1:
             work()
             return

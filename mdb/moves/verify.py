@@ -22,13 +22,14 @@ from typing import Any, Literal
 
 from sqlalchemy import BindParameter, bindparam, func, literal_column, select, text, tuple_
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 
 from mdb.gdid import GDID
 from mdb.moves.copy import AreaTable, is_postgres
 
 __all__ = [
-    "PG_OUTPUT_SETTINGS", "SPLIT_ROWS", "Method", "Part", "TableSum", "batch_sums", "combine", "compare", "describe_key", "differing_keys", "method_for",
-    "part_sums", "plan_parts", "row_digests", "spread", "table_sums",
+    "PG_OUTPUT_CONFIG", "PG_OUTPUT_SETTINGS", "SPLIT_ROWS", "Method", "Part", "TableSum", "batch_sums", "combine", "compare", "describe_key", "differing_keys", "hashable_tables", "method_for",
+    "part_sums", "plan_parts", "row_digests", "spread", "sql_digest", "table_sums",
 ]
 
 Method = Literal["sql", "python"]
@@ -44,11 +45,11 @@ def method_for(a: Connection, b: Connection) -> Method:
     return "sql" if is_postgres(a) and is_postgres(b) else "python"
 
 
-PG_OUTPUT_SETTINGS = (
-    "SET LOCAL TimeZone = 'UTC'; SET LOCAL DateStyle = 'ISO, YMD'; SET LOCAL extra_float_digits = 3; "
-    "SET LOCAL IntervalStyle = 'postgres'; SET LOCAL bytea_output = 'hex'"
-)
+_PG_OUTPUT = {"TimeZone": "UTC", "DateStyle": "ISO, YMD", "extra_float_digits": "3", "IntervalStyle": "postgres", "bytea_output": "hex"}
+PG_OUTPUT_SETTINGS = "; ".join(f"SET LOCAL {name} = '{value}'" for name, value in _PG_OUTPUT.items())
 """Text forms depend on session settings; pinned so two servers print the same values alike."""
+PG_OUTPUT_CONFIG = ", ".join(f"set_config('{name}', '{value}', true)" for name, value in _PG_OUTPUT.items())
+""":data:`PG_OUTPUT_SETTINGS` as expressions of one SELECT (for a statement that sets them beside others)."""
 
 
 def _pin_pg_output(conn: Connection) -> None:
@@ -226,17 +227,60 @@ def table_sums(conn: Connection, tables: Sequence[AreaTable], gdid: GDID, method
     return out
 
 
+def sql_digest(at: AreaTable, hashed: bool = False) -> str:
+    """The batch checksum of ``at``'s rows in a group (SQL): a sum of one 60- or 64-bit hash per row.
+
+    A multiset hash (no sort of the rows): a changed, missing or extra row changes the sum or
+    the count. ``hashed``: each row's ``hash_record_extended`` (PostgreSQL 14+, the columns'
+    own hash functions, no text formed: about 40% cheaper), where :func:`hashable_tables` says
+    both servers can; otherwise 60 bits of the md5 of its text form. Its columns are named
+    unqualified, so it applies to the table and to rows a statement returns with the same
+    columns (a batch's commit point sums the rows it deletes).
+    """
+    if hashed:
+        cols = ", ".join(f'"{c}"' for c in at.columns)
+        return f"sum(hash_record_extended(ROW({cols}), 0))::text"
+    return f"sum(('x' || left({_sql_row_expr(at)}, 15))::bit(60)::bigint)::text"
+
+
+def hashable_tables(conn: Connection, tables: Sequence[AreaTable]) -> frozenset[str]:
+    """The tables whose rows this PostgreSQL server can hash with ``hash_record_extended``.
+
+    Asked of the server, not guessed from the models: the function is PostgreSQL 14's, and a
+    column type without a hash function (``json``, ``xml``, ``point``, ...) makes it fail when
+    it meets the first row. The probe hashes one row of NULLs typed like the table's columns
+    (the function looks every column's hash function up before it looks at the values), in a
+    savepoint each, so a refusal costs nothing but the fallback to md5 for that table.
+    Equal hashes mean equal values by each type's equality: ``1.0`` and ``1.00`` as ``numeric``,
+    or strings equal under a nondeterministic collation, sum alike.
+    """
+    if not is_postgres(conn):
+        return frozenset()
+    found = set()
+    for at in tables:
+        cols = ", ".join(f't."{c}"' for c in at.columns)
+        try:
+            with conn.begin_nested():
+                conn.exec_driver_sql(f'SELECT hash_record_extended(ROW({cols}), 0) FROM (SELECT 1) AS one LEFT JOIN "{at.name}" AS t ON false')
+        except DBAPIError as exc:
+            if getattr(exc.orig, "sqlstate", None) not in ("42883", "0A000"):  # undefined function, not supported
+                raise
+            continue
+        found.add(at.name)
+    return frozenset(found)
+
+
 def batch_sums(
     conn: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID], method: Method, *, pinned: bool = False,
+    hashed: frozenset[str] = frozenset(),
 ) -> dict[tuple[str, GDID], TableSum]:
     """(table, briefcase) -> (row count, checksum) for every briefcase of a batch on this server.
 
     Grouped by the briefcase key: one statement for every table and briefcase (SQL method), or
     one ordered read per table (Python method). A briefcase with no row in a table has no entry
-    for it. The SQL checksum is the sum of each row's md5 (its text form, 60 bits of it): a
-    multiset hash, so no sort of the rows is needed (a batch sums thousands of them under its
-    lock); a changed, missing or extra row changes the sum or the count. Both sides of a batch
-    use this function, so its sums are compared only with each other.
+    for it. The SQL checksum is :func:`sql_digest` (``hashed``: the tables summed by row hash);
+    both sides of a batch use it with the same ``hashed``, so its sums are compared only with
+    each other.
     """
     out: dict[tuple[str, GDID], TableSum] = {}
     if not gdids:
@@ -246,8 +290,7 @@ def batch_sums(
             _pin_pg_output(conn)
         keys = "ARRAY[" + ", ".join(f"'\\x{g.hex}'::bytea" for g in gdids) + "]"
         queries = [
-            f'SELECT {i}, "{at.key}", count(*), sum((\'x\' || left({_sql_row_expr(at)}, 15))::bit(60)::bigint)::text '
-            f'FROM "{at.name}" WHERE "{at.key}" = ANY({keys}) GROUP BY "{at.key}"'
+            f'SELECT {i}, "{at.key}", count(*), {sql_digest(at, at.name in hashed)} FROM "{at.name}" WHERE "{at.key}" = ANY({keys}) GROUP BY "{at.key}"'
             for i, at in enumerate(tables)
         ]
         for i, key, count, digest in conn.exec_driver_sql(" UNION ALL ".join(queries)).all():

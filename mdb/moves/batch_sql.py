@@ -1,0 +1,206 @@
+"""The statements of a batched cutover: each a single round trip on PostgreSQL.
+
+A batch's write pause is the time between taking its briefcases' locks on the source and the
+commit of its fences; every round trip and every pass over the rows in that window is pause
+for every one of its briefcases. So the source's side of the commit point is one statement
+(:func:`fence_and_delete`): it writes the fences, deletes the rows and returns the checksums
+*of the rows it deleted*, read once. Those sums are compared with the target's, which the
+pre-copy computed by a query of its own after its COPY (:func:`claim_and_copy`), before the
+lock: the target's copy is behind ``incoming`` rows then, so nothing changes it.
+
+The comparison happens before the source commits, behind a savepoint: a briefcase written
+between the pre-copy and the lock has other sums, the statement is rolled back to the
+savepoint (fences and deletes undone, the locks kept) and only those briefcases are copied
+again (:mod:`mdb.moves.batch`). The sums being of the deleted rows, the commit point deletes
+exactly the verified rows by construction.
+
+SQLite runs the same steps as several statements (no data-modifying CTE there).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg import sql
+from sqlalchemy import union
+from sqlalchemy import select
+from sqlalchemy.engine import Connection
+
+from mdb.gdid import GDID
+from mdb.moves import verify
+from mdb.moves.copy import AreaTable, copy_batch, delete_batch, is_postgres
+from mdb.moves.sql_steps import set_states, states
+from mdb.system_tables import STATE_GONE, STATE_INCOMING, briefcase_state
+
+__all__ = ["Sums", "SourceCut", "claim_and_copy", "fence_and_delete", "settle", "target_holdings", "undo"]
+
+Sums = dict[tuple[str, GDID], verify.TableSum]
+"""(table, briefcase) -> (rows, checksum); a briefcase without rows in a table has no entry."""
+
+SAVEPOINT = "mdb_cutover"
+
+
+@dataclass
+class SourceCut:
+    """What the source's side of a commit point found: the sums of the rows it deleted, and the
+    briefcases it refused because the source records them as moving or gone (nothing is deleted then)."""
+
+    sums: Sums
+    blocked: dict[GDID, str]
+
+
+def settle(conn: Connection, deadline: float | None) -> None:
+    """PostgreSQL: this transaction's settings for a batch's statements, in one round trip.
+
+    The statement bound (``statement_timeout`` set to the time left before ``deadline``, a
+    ``time.monotonic()``; :func:`mdb.moves.sql_steps.bound_statements` says why), index scans
+    only (every statement selects a few briefcases by key, and a target shard filled by the
+    reshard itself has no statistics yet, where the planner would scan whole tables), and the
+    output settings the text checksums need (:data:`mdb.moves.verify.PG_OUTPUT_SETTINGS`).
+    """
+    if not is_postgres(conn):
+        return
+    settings = ["SET LOCAL enable_seqscan = off", verify.PG_OUTPUT_SETTINGS]
+    if deadline is not None:
+        left_ms = min(max(1, int((deadline - time.monotonic()) * 1000)), 2**31 - 1)
+        settings.insert(0, f"SET LOCAL statement_timeout = {left_ms}")
+    conn.exec_driver_sql("; ".join(settings))
+
+
+def target_holdings(conn: Connection, area: str, tables: Sequence[AreaTable], gdids: Sequence[GDID]) -> tuple[dict[GDID, dict[str, Any]], set[GDID]]:
+    """The state rows of ``gdids`` here, and those of them with at least one row here in any table.
+
+    PostgreSQL: two statements in one pipeline, the keys sent once each as an array.
+    """
+    if not is_postgres(conn):
+        wanted = list(gdids)
+        query = union(*(select(at.table.c[at.key].label("k")).where(at.table.c[at.key].in_(wanted)) for at in tables))
+        return states(conn, area, gdids), {g for (g,) in conn.execute(query)}
+    keys = _keys(gdids)
+    held = sql.SQL(" UNION ").join(
+        sql.SQL("SELECT {key} FROM {table} WHERE {key} = ANY(%(keys)s::bytea[])").format(key=sql.Identifier(at.key), table=sql.Identifier(at.name))
+        for at in tables
+    )
+    raw: Any = conn.connection.driver_connection
+    with raw.pipeline():
+        raw.execute("SELECT set_config('enable_seqscan', 'off', true)", prepare=False)  # see settle()
+        state_rows = raw.execute(
+            "SELECT gdid, state, peer, move_id FROM mdb_briefcase_state WHERE area = %(area)s AND gdid = ANY(%(keys)s::bytea[])",
+            {"area": area, "keys": keys}, prepare=False,
+        )
+        with_rows = raw.execute(held, {"keys": keys}, prepare=False)
+    found = {GDID.from_bytes(bytes(g)): {"state": state, "peer": peer, "move_id": move_id} for g, state, peer, move_id in state_rows.fetchall()}
+    return found, {GDID.from_bytes(bytes(g)) for (g,) in with_rows.fetchall()}
+
+
+def _keys(gdids: Sequence[GDID]) -> list[bytes]:
+    return [bytes(g) for g in gdids]
+
+
+def _claim(conn: Connection, area: str, gdids: Sequence[GDID], source: str, move_id: str) -> list[GDID]:
+    """Write the ``incoming`` rows of ``gdids`` where their state is absent or an old fence; the briefcases refused.
+
+    Conditional, so two movers racing into one target cannot both claim a briefcase: the
+    second waits on the first's row lock and then finds it ``incoming``.
+    """
+    if not is_postgres(conn):
+        taken = {g for g, s in states(conn, area, gdids).items() if s["state"] != STATE_GONE}
+        set_states(conn, area, [g for g in gdids if g not in taken], STATE_INCOMING, source, move_id)
+        return sorted(taken)
+    raw: Any = conn.connection.driver_connection
+    with raw.cursor() as cur:
+        cur.execute(
+            "INSERT INTO mdb_briefcase_state (area, gdid, state, peer, move_id, changed_at) "
+            "SELECT %(area)s, k, %(incoming)s, %(peer)s, %(move_id)s, current_timestamp FROM unnest(%(keys)s::bytea[]) AS k "
+            "ON CONFLICT (area, gdid) DO UPDATE SET state = excluded.state, peer = excluded.peer, "
+            "move_id = excluded.move_id, changed_at = excluded.changed_at WHERE mdb_briefcase_state.state = %(gone)s "
+            "RETURNING gdid",
+            {"area": area, "keys": _keys(gdids), "incoming": STATE_INCOMING, "gone": STATE_GONE, "peer": source, "move_id": move_id},
+            prepare=False,
+        )
+        claimed = {bytes(k) for (k,) in cur.fetchall()}
+    return sorted(g for g in gdids if bytes(g) not in claimed)
+
+
+def claim_and_copy(src: Connection, dst: Connection, area: str, tables: Sequence[AreaTable], gdids: Sequence[GDID],
+                   source: str, move_id: str, hashed: frozenset[str]) -> tuple[list[GDID], Sums]:
+    """The pre-copy, in the caller's transactions: ``incoming`` rows, one COPY per table, then the
+    target's sums by a query of their own. Returns (briefcases refused, sums); refused: nothing copied.
+    """
+    refused = _claim(dst, area, gdids, source, move_id)
+    if refused:
+        return refused, {}
+    copy_batch(src, dst, tables, gdids)
+    settle(dst, None)
+    return [], verify.batch_sums(dst, tables, gdids, verify.method_for(src, dst), pinned=True, hashed=hashed)
+
+
+def fence_and_delete(src: Connection, area: str, tables: Sequence[AreaTable], gdids: Sequence[GDID], target: str,
+                     move_id: str, method: verify.Method, deadline: float, hashed: frozenset[str]) -> SourceCut:
+    """The source's side of the commit point, in its locked transaction, after a savepoint.
+
+    Fences (``gone`` to ``target``) and deletes every row of ``gdids``, returning the deleted
+    rows' sums and the briefcases the source records as moving or gone. The caller compares
+    and then commits, or rolls back to the savepoint (:func:`undo`).
+    PostgreSQL: the settings, the savepoint and one statement, sent in one pipeline.
+    """
+    if not is_postgres(src):
+        src.exec_driver_sql(f"SAVEPOINT {SAVEPOINT}")
+        blocked = {g: s["state"] for g, s in states(src, area, gdids).items() if s["state"] in (STATE_GONE, STATE_INCOMING)}
+        sums = verify.batch_sums(src, tables, gdids, method)
+        set_states(src, area, gdids, STATE_GONE, target, move_id)
+        deleted = delete_batch(src, tables, gdids)
+        verified: dict[str, int] = {}
+        for (name, _), s in sums.items():
+            verified[name] = verified.get(name, 0) + s.rows
+        wrong = {name: n for name, n in deleted.items() if n != verified.get(name, 0)}
+        if wrong:  # one locked transaction read and deleted them: a bug, never a race
+            raise AssertionError(f"deleted {wrong} rows where the same transaction summed {verified}")
+        return SourceCut(sums, blocked)
+    common = {
+        "area": sql.Placeholder("area"), "keys": sql.SQL("%(keys)s::bytea[]"), "gone": sql.Placeholder("gone"),
+        "incoming": sql.Placeholder("incoming"), "peer": sql.Placeholder("peer"), "move_id": sql.Placeholder("move_id"),
+    }
+    ctes = [
+        sql.SQL("blocked AS (SELECT gdid, state FROM mdb_briefcase_state WHERE area = {area} AND gdid = ANY({keys}) "
+                "AND state IN ({gone}, {incoming}))").format(**common),
+        sql.SQL("fenced AS (INSERT INTO mdb_briefcase_state (area, gdid, state, peer, move_id, changed_at) "
+                "SELECT {area}, k, {gone}, {peer}, {move_id}, current_timestamp FROM unnest({keys}) AS k "
+                "ON CONFLICT (area, gdid) DO UPDATE SET state = excluded.state, peer = excluded.peer, "
+                "move_id = excluded.move_id, changed_at = excluded.changed_at RETURNING 1)").format(**common),
+    ]
+    sums_of = []
+    for i, at in enumerate(tables):
+        name, key = sql.Identifier(f"d{i}"), sql.Identifier(at.key)
+        cols = sql.SQL(", ").join(sql.Identifier(c) for c in at.columns)
+        ctes.append(sql.SQL("{name} AS (DELETE FROM {table} WHERE {key} = ANY({keys}) RETURNING {cols})").format(
+            name=name, table=sql.Identifier(at.name), key=key, keys=common["keys"], cols=cols))
+        sums_of.append(sql.SQL("SELECT {i}, {key}, count(*), {digest} FROM {name} GROUP BY {key}").format(
+            i=sql.Literal(i), key=key, digest=sql.SQL(verify.sql_digest(at, at.name in hashed)), name=name))
+    sums_of.append(sql.SQL("SELECT -1, gdid, 0, state::text FROM blocked"))
+    query = sql.SQL("WITH {ctes} {selects}").format(ctes=sql.SQL(", ").join(ctes), selects=sql.SQL(" UNION ALL ").join(sums_of))
+    params = {"area": area, "keys": _keys(gdids), "gone": STATE_GONE, "incoming": STATE_INCOMING, "peer": target, "move_id": move_id}
+    raw: Any = src.connection.driver_connection
+    left_ms = min(max(1, int((deadline - time.monotonic()) * 1000)), 2**31 - 1)
+    with raw.pipeline():
+        raw.execute(f"SELECT set_config('statement_timeout', '{left_ms}', true), set_config('enable_seqscan', 'off', true), "
+                    f"{verify.PG_OUTPUT_CONFIG}", prepare=False)
+        raw.execute(f"SAVEPOINT {SAVEPOINT}", prepare=False)
+        cur = raw.execute(query, params, prepare=False)
+    rows = cur.fetchall()
+    out = SourceCut({}, {})
+    for i, key, count, digest in rows:
+        g = GDID.from_bytes(bytes(key))
+        if i < 0:
+            out.blocked[g] = str(digest)
+        else:
+            out.sums[(tables[i].name, g)] = verify.TableSum(int(count), str(digest))
+    return out
+
+
+def undo(src: Connection) -> None:
+    """Roll the source back to before :func:`fence_and_delete` (fences and deletes undone, the locks kept)."""
+    src.exec_driver_sql(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
