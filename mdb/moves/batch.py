@@ -38,6 +38,7 @@ SQL servers only (PostgreSQL, SQLite): a document area's reshard moves one brief
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -63,7 +64,7 @@ from mdb.moves.sql_steps import area_tables, locked_briefcases, statement_cancel
 from mdb.relocations import set_relocations
 from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
 
-__all__ = ["BATCH_KIND", "BatchMove", "BatchResult", "hold_schemas"]
+__all__ = ["BATCH_KIND", "BatchMove", "BatchResult", "CutoverGate", "hold_schemas"]
 
 log = logging.getLogger("mdb.moves.batch")
 
@@ -104,6 +105,39 @@ class BatchResult:
             for name, n in per_table.items():
                 out[name] = out.get(name, 0) + n
         return out
+
+
+class CutoverGate:
+    """Gives the parallel workers' cutovers priority over their copies.
+
+    A batch's write pause is the time its one statement and commit take under the lock; a
+    batch pre-copying beside it on the same two cores (the mover's relay, the source's COPY,
+    the target's inserts) would stretch that pause to twice its length. So while any worker
+    holds its briefcases' locks (:meth:`cutting`), the other workers' copies wait between two
+    blocks of rows and before their target's sums (:meth:`wait`). The copies still overlap
+    everything else of a batch: precheck, journal, lock waits, finalize. A cutover is bounded
+    by ``max_pause``, so a wait is too.
+    """
+
+    def __init__(self) -> None:
+        self._cutting = 0
+        self._free = threading.Condition()
+
+    @contextmanager
+    def cutting(self) -> Iterator[None]:
+        with self._free:
+            self._cutting += 1
+        try:
+            yield
+        finally:
+            with self._free:
+                self._cutting -= 1
+                if not self._cutting:
+                    self._free.notify_all()
+
+    def wait(self) -> None:
+        with self._free:
+            self._free.wait_for(lambda: not self._cutting)
 
 
 @contextmanager
@@ -225,7 +259,7 @@ class BatchMove:
     def __init__(
         self, cluster: Cluster, journal: Journal, area: str, gdids: Sequence[GDID], source: str, target: str, *,
         reshard_id: str | None, tables: list[AreaTable] | None = None, max_pause: float = DEFAULT_MAX_PAUSE,
-        lock_wait: float = DEFAULT_LOCK_WAIT, hashed: frozenset[str] = frozenset(),
+        lock_wait: float = DEFAULT_LOCK_WAIT, hashed: frozenset[str] = frozenset(), gate: CutoverGate | None = None,
     ) -> None:
         if not gdids:
             raise MdbError("a batch needs at least one briefcase")
@@ -241,6 +275,8 @@ class BatchMove:
         self.lock_wait = lock_wait
         self.move_id = ""
         self.hashed = hashed
+        self.gate = gate or CutoverGate()
+        """Shared by the batches a pass runs at once (:class:`CutoverGate`); alone, it never waits."""
         """Tables both servers sum by row hash (what :func:`hold_schemas` yields); the others by md5."""
         self.method: verify.Method = "sql"
         """How both sides sum rows; decided by the servers' kinds when the pre-copy connects to both."""
@@ -277,7 +313,8 @@ class BatchMove:
         try:
             target_sums = self._precopy()
             fault_point("batch.after_precopy")
-            with _locked_batch(self.cluster, self.source, self.area, self.gdids, lock_wait=self.lock_wait, max_pause=self.max_pause) as (src, locked_at):
+            with _locked_batch(self.cluster, self.source, self.area, self.gdids, lock_wait=self.lock_wait, max_pause=self.max_pause) as (src, locked_at), \
+                    self.gate.cutting():
                 rows, pause = self._cut_over(src, locked_at, target_sums)
         except BatchAbortedError as exc:
             exc.move_id = self.move_id
@@ -318,7 +355,8 @@ class BatchMove:
             if src.dialect.name == "postgresql":
                 src.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             self.method = verify.method_for(src, dst)
-            refused, sums = claim_and_copy(src, dst, self.area, self.tables, self.gdids, self.source, self.move_id, self.hashed)
+            refused, sums = claim_and_copy(src, dst, self.area, self.tables, self.gdids, self.source, self.move_id, self.hashed,
+                                           self.gate.wait)
             if refused:  # rolls both back: nothing of this batch was written
                 raise BatchAbortedError(
                     f"{len(refused)} briefcase(s) of the batch were taken on {self.target!r} by another mover since the precheck "

@@ -20,7 +20,7 @@ SQLite runs the same steps as several statements (no data-modifying CTE there).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,14 +126,18 @@ def _claim(conn: Connection, area: str, gdids: Sequence[GDID], source: str, move
 
 
 def claim_and_copy(src: Connection, dst: Connection, area: str, tables: Sequence[AreaTable], gdids: Sequence[GDID],
-                   source: str, move_id: str, hashed: frozenset[str]) -> tuple[list[GDID], Sums]:
+                   source: str, move_id: str, hashed: frozenset[str], pace: Callable[[], None] | None = None) -> tuple[list[GDID], Sums]:
     """The pre-copy, in the caller's transactions: ``incoming`` rows, one COPY per table, then the
     target's sums by a query of their own. Returns (briefcases refused, sums); refused: nothing copied.
+
+    ``pace`` is called between blocks of the copy and before the sums, and may wait.
     """
     refused = _claim(dst, area, gdids, source, move_id)
     if refused:
         return refused, {}
-    copy_batch(src, dst, tables, gdids)
+    copy_batch(src, dst, tables, gdids, pace)
+    if pace is not None:
+        pace()
     settle(dst, None)
     return [], verify.batch_sums(dst, tables, gdids, verify.method_for(src, dst), pinned=True, hashed=hashed)
 

@@ -54,8 +54,13 @@ def _pg_literal(gdid: GDID) -> sql.Composable:
 
 
 def _pg_relay(src: Connection, dst: Connection, out_stmt: sql.Composable, in_stmt: sql.Composable,
-              on_streamed: Callable[[], None] | None = None) -> int:
-    """Stream ``out_stmt`` (a COPY TO STDOUT on the source) into ``in_stmt`` (COPY FROM STDIN on the target); rows copied."""
+              on_streamed: Callable[[], None] | None = None, pace: Callable[[], None] | None = None) -> int:
+    """Stream ``out_stmt`` (a COPY TO STDOUT on the source) into ``in_stmt`` (COPY FROM STDIN on the target); rows copied.
+
+    ``pace`` is called before each block is passed on and may wait: while it does, the target
+    has nothing to insert and the source stops once the socket is full (a batch's pre-copy
+    yields the CPU to another batch's cutover, :class:`mdb.moves.batch.CutoverGate`).
+    """
     src_raw: Any = src.connection.driver_connection
     dst_raw: Any = dst.connection.driver_connection
     with src_raw.cursor() as scur, dst_raw.cursor() as dcur:
@@ -66,23 +71,28 @@ def _pg_relay(src: Connection, dst: Connection, out_stmt: sql.Composable, in_stm
             for chunk in out:
                 block += chunk
                 if len(block) >= RELAY_BLOCK:
+                    if pace is not None:
+                        pace()
                     into.write(block)
                     block = bytearray()
             if block:
+                if pace is not None:
+                    pace()
                 into.write(block)
             if on_streamed is not None:
                 on_streamed()  # the source is done; the target is still inserting and checking
         return int(dcur.rowcount)
 
 
-def _pg_copy(src: Connection, dst: Connection, at: AreaTable, where: sql.Composable, on_streamed: Callable[[], None] | None = None) -> int:
+def _pg_copy(src: Connection, dst: Connection, at: AreaTable, where: sql.Composable, on_streamed: Callable[[], None] | None = None,
+             pace: Callable[[], None] | None = None) -> int:
     """One table's rows matching ``where`` (the briefcase key's condition), COPY to COPY, binary."""
     cols = sql.SQL(", ").join(sql.Identifier(c) for c in at.columns)
     out_stmt = sql.SQL("COPY (SELECT {cols} FROM {table} WHERE {key} {where}) TO STDOUT (FORMAT BINARY)").format(
         cols=cols, table=sql.Identifier(at.name), key=sql.Identifier(at.key), where=where
     )
     in_stmt = sql.SQL("COPY {table} ({cols}) FROM STDIN (FORMAT BINARY)").format(table=sql.Identifier(at.name), cols=cols)
-    return _pg_relay(src, dst, out_stmt, in_stmt, on_streamed)
+    return _pg_relay(src, dst, out_stmt, in_stmt, on_streamed, pace)
 
 
 def _pg_keys(gdids: Sequence[GDID]) -> sql.Composable:
@@ -90,19 +100,20 @@ def _pg_keys(gdids: Sequence[GDID]) -> sql.Composable:
     return sql.SQL("ARRAY[{}]").format(sql.SQL(", ").join(_pg_literal(g) for g in gdids))
 
 
-def copy_batch(src: Connection, dst: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID]) -> dict[str, int]:
+def copy_batch(src: Connection, dst: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID],
+               pace: Callable[[], None] | None = None) -> dict[str, int]:
     """Copy every row of the briefcases ``gdids``, one statement per table for all of them (parents first).
 
     What makes a batched cutover cheap: 8 tables cost 8 COPY streams whether the batch holds
-    one briefcase or five hundred.
+    one briefcase or five hundred. ``pace``: called between blocks of rows, may wait (:func:`_pg_relay`).
     """
     both_pg = is_postgres(src) and is_postgres(dst)
     counts: dict[str, int] = {}
     for at in tables:
         if both_pg:
-            counts[at.name] = _pg_copy(src, dst, at, sql.SQL("= ANY({})").format(_pg_keys(gdids)))
+            counts[at.name] = _pg_copy(src, dst, at, sql.SQL("= ANY({})").format(_pg_keys(gdids)), pace=pace)
         else:
-            counts[at.name] = _generic_copy(src, dst, at, None, where=at.table.c[at.key].in_(list(gdids)))
+            counts[at.name] = _generic_copy(src, dst, at, None, where=at.table.c[at.key].in_(list(gdids)), pace=pace)
     return counts
 
 
@@ -138,7 +149,8 @@ def delete_batch(conn: Connection, tables: Sequence[AreaTable], gdids: Sequence[
     return {at.name: int(row[i]) for i, at in enumerate(tables)}
 
 
-def _generic_copy(src: Connection, dst: Connection, at: AreaTable, gdid: GDID | None, where: Any = None) -> int:
+def _generic_copy(src: Connection, dst: Connection, at: AreaTable, gdid: GDID | None, where: Any = None,
+                  pace: Callable[[], None] | None = None) -> int:
     query = select(at.table)
     if gdid is not None:
         query = query.where(at.table.c[at.key] == gdid)
@@ -150,6 +162,8 @@ def _generic_copy(src: Connection, dst: Connection, at: AreaTable, gdid: GDID | 
         rows = result.mappings().fetchmany(BATCH)
         if not rows:
             return copied
+        if pace is not None:
+            pace()
         dst.execute(insert(at.table), [dict(r) for r in rows])
         copied += len(rows)
 

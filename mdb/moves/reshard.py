@@ -56,7 +56,7 @@ from mdb.moves.lease import check_stop, describe_liveness, hold
 from mdb.moves.status import RateWindow
 from mdb.moves.throttle import Throttle, ThrottleSettings
 from mdb.moves.plan import PartitionScan, PlannedMove, ReshardPlan, find_partition, plan_reshard, scan_for
-from mdb.moves.batch import BatchMove, hold_schemas
+from mdb.moves.batch import BatchMove, CutoverGate, hold_schemas
 from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult, check_max_pause, move_briefcase
 from mdb.moves.sql_steps import area_tables
 from mdb.partition_map import PartitionMap, parse_map
@@ -440,6 +440,7 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
     batched = bool(moves) and sizer.target > 0 and store.map.kind_of(moves[0].source) == SQL
     feeder = _Feeder(moves, sizer, batched)
     tables = area_tables(store, entry.area) if batched else None
+    gate = CutoverGate()  # one worker's copy never stretches another's write pause
     servers = sorted({m.source for m in moves} | {m.target for m in moves})
 
     def finished(done: list[tuple[PlannedMove, dict[str, int]]]) -> None:
@@ -458,7 +459,7 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
             return
         try:
             moved = BatchMove(store, journal, entry.area, [m.gdid for m in batch], batch[0].source, batch[0].target,
-                              reshard_id=entry.move_id, tables=tables, max_pause=max_pause, hashed=hashed).run()
+                              reshard_id=entry.move_id, tables=tables, max_pause=max_pause, hashed=hashed, gate=gate).run()
         except BatchAbortedError as exc:
             # Rolled back, the source holds them all. Briefcases it named go one at a time (the single
             # move's checks say what is wrong with them); the rest as two smaller batches.
