@@ -275,7 +275,7 @@ def reshard_cmd(
     partition: Annotated[str, typer.Option("--partition", metavar="START", help="absolute start GDID of the partition")],
     shards: Annotated[str, typer.Option("--shards", metavar="A,B,C", help="the partition's new shard list")],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
-    parallel: Annotated[int, typer.Option("--parallel", min=1, max=64, help="Moves in flight at once.")] = 1,
+    parallel: Annotated[int, typer.Option("--parallel", min=1, max=64, help="Batches in flight at once: one's copy overlaps another's cutover (docs/moves.md).")] = 1,
     max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Per briefcase: abort a cutover that would block its writes longer.", min=0.0)] = DEFAULT_MAX_PAUSE,
     batch_pause: Annotated[float, typer.Option("--batch-pause", metavar="SECONDS", min=0.0,
                                                help="Write pause a batch of briefcases aims at (batches grow or shrink to keep it); 0: one briefcase at a time.")] = DEFAULT_BATCH_PAUSE,
