@@ -29,6 +29,7 @@ from sqlalchemy import union
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
+from mdb.errors import BatchAbortedError
 from mdb.gdid import GDID
 from mdb.moves import verify
 from mdb.moves.copy import AreaTable, copy_batch, delete_batch, is_postgres
@@ -160,9 +161,9 @@ def fence_and_delete(src: Connection, area: str, tables: Sequence[AreaTable], gd
         verified: dict[str, int] = {}
         for (name, _), s in sums.items():
             verified[name] = verified.get(name, 0) + s.rows
-        wrong = {name: n for name, n in deleted.items() if n != verified.get(name, 0)}
-        if wrong:  # one locked transaction read and deleted them: a bug, never a race
-            raise AssertionError(f"deleted {wrong} rows where the same transaction summed {verified}")
+        wrong = [f"{name}: {n} deleted, {verified.get(name, 0)} verified" for name, n in deleted.items() if n != verified.get(name, 0)]
+        if wrong:  # the caller's transaction, fences and deletes with it, is rolled back with the lock
+            raise BatchAbortedError(f"the commit point would delete rows that were not verified ({'; '.join(wrong)})", None)
         return SourceCut(sums, blocked)
     common = {
         "area": sql.Placeholder("area"), "keys": sql.SQL("%(keys)s::bytea[]"), "gone": sql.Placeholder("gone"),
@@ -176,14 +177,14 @@ def fence_and_delete(src: Connection, area: str, tables: Sequence[AreaTable], gd
                 "ON CONFLICT (area, gdid) DO UPDATE SET state = excluded.state, peer = excluded.peer, "
                 "move_id = excluded.move_id, changed_at = excluded.changed_at RETURNING 1)").format(**common),
     ]
-    sums_of = []
+    sums_of: list[sql.Composable] = []
     for i, at in enumerate(tables):
-        name, key = sql.Identifier(f"d{i}"), sql.Identifier(at.key)
+        cte, key = sql.Identifier(f"d{i}"), sql.Identifier(at.key)
         cols = sql.SQL(", ").join(sql.Identifier(c) for c in at.columns)
         ctes.append(sql.SQL("{name} AS (DELETE FROM {table} WHERE {key} = ANY({keys}) RETURNING {cols})").format(
-            name=name, table=sql.Identifier(at.name), key=key, keys=common["keys"], cols=cols))
+            name=cte, table=sql.Identifier(at.name), key=key, keys=common["keys"], cols=cols))
         sums_of.append(sql.SQL("SELECT {i}, {key}, count(*), {digest} FROM {name} GROUP BY {key}").format(
-            i=sql.Literal(i), key=key, digest=sql.SQL(verify.sql_digest(at, at.name in hashed)), name=name))
+            i=sql.Literal(i), key=key, digest=sql.SQL(verify.sql_digest(at, at.name in hashed)), name=cte))
     sums_of.append(sql.SQL("SELECT -1, gdid, 0, state::text FROM blocked"))
     query = sql.SQL("WITH {ctes} {selects}").format(ctes=sql.SQL(", ").join(ctes), selects=sql.SQL(" UNION ALL ").join(sums_of))
     params = {"area": area, "keys": _keys(gdids), "gone": STATE_GONE, "incoming": STATE_INCOMING, "peer": target, "move_id": move_id}
