@@ -19,7 +19,6 @@ SQLite runs the same steps as several statements (no data-modifying CTE there).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,7 @@ from mdb.errors import BatchAbortedError
 from mdb.gdid import GDID
 from mdb.moves import verify
 from mdb.moves.copy import AreaTable, copy_batch, delete_batch, is_postgres
-from mdb.moves.sql_steps import set_states, states
+from mdb.moves.sql_steps import bound_statements, set_states, states, time_left_ms
 from mdb.system_tables import STATE_GONE, STATE_INCOMING, briefcase_state
 
 __all__ = ["Sums", "SourceCut", "claim_and_copy", "fence_and_delete", "settle", "target_holdings", "undo"]
@@ -64,11 +63,11 @@ def settle(conn: Connection, deadline: float | None) -> None:
     """
     if not is_postgres(conn):
         return
-    settings = ["SET LOCAL enable_seqscan = off", verify.PG_OUTPUT_SETTINGS]
-    if deadline is not None:
-        left_ms = min(max(1, int((deadline - time.monotonic()) * 1000)), 2**31 - 1)
-        settings.insert(0, f"SET LOCAL statement_timeout = {left_ms}")
-    conn.exec_driver_sql("; ".join(settings))
+    settings = f"SET LOCAL enable_seqscan = off; {verify.PG_OUTPUT_SETTINGS}"
+    if deadline is None:
+        conn.exec_driver_sql(settings)
+    else:
+        bound_statements(conn, deadline, also=settings)
 
 
 def target_holdings(conn: Connection, area: str, tables: Sequence[AreaTable], gdids: Sequence[GDID]) -> tuple[dict[GDID, dict[str, Any]], set[GDID]]:
@@ -189,9 +188,8 @@ def fence_and_delete(src: Connection, area: str, tables: Sequence[AreaTable], gd
     query = sql.SQL("WITH {ctes} {selects}").format(ctes=sql.SQL(", ").join(ctes), selects=sql.SQL(" UNION ALL ").join(sums_of))
     params = {"area": area, "keys": _keys(gdids), "gone": STATE_GONE, "incoming": STATE_INCOMING, "peer": target, "move_id": move_id}
     raw: Any = src.connection.driver_connection
-    left_ms = min(max(1, int((deadline - time.monotonic()) * 1000)), 2**31 - 1)
     with raw.pipeline():
-        raw.execute(f"SELECT set_config('statement_timeout', '{left_ms}', true), set_config('enable_seqscan', 'off', true), "
+        raw.execute(f"SELECT set_config('statement_timeout', '{time_left_ms(deadline)}', true), set_config('enable_seqscan', 'off', true), "
                     f"{verify.PG_OUTPUT_CONFIG}", prepare=False)
         raw.execute(f"SAVEPOINT {SAVEPOINT}", prepare=False)
         cur = raw.execute(query, params, prepare=False)

@@ -50,6 +50,7 @@ __all__ = [
     "state_row",
     "states",
     "statement_cancelled",
+    "time_left_ms",
 ]
 
 FINALIZE_POINTS = register("move.after_relocation", "move.after_target_state")
@@ -281,8 +282,12 @@ def bound_statements(conn: Connection, deadline: float, also: str = "") -> None:
     ``also``: more ``SET LOCAL`` statements sent in the same round trip.
     """
     if conn.dialect.name == "postgresql":
-        left_ms = min(max(1, int((deadline - time.monotonic()) * 1000)), 2**31 - 1)  # the setting is an int4 of ms
-        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {left_ms}" + (f"; {also}" if also else ""))
+        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {time_left_ms(deadline)}" + (f"; {also}" if also else ""))
+
+
+def time_left_ms(deadline: float) -> int:
+    """Milliseconds until ``deadline`` (``time.monotonic()``) as a ``statement_timeout``: at least 1 (0 would mean none), at most an int4."""
+    return min(max(1, int((deadline - time.monotonic()) * 1000)), 2**31 - 1)
 
 
 def statement_cancelled(exc: BaseException) -> bool:
