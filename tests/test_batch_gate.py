@@ -77,4 +77,5 @@ def test_a_batch_copy_is_paced_between_blocks_of_rows(pg_databases: Callable[[in
             arrived = conn.execute(select(func.count()).select_from(OrderLineItem.__table__)).scalar_one()
     assert copied["order_line_items"] == arrived == 1_200
     blocks_of_line_items = -(-1_200 * 60 // RELAY_BLOCK)  # binary rows of this table are well over 60 bytes
-    assert len(paced) >= blocks_of_line_items + len([t for t in tables if copied[t.name]]) - 1, paced
+    # once before each table's statement, and before each block of rows
+    assert len(paced) >= len(tables) + blocks_of_line_items + len([t for t in tables if copied[t.name]]) - 1, paced

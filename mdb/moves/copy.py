@@ -105,11 +105,15 @@ def copy_batch(src: Connection, dst: Connection, tables: Sequence[AreaTable], gd
     """Copy every row of the briefcases ``gdids``, one statement per table for all of them (parents first).
 
     What makes a batched cutover cheap: 8 tables cost 8 COPY streams whether the batch holds
-    one briefcase or five hundred. ``pace``: called between blocks of rows, may wait (:func:`_pg_relay`).
+    one briefcase or five hundred. ``pace``: called before each table's statement (a source
+    streams into the socket before the relay reads a block, so a wait between blocks comes after
+    the server's work) and between blocks of rows (:func:`_pg_relay`); it may wait.
     """
     both_pg = is_postgres(src) and is_postgres(dst)
     counts: dict[str, int] = {}
     for at in tables:
+        if pace is not None:
+            pace()
         if both_pg:
             counts[at.name] = _pg_copy(src, dst, at, sql.SQL("= ANY({})").format(_pg_keys(gdids)), pace=pace)
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from sqlalchemy import delete, func, insert, select
@@ -26,6 +26,7 @@ from mdb.dberrors import translated
 from mdb.errors import MdbError, MoveAbortedError, RoutingError, SchemaError
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
+from mdb.moves.collector import collection_deferred
 from mdb.moves.copy import AreaTable, delete_briefcase, measure
 from mdb.relocations import set_relocation
 from mdb.moves.journal import DONE, Journal, JournalEntry
@@ -129,41 +130,47 @@ def locked_briefcases(
     a failed try lets go of the keys it got, they are transaction locks), then one blocking
     attempt bounded by ``max_pause`` via ``lock_timeout``, the keys in GDID order. SQLite:
     BEGIN IMMEDIATE is the lock. The caller commits; leaving the block without commit rolls back.
+    While the locks are held, Python's garbage collector waits (:mod:`mdb.moves.collector`).
     """
     conn = store.connect(server)
     try:
         with translated(server):
             if conn.dialect.name != "postgresql":
                 started = time.monotonic()
-                conn.begin()
-                yield conn, started
+                with collection_deferred():
+                    conn.begin()
+                    yield conn, started
                 return
             keys = lock_keys_sql(area, gdids)
             deadline = time.monotonic() + lock_wait
             delay = 0.002
-            while True:
-                conn.begin()
-                started = time.monotonic()
-                if conn.exec_driver_sql(f"SELECT bool_and(pg_try_advisory_xact_lock(k)) FROM unnest({keys}) AS k").scalar_one():
-                    break
-                conn.rollback()
-                if time.monotonic() + delay >= deadline:
+            with ExitStack() as deferred:  # from each attempt that may take the locks on
+                while True:
                     conn.begin()
+                    deferred.enter_context(collection_deferred())
                     started = time.monotonic()
-                    conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{max(1, int(max_pause * 1000))}ms'")
-                    try:
-                        conn.exec_driver_sql(f"SELECT count(pg_advisory_xact_lock(k)) FROM unnest({keys}) AS k")
-                    except OperationalError as exc:
-                        what = f"briefcase {area}/{gdids[0]}" if len(gdids) == 1 else f"{len(gdids)} briefcases of {area!r}"
-                        raise MoveAbortedError(
-                            f"{what}: could not take the write lock on {server!r} within "
-                            f"{lock_wait:.1f}s + {max_pause:.1f}s (sessions kept it busy): {dberrors.describe(exc)}"
-                        ) from None
-                    conn.exec_driver_sql("SET LOCAL lock_timeout = 0")
-                    break
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
-            yield conn, started
+                    if conn.exec_driver_sql(f"SELECT bool_and(pg_try_advisory_xact_lock(k)) FROM unnest({keys}) AS k").scalar_one():
+                        break
+                    conn.rollback()
+                    deferred.close()
+                    if time.monotonic() + delay >= deadline:
+                        conn.begin()
+                        deferred.enter_context(collection_deferred())
+                        started = time.monotonic()
+                        conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{max(1, int(max_pause * 1000))}ms'")
+                        try:
+                            conn.exec_driver_sql(f"SELECT count(pg_advisory_xact_lock(k)) FROM unnest({keys}) AS k")
+                        except OperationalError as exc:
+                            what = f"briefcase {area}/{gdids[0]}" if len(gdids) == 1 else f"{len(gdids)} briefcases of {area!r}"
+                            raise MoveAbortedError(
+                                f"{what}: could not take the write lock on {server!r} within "
+                                f"{lock_wait:.1f}s + {max_pause:.1f}s (sessions kept it busy): {dberrors.describe(exc)}"
+                            ) from None
+                        conn.exec_driver_sql("SET LOCAL lock_timeout = 0")
+                        break
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.05)
+                yield conn, started
     finally:
         if conn.in_transaction():
             conn.rollback()
