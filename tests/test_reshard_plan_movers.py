@@ -74,7 +74,7 @@ class _Asked:
             with reading(server) as read:
                 rows = read.rows
 
-                def asked(gdids: Sequence[GDID]) -> dict[GDID, dict[str, int]]:
+                def asked(gdids: Sequence[GDID]) -> list[dict[str, int]]:
                     self.requests.append((server, list(gdids)))
                     return rows(gdids)
 

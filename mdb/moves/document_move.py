@@ -411,14 +411,14 @@ class _DocumentServerScan(ServerScan):
             if in_partition(gid):
                 yield gid
 
-    def rows(self, gdids: Sequence[GDID]) -> dict[GDID, dict[str, int]]:
+    def rows(self, gdids: Sequence[GDID]) -> list[dict[str, int]]:
         """One aggregation per collection: the documents of ``gdids`` grouped by key."""
-        wanted = [bytes(g) for g in gdids]
-        out: dict[GDID, dict[str, int]] = {}
+        position = {bytes(g): i for i, g in enumerate(gdids)}
+        out: list[dict[str, int]] = [{} for _ in gdids]
         for coll, key in self.pairs:
             name = _name(coll, key, self.pairs)
-            for doc in self.db[coll].aggregate([{"$match": {key: {"$in": wanted}}}, {"$group": {"_id": f"${key}", "n": {"$sum": 1}}}]):
-                out.setdefault(GDID.from_bytes(bytes(doc["_id"])), {})[name] = int(doc["n"])
+            for doc in self.db[coll].aggregate([{"$match": {key: {"$in": list(position)}}}, {"$group": {"_id": f"${key}", "n": {"$sum": 1}}}]):
+                out[position[bytes(doc["_id"])]][name] = int(doc["n"])
         return out
 
 

@@ -22,7 +22,8 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from sqlalchemy import ARRAY, LargeBinary, any_, bindparam, func, inspect as sa_inspect, literal_column, select, union_all
+from psycopg import sql
+from sqlalchemy import LargeBinary, func, inspect as sa_inspect, literal_column, select, type_coerce, union_all
 from sqlalchemy.engine import Connection
 
 from mdb.cluster import Cluster
@@ -68,11 +69,11 @@ class ServerScan(ABC):
         """
 
     @abstractmethod
-    def rows(self, gdids: Sequence[GDID]) -> dict[GDID, dict[str, int]]:
-        """Rows (documents) per table (collection) of each of ``gdids`` here.
+    def rows(self, gdids: Sequence[GDID]) -> list[dict[str, int]]:
+        """Rows (documents) per table (collection) of each of ``gdids`` here, in the order of ``gdids``.
 
-        A briefcase or a unit without rows here may be left out. Asked for at most
-        :data:`COUNT_BLOCK` briefcases at a time, possibly while :meth:`keys` is being read.
+        A unit without rows here may be left out. Asked for at most :data:`COUNT_BLOCK`
+        briefcases at a time, possibly while :meth:`keys` is being read.
         """
 
 
@@ -172,29 +173,39 @@ class _SqlServerScan(ServerScan):
             if in_partition(g):
                 yield g
 
-    def rows(self, gdids: Sequence[GDID]) -> dict[GDID, dict[str, int]]:
-        """One statement: per table, the rows of ``gdids`` grouped by key (through the key's index), UNION ALL.
-
-        PostgreSQL gets the keys once, as one array parameter (``= ANY``); other servers an IN list.
-        """
+    def rows(self, gdids: Sequence[GDID]) -> list[dict[str, int]]:
+        """One statement: per table, the rows of ``gdids`` grouped by key (through the key's index), UNION ALL."""
+        out: list[dict[str, int]] = [{} for _ in gdids]
         if not self.tables or not gdids:
-            return {}
-        if is_postgres(self.conn):
-            wanted = bindparam("keys", [bytes(g) for g in gdids], type_=ARRAY(LargeBinary))
+            return out
+        position = {bytes(g): i for i, g in enumerate(gdids)}
+        for t, key, n in self._counts(gdids):
+            out[position[bytes(key)]][self.tables[t].name] = int(n)
+        return out
 
-            def of(col: Any) -> Any:
-                return col == any_(wanted)
-        else:
-            def of(col: Any) -> Any:
-                return col.in_(list(gdids))
-        counts = union_all(*(
-            select(literal_column(str(i)), at.table.c[at.key], func.count()).where(of(at.table.c[at.key])).group_by(at.table.c[at.key])
+    def _counts(self, gdids: Sequence[GDID]) -> list[tuple[int, bytes, int]]:
+        """(table index, briefcase key as bytes, rows) for every table and briefcase of ``gdids`` with rows here.
+
+        PostgreSQL gets the keys as one array parameter, dumped binary (``%b``): psycopg's text
+        form of a bytea array costs more than the counting (0.76 s against 0.02 s for 66,667
+        keys), so the statement is sent on the driver's cursor, in the plan's transaction.
+        """
+        if not is_postgres(self.conn):
+            selects = [
+                select(literal_column(str(i)), type_coerce(at.table.c[at.key], LargeBinary), func.count())
+                .where(at.table.c[at.key].in_(list(gdids))).group_by(at.table.c[at.key])
+                for i, at in enumerate(self.tables)
+            ]
+            return [(int(i), k, n) for i, k, n in self.conn.execute(union_all(*selects))]
+        query = sql.SQL(" UNION ALL ").join(
+            sql.SQL("SELECT {i}, {key}, count(*) FROM {table} WHERE {key} = ANY(%(keys)b) GROUP BY {key}").format(
+                i=sql.Literal(i), key=sql.Identifier(at.key), table=sql.Identifier(at.name))
             for i, at in enumerate(self.tables)
-        ))
-        out: dict[GDID, dict[str, int]] = defaultdict(dict)
-        for i, g, n in self.conn.execute(counts):
-            out[g][self.tables[int(i)].name] = int(n)
-        return dict(out)
+        )
+        raw: Any = self.conn.connection.driver_connection
+        with raw.cursor(binary=True) as cur:
+            cur.execute(query, {"keys": [bytes(g) for g in gdids]}, prepare=False)
+            return cur.fetchall()
 
 
 @dataclass(frozen=True)
@@ -289,12 +300,12 @@ def plan_reshard(store: Cluster, scan: PartitionScan, area: str, start: GDID, ne
     servers = list(dict.fromkeys([*old_shards, *sorted(relocated_to), *new_shards]))
     movers: dict[str, list[tuple[GDID, str]]] = {server: [] for server in servers}  # (briefcase, target), awaiting counts
 
+    units = scan.units
+
     def count(read: ServerScan) -> None:
         block = movers[read.server]
-        rows = read.rows([g for g, _ in block])
-        for g, target in block:
-            held = rows.get(g, {})
-            plan.add(PlannedMove(g, read.server, target, {name: held.get(name, 0) for name in scan.units}), keep=keep_moves)
+        for (g, target), held in zip(block, read.rows([g for g, _ in block]), strict=True):
+            plan.add(PlannedMove(g, read.server, target, {name: held.get(name, 0) for name in units}), keep=keep_moves)
         block.clear()
 
     def keyed(read: ServerScan) -> Iterator[tuple[bytes, ServerScan, GDID]]:
