@@ -28,7 +28,9 @@ raises there in-process.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+import heapq
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar, Final
 
 from mdb import telemetry
@@ -40,7 +42,7 @@ from mdb.moves.directory import documents_of
 from mdb.relocations import set_relocation
 from mdb.moves.journal import DONE, ROLLED_BACK, RUNNING, Journal, JournalEntry
 from mdb.moves.move import Move, MoveOptions, MoveResult, ResumeOutcome, refuse_if_busy, register_move
-from mdb.moves.plan import PartitionScan, ServerHoldings, register_scan
+from mdb.moves.plan import PartitionScan, ServerScan, register_scan
 from mdb.mongo.hot import COUNTERS, STATS_LOCK
 from mdb.mongo.shard_state import GUARD, STATE, excluded_gdids, guard_ids, set_guard, state_id
 from mdb.mongo.store import MongoStore
@@ -347,9 +349,10 @@ def _roll_back(mongo: MongoStore, journal: Journal, area: str, pairs: Collection
 class DocumentPartitionScan(PartitionScan):
     """MongoDB servers: a reshard's plan reads the partition's briefcases here.
 
-    Keys are streamed from each type's root collection (projected to the key), documents
-    counted per collection of :func:`_collections` (the hot-data ones included, as a move
-    carries them). Incoming copies and fenced leftovers are not the server's: left out.
+    Keys are streamed from each type's root collection (projected to the key, sorted by it),
+    the movers' documents counted per collection of :func:`_collections` (the hot-data ones
+    included, as a move carries them). Incoming copies and fenced leftovers are not the
+    server's: left out.
     """
 
     server_kind: ClassVar[str] = MONGO
@@ -366,25 +369,9 @@ class DocumentPartitionScan(PartitionScan):
     def units(self) -> list[str]:
         return [_name(c, k, self.pairs) for c, k in self.pairs]
 
-    def holdings(self, server: str, in_partition: Callable[[GDID], bool]) -> ServerHoldings:
-        db = self.mongo.database(server)
-        skip = set(excluded_gdids(db, self.area))
-        found: dict[GDID, None] = {}
-        for dtype in self.dtypes:
-            for doc in db[dtype.root].find({dtype.key: {"$exists": True}}, {dtype.key: 1, "_id": 0}):
-                key = doc[dtype.key]
-                if key not in skip:
-                    gid = GDID.from_bytes(key)
-                    if in_partition(gid):
-                        found[gid] = None
-        rows: dict[GDID, dict[str, int]] = {g: {} for g in found}
-        for coll, key in self.pairs:
-            name = _name(coll, key, self.pairs)
-            for doc in db[coll].find({key: {"$exists": True}}, {key: 1, "_id": 0}):
-                counts = rows.get(GDID.from_bytes(doc[key]))
-                if counts is not None:
-                    counts[name] = counts.get(name, 0) + 1
-        return ServerHoldings(list(found), rows)
+    @contextmanager
+    def reading(self, server: str) -> Iterator[ServerScan]:
+        yield _DocumentServerScan(server, self.mongo.database(server), self.area, self.dtypes, self.pairs)
 
     def check_servers(self, servers: Iterable[str], what: str) -> None:
         for server in dict.fromkeys(servers):
@@ -395,6 +382,44 @@ class DocumentPartitionScan(PartitionScan):
                 if translated is None:
                     raise
                 raise MdbError(f"{what}: {translated}") from exc
+
+
+class _DocumentServerScan(ServerScan):
+    """A MongoDB server's side of a plan: plain reads of its database (no transaction spans a plan's reads)."""
+
+    def __init__(self, server: str, db: Any, area: str, dtypes: list[type[DocumentBriefcaseType]], pairs: Collections) -> None:
+        super().__init__(server)
+        self.db = db
+        self.area = area
+        self.dtypes = dtypes
+        self.pairs = pairs
+
+    def keys(self, in_partition: Callable[[GDID], bool]) -> Iterator[GDID]:
+        """Each type's root keys in key order, merged; a briefcase with roots of two types once."""
+        skip = set(excluded_gdids(self.db, self.area))
+
+        def roots(dtype: type[DocumentBriefcaseType]) -> Iterator[bytes]:
+            for doc in self.db[dtype.root].find({dtype.key: {"$exists": True}}, {dtype.key: 1, "_id": 0}, sort=[(dtype.key, 1)]):
+                yield bytes(doc[dtype.key])
+
+        last: bytes | None = None
+        for key in heapq.merge(*(roots(dtype) for dtype in self.dtypes)):
+            if key == last or key in skip:
+                continue
+            last = key
+            gid = GDID.from_bytes(key)
+            if in_partition(gid):
+                yield gid
+
+    def rows(self, gdids: Sequence[GDID]) -> list[dict[str, int]]:
+        """One aggregation per collection: the documents of ``gdids`` grouped by key."""
+        position = {bytes(g): i for i, g in enumerate(gdids)}
+        out: list[dict[str, int]] = [{} for _ in gdids]
+        for coll, key in self.pairs:
+            name = _name(coll, key, self.pairs)
+            for doc in self.db[coll].aggregate([{"$match": {key: {"$in": list(position)}}}, {"$group": {"_id": f"${key}", "n": {"$sum": 1}}}]):
+                out[position[bytes(doc["_id"])]][name] = int(doc["n"])
+        return out
 
 
 def move_documents(cluster: Cluster, dtype: type[DocumentBriefcaseType], gdid: GDID | str, target: str) -> MoveResult:
