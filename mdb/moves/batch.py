@@ -38,7 +38,6 @@ SQL servers only (PostgreSQL, SQLite): a document area's reshard moves one brief
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -58,13 +57,14 @@ from mdb.migrations.revisions import SCHEMA_LOCK_KEY, current_revision, require_
 from mdb.moves import verify
 from mdb.moves.batch_sql import Sums, claim_and_copy, fence_and_delete, settle, target_holdings, undo
 from mdb.moves.copy import AreaTable, copy_batch, count_batch, delete_batch
+from mdb.moves.gate import CutoverGate
 from mdb.moves.journal import ABORTED, DONE, ROLLED_BACK, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, ResumeOutcome, register_resolver
 from mdb.moves.sql_steps import area_tables, locked_briefcases, statement_cancelled, states
 from mdb.relocations import set_relocations
 from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
 
-__all__ = ["BATCH_KIND", "BatchMove", "BatchResult", "CutoverGate", "hold_schemas"]
+__all__ = ["BATCH_KIND", "BatchMove", "BatchResult", "hold_schemas"]
 
 log = logging.getLogger("mdb.moves.batch")
 
@@ -105,39 +105,6 @@ class BatchResult:
             for name, n in per_table.items():
                 out[name] = out.get(name, 0) + n
         return out
-
-
-class CutoverGate:
-    """Gives the parallel workers' cutovers priority over their copies.
-
-    A batch's write pause is the time its one statement and commit take under the lock; a
-    batch pre-copying beside it on the same two cores (the mover's relay, the source's COPY,
-    the target's inserts) would stretch that pause to twice its length. So while any worker
-    holds its briefcases' locks (:meth:`cutting`), the other workers' copies wait between two
-    blocks of rows and before their target's sums (:meth:`wait`). The copies still overlap
-    everything else of a batch: precheck, journal, lock waits, finalize. A cutover is bounded
-    by ``max_pause``, so a wait is too.
-    """
-
-    def __init__(self) -> None:
-        self._cutting = 0
-        self._free = threading.Condition()
-
-    @contextmanager
-    def cutting(self) -> Iterator[None]:
-        with self._free:
-            self._cutting += 1
-        try:
-            yield
-        finally:
-            with self._free:
-                self._cutting -= 1
-                if not self._cutting:
-                    self._free.notify_all()
-
-    def wait(self) -> None:
-        with self._free:
-            self._free.wait_for(lambda: not self._cutting)
 
 
 @contextmanager
@@ -276,7 +243,7 @@ class BatchMove:
         self.move_id = ""
         self.hashed = hashed
         self.gate = gate or CutoverGate()
-        """Shared by the batches a pass runs at once (:class:`CutoverGate`); alone, it never waits."""
+        """Shared by the batches a pass runs at once (:mod:`mdb.moves.gate`); alone, it never waits."""
         """Tables both servers sum by row hash (what :func:`hold_schemas` yields); the others by md5."""
         self.method: verify.Method = "sql"
         """How both sides sum rows; decided by the servers' kinds when the pre-copy connects to both."""
@@ -300,7 +267,8 @@ class BatchMove:
         return {str(g): {"state": s["state"], "peer": s["peer"], "move_id": s["move_id"]} for g, s in previous.items()}
 
     def run(self) -> BatchResult:
-        previous = self._precheck()
+        with self.gate.step():
+            previous = self._precheck()
         self.move_id = new_move_id("batch")
         entry = JournalEntry(
             move_id=self.move_id, kind=BATCH_KIND, area=self.area, step="lock", status=RUNNING, gdid=self.gdids[0],
@@ -313,8 +281,8 @@ class BatchMove:
         try:
             target_sums = self._precopy()
             fault_point("batch.after_precopy")
-            with _locked_batch(self.cluster, self.source, self.area, self.gdids, lock_wait=self.lock_wait, max_pause=self.max_pause) as (src, locked_at), \
-                    self.gate.cutting():
+            with self.gate.cutting(), \
+                    _locked_batch(self.cluster, self.source, self.area, self.gdids, lock_wait=self.lock_wait, max_pause=self.max_pause) as (src, locked_at):
                 rows, pause = self._cut_over(src, locked_at, target_sums)
         except BatchAbortedError as exc:
             exc.move_id = self.move_id
@@ -336,7 +304,8 @@ class BatchMove:
         for counts in rows.values():
             for name, n in counts.items():
                 per_table[name] = per_table.get(name, 0) + n
-        _finalize(self.cluster, self.journal, entry, per_table)
+        with self.gate.step():
+            _finalize(self.cluster, self.journal, entry, per_table)
         for per_table in rows.values():
             telemetry.move_done(self.area, self.reshard_id, sum(per_table.values()), pause)
         return BatchResult(self.move_id, list(self.gdids), rows, pause)
@@ -356,7 +325,7 @@ class BatchMove:
                 src.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             self.method = verify.method_for(src, dst)
             refused, sums = claim_and_copy(src, dst, self.area, self.tables, self.gdids, self.source, self.move_id, self.hashed,
-                                           self.gate.wait)
+                                           self.gate)
             if refused:  # rolls both back: nothing of this batch was written
                 raise BatchAbortedError(
                     f"{len(refused)} briefcase(s) of the batch were taken on {self.target!r} by another mover since the precheck "

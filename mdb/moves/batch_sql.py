@@ -19,7 +19,7 @@ SQLite runs the same steps as several statements (no data-modifying CTE there).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ from mdb.errors import BatchAbortedError
 from mdb.gdid import GDID
 from mdb.moves import verify
 from mdb.moves.copy import AreaTable, copy_batch, delete_batch, is_postgres
+from mdb.moves.gate import CutoverGate
 from mdb.moves.sql_steps import bound_statements, set_states, states, time_left_ms
 from mdb.system_tables import STATE_GONE, STATE_INCOMING, briefcase_state
 
@@ -126,20 +127,20 @@ def _claim(conn: Connection, area: str, gdids: Sequence[GDID], source: str, move
 
 
 def claim_and_copy(src: Connection, dst: Connection, area: str, tables: Sequence[AreaTable], gdids: Sequence[GDID],
-                   source: str, move_id: str, hashed: frozenset[str], pace: Callable[[], None] | None = None) -> tuple[list[GDID], Sums]:
+                   source: str, move_id: str, hashed: frozenset[str], gate: CutoverGate) -> tuple[list[GDID], Sums]:
     """The pre-copy, in the caller's transactions: ``incoming`` rows, one COPY per table, then the
     target's sums by a query of their own. Returns (briefcases refused, sums); refused: nothing copied.
 
-    ``pace`` is called between blocks of the copy and before the sums, and may wait.
+    Each statement is a step of ``gate``: none starts while another worker's cutover is on.
     """
-    refused = _claim(dst, area, gdids, source, move_id)
+    with gate.step():
+        refused = _claim(dst, area, gdids, source, move_id)
     if refused:
         return refused, {}
-    copy_batch(src, dst, tables, gdids, pace)
-    if pace is not None:
-        pace()
-    settle(dst, None)
-    return [], verify.batch_sums(dst, tables, gdids, verify.method_for(src, dst), pinned=True, hashed=hashed)
+    copy_batch(src, dst, tables, gdids, gate)
+    with gate.step():
+        settle(dst, None)
+        return [], verify.batch_sums(dst, tables, gdids, verify.method_for(src, dst), pinned=True, hashed=hashed)
 
 
 def fence_and_delete(src: Connection, area: str, tables: Sequence[AreaTable], gdids: Sequence[GDID], target: str,

@@ -10,6 +10,7 @@ first; deletes run children first, so composite foreign keys hold at every state
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from sqlalchemy import Table, delete, func, insert, literal_column, select, tupl
 from sqlalchemy.engine import Connection
 
 from mdb.gdid import GDID
+from mdb.moves.gate import CutoverGate
 
 __all__ = ["AreaTable", "copy_batch", "count_batch", "copy_rows", "delete_batch", "delete_briefcase", "delete_keys", "delete_rows", "is_postgres", "measure", "select_keys"]
 
@@ -59,7 +61,7 @@ def _pg_relay(src: Connection, dst: Connection, out_stmt: sql.Composable, in_stm
 
     ``pace`` is called before each block is passed on and may wait: while it does, the target
     has nothing to insert and the source stops once the socket is full (a batch's pre-copy
-    yields the CPU to another batch's cutover, :class:`mdb.moves.batch.CutoverGate`).
+    yields the CPU to another batch's cutover, :class:`mdb.moves.gate.CutoverGate`).
     """
     src_raw: Any = src.connection.driver_connection
     dst_raw: Any = dst.connection.driver_connection
@@ -101,23 +103,23 @@ def _pg_keys(gdids: Sequence[GDID]) -> sql.Composable:
 
 
 def copy_batch(src: Connection, dst: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID],
-               pace: Callable[[], None] | None = None) -> dict[str, int]:
+               gate: CutoverGate | None = None) -> dict[str, int]:
     """Copy every row of the briefcases ``gdids``, one statement per table for all of them (parents first).
 
     What makes a batched cutover cheap: 8 tables cost 8 COPY streams whether the batch holds
-    one briefcase or five hundred. ``pace``: called before each table's statement (a source
-    streams into the socket before the relay reads a block, so a wait between blocks comes after
-    the server's work) and between blocks of rows (:func:`_pg_relay`); it may wait.
+    one briefcase or five hundred. ``gate``: each table's copy is one of its steps, passing its
+    turn between blocks of rows (:class:`mdb.moves.gate.CutoverGate`); a copy under the caller's
+    own write lock has none.
     """
     both_pg = is_postgres(src) and is_postgres(dst)
+    pace = gate.wait if gate is not None else None
     counts: dict[str, int] = {}
     for at in tables:
-        if pace is not None:
-            pace()
-        if both_pg:
-            counts[at.name] = _pg_copy(src, dst, at, sql.SQL("= ANY({})").format(_pg_keys(gdids)), pace=pace)
-        else:
-            counts[at.name] = _generic_copy(src, dst, at, None, where=at.table.c[at.key].in_(list(gdids)), pace=pace)
+        with gate.step() if gate is not None else nullcontext():
+            if both_pg:
+                counts[at.name] = _pg_copy(src, dst, at, sql.SQL("= ANY({})").format(_pg_keys(gdids)), pace=pace)
+            else:
+                counts[at.name] = _generic_copy(src, dst, at, None, where=at.table.c[at.key].in_(list(gdids)), pace=pace)
     return counts
 
 

@@ -191,7 +191,7 @@ class _SqlServerScan(ServerScan):
         keys), so the statement is sent on the driver's cursor, in the plan's transaction.
         """
         if not is_postgres(self.conn):
-            selects = [
+            selects: list[Any] = [
                 select(literal_column(str(i)), type_coerce(at.table.c[at.key], LargeBinary), func.count())
                 .where(at.table.c[at.key].in_(list(gdids))).group_by(at.table.c[at.key])
                 for i, at in enumerate(self.tables)

@@ -56,7 +56,8 @@ from mdb.moves.lease import check_stop, describe_liveness, hold
 from mdb.moves.status import RateWindow
 from mdb.moves.throttle import Throttle, ThrottleSettings
 from mdb.moves.plan import PartitionScan, PlannedMove, ReshardPlan, find_partition, plan_reshard, scan_for
-from mdb.moves.batch import BatchMove, CutoverGate, hold_schemas
+from mdb.moves.batch import BatchMove, hold_schemas
+from mdb.moves.gate import CutoverGate
 from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult, check_max_pause, move_briefcase
 from mdb.moves.sql_steps import area_tables
 from mdb.partition_map import PartitionMap, parse_map
