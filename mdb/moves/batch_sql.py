@@ -82,14 +82,14 @@ def target_holdings(conn: Connection, area: str, tables: Sequence[AreaTable], gd
         return states(conn, area, gdids), {g for (g,) in conn.execute(query)}
     keys = _keys(gdids)
     held = sql.SQL(" UNION ").join(
-        sql.SQL("SELECT {key} FROM {table} WHERE {key} = ANY(%(keys)s::bytea[])").format(key=sql.Identifier(at.key), table=sql.Identifier(at.name))
+        sql.SQL("SELECT {key} FROM {table} WHERE {key} = ANY(%(keys)b)").format(key=sql.Identifier(at.key), table=sql.Identifier(at.name))
         for at in tables
     )
     raw: Any = conn.connection.driver_connection
     with raw.pipeline():
         raw.execute("SELECT set_config('enable_seqscan', 'off', true)", prepare=False)  # see settle()
         state_rows = raw.execute(
-            "SELECT gdid, state, peer, move_id FROM mdb_briefcase_state WHERE area = %(area)s AND gdid = ANY(%(keys)s::bytea[])",
+            "SELECT gdid, state, peer, move_id FROM mdb_briefcase_state WHERE area = %(area)s AND gdid = ANY(%(keys)b)",
             {"area": area, "keys": keys}, prepare=False,
         )
         with_rows = raw.execute(held, {"keys": keys}, prepare=False)
@@ -98,6 +98,8 @@ def target_holdings(conn: Connection, area: str, tables: Sequence[AreaTable], gd
 
 
 def _keys(gdids: Sequence[GDID]) -> list[bytes]:
+    """The batch's keys as one parameter, always sent binary (``%(keys)b``): psycopg's text form
+    of a ``bytea[]`` escapes every byte: measured 0.37 against 0.17 ms a statement at 80 keys, and one is under the lock."""
     return [bytes(g) for g in gdids]
 
 
@@ -115,7 +117,7 @@ def _claim(conn: Connection, area: str, gdids: Sequence[GDID], source: str, move
     with raw.cursor() as cur:
         cur.execute(
             "INSERT INTO mdb_briefcase_state (area, gdid, state, peer, move_id, changed_at) "
-            "SELECT %(area)s, k, %(incoming)s, %(peer)s, %(move_id)s, current_timestamp FROM unnest(%(keys)s::bytea[]) AS k "
+            "SELECT %(area)s, k, %(incoming)s, %(peer)s, %(move_id)s, current_timestamp FROM unnest(%(keys)b) AS k "
             "ON CONFLICT (area, gdid) DO UPDATE SET state = excluded.state, peer = excluded.peer, "
             "move_id = excluded.move_id, changed_at = excluded.changed_at WHERE mdb_briefcase_state.state = %(gone)s "
             "RETURNING gdid",
@@ -166,7 +168,7 @@ def fence_and_delete(src: Connection, area: str, tables: Sequence[AreaTable], gd
             raise BatchAbortedError(f"the commit point would delete rows that were not verified ({'; '.join(wrong)})", None)
         return SourceCut(sums, blocked)
     common = {
-        "area": sql.Placeholder("area"), "keys": sql.SQL("%(keys)s::bytea[]"), "gone": sql.Placeholder("gone"),
+        "area": sql.Placeholder("area"), "keys": sql.SQL("%(keys)b"), "gone": sql.Placeholder("gone"),
         "incoming": sql.Placeholder("incoming"), "peer": sql.Placeholder("peer"), "move_id": sql.Placeholder("move_id"),
     }
     ctes = [
