@@ -12,6 +12,7 @@ import json
 import signal
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from mdb import GDID, Store
 from mdb.moves.document_move import FAULT_POINTS, checksums
 from mdb.moves.journal import DONE, ROLLED_BACK, Journal
 from mdb.mongo import FakeMongo, MongoStore
+from mdb.mongo import types as document_types
 from mdb.mongo.types import DocumentBriefcaseType
 from mdb.schema import apply_schema
 
@@ -41,6 +43,16 @@ class CliDocs(DocumentBriefcaseType):
     children = ("orders",)
     indexes = (MongoIndex("orders", [("user_id", 1), ("number", 1)], unique=True),)
 '''
+
+
+@pytest.fixture(autouse=True)
+def forget_cli_docs() -> Iterator[None]:
+    """Each :class:`Env` declares its own ``CliDocs``; unregistered after the test, so a later
+    test's Store that takes every registered type does not find two types of area ``docs``."""
+    saved = dict(document_types._REGISTRY)
+    yield
+    document_types._REGISTRY.clear()
+    document_types._REGISTRY.update(saved)
 
 
 class Env:

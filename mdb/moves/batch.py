@@ -242,9 +242,9 @@ class BatchMove:
         self.lock_wait = lock_wait
         self.move_id = ""
         self.hashed = hashed
+        """Tables both servers sum by row hash (what :func:`hold_schemas` yields); the others by md5."""
         self.gate = gate or CutoverGate()
         """Shared by the batches a pass runs at once (:mod:`mdb.moves.gate`); alone, it never waits."""
-        """Tables both servers sum by row hash (what :func:`hold_schemas` yields); the others by md5."""
         self.method: verify.Method = "sql"
         """How both sides sum rows; decided by the servers' kinds when the pre-copy connects to both."""
 
