@@ -9,59 +9,16 @@ schema tool and the move tools: there is no second copy of these rules.
 
 from __future__ import annotations
 
-import struct
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import FrozenInstanceError, dataclass
 
 from mdb.errors import RoutingError
+from mdb.fnv import fnv1a_64, fnv1a_64_many
 from mdb.gdid import GDID
 from mdb.partition_map import PartitionMap
 
-__all__ = ["CentralPlacement", "Placement", "Router", "ShardLayout", "fnv1a_64", "fnv1a_64_many"]
-
-FNV_OFFSET_BASIS = 14695981039346656037
-FNV_PRIME = 1099511628211
-_MASK64 = 2**64 - 1
-
-
-def fnv1a_64(data: bytes) -> int:
-    """FNV-1a, 64-bit: the CENTRAL sharding hash fixed by docs/design.md."""
-    h = FNV_OFFSET_BASIS
-    for byte in data:
-        h = ((h ^ byte) * FNV_PRIME) & _MASK64
-    return h
-
-
-def fnv1a_64_many(datas: Sequence[bytes]) -> list[int]:
-    """``[fnv1a_64(d) for d in datas]``, several times faster for hundreds of keys (a plan's batch).
-
-    FNV-1a is sequential over a key's bytes but independent between keys, so the keys of one
-    length are hashed together: each key's state is a 64-bit lane in a 128-bit slot of one
-    big Python int, and each byte position is one XOR, one multiply and one mask of that int
-    (C loops over all keys at once). A lane times the 41-bit prime stays below 2^105, so it
-    never carries into the next slot.
-    """
-    out = [0] * len(datas)
-    by_length: dict[int, list[int]] = {}
-    for i, data in enumerate(datas):
-        by_length.setdefault(len(data), []).append(i)
-    for length, indexes in by_length.items():
-        count = len(indexes)
-        h = int.from_bytes(_LANE_BASIS * count, "little")
-        mask = int.from_bytes(_LANE_MASK * count, "little")
-        joined = b"".join([datas[i] for i in indexes])
-        column = bytearray(16 * count)
-        for position in range(length):
-            column[0::16] = joined[position::length]
-            h = ((h ^ int.from_bytes(column, "little")) * FNV_PRIME) & mask
-        for i, (value,) in zip(indexes, struct.iter_unpack("<Q8x", h.to_bytes(16 * count, "little"))):
-            out[i] = value
-    return out
-
-
-_LANE_BASIS = FNV_OFFSET_BASIS.to_bytes(8, "little") + bytes(8)
-_LANE_MASK = b"\xff" * 8 + bytes(8)
+__all__ = ["CentralPlacement", "Placement", "Router", "ShardLayout", "fnv1a_64", "fnv1a_64_many"]  # the hash: mdb.fnv
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,31 +153,85 @@ def _build(placement: Placement, at: _Shard, gdid: GDID, server: str, relocated:
 
 
 @dataclass(frozen=True, slots=True)
-class CentralPlacement:
+class _CentralShard:
+    """What every key placed on one CENTRAL shard shares, computed once per router (as
+    :class:`_Shard` for GDIDs): a placement of a new key sets three slots, not six."""
+
     area: str
-    key: bytes
-    hash: int
     shard_index: int
     shard_count: int
     server: str
 
 
-_central_slots: tuple[Callable[[CentralPlacement, object], None], ...] = tuple(
-    CentralPlacement.__dict__[name].__set__ for name in CentralPlacement.__slots__
-)
+class CentralPlacement:
+    """The CENTRAL shard of a key and why (its bytes and their FNV-1a-64).
+
+    Immutable and compared, hashed, printed and pickled field by field (area, key, hash,
+    shard_index, shard_count, server) like the frozen dataclass it replaces; the per-shard
+    fields live in a shared :class:`_CentralShard`.
+    """
+
+    __slots__ = ("_at", "key", "hash")
+
+    _at: _CentralShard
+    key: bytes
+    hash: int
+
+    def __init__(self, area: str, key: bytes, hash: int, shard_index: int, shard_count: int, server: str) -> None:
+        _build_central(self, _CentralShard(area, shard_index, shard_count, server), key, hash)
+
+    @property
+    def area(self) -> str:
+        return self._at.area
+
+    @property
+    def shard_index(self) -> int:
+        return self._at.shard_index
+
+    @property
+    def shard_count(self) -> int:
+        return self._at.shard_count
+
+    @property
+    def server(self) -> str:
+        return self._at.server
+
+    def _fields(self) -> tuple[str, bytes, int, int, int, str]:
+        at = self._at
+        return (at.area, self.key, self.hash, at.shard_index, at.shard_count, at.server)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not CentralPlacement:
+            return NotImplemented
+        assert isinstance(other, CentralPlacement)
+        return self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        names = ("area", "key", "hash", "shard_index", "shard_count", "server")
+        return "CentralPlacement(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields())) + ")"
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (CentralPlacement, self._fields())
 
 
-def _central(area: str, key: bytes, hash_: int, index: int, count: int, server: str) -> CentralPlacement:
-    """``CentralPlacement(...)`` without the frozen dataclass's per-field ``object.__setattr__``
-    (half of a batch's per-key cost); the same slots, set once."""
-    placement = _new(CentralPlacement)
-    s_area, s_key, s_hash, s_index, s_count, s_server = _central_slots
-    s_area(placement, area)
-    s_key(placement, key)
-    s_hash(placement, hash_)
-    s_index(placement, index)
-    s_count(placement, count)
-    s_server(placement, server)
+_set_central_at: Callable[[CentralPlacement, _CentralShard], None] = CentralPlacement.__dict__["_at"].__set__
+_set_central_key: Callable[[CentralPlacement, bytes], None] = CentralPlacement.__dict__["key"].__set__
+_set_central_hash: Callable[[CentralPlacement, int], None] = CentralPlacement.__dict__["hash"].__set__
+
+
+def _build_central(placement: CentralPlacement, at: _CentralShard, key: bytes, hash_: int) -> CentralPlacement:
+    _set_central_at(placement, at)
+    _set_central_key(placement, key)
+    _set_central_hash(placement, hash_)
     return placement
 
 
@@ -265,7 +276,7 @@ e-mail, a tenant slug) route by one dict lookup instead of FNV-1a in Python."""
 class Router:
     """Immutable routing table built from one map version and one relocation snapshot."""
 
-    __slots__ = ("_map", "_areas", "_central", "_relocations", "_moved", "_central_cache")
+    __slots__ = ("_map", "_areas", "_central", "_central_at", "_relocations", "_moved", "_central_cache")
 
     def __init__(self, pmap: PartitionMap, relocations: Mapping[tuple[str, GDID], str] | None = None) -> None:
         self._map = pmap
@@ -276,10 +287,13 @@ class Router:
             self._moved.setdefault(area_name, {})[gdid] = server
         self._areas: dict[str, tuple[tuple[int, ...], tuple[_RangeSet, ...]]] = {}
         self._central: tuple[str, ...] = ()
+        self._central_at: tuple[_CentralShard, ...] = ()
         self._central_cache: dict[str | bytes, CentralPlacement] = {}
         for name, area in pmap.areas.items():
             if area.kind == "central":
                 self._central = tuple(area.shards or ())
+                self._central_at = tuple(_CentralShard(name, i, len(self._central), server)
+                                         for i, server in enumerate(self._central))
                 continue
             sets = []
             specs = area.effective_range_sets()
@@ -363,14 +377,20 @@ class Router:
         cache starts over): the placement is immutable and a pure function of the key.
         """
         kind = key.__class__
-        if kind is str or kind is bytes:
+        if kind is str:
             hit = self._central_cache.get(key)  # type: ignore[arg-type]  # narrowed by the class check
             if hit is not None:
                 return hit
-        data = _central_bytes(key)
+            data = key.encode("utf-8")  # type: ignore[union-attr]  # narrowed by the class check
+        elif kind is bytes:
+            hit = self._central_cache.get(key)  # type: ignore[arg-type]  # narrowed by the class check
+            if hit is not None:
+                return hit
+            data = key
+        else:
+            data = _central_bytes(key)
         h = fnv1a_64(data)
-        index = h % len(self._central)
-        placement = _central(self._map.central_area, data, h, index, len(self._central), self._central[index])
+        placement = _build_central(_new(CentralPlacement), self._central_shard(h), data, h)
         if kind is str or kind is bytes:
             cache = self._central_cache
             if len(cache) >= CENTRAL_CACHE_SIZE:
@@ -381,24 +401,31 @@ class Router:
     def locate_central_many(self, keys: Sequence[str | bytes | GDID]) -> list[CentralPlacement]:
         """``[locate_central(k) for k in keys]``, hashing the keys not seen yet together
         (:func:`fnv1a_64_many`): for plans and checks over many CENTRAL keys."""
-        out: list[CentralPlacement | None] = []
-        todo: list[tuple[int, str | bytes | GDID, bytes]] = []
         cache = self._central_cache
-        for key in keys:
-            kind = key.__class__
-            hit = cache.get(key) if kind is str or kind is bytes else None  # type: ignore[arg-type]
-            out.append(hit)
-            if hit is None:
-                todo.append((len(out) - 1, key, _central_bytes(key)))
-        area, servers = self._map.central_area, self._central
-        for (i, key, data), h in zip(todo, fnv1a_64_many([data for _, _, data in todo])):
-            index = h % len(servers)
-            placement = out[i] = _central(area, data, h, index, len(servers), servers[index])
-            if key.__class__ is str or key.__class__ is bytes:
-                if len(cache) >= CENTRAL_CACHE_SIZE:
-                    cache.clear()
-                cache[key] = placement
-        return [p for p in out if p is not None]
+        out: list[CentralPlacement | None] = [
+            cache.get(key) if key.__class__ is str or key.__class__ is bytes else None
+            for key in keys
+        ]
+        todo = [i for i, hit in enumerate(out) if hit is None]
+        if todo:
+            datas = [key.encode("utf-8") if key.__class__ is str else _central_bytes(key)
+                     for key in [keys[i] for i in todo]]
+            shard = self._central_shard
+            for i, data, h in zip(todo, datas, fnv1a_64_many(datas)):
+                placement = out[i] = _build_central(_new(CentralPlacement), shard(h), data, h)
+                key = keys[i]
+                if key.__class__ is str or key.__class__ is bytes:
+                    if len(cache) >= CENTRAL_CACHE_SIZE:
+                        cache.clear()
+                    cache[key] = placement
+        return out  # type: ignore[return-value]  # every slot is filled above
+
+    def _central_shard(self, h: int) -> _CentralShard:
+        at = self._central_at
+        try:
+            return at[h % len(at)]
+        except ZeroDivisionError:
+            raise RoutingError("the map has no CENTRAL area (an area of kind: central): it routes no keys") from None
 
     def central_servers(self) -> tuple[str, ...]:
         return self._central

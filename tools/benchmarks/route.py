@@ -5,9 +5,11 @@ O(log partitions). This section checks that claim from 1 to 10,000 partitions: p
 rate of ``locate("user", gdid)`` over 1,000 GDIDs spread over every partition, next to
 a dict lookup of the same GDIDs (the floor of any routing table); and the rate of
 ``locate_central(key)`` over 1,000 e-mail keys next to ``dict[key]``: repeated keys (the
-router remembers the placement of a str/bytes key) and keys it has not seen (FNV-1a-64 in
-Python plus a modulo, every call; and ``locate_central_many`` hashing the batch at once). Maps are built through ``parse_map`` from YAML text, as a
-process loads them.
+router remembers the placement of a str/bytes key) and keys it has not seen (FNV-1a-64 plus a
+modulo, every call; and ``locate_central_many`` hashing the batch at once). The hash itself is
+timed on its own next to its pure-Python reference (``mdb.fnv.py_fnv1a_64``, what a process
+without the C module runs). Maps are built through ``parse_map`` from YAML text, as a process
+loads them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import random
 
 from benchmarks import BenchContext, Result, compare
+from mdb import fnv
 from mdb.gdid import GDID
 from mdb.partition_map import PartitionMap, parse_map
 from mdb.router import Router
@@ -83,7 +86,7 @@ def run(ctx: BenchContext) -> list[Result]:
 
             s, b = compare(hashed_fresh, key_looked_up, iterations=calls, rounds=rounds, warmup=max(calls // 10, 1))
             results.append(Result(SECTION, "locate_central, new keys", BATCH / s, "routes/s",
-                                  "dict lookup by key", BATCH / b, "FNV-1a-64 of ~25 UTF-8 bytes, in Python"))
+                                  "dict lookup by key", BATCH / b, f"FNV-1a-64 of ~25 UTF-8 bytes, {_impl()}"))
 
             def batched_fresh() -> None:
                 Router(pmap).locate_central_many(keys)
@@ -91,4 +94,22 @@ def run(ctx: BenchContext) -> list[Result]:
             s, b = compare(batched_fresh, key_looked_up, iterations=calls, rounds=rounds, warmup=max(calls // 10, 1))
             results.append(Result(SECTION, "locate_central_many, new keys", BATCH / s, "routes/s",
                                   "dict lookup by key", BATCH / b, "FNV-1a-64 of 1,000 keys at once (fnv1a_64_many)"))
+            datas = [k.encode("utf-8") for k in keys]
+            hash_native, hash_python = fnv.fnv1a_64, fnv.py_fnv1a_64
+
+            def hashed_native() -> None:
+                for d in datas:
+                    hash_native(d)
+
+            def hashed_python() -> None:
+                for d in datas:
+                    hash_python(d)
+
+            s, b = compare(hashed_native, hashed_python, iterations=calls, rounds=rounds, warmup=max(calls // 10, 1))
+            results.append(Result(SECTION, "fnv1a_64 of an e-mail key", BATCH / s, "hashes/s",
+                                  "the Python reference py_fnv1a_64", BATCH / b, _impl()))
     return results
+
+
+def _impl() -> str:
+    return "C (mdb._fnv)" if fnv.NATIVE else "Python: mdb._fnv not built"
