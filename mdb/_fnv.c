@@ -24,8 +24,9 @@ hash_buffer(const unsigned char *p, Py_ssize_t n)
     return h;
 }
 
-/* Any bytes-like object (bytes, bytearray, memoryview): the same contract as the Python version,
- * which iterates the object's bytes. A str is refused with the buffer protocol's TypeError. */
+/* Any bytes-like object (bytes, bytearray, memoryview, array): its raw bytes in C order, as
+ * memoryview(data).tobytes() gives them, the contract of the Python reference. A str or an int
+ * is refused with the buffer protocol's TypeError. */
 static int
 hash_object(PyObject *data, uint64_t *out)
 {
@@ -34,16 +35,26 @@ hash_object(PyObject *data, uint64_t *out)
         return 0;
     }
     Py_buffer view;
-    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) {
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) == 0) {
+        *out = hash_buffer((const unsigned char *)view.buf, view.len);
+        PyBuffer_Release(&view);
+        return 0;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_BufferError)) {
         return -1;
     }
-    *out = hash_buffer((const unsigned char *)view.buf, view.len);
-    PyBuffer_Release(&view);
+    PyErr_Clear(); /* a buffer, but not contiguous (a strided memoryview): hash a contiguous copy */
+    PyObject *copy = PyBytes_FromObject(data);
+    if (copy == NULL) {
+        return -1;
+    }
+    *out = hash_buffer((const unsigned char *)PyBytes_AS_STRING(copy), PyBytes_GET_SIZE(copy));
+    Py_DECREF(copy);
     return 0;
 }
 
 static PyObject *
-fnv1a_64(PyObject *module, PyObject *data)
+fnv1a_64(PyObject *Py_UNUSED(module), PyObject *data)
 {
     uint64_t h;
     if (hash_object(data, &h) < 0) {
@@ -53,7 +64,7 @@ fnv1a_64(PyObject *module, PyObject *data)
 }
 
 static PyObject *
-fnv1a_64_many(PyObject *module, PyObject *datas)
+fnv1a_64_many(PyObject *Py_UNUSED(module), PyObject *datas)
 {
     PyObject *seq = PySequence_Fast(datas, "fnv1a_64_many() takes a sequence of bytes-like objects");
     if (seq == NULL) {
@@ -92,6 +103,10 @@ static struct PyModuleDef fnv_module = {
     "FNV-1a-64 in C (see mdb/fnv.py for the Python reference and the fallback).",
     0,
     fnv_methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
 };
 
 PyMODINIT_FUNC

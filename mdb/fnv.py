@@ -21,9 +21,13 @@ _MASK64 = 2**64 - 1
 
 
 def py_fnv1a_64(data: bytes | bytearray | memoryview) -> int:
-    """FNV-1a, 64-bit, in Python: the reference and the fallback of the C function."""
+    """FNV-1a, 64-bit, in Python: the reference and the fallback of the C function.
+
+    Hashes the raw bytes of any bytes-like object in C order (``memoryview(data).tobytes()``);
+    a ``str`` or an ``int`` is a TypeError, as in C.
+    """
     h = FNV_OFFSET_BASIS
-    for byte in data:  # a str is a TypeError at the first XOR, as in C
+    for byte in data if data.__class__ is bytes else memoryview(data).tobytes():
         h = ((h ^ byte) * FNV_PRIME) & _MASK64
     return h
 

@@ -4,6 +4,7 @@ route exactly like one with it."""
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import subprocess
@@ -59,6 +60,17 @@ def test_every_bytes_like_form_hashes_the_same(data: bytes) -> None:
     for form in (data, bytearray(data), memoryview(data)):
         assert fnv.fnv1a_64(form) == fnv.py_fnv1a_64(form) == expected
     assert fnv.fnv1a_64_many([bytearray(data), memoryview(data)]) == [expected, expected]
+
+
+@given(st.binary(max_size=64), st.integers(min_value=2, max_value=5))
+def test_strided_and_wide_buffers_hash_their_raw_bytes_in_both(data: bytes, step: int) -> None:
+    """What ``memoryview(x).tobytes()`` gives, whatever the buffer's shape or item size."""
+    strided = memoryview(data)[::step]
+    wide = array.array("I", data[: len(data) // 4 * 4])
+    for form in (strided, wide, memoryview(wide)):
+        expected = spec_fnv1a_64(memoryview(form).tobytes())
+        assert fnv.fnv1a_64(form) == fnv.py_fnv1a_64(form) == expected
+        assert fnv.fnv1a_64_many([form]) == fnv.py_fnv1a_64_many([form]) == [expected]
 
 
 @given(st.lists(st.binary(max_size=40), max_size=50))

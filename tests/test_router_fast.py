@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from mdb import GDID, Router, RoutingError, load_map
 from mdb import router as router_module
-from mdb.router import Placement, fnv1a_64, fnv1a_64_many
+from mdb.router import CentralPlacement, Placement, fnv1a_64, fnv1a_64_many
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "partition_maps" / "example.yaml"
 
@@ -38,6 +38,23 @@ def test_placement_is_a_value(example: Router) -> None:
         p.server = "elsewhere"  # type: ignore[misc]
     with pytest.raises(FrozenInstanceError):
         del p.gdid  # type: ignore[misc]
+
+
+def test_central_placement_is_a_value(example: Router) -> None:
+    c = example.locate_central("ada@example.com")
+    fields = (c.area, c.key, c.hash, c.shard_index, c.shard_count, c.server)
+    assert fields[1:3] == (b"ada@example.com", fnv1a_64(b"ada@example.com"))
+    built = CentralPlacement(*fields)
+    assert built == c and hash(built) == hash(c) and repr(built) == repr(c)
+    assert repr(c).startswith(f"CentralPlacement(area={c.area!r}, key=b'ada@example.com', hash={c.hash}, ")
+    assert c == Router(example.map).locate_central(b"ada@example.com")
+    assert c != example.locate_central("bob@example.com")
+    assert c != fields  # a value of its own kind, not a tuple
+    assert pickle.loads(pickle.dumps(c)) == c
+    with pytest.raises(FrozenInstanceError):
+        c.server = "elsewhere"  # type: ignore[misc]
+    with pytest.raises(FrozenInstanceError):
+        del c.key  # type: ignore[misc]
 
 
 def test_relocated_placement_keeps_the_default_shard(example: Router) -> None:
