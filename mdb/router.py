@@ -12,6 +12,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import FrozenInstanceError, dataclass
+from typing import ClassVar
 
 from mdb.errors import RoutingError
 from mdb.fnv import fnv1a_64, fnv1a_64_many
@@ -51,15 +52,45 @@ class _Shard:
     layout: ShardLayout
 
 
-class Placement:
-    """Where a briefcase lives and why.
+class _Value:
+    """A placement as a value: immutable, and compared, hashed, printed and pickled by its
+    ``_fields()`` (named ``_names``), like the frozen dataclasses placements were, while its
+    per-shard fields live in a record shared by every placement on that shard."""
 
-    Immutable and compared, hashed and printed field by field like the frozen dataclass it
-    replaces (area, gdid, range_set, partition_start, partition_end, shard_index, shard_count,
-    server, default_server, relocated); the per-shard fields live in a shared :class:`_Shard`.
-    """
+    __slots__ = ()
+    _names: ClassVar[tuple[str, ...]]
+
+    def _fields(self) -> tuple[object, ...]:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, _Value)
+        return self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(" + ", ".join(f"{n}={v!r}" for n, v in zip(self._names, self._fields())) + ")"
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (self.__class__, self._fields())
+
+
+class Placement(_Value):
+    """Where a briefcase lives and why: a value (:class:`_Value`) over a shared :class:`_Shard`."""
 
     __slots__ = ("_at", "gdid", "server", "relocated")
+    _names = ("area", "gdid", "range_set", "partition_start", "partition_end", "shard_index", "shard_count",
+              "server", "default_server", "relocated")
 
     _at: _Shard
     gdid: GDID
@@ -110,29 +141,6 @@ class Placement:
         return (at.area, self.gdid, at.range_set, at.partition_start, at.partition_end, at.shard_index,
                 at.shard_count, self.server, at.server, self.relocated)
 
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not Placement:
-            return NotImplemented
-        assert isinstance(other, Placement)
-        return self._fields() == other._fields()
-
-    def __hash__(self) -> int:
-        return hash(self._fields())
-
-    def __repr__(self) -> str:
-        names = ("area", "gdid", "range_set", "partition_start", "partition_end", "shard_index", "shard_count",
-                 "server", "default_server", "relocated")
-        return "Placement(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields())) + ")"
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise FrozenInstanceError(f"cannot assign to field {name!r}")
-
-    def __delattr__(self, name: str) -> None:
-        raise FrozenInstanceError(f"cannot delete field {name!r}")
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (Placement, self._fields())
-
 
 # Writing the slots through their descriptors bypasses the immutability guard in __setattr__
 # (only this module builds placements this way). Read from the class __dict__: mypy sees the
@@ -163,15 +171,12 @@ class _CentralShard:
     server: str
 
 
-class CentralPlacement:
-    """The CENTRAL shard of a key and why (its bytes and their FNV-1a-64).
-
-    Immutable and compared, hashed, printed and pickled field by field (area, key, hash,
-    shard_index, shard_count, server) like the frozen dataclass it replaces; the per-shard
-    fields live in a shared :class:`_CentralShard`.
-    """
+class CentralPlacement(_Value):
+    """The CENTRAL shard of a key and why (its bytes and their FNV-1a-64): a value
+    (:class:`_Value`) over a shared :class:`_CentralShard`."""
 
     __slots__ = ("_at", "key", "hash")
+    _names = ("area", "key", "hash", "shard_index", "shard_count", "server")
 
     _at: _CentralShard
     key: bytes
@@ -199,28 +204,6 @@ class CentralPlacement:
     def _fields(self) -> tuple[str, bytes, int, int, int, str]:
         at = self._at
         return (at.area, self.key, self.hash, at.shard_index, at.shard_count, at.server)
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not CentralPlacement:
-            return NotImplemented
-        assert isinstance(other, CentralPlacement)
-        return self._fields() == other._fields()
-
-    def __hash__(self) -> int:
-        return hash(self._fields())
-
-    def __repr__(self) -> str:
-        names = ("area", "key", "hash", "shard_index", "shard_count", "server")
-        return "CentralPlacement(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields())) + ")"
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise FrozenInstanceError(f"cannot assign to field {name!r}")
-
-    def __delattr__(self, name: str) -> None:
-        raise FrozenInstanceError(f"cannot delete field {name!r}")
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (CentralPlacement, self._fields())
 
 
 _set_central_at: Callable[[CentralPlacement, _CentralShard], None] = CentralPlacement.__dict__["_at"].__set__
