@@ -245,7 +245,12 @@ def _central_bytes(key: str | bytes | GDID) -> bytes:
     if isinstance(key, GDID):
         return bytes(key)
     if isinstance(key, str):
-        return key.encode("utf-8")
+        try:
+            return key.encode("utf-8")
+        except UnicodeEncodeError as exc:  # lone surrogates: what undecodable bytes in argv or a file name become
+            shown = key if len(key) <= 80 else key[:77] + "..."
+            raise RoutingError(f"a CENTRAL key must be text UTF-8 can encode: {shown!r} has {exc.reason} at "
+                               f"position {exc.start}") from None
     if isinstance(key, (bytes, bytearray, memoryview)):
         return bytes(key)
     raise RoutingError(f"a CENTRAL key must be str, bytes or GDID, got {type(key).__name__}")
@@ -364,7 +369,10 @@ class Router:
             hit = self._central_cache.get(key)  # type: ignore[arg-type]  # narrowed by the class check
             if hit is not None:
                 return hit
-            data = key.encode("utf-8")  # type: ignore[union-attr]  # narrowed by the class check
+            try:
+                data = key.encode("utf-8")  # type: ignore[union-attr]  # narrowed by the class check
+            except UnicodeEncodeError:
+                data = _central_bytes(key)  # raises the RoutingError that says what is wrong with the key
         elif kind is bytes:
             hit = self._central_cache.get(key)  # type: ignore[arg-type]  # narrowed by the class check
             if hit is not None:
@@ -391,8 +399,11 @@ class Router:
         ]
         todo = [i for i, hit in enumerate(out) if hit is None]
         if todo:
-            datas = [key.encode("utf-8") if key.__class__ is str else _central_bytes(key)
-                     for key in [keys[i] for i in todo]]
+            try:
+                datas = [key.encode("utf-8") if key.__class__ is str else _central_bytes(key)
+                         for key in [keys[i] for i in todo]]
+            except UnicodeEncodeError:
+                datas = [_central_bytes(keys[i]) for i in todo]  # raises the RoutingError naming the key
             shard = self._central_shard
             for i, data, h in zip(todo, datas, fnv1a_64_many(datas)):
                 placement = out[i] = _build_central(_new(CentralPlacement), shard(h), data, h)

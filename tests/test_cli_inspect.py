@@ -223,6 +223,8 @@ def assert_one_error_line(err: str) -> str:
         (["route", str(EXAMPLE), "central", "0:0:1", "--json"], "central"),
         (["route", str(EXAMPLE), "user", "0:0:0"], "0:0:0"),
         (["route", str(EXAMPLE), "user", "12:x:5"], "'12:x:5'"),  # not rich's emoji code :x:
+        # bytes in argv that are not UTF-8 arrive as lone surrogates
+        (["central-shard", str(EXAMPLE), "\udcff\udcfe@x"], "'\\udcff\\udcfe@x' has surrogates not allowed at position 0"),
     ],
 )
 def test_bad_input_via_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], needle: str) -> None:
@@ -292,6 +294,14 @@ def test_console_script_errors(args: list[str], needle: str) -> None:
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert proc.stdout == ""
     assert needle in assert_one_error_line(proc.stderr)
+
+
+def test_console_script_key_that_is_not_utf8() -> None:
+    proc = subprocess.run([str(MDB), "central-shard", "partition_maps/example.yaml", b"\xff\xfe@example.com"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stdout == ""
+    assert "a CENTRAL key must be text UTF-8 can encode" in assert_one_error_line(proc.stderr)
 
 
 def test_console_script_broken_map_long_path(tmp_path: Path) -> None:

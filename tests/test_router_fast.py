@@ -57,6 +57,16 @@ def test_central_placement_is_a_value(example: Router) -> None:
         del c.key  # type: ignore[misc]
 
 
+def test_a_key_utf8_cannot_encode_is_a_routing_error_not_a_traceback(example: Router) -> None:
+    router = Router(example.map)
+    bad = "ada\udcff@example.com"  # what an undecodable byte in argv or a file name becomes
+    for route in (router.locate_central, lambda k: router.locate_central_many(["ok@example.com", k])):
+        with pytest.raises(RoutingError, match=r"must be text UTF-8 can encode: 'ada\\udcff@example.com' has surrogates not allowed at position 3"):
+            route(bad)
+    assert bad not in router._central_cache
+    assert router.locate_central("ok@example.com") == example.locate_central("ok@example.com")
+
+
 def test_relocated_placement_keeps_the_default_shard(example: Router) -> None:
     gdid = GDID.parse("0:0:250001")
     default = example.locate("user", gdid)
