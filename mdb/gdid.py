@@ -116,10 +116,15 @@ class GDID:
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> GDID:
-        raw = bytes(data)
+        """The 12-byte form (4 era bytes, 8 raw-id bytes, big-endian): every key a plan or a
+        session reads passes here, and any 12 bytes are a valid GDID, so nothing is checked but
+        the length (:func:`_trusted`)."""
+        raw = data if data.__class__ is bytes else memoryview(data).tobytes()  # an int is a TypeError, not zeros
         if len(raw) != _BYTES_LEN:
             raise GDIDError(f"invalid GDID bytes {raw!r}: expected {_BYTES_LEN} bytes, got {len(raw)}")
-        return cls.from_raw(int.from_bytes(raw[:4], "big"), int.from_bytes(raw[4:], "big"))
+        if cls is not GDID:
+            return cls.from_raw(int.from_bytes(raw[:4], "big"), int.from_bytes(raw[4:], "big"))
+        return _trusted(int.from_bytes(raw[:4], "big"), int.from_bytes(raw[4:], "big"))
 
     @classmethod
     def from_sharding_value(cls, value: int, authority: int = 0) -> GDID:

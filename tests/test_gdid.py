@@ -519,3 +519,20 @@ def test_postgres_edge_values_and_storage(pg_engine: sa.Engine) -> None:
         conn.execute(sa.text("SET enable_seqscan = off"))
         plan = "\n".join(r[0] for r in conn.execute(sa.text("EXPLAIN SELECT g FROM things ORDER BY g")))
         assert "ix_things_g" in plan
+
+
+@given(st.binary(min_size=12, max_size=12))
+def test_any_twelve_bytes_are_a_gdid_equal_to_its_checked_construction(data: bytes) -> None:
+    """from_bytes skips the field checks (any 12 bytes are in range): what it builds must be
+    the value the checked constructor builds from the same parts, and round-trip."""
+    g = GDID.from_bytes(data)
+    era, raw = int.from_bytes(data[:4], "big"), int.from_bytes(data[4:], "big")
+    checked = GDID(era, raw >> 60, raw & (2**60 - 1))
+    assert g == checked and hash(g) == hash(checked) and str(g) == str(checked)
+    assert bytes(g) == data and g.hex == data.hex()
+
+
+def test_from_bytes_refuses_what_is_not_bytes() -> None:
+    for value in (12, "0" * 12, None):
+        with pytest.raises(TypeError):
+            GDID.from_bytes(value)  # type: ignore[arg-type]

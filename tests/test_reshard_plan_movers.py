@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 from movehelp import add_transaction, create_user, make_cluster
 from sqlalchemy import event, func, insert, select
 from test_moves_documents_cli import Env
@@ -26,8 +28,10 @@ from mdb.demo.models import User, UserBriefcase
 from mdb.errors import RoutingError
 from mdb.gdid import GDID
 from mdb.moves import plan as plan_module
-from mdb.moves.plan import PartitionScan, ReshardPlan, ServerScan, plan_reshard, scan_for
+from mdb.moves.plan import PartitionScan, ReshardPlan, ServerScan, find_partition, partition_filter, plan_reshard, scan_for
 from mdb.moves.sql_steps import set_state
+from mdb.partition_map import parse_map
+from mdb.router import Router
 from mdb.schema import apply_schema
 from mdb.store import Store
 from mdb.system_tables import STATE_INCOMING
@@ -204,3 +208,59 @@ def test_the_document_scan_streams_keys_in_order_and_counts_the_movers_documents
         assert m.rows == {name: db[name].count_documents({"user_id": bytes(m.gdid)}) for name in scan.units}
     assert {m.gdid for m in plan.moves} == set(movers)
     assert plan.rows_per_table()["orders"] == sum(n % 4 for n, g in enumerate(users) if g in movers)
+
+
+# -- which keys a plan takes: the partition's range, as the router puts them ------------------------------------
+
+RANGE_SETS_MAP = """\
+version: 1
+servers:
+  s0: {primary: "sqlite:///s0.db"}
+  s1: {primary: "sqlite:///s1.db"}
+  s2: {primary: "sqlite:///s2.db"}
+  s3: {primary: "sqlite:///s3.db"}
+  s4: {primary: "sqlite:///s4.db"}
+  s5: {primary: "sqlite:///s5.db"}
+  s6: {primary: "sqlite:///s6.db"}
+  s7: {primary: "sqlite:///s7.db"}
+  s8: {primary: "sqlite:///s8.db"}
+  s9: {primary: "sqlite:///s9.db"}
+areas:
+  central: {kind: central, shards: [s0]}
+  user:
+    range_sets:
+      - breakpoint: "0:0:0"
+        partitions:
+          - {start: "0:0:0", shards: [s1]}
+          - {start: "0:0:100", shards: [s2, s3]}
+          - {start: "0:0:1000", shards: [s4]}
+      - breakpoint: "0:0:5000"
+        partitions:
+          - {start: "0:0:0", shards: [s5]}
+          - {start: "0:0:250", shards: [s6, s7]}
+      - breakpoint: "2:0:0"
+        partitions:
+          - {start: "0:0:0", shards: [s8]}
+"""
+
+
+BOUNDARIES = [0, 1, 99, 100, 101, 999, 1000, 1001, 4999, 5000, 5001, 5249, 5250, 5251, 2**60 - 1]
+
+
+@given(era=st.integers(0, 3), authority=st.integers(0, 15),
+       counter=st.one_of(st.sampled_from(BOUNDARIES), st.integers(0, 6000), st.integers(0, 2**60 - 1)))
+def test_partition_filter_takes_exactly_what_the_router_puts_in_the_partition(era: int, authority: int, counter: int) -> None:
+    router = Router(parse_map(RANGE_SETS_MAP, "range-sets.yaml"))
+    g = GDID(era, authority, counter)
+    assume(not g.is_zero)
+    home = router.default_placement("user", g).partition_start
+    for start, _end, _shards in router.partitions("user"):
+        _, end, _ = find_partition(router, "user", start)
+        assert partition_filter(router, "user", start, end)(g) == (start == home), (g, start, end, home)
+
+
+def test_partition_filter_refuses_the_zero_gdid_as_routing_does() -> None:
+    router = Router(parse_map(RANGE_SETS_MAP, "range-sets.yaml"))
+    start, end, _ = find_partition(router, "user", GDID(0, 0, 0))
+    with pytest.raises(RoutingError, match="zero GDID"):
+        partition_filter(router, "user", start, end)(GDID.ZERO)

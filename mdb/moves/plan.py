@@ -35,7 +35,7 @@ from mdb.system_tables import STATE_INCOMING, briefcase_state
 from mdb.urls import SQL
 
 __all__ = [
-    "COUNT_BLOCK", "PartitionScan", "PlannedMove", "ReshardPlan", "ServerScan", "SqlPartitionScan", "find_partition", "plan_reshard",
+    "COUNT_BLOCK", "PartitionScan", "PlannedMove", "ReshardPlan", "ServerScan", "SqlPartitionScan", "find_partition", "partition_filter", "plan_reshard",
     "register_scan", "scan_for",
 ]
 
@@ -279,6 +279,22 @@ def find_partition(router: Any, area: str, start: GDID) -> tuple[GDID, GDID | No
     raise RoutingError(f"area {area!r} has no partition starting at {start} (starts: {', '.join(starts)})")
 
 
+def partition_filter(router: Any, area: str, start: GDID, end: GDID | None) -> Callable[[GDID], bool]:
+    """Whether the map puts a GDID in the partition [``start``, ``end``) of ``area`` (absolute,
+    as :func:`find_partition` gives them): the range the router bisects, compared directly.
+    A plan asks this of every key of the partition; building each key's Placement to read its
+    partition cost more than reading the key. The zero GDID raises, as routing it does."""
+    low, high = start.sharding_value, None if end is None else end.sharding_value
+
+    def in_partition(gdid: GDID) -> bool:
+        v = gdid.sharding_value
+        if not v and gdid.is_zero:
+            router.default_placement(area, gdid)  # raises: the zero GDID means 'none', it routes nowhere
+        return low <= v and (high is None or v < high)
+
+    return in_partition
+
+
 def plan_reshard(store: Cluster, scan: PartitionScan, area: str, start: GDID, new_shards: list[str], *, keep_moves: bool = True) -> ReshardPlan:
     """Enumerate the partition's briefcases where they live now, pick those whose shard changes, count their rows.
 
@@ -293,8 +309,7 @@ def plan_reshard(store: Cluster, scan: PartitionScan, area: str, start: GDID, ne
     pstart, pend, old_shards = find_partition(router, area, start)
     plan = ReshardPlan(area, pstart, pend, old_shards, list(new_shards))
 
-    def in_partition(gdid: GDID) -> bool:
-        return router.default_placement(area, gdid).partition_start == pstart
+    in_partition = partition_filter(router, area, pstart, pend)
 
     relocated_to = {srv for (a, g), srv in router.relocations.items() if a == area and in_partition(g)}
     servers = list(dict.fromkeys([*old_shards, *sorted(relocated_to), *new_shards]))
