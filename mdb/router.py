@@ -365,24 +365,21 @@ class Router:
         cache starts over): the placement is immutable and a pure function of the key.
         """
         kind = key.__class__
-        if kind is str:
+        remembered = kind is str or kind is bytes
+        if remembered:
             hit = self._central_cache.get(key)  # type: ignore[arg-type]  # narrowed by the class check
             if hit is not None:
                 return hit
+        if kind is str:
             try:
                 data = key.encode("utf-8")  # type: ignore[union-attr]  # narrowed by the class check
             except UnicodeEncodeError:
                 data = _central_bytes(key)  # raises the RoutingError that says what is wrong with the key
-        elif kind is bytes:
-            hit = self._central_cache.get(key)  # type: ignore[arg-type]  # narrowed by the class check
-            if hit is not None:
-                return hit
-            data = key
         else:
-            data = _central_bytes(key)
+            data = key if kind is bytes else _central_bytes(key)
         h = fnv1a_64(data)
         placement = _build_central(_new(CentralPlacement), self._central_shard(h), data, h)
-        if kind is str or kind is bytes:
+        if remembered:
             cache = self._central_cache
             if len(cache) >= CENTRAL_CACHE_SIZE:
                 cache.clear()
