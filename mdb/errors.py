@@ -138,6 +138,10 @@ class ReshardStoppedError(MdbError):
     """A reshard stopped between two moves because ``mdb moves cancel`` asked it to (or took it over)."""
 
 
+class LeaseLostError(ReshardStoppedError):
+    """A driver's lease was taken over (it was paused past it): a server refused its write by the lease's epoch."""
+
+
 class StatsError(MdbError, ValueError):
     """A hot-data pattern asked to do something that would lose or double-count data (e.g. shrink K)."""
 

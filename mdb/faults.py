@@ -8,7 +8,9 @@ two protocols can never share (and so confuse) a point. Tests reach a point two 
   itself with SIGKILL the moment it reaches that point: no cleanup, no ``finally``, exactly what
   a power cut or an OOM kill does. ``MDB_FAULT_SKIP=N`` lets the point pass N times first (to
   crash in the middle of a reshard). ``MDB_FAULT_ACTION=sleep:S`` makes the point sleep S
-  seconds instead (a driver held alive mid-way, its heartbeat running: the lease tests).
+  seconds instead (a driver held alive mid-way, its heartbeat running: the lease tests), and
+  ``MDB_FAULT_ACTION=stop`` makes the process SIGSTOP itself there, once (a driver paused past
+  its lease, heartbeat and all, until a test sends SIGCONT: the fencing tests).
 * :data:`hook`, a callable given each point's name as the process passes it, for in-process
   tests (a test raises from it to stand in for a crash, or changes data at the exact step).
 
@@ -82,6 +84,10 @@ def fault_point(name: str, *, also_when: bool = False) -> None:
     if seen < skip:
         return
     action = os.environ.get("MDB_FAULT_ACTION", "kill")
+    if action == "stop":
+        if seen == skip:  # once: after SIGCONT the process goes on past this point and any later pass
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return
     if action.startswith("sleep:"):
         time.sleep(float(action.removeprefix("sleep:")))
         return

@@ -126,11 +126,11 @@ def test_takeover_rules(backend: str, request: pytest.FixtureRequest, tmp_path: 
 
         def held_by(pid: int, host: str, beat_age: float, move_id: str) -> None:
             with hold(journal, move_id):
-                pass  # creates the table and leaves no row behind
+                pass  # creates the table; the released row keeps only its epoch
             with store.transaction(journal.server) as conn:
                 beat = func.current_timestamp() if beat_age == 0 else _ago(conn, beat_age)
-                conn.execute(insert(move_leases).values(move_id=move_id, pid=pid, host=host, token=f"t{move_id}",
-                                                        since=beat, beat_at=beat))
+                assert conn.execute(update(move_leases).where(move_leases.c.move_id == move_id).values(
+                    pid=pid, host=host, token=f"t{move_id}", since=beat, beat_at=beat)).rowcount == 1
 
         cases = [
             ("other host, fresh beat", 4242, "elsewhere.example", 0, True),

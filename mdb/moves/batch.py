@@ -57,6 +57,7 @@ from mdb.migrations.revisions import SCHEMA_LOCK_KEY, current_revision, require_
 from mdb.moves import verify
 from mdb.moves.batch_sql import Sums, claim_and_copy, fence_and_delete, settle, target_holdings, undo
 from mdb.moves.copy import AreaTable, copy_batch, count_batch, delete_batch
+from mdb.moves.fencing import unchecked
 from mdb.moves.gate import CutoverGate
 from mdb.moves.journal import ABORTED, DONE, ROLLED_BACK, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, ResumeOutcome, register_resolver
@@ -320,7 +321,8 @@ class BatchMove:
         parent and a child written between two tables' COPYs cannot arrive half. A crash from
         here on leaves a copy that resume discards (no fence on the source).
         """
-        with self.cluster.transaction(self.source) as src, self.cluster.transaction(self.target) as dst:
+        # The source is only read (one snapshot); the target's write is the one the fence check guards.
+        with unchecked(self.cluster).transaction(self.source) as src, self.cluster.transaction(self.target) as dst:
             if src.dialect.name == "postgresql":
                 src.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             self.method = verify.method_for(src, dst)

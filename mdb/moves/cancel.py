@@ -27,7 +27,7 @@ from mdb.gdid import GDID
 from mdb.faults import fault_point, register
 from mdb.moves.freeze import unfreeze_partition
 from mdb.moves.journal import CANCELLED, DONE, FINISHED, RUNNING, Journal, JournalEntry
-from mdb.moves.lease import hold, me, request_stop
+from mdb.moves.lease import Lease, fenced_servers, hold, me, request_stop
 from mdb.moves.move import DEFAULT_MAX_PAUSE, move_briefcase, move_kinds, resolve_move
 
 __all__ = ["CANCEL_STEP", "CANCELLABLE_STEPS", "CancelOutcome", "cancel", "finish_cancel"]
@@ -80,15 +80,18 @@ def cancel(store: Cluster, move_id: str, *, move_back: bool = True, wait: float 
     if entry is None:
         raise CancelError(f"there is no move or reshard {move_id!r} in the journal (see `mdb moves status MAP`)")
     _refuse(entry)
-    with _take_over(journal, move_id, wait):
+    with _take_over(journal, move_id, wait) as lease:
+        # From here a driver paused past its lease can write nothing (mdb.moves.fencing), so the entry read next is final.
+        fenced = lease.fenced(store, fenced_servers(store, journal, entry))
+        journal = Journal(fenced)
         entry = journal.get(move_id)  # as the driver left it
         assert entry is not None
         if entry.status in FINISHED:
             return CancelOutcome(move_id, entry.kind, detail=f"it finished ({entry.status}) before it could be cancelled")
         _refuse(entry)
         if entry.kind in move_kinds():  # a single move of any server kind
-            return _cancel_move(store, journal, entry, move_back)
-        return finish_cancel(store, journal, entry, move_back=move_back)
+            return _cancel_move(fenced, journal, entry, move_back)
+        return finish_cancel(fenced, journal, entry, move_back=move_back)
 
 
 class _take_over:
@@ -98,13 +101,13 @@ class _take_over:
         self._journal, self._move_id, self._wait = journal, move_id, wait
         self._held: Any = None
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> Lease:
         deadline = time.monotonic() + self._wait
         asked = False
         while True:
             held = hold(self._journal, self._move_id)
             try:
-                held.__enter__()
+                lease = held.__enter__()
             except MoveLeaseHeldError:
                 if time.monotonic() >= deadline:
                     raise
@@ -113,7 +116,7 @@ class _take_over:
                 time.sleep(STOP_POLL)
                 continue
             self._held = held
-            return
+            return lease
 
     def __exit__(self, *exc: Any) -> None:
         self._held.__exit__(*exc)

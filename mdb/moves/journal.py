@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
 
-from sqlalchemy import Column, DateTime, Integer, String, Table, Text, func, insert, select, update
+from sqlalchemy import BigInteger, Column, DateTime, Integer, String, Table, Text, func, insert, select, update
 from sqlalchemy.engine import RowMapping
 
 from mdb.cluster import Cluster
@@ -79,6 +79,8 @@ move_leases = Table(
     Column("since", DateTime(timezone=True), nullable=True),
     Column("beat_at", DateTime(timezone=True), nullable=True),
     Column("stop_by", String(300), nullable=True),  # set by `mdb moves cancel`: the driver stops at its next check
+    # +1 on every take, never reset (the row stays, holder NULL, when released): the fencing token (mdb.moves.fencing)
+    Column("epoch", BigInteger, nullable=False, server_default="1"),
 )
 
 

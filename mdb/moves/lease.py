@@ -13,8 +13,18 @@ crashed driver: taken over at once), or when it is held from another host and it
 older than :data:`LEASE_STALE` seconds. A live process on this host keeps its lease however
 old its beat (it may be stopped in a debugger or by SIGSTOP; kill it to take over). A reused
 pid on this host keeps a dead driver's lease until that process ends. Taking a lease is a
-compare-and-swap on the holder's (pid, host, beat), so of two processes taking over one dead
-driver's lease exactly one wins. The moves of a reshard are driven under the reshard's lease.
+compare-and-swap on the lease's epoch, so of two processes taking over one dead driver's lease
+exactly one wins. The moves of a reshard are driven under the reshard's lease.
+
+A lease is not a fence (DESIGN.md invariant 7): a driver paused past its lease on another host
+wakes up believing it still holds it. So every take increments the lease's **epoch** (the row
+stays when released, holder emptied, so epochs never repeat), the new holder claims that epoch
+on every server the entry may touch, and the driver writes only through
+:meth:`Lease.fenced`, whose transactions check the epoch on the server (:mod:`mdb.moves.fencing`).
+
+``MDB_HOST_NAME`` overrides the host name a driver records (containers that share a host name,
+or tests of two "hosts" on one machine); ``MDB_LEASE_STALE_SECONDS`` and
+``MDB_LEASE_BEAT_SECONDS`` override :data:`LEASE_STALE` and :data:`LEASE_BEAT`.
 """
 
 from __future__ import annotations
@@ -24,30 +34,46 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Final
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import func, insert, inspect, select, text, update
 
-from mdb.errors import DuplicateRowError, MoveLeaseHeldError, ReshardStoppedError
+from mdb.cluster import Cluster
+from mdb.errors import DuplicateRowError, LeaseLostError, MdbError, MoveLeaseHeldError, ReshardStoppedError
+from mdb.moves import fencing
 from mdb.moves.journal import Journal, JournalEntry, move_leases
 
 __all__ = [
-    "LEASE_BEAT", "LEASE_STALE", "Holder", "Lease", "check_stop", "describe", "describe_liveness", "hold", "holder_of",
+    "LEASE_BEAT", "LEASE_STALE", "Holder", "Lease", "check_stop", "describe", "describe_liveness", "fenced_servers", "hold", "holder_of",
     "lease_owner_id", "liveness", "me", "request_stop",
 ]
 
 log = logging.getLogger("mdb.moves.lease")
 
-LEASE_BEAT: Final = 5.0
+
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise MdbError(f"{name}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise MdbError(f"{name}={raw!r} must be more than 0 seconds")
+    return value
+
+
+LEASE_BEAT: Final = _seconds("MDB_LEASE_BEAT_SECONDS", 5.0)
 """Seconds between two heartbeats of a held lease."""
-LEASE_STALE: Final = 30.0
+LEASE_STALE: Final = _seconds("MDB_LEASE_STALE_SECONDS", 30.0)
 """A lease held from another host whose beat is older than this is taken over."""
 
-_HOST: Final = socket.gethostname()
+_HOST: Final = os.environ.get("MDB_HOST_NAME") or socket.gethostname()
 _registry: dict[str, Lease] = {}
 _registry_lock = threading.Lock()
 _ensured: set[str] = set()
@@ -104,20 +130,45 @@ def _ensure_table(journal: Journal) -> None:
         return
     with journal.store.transaction(journal.server) as conn:
         move_leases.create(conn, checkfirst=True)
+        if "epoch" not in {c["name"] for c in inspect(conn).get_columns(move_leases.name)}:  # created by an older mdb
+            conn.execute(text(f"ALTER TABLE {move_leases.name} ADD COLUMN epoch BIGINT NOT NULL DEFAULT 1"))
     _ensured.add(journal.server)
 
 
-def holder_of(journal: Journal, move_id: str) -> Holder | None:
-    """Who holds ``move_id``'s lease now (None: nobody)."""
+def _lease_row(journal: Journal, move_id: str) -> tuple[Holder | None, int | None]:
+    """(who holds ``move_id``'s lease, its epoch); (None, None) when it was never taken."""
     _ensure_table(journal)
     with journal.store.transaction(journal.server) as conn:
         row = conn.execute(
             select(move_leases, func.current_timestamp().label("now")).where(move_leases.c.move_id == move_id)
         ).mappings().first()
-    if row is None or row["pid"] is None:
-        return None
+    if row is None:
+        return None, None
+    if row["pid"] is None:
+        return None, int(row["epoch"])
     age = (_utc(row["now"]) - _utc(row["beat_at"])).total_seconds()
-    return Holder(move_id, row["pid"], row["host"], row["token"], row["since"], row["beat_at"], max(age, 0.0))
+    return Holder(move_id, row["pid"], row["host"], row["token"], row["since"], row["beat_at"], max(age, 0.0)), int(row["epoch"])
+
+
+def holder_of(journal: Journal, move_id: str) -> Holder | None:
+    """Who holds ``move_id``'s lease now (None: nobody)."""
+    return _lease_row(journal, move_id)[0]
+
+
+def fenced_servers(cluster: Cluster, journal: Journal, entry: JournalEntry) -> list[str]:
+    """Every server a driver of ``entry`` may have written to: its claims go there at every take.
+
+    CENTRAL's servers (journal, relocations), the entry's source and target, and for a reshard
+    its old and new shards and the servers of every move journaled under it.
+    """
+    servers = [*cluster.router.central_servers(), journal.server]
+    if entry.kind == "reshard":
+        servers += [*entry.params.get("old_shards", []), *entry.params.get("new_shards", [])]
+        for move in journal.moves_of(entry.move_id):
+            servers += [s for s in (move.source, move.target) if s is not None]
+    servers += [s for s in (entry.source, entry.target) if s is not None]
+    known = cluster.map.servers
+    return [s for s in dict.fromkeys(servers) if s in known]
 
 
 def lease_owner_id(entry: JournalEntry) -> str:
@@ -128,10 +179,12 @@ def lease_owner_id(entry: JournalEntry) -> str:
 class Lease:
     """A held lease: beats in a thread until released; says whether a stop was asked for."""
 
-    def __init__(self, journal: Journal, move_id: str, token: str) -> None:
+    def __init__(self, journal: Journal, move_id: str, token: str, epoch: int) -> None:
         self.journal = journal
         self.move_id = move_id
         self.token = token
+        self.epoch = epoch
+        """This take's fencing token: one more than the lease's previous take."""
         self.depth = 1
         self.stop_by: str | None = None
         self.lost = False
@@ -158,47 +211,59 @@ class Lease:
     def check(self) -> None:
         """Raise :class:`ReshardStoppedError` when another process asked this driver to stop, or took over."""
         if self.lost:
-            raise ReshardStoppedError(f"{self.move_id}: its lease was taken over by another process; stopped")
+            raise LeaseLostError(f"{self.move_id}: its lease was taken over by another process; stopped")
         if self.stop_by is not None:
             raise ReshardStoppedError(f"{self.move_id}: stopped at the request of {self.stop_by} (`mdb moves cancel`)")
 
+    def fenced(self, cluster: Cluster, servers: Iterable[str]) -> fencing.FencedCluster:
+        """``cluster`` with every transaction conditional on this take's epoch, claimed first on ``servers``.
 
-def _take(journal: Journal, move_id: str) -> str:
-    """Take the lease (returns its new token) or raise :class:`MoveLeaseHeldError` naming its live holder.
+        ``servers``: every server a driver of this entry may have written to (the old holder's
+        writes there are finished or refused once this returns); others are claimed on first use.
+        """
+        fencing.claim(cluster, servers, self.move_id, self.epoch)
+        return fencing.FencedCluster(cluster, self.move_id, self.epoch)
 
-    A new entry's lease (every single move) is one INSERT; only a lease someone holds or held
-    is read and, if its holder is gone, taken over by compare-and-swap on its token.
+
+def _take(journal: Journal, move_id: str) -> tuple[str, int]:
+    """Take the lease (returns its new token and epoch) or raise :class:`MoveLeaseHeldError` naming its live holder.
+
+    A new entry's lease (every single move) is one INSERT at epoch 1; a lease someone holds or
+    held is read and, if nobody holds it or its holder is gone, taken by compare-and-swap on its
+    epoch, which the take increments.
     """
     for _ in range(3):
         mine = {"pid": os.getpid(), "host": _HOST, "token": uuid.uuid4().hex, "since": func.current_timestamp(),
                 "beat_at": func.current_timestamp(), "stop_by": None}
         try:
             with journal.store.transaction(journal.server) as conn:
-                conn.execute(insert(move_leases).values(move_id=move_id, **mine))
-            return str(mine["token"])
+                conn.execute(insert(move_leases).values(move_id=move_id, epoch=1, **mine))
+            return str(mine["token"]), 1
         except DuplicateRowError:  # Store.transaction translates the unique violation
-            pass  # held, or left behind by a driver that died
-        holder = holder_of(journal, move_id)
-        if holder is None:
-            continue  # let go meanwhile: insert again
-        if holder.alive and not holder.mine:
+            pass  # held, or held before
+        holder, epoch = _lease_row(journal, move_id)
+        if epoch is None:
+            continue  # deleted meanwhile (an older mdb releases by deleting): insert again
+        if holder is not None and holder.alive and not holder.mine:
             raise MoveLeaseHeldError(move_id, holder.describe())
         with journal.store.transaction(journal.server) as conn:
             taken = conn.execute(update(move_leases).where(
-                move_leases.c.move_id == move_id, move_leases.c.token == holder.token,
-            ).values(**mine)).rowcount
+                move_leases.c.move_id == move_id, move_leases.c.epoch == epoch,
+            ).values(epoch=epoch + 1, **mine)).rowcount
         if taken:
-            if not holder.mine:
-                log.warning("took over %s from its dead driver, %s", move_id, holder.describe())
-            return str(mine["token"])
+            if holder is not None and not holder.mine:
+                log.warning("took over %s from its dead driver, %s (lease epoch %d)", move_id, holder.describe(), epoch + 1)
+            return str(mine["token"]), epoch + 1
     raise MoveLeaseHeldError(move_id, "another process that keeps taking it (tried 3 times)")
 
 
 def _release(lease: Lease) -> None:
+    """Empty the holder; the row and its epoch stay, so the next take's epoch is higher than every one before."""
     lease._done.set()
     try:
         with lease.journal.store.transaction(lease.journal.server) as conn:
-            conn.execute(delete(move_leases).where(move_leases.c.move_id == lease.move_id, move_leases.c.token == lease.token))
+            conn.execute(update(move_leases).where(move_leases.c.move_id == lease.move_id, move_leases.c.token == lease.token)
+                         .values(pid=None, host=None, token=None, beat_at=None, stop_by=None))
     except Exception as exc:  # the pid is gone soon: the next driver takes the lease over then
         log.warning("could not release the lease of %s: %s", lease.move_id, exc)
 
@@ -212,7 +277,7 @@ def hold(journal: Journal, move_id: str) -> Iterator[Lease]:
             lease.depth += 1
     if lease is None:
         _ensure_table(journal)
-        lease = Lease(journal, move_id, _take(journal, move_id))
+        lease = Lease(journal, move_id, *_take(journal, move_id))
         with _registry_lock:
             _registry[move_id] = lease
         lease._thread.start()

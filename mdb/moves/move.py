@@ -41,7 +41,7 @@ from mdb.errors import MdbError, MoveAbortedError, RoutingError
 from mdb.faults import fault_point
 from mdb.gdid import GDID
 from mdb.moves.journal import ABORTED, Journal, JournalEntry, new_move_id
-from mdb.moves.lease import describe_liveness, hold
+from mdb.moves.lease import describe_liveness, fenced_servers, hold
 from mdb.moves.sql_steps import area_tables, locked_source
 
 __all__ = [
@@ -208,7 +208,10 @@ class Move(ABC):
         fault_point(self.after_journal_start)
         # A single move is driven under its own lease (a reshard's moves under the reshard's), so
         # a resume started beside it leaves it alone and `mdb moves status` names its process.
-        with hold(self.journal, self.move_id) if self.options.reshard_id is None else nullcontext():
+        with hold(self.journal, self.move_id) if self.options.reshard_id is None else nullcontext() as lease:
+            if lease is not None:  # its own lease: every write from here on checks its epoch (mdb.moves.fencing)
+                self.cluster = lease.fenced(self.cluster, fenced_servers(self.cluster, self.journal, self.journal_entry()))
+                self.journal = Journal(self.cluster)
             try:
                 self.precheck()
             except MdbError as exc:

@@ -52,7 +52,7 @@ from mdb.maps.history import applied_maps, newest_applied
 from mdb.maps.text import new_map_text, rewrite_map_file
 from mdb.moves.freeze import freeze_partition, unfreeze_partition
 from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
-from mdb.moves.lease import check_stop, describe_liveness, hold
+from mdb.moves.lease import check_stop, describe_liveness, fenced_servers, hold
 from mdb.moves.status import RateWindow
 from mdb.moves.throttle import Throttle, ThrottleSettings
 from mdb.moves.plan import PartitionScan, PlannedMove, ReshardPlan, find_partition, plan_reshard, scan_for
@@ -286,11 +286,12 @@ def reshard(
         tables={name: [rows, 0] for name, rows in plan.rows_per_table().items()},
         briefcases_total=len(plan.moves), rows_total=plan.total_rows,
     ))
-    with hold(journal, reshard_id):
+    with hold(journal, reshard_id) as lease:
         fault_point("reshard.after_journal_start")
         entry = journal.get(reshard_id)
         assert entry is not None
-        return continue_reshard(store, journal, entry, progress=progress, first_plan=plan)
+        fenced = lease.fenced(store, fenced_servers(store, journal, entry))
+        return continue_reshard(fenced, Journal(fenced), entry, progress=progress, first_plan=plan)
 
 
 def _store_map_text(store: Cluster, map_path: str | None) -> str:

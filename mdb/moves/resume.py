@@ -16,7 +16,8 @@ from contextlib import ExitStack
 from mdb.cluster import Cluster
 from mdb.errors import MoveLeaseHeldError, ServerUnavailableError
 from mdb.moves.journal import Journal
-from mdb.moves.lease import hold, lease_owner_id
+from mdb.moves.fencing import FencedCluster
+from mdb.moves.lease import fenced_servers, hold, lease_owner_id
 from mdb.moves.cancel import CANCEL_STEP, finish_cancel
 from mdb.moves.move import ResumeOutcome, move_kinds, resolve_move
 from mdb.moves.reshard import ReshardProgress, continue_reshard
@@ -34,28 +35,40 @@ def resume_all(store: Cluster, *, retry: bool = False, progress: ReshardProgress
 
     Each entry is taken with its lease first (a reshard's moves under the reshard's): one that
     a live process drives is left to it and reported as ``held`` with that process named, so
-    two resumes started at once never act on the same entry.
+    two resumes started at once never act on the same entry. Each lease taken claims its new
+    epoch on the servers the entry touches (:mod:`mdb.moves.fencing`) and the journal is read
+    again after that: a driver paused past its lease can no longer write, so what is read is
+    what there is, and every write of this resume goes through the entry's fenced cluster.
     """
     store.refresh()
     journal = Journal(store)
     outcomes: list[ResumeOutcome] = []
-    unfinished = journal.entries(unfinished=True)
     kinds = move_kinds()  # move, mongo-move: every kind of single move, resolved by its implementation
     stuck: set[str] = set()  # reshards with a move that could not be resolved
     held: set[str] = set()  # entries (reshards or single moves) another live process drives
+    fenced: dict[str, FencedCluster] = {}  # lease id -> this resume's writes for the entries under it
     with ExitStack() as leases:
-        for entry in unfinished:
+        for entry in journal.entries(unfinished=True):
             if (entry.kind not in kinds and entry.kind != "reshard") or lease_owner_id(entry) != entry.move_id:
                 continue  # a reshard's move is taken with its reshard; other kinds are not resumed here
             try:
-                leases.enter_context(hold(journal, entry.move_id))
+                lease = leases.enter_context(hold(journal, entry.move_id))
             except MoveLeaseHeldError as exc:
                 held.add(entry.move_id)
                 outcomes.append(ResumeOutcome(entry.move_id, entry.kind, HELD, str(exc)))
+                continue
+            try:
+                fenced[entry.move_id] = lease.fenced(store, fenced_servers(store, journal, entry))
+            except ServerUnavailableError as exc:
+                outcomes.append(ResumeOutcome(entry.move_id, entry.kind, FAILED, f"{exc}; left as it was, run resume again once it is back"))
+        # Read again now that no earlier driver of these entries can write: a paused one may have
+        # journaled a step (or a new batch) after the first read, before the claims.
+        unfinished = [e for e in journal.entries(unfinished=True) if lease_owner_id(e) in fenced]
         for entry in unfinished:
-            if entry.kind in kinds and lease_owner_id(entry) not in held:
+            if entry.kind in kinds:
+                cluster = fenced[lease_owner_id(entry)]
                 try:
-                    outcomes.append(resolve_move(store, journal, entry, retry=retry))
+                    outcomes.append(resolve_move(cluster, Journal(cluster), entry, retry=retry))
                 except ServerUnavailableError as exc:
                     # One server down must not hold up the moves that do not need it; this one is
                     # left exactly as it was, and resolved by the next resume.
@@ -64,17 +77,18 @@ def resume_all(store: Cluster, *, retry: bool = False, progress: ReshardProgress
                         stuck.add(entry.reshard_id)
         store.refresh()
         for entry in unfinished:
-            if entry.kind == "reshard" and entry.move_id not in held:
+            if entry.kind == "reshard":
                 if entry.move_id in stuck:
                     outcomes.append(ResumeOutcome(entry.move_id, "reshard", FAILED, "one of its moves could not be resolved (above); left as it was"))
                     continue
+                cluster = fenced[entry.move_id]
                 interrupted_at = entry.step  # continue_reshard moves the entry on as it goes
                 try:
                     if entry.step == CANCEL_STEP:  # an interrupted `mdb moves cancel`: finish cancelling
-                        done = finish_cancel(store, journal, entry)
+                        done = finish_cancel(cluster, Journal(cluster), entry)
                         outcomes.append(ResumeOutcome(entry.move_id, "reshard", "cancel completed", done.detail))
                         continue
-                    continue_reshard(store, journal, entry, progress=progress)
+                    continue_reshard(cluster, Journal(cluster), entry, progress=progress)
                 except ServerUnavailableError as exc:
                     outcomes.append(ResumeOutcome(entry.move_id, "reshard", FAILED, f"{exc}; was at step {interrupted_at!r}, run resume again once it is back"))
                     continue

@@ -28,6 +28,7 @@ from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.moves.collector import collection_deferred
 from mdb.moves.copy import AreaTable, delete_briefcase, measure
+from mdb.moves.fencing import fence_check
 from mdb.relocations import set_relocation
 from mdb.moves.journal import DONE, Journal, JournalEntry
 from mdb.migrations.revisions import current_revision, lock_out_migrations, require_one_revision
@@ -136,9 +137,10 @@ def locked_briefcases(
     try:
         with translated(server):
             if conn.dialect.name != "postgresql":
-                started = time.monotonic()
                 with collection_deferred():
                     conn.begin()
+                    fence_check(store, conn, server)
+                    started = time.monotonic()
                     yield conn, started
                 return
             keys = lock_keys_sql(area, gdids)
@@ -147,6 +149,7 @@ def locked_briefcases(
             with ExitStack() as deferred:  # from each attempt that may take the locks on
                 while True:
                     conn.begin()
+                    fence_check(store, conn, server)  # a driver paused past its lease stops here (mdb.moves.fencing)
                     deferred.enter_context(collection_deferred())
                     started = time.monotonic()
                     if conn.exec_driver_sql(f"SELECT bool_and(pg_try_advisory_xact_lock(k)) FROM unnest({keys}) AS k").scalar_one():
@@ -155,6 +158,7 @@ def locked_briefcases(
                     deferred.close()
                     if time.monotonic() + delay >= deadline:
                         conn.begin()
+                        fence_check(store, conn, server)
                         deferred.enter_context(collection_deferred())
                         started = time.monotonic()
                         conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{max(1, int(max_pause * 1000))}ms'")

@@ -1,0 +1,205 @@
+"""Fencing tokens: a driver whose lease was taken over cannot write anywhere (DESIGN.md invariant 7).
+
+A lease (:mod:`mdb.moves.lease`) says who *should* drive a move; it cannot stop a driver that
+was paused past it (a VM freeze, a long GC, SIGSTOP) from waking up and carrying on before it
+reads that its lease is gone. That driver's commit point on the source, after the new driver
+discarded the target copy, lost every row of the batch (issue 28 item 1). So every lease take
+increments the lease's **epoch**, and every server a driver writes to records the highest epoch
+it has seen for that lease in ``mdb_lease_fences``:
+
+* **claim** (at every take, on every server the entry may touch, before the new driver reads
+  anything): raise the server's epoch to the new one. On PostgreSQL the update waits for every
+  transaction of the old driver that already passed its check (they hold the row ``FOR SHARE``),
+  so once a claim returns, no write of the old driver can still commit there.
+* **check** (first statement of every transaction a driver opens through a
+  :class:`FencedCluster`): read the epoch ``FOR SHARE`` and go on only if it is the driver's own;
+  a higher one raises :class:`mdb.errors.LeaseLostError` and the transaction rolls back. A server
+  first touched after the take is claimed there and then, in the same transaction.
+
+Shared row locks do not conflict with each other, so the parallel batches of one reshard do
+not queue on the fence row; only a takeover waits. SQLite has one writer at a time, so a
+transaction that read an older epoch cannot commit after a claim committed. Document
+(MongoDB) servers are not fenced: a document move's driver is covered by its lease alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sqlalchemy import BigInteger, Column, Engine, MetaData, String, Table, insert, select, update
+from sqlalchemy.engine import Connection
+
+from mdb.briefcase import BriefcaseType
+from mdb.cluster import Cluster
+from mdb.errors import LeaseLostError
+from mdb.gdid import GDID
+from mdb.partition_map import PartitionMap
+from mdb.router import Router
+from mdb.urls import SQL
+
+if TYPE_CHECKING:
+    from mdb.engines import EngineRegistry
+    from mdb.session import BriefcaseSession
+
+__all__ = ["FencedCluster", "check", "claim", "fence_check", "lease_fences", "unchecked"]
+
+fencing_metadata = MetaData()
+
+lease_fences = Table(
+    "mdb_lease_fences",
+    fencing_metadata,
+    # On every server a driver writes to (shards and CENTRAL): the newest epoch of each lease seen there.
+    Column("lease_id", String(64), primary_key=True),
+    Column("epoch", BigInteger, nullable=False),
+)
+
+_ensured: set[tuple[int, str]] = set()
+_ensured_lock = threading.Lock()
+
+
+def _ensure_table(cluster: Cluster, server: str) -> None:
+    """Create ``mdb_lease_fences`` on ``server`` once per process (fleets from before it have none)."""
+    key = (id(cluster.engines), server)
+    if key in _ensured:
+        return
+    with _ensured_lock:
+        if key in _ensured:
+            return
+        with cluster.transaction(server) as conn:
+            lease_fences.create(conn, checkfirst=True)
+        _ensured.add(key)
+
+
+def _raise_or_take(conn: Connection, server: str, lease_id: str, epoch: int, seen: int | None) -> None:
+    """Given the epoch ``seen`` on ``server``: a newer one is a lost lease; an older or none is raised to ``epoch`` here."""
+    if seen is not None and seen > epoch:
+        raise LeaseLostError(
+            f"{lease_id}: server {server!r} has seen lease epoch {seen}, this driver holds epoch {epoch}: another "
+            "process took the lease over, so this driver stops without writing"
+        )
+    if seen is None:
+        conn.execute(insert(lease_fences).values(lease_id=lease_id, epoch=epoch))
+    elif seen < epoch:
+        conn.execute(update(lease_fences).where(lease_fences.c.lease_id == lease_id).values(epoch=epoch))
+
+
+def check(conn: Connection, server: str, lease_id: str, epoch: int) -> None:
+    """In the caller's transaction: this driver's epoch is current on ``server`` (claimed here if new), or raise."""
+    seen = conn.execute(
+        select(lease_fences.c.epoch).where(lease_fences.c.lease_id == lease_id).with_for_update(read=True)
+    ).scalar_one_or_none()
+    if seen != epoch:
+        _raise_or_take(conn, server, lease_id, epoch, seen)
+
+
+def claim(cluster: Cluster, servers: Iterable[str], lease_id: str, epoch: int) -> None:
+    """Raise the lease's epoch to ``epoch`` on every SQL server of ``servers`` (see the module docstring).
+
+    Each claim is its own transaction and waits for the older driver's transactions that passed
+    their check there; done before the new driver reads any state, so what it reads is final.
+    """
+    for server in dict.fromkeys(servers):
+        if cluster.map.kind_of(server) != SQL:
+            continue
+        _ensure_table(cluster, server)
+        with cluster.transaction(server) as conn:
+            seen = conn.execute(
+                select(lease_fences.c.epoch).where(lease_fences.c.lease_id == lease_id).with_for_update()
+            ).scalar_one_or_none()
+            _raise_or_take(conn, server, lease_id, epoch, seen)
+
+
+class FencedCluster:
+    """A :class:`mdb.cluster.Cluster` whose every transaction first checks a lease's epoch.
+
+    Drivers (reshard, resume, cancel, a single move) do all their work through one, so every
+    write they make, on shards and on CENTRAL alike, is conditional on their lease in the same
+    transaction. Everything else is the wrapped cluster's.
+    """
+
+    def __init__(self, inner: Cluster, lease_id: str, epoch: int) -> None:
+        self.inner = inner
+        self.lease_id = lease_id
+        self.epoch = epoch
+
+    def check(self, conn: Connection, server: str) -> None:
+        """The fence check on a connection the caller began itself (:meth:`connect`)."""
+        if self.inner.map.kind_of(server) == SQL:
+            check(conn, server, self.lease_id, self.epoch)
+
+    @property
+    def map(self) -> PartitionMap:
+        return self.inner.map
+
+    @property
+    def router(self) -> Router:
+        return self.inner.router
+
+    @property
+    def map_path(self) -> Path | None:
+        return self.inner.map_path
+
+    @property
+    def engines(self) -> EngineRegistry:
+        return self.inner.engines
+
+    @property
+    def types(self) -> list[type[BriefcaseType]]:
+        return self.inner.types
+
+    def refresh(self) -> None:
+        self.inner.refresh()
+
+    def types_of(self, area: str) -> list[type[BriefcaseType]]:
+        return self.inner.types_of(area)
+
+    def engine(self, server: str, readonly: bool = False) -> Engine:
+        return self.inner.engine(server, readonly)
+
+    def connect(self, server: str, readonly: bool = False) -> Connection:
+        """Unchecked: a caller that begins transactions itself calls :meth:`check` in each (:func:`fence_check`)."""
+        if not readonly and self.inner.map.kind_of(server) == SQL:
+            _ensure_table(self.inner, server)
+        return self.inner.connect(server, readonly)
+
+    @contextmanager
+    def transaction(self, server: str, readonly: bool = False) -> Iterator[Connection]:
+        if not readonly and self.inner.map.kind_of(server) == SQL:
+            _ensure_table(self.inner, server)
+        with self.inner.transaction(server, readonly) as conn:
+            if not readonly:
+                self.check(conn, server)
+            yield conn
+
+    def begin(self, server: str, readonly: bool = False) -> Connection:
+        if not readonly and self.inner.map.kind_of(server) == SQL:
+            _ensure_table(self.inner, server)
+        conn = self.inner.begin(server, readonly)
+        if not readonly:
+            try:
+                self.check(conn, server)
+            except BaseException:
+                conn.rollback()
+                conn.close()
+                raise
+        return conn
+
+    def briefcase(
+        self, btype: type[BriefcaseType], gdid: GDID | str, *, readonly: bool = False, exclusive: bool = False
+    ) -> AbstractContextManager[BriefcaseSession]:
+        return self.inner.briefcase(btype, gdid, readonly=readonly, exclusive=exclusive)
+
+
+def unchecked(cluster: Cluster) -> Cluster:
+    """The cluster under a fenced one, for a transaction that only reads and must set its own isolation first."""
+    return cluster.inner if isinstance(cluster, FencedCluster) else cluster
+
+
+def fence_check(cluster: Cluster, conn: Connection, server: str) -> None:
+    """Check the fence on a connection begun by the caller, when ``cluster`` is fenced (else nothing to check)."""
+    if isinstance(cluster, FencedCluster):
+        cluster.check(conn, server)
