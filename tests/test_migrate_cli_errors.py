@@ -88,3 +88,16 @@ def test_a_revision_file_with_a_syntax_error_is_one_line_naming_the_file(tmp_pat
         assert "Traceback" not in done.stderr, done.stderr
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and "b2_broken.py" in lines[0] and "line 11" in lines[0], done.stderr
+
+
+def test_a_revision_whose_sql_fails_names_the_revision_not_schema_apply(tmp_path: Path) -> None:
+    """A revision's own bad SQL (a table it misspelled) was hinted "(run `mdb schema apply MAP`)": the cause is the revision."""
+    map_path, root = _fleet(tmp_path)
+    (root / "user" / "versions" / "b2_bad_sql.py").write_text(
+        REV1.replace('"a1"', '"b2"').replace("down_revision = None", 'down_revision = "a1"')
+        .replace('op.create_table("mig_extra", sa.Column("id", sa.Integer(), primary_key=True))',
+                 'op.execute("UPDATE mig_extar SET id = 1")'), encoding="utf-8")
+    done = run_cli(["migrate", "up", str(map_path), "--parallel", "1"], env={"COLUMNS": "250"})
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "the revision's SQL failed" in done.stdout and "mig_extar" in done.stdout, done.stdout
+    assert "schema apply" not in done.stdout + done.stderr, done.stdout

@@ -399,7 +399,12 @@ def _migrate_one(
             with _operations(context):
                 try:
                     context.run_migrations()
-                except (MdbError, DBAPIError, CommandError):
+                except DBAPIError as exc:  # the revision's SQL failed here: name that, not a schema-apply hint
+                    raise MigrationError(
+                        f"server {target.server!r}: the revision's SQL failed: {describe(exc)} "
+                        "(fix the revision; this server's transaction rolled back)"
+                    ) from exc
+                except (MdbError, CommandError):
                     raise
                 except Exception as exc:  # the revision file's own code failed (it is application code): this server failed
                     raise MigrationError(f"server {target.server!r}: the revision raised {type(exc).__name__}: {exc}") from exc
