@@ -20,6 +20,7 @@ __all__ = ["describe", "translate", "translated"]
 
 _MISSING_TABLE = ("no such table",)  # SQLite; PostgreSQL says it by SQLSTATE
 _PG_UNDEFINED_TABLE = "42P01"
+_PG_UNDEFINED_FUNCTION = "42883"
 _PREPARED_SQLSTATES = frozenset({"42P05", "26000"})
 """duplicate_prepared_statement, invalid_sql_statement_name: a prepared statement met another server session."""
 _MISSING_COLUMN = ("no such column", "has no column named")
@@ -153,8 +154,12 @@ def translate(server: str, exc: BaseException) -> MdbError | None:
     if getattr(exc.orig, "sqlstate", None) in _PREPARED_SQLSTATES:
         return MapError(f"server {server!r}: {detail}: its connections reach a transaction-pooling pooler (PgBouncer) "
                         "that the map does not declare: add `pooler: transaction` to this server in the map (docs/operations.md)")
-    # Only a missing table is cured by `schema apply` ("function/type/column ... does not exist" are not).
-    if getattr(exc.orig, "sqlstate", None) == _PG_UNDEFINED_TABLE or type(exc.orig).__name__ == "UndefinedTable" or (
+    # Only a missing table, or a missing function of mdb's own (mdb_check_read, ...), is cured by
+    # `schema apply`; another "function/type ... does not exist" is the statement's own mistake.
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    if sqlstate == _PG_UNDEFINED_TABLE or type(exc.orig).__name__ == "UndefinedTable" or (
+        sqlstate == _PG_UNDEFINED_FUNCTION and "mdb_" in lowered
+    ) or (
         getattr(exc.orig, "sqlstate", None) is None and any(s.lower() in lowered for s in _MISSING_TABLE)
     ):
         return SchemaError(f"server {server!r}: {detail} (run `mdb schema apply MAP`)")
