@@ -10,13 +10,19 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 
 from mdb.budget import is_capacity_refusal
-from mdb.errors import CapacityError, DuplicateRowError, MdbError, SchemaError, ServerUnavailableError, TransactionConflictError
+from mdb.errors import (
+    CapacityError, DuplicateRowError, MapError, MdbError, SchemaError, ServerUnavailableError, TransactionConflictError,
+)
 from mdb.gdid import GDID
 from mdb.urls import mask_secrets
 
 __all__ = ["describe", "translate", "translated"]
 
-_MISSING_TABLE = ("does not exist", "no such table", "UndefinedTable")
+_MISSING_TABLE = ("no such table",)  # SQLite; PostgreSQL says it by SQLSTATE
+_PG_UNDEFINED_TABLE = "42P01"
+_PG_UNDEFINED_FUNCTION = "42883"
+_PREPARED_SQLSTATES = frozenset({"42P05", "26000"})
+"""duplicate_prepared_statement, invalid_sql_statement_name: a prepared statement met another server session."""
 _MISSING_COLUMN = ("no such column", "has no column named")
 """SQLite's words for a column the table lacks (PostgreSQL's is the UndefinedColumn class): the
 table differs from its model, which ``mdb schema check`` lists in full."""
@@ -145,7 +151,17 @@ def translate(server: str, exc: BaseException) -> MdbError | None:
         table = _statement_table(exc.statement)
         where = f"server {server!r}, table {table!r}" if table else f"server {server!r}"
         return SchemaError(f"{where}: {detail} (check the table against its model: `mdb schema check MAP`)")
-    if any(s.lower() in lowered for s in _MISSING_TABLE) or type(exc.orig).__name__ == "UndefinedTable":
+    if getattr(exc.orig, "sqlstate", None) in _PREPARED_SQLSTATES:
+        return MapError(f"server {server!r}: {detail}: its connections reach a transaction-pooling pooler (PgBouncer) "
+                        "that the map does not declare: add `pooler: transaction` to this server in the map (docs/operations.md)")
+    # Only a missing table, or a missing function of mdb's own (mdb_check_read, ...), is cured by
+    # `schema apply`; another "function/type ... does not exist" is the statement's own mistake.
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    if sqlstate == _PG_UNDEFINED_TABLE or type(exc.orig).__name__ == "UndefinedTable" or (
+        sqlstate == _PG_UNDEFINED_FUNCTION and "mdb_" in lowered
+    ) or (
+        getattr(exc.orig, "sqlstate", None) is None and any(s.lower() in lowered for s in _MISSING_TABLE)
+    ):
         return SchemaError(f"server {server!r}: {detail} (run `mdb schema apply MAP`)")
     return None
 

@@ -4,7 +4,10 @@ SQLAlchemy's horizontal_shard extension concatenates per-shard results, so ``ORD
 10`` over three shards gives up to 30 rows in shard order. Here each shard gets the statement
 with ``LIMIT limit+offset`` (and no OFFSET), the per-shard sorted streams are k-way merged in
 the global order, and OFFSET/LIMIT are applied once to the merged stream. Aggregates
-(count, sum, min, max, avg) are computed per shard and combined (avg as sum/count).
+(count, sum, min, max, avg) are computed per shard and combined (avg as sum/count). Any other
+aggregate, however it is spelled, is refused, never combined wrongly: the check reads the
+statement's compiled SQL (``count(DISTINCT x)`` written as ``func.count(func.distinct(x))``
+is the same SQL as ``func.count(distinct(x))``, and both are refused).
 
 Which shards: every server of the area's partitions (only partitions that can hold a GDID at or
 past ``from_gdid`` when it is given) plus every server the relocation directory names for the
@@ -18,6 +21,7 @@ slightly different moments (see docs/fan-out.md).
 from __future__ import annotations
 
 import heapq
+import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -58,11 +62,24 @@ __all__ = [
 
 AGGREGATES = frozenset({"count", "sum", "min", "max", "avg"})
 # Aggregates that cannot be combined from per-shard partial results: refused, not mis-combined.
+# PostgreSQL's and SQLite's built-in aggregates (a user-defined aggregate has a name mdb cannot
+# know: docs/fan-out.md).
 _OTHER_AGGREGATES = frozenset(
     {"array_agg", "string_agg", "group_concat", "bool_and", "bool_or", "every", "json_agg", "jsonb_agg",
-     "stddev", "stddev_pop", "stddev_samp", "variance", "var_pop", "var_samp", "percentile_cont",
-     "percentile_disc", "mode", "total"}
+     "json_object_agg", "jsonb_object_agg", "json_group_array", "json_group_object", "jsonb_group_array",
+     "jsonb_group_object", "xmlagg", "bit_and", "bit_or", "bit_xor", "any_value", "range_agg",
+     "range_intersect_agg", "stddev", "stddev_pop", "stddev_samp", "variance", "var_pop", "var_samp",
+     "percentile_cont", "percentile_disc", "mode", "rank", "dense_rank", "percent_rank", "cume_dist",
+     "total", "corr", "covar_pop", "covar_samp", "regr_avgx", "regr_avgy", "regr_count", "regr_intercept",
+     "regr_r2", "regr_slope", "regr_sxx", "regr_sxy", "regr_syy", "median"}
 )
+# In compiled SQL (quoted names and string literals blanked): a call of an aggregate, and the
+# words that make even count/sum/min/max/avg uncombinable (DISTINCT values may repeat across
+# shards; OVER is a per-shard window; FILTER/WITHIN GROUP/a subquery are not merged).
+_AGGREGATE_CALL = re.compile(r"\b(" + "|".join(sorted(AGGREGATES | _OTHER_AGGREGATES)) + r")\s*\(", re.IGNORECASE)
+_WINDOW = re.compile(r"\bOVER\s*\(", re.IGNORECASE)
+_NOT_COMBINABLE = re.compile(r"\b(DISTINCT|OVER|FILTER|WITHIN|SELECT)\b", re.IGNORECASE)
+_QUOTED = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"")
 DEFAULT_MAX_WORKERS = 16
 _BINARY_COLLATIONS = frozenset({"C", "POSIX", "BINARY", "UCS_BASIC"})
 R = TypeVar("R")
@@ -580,7 +597,26 @@ def _function_name(fn: FunctionElement[Any]) -> str:
     return str(getattr(fn, "name", "")).lower()
 
 
+def _sql(clause: Any) -> str:
+    """``clause`` as SQL, with quoted names and string literals blanked (a column may be called "distinct").
+
+    What the shards run is SQL: the checks read it, so every Python spelling of one SQL
+    construct gets the same answer.
+    """
+    try:
+        compiled = str(clause.compile(compile_kwargs={"render_postcompile": True}))
+    except CompileError as exc:
+        raise QueryError(f"fan-out statement does not compile: {exc}") from None
+    return _QUOTED.sub("''", compiled)
+
+
+def _statement_sql(statement: Select[Any]) -> str:
+    """The statement's SQL without ORDER BY (an ORDER BY term repeats a selected column: checked there)."""
+    return _sql(statement.order_by(None))
+
+
 def _refuse_aggregates(statement: Select[Any]) -> None:
+    """Refuse a plain (not aggregate=True) fan-out that would compute any aggregate per shard."""
     if statement._group_by_clauses:
         raise QueryError("a GROUP BY statement groups per shard: pass aggregate=True to combine groups across shards")
     for column in statement.selected_columns:
@@ -589,6 +625,19 @@ def _refuse_aggregates(statement: Select[Any]) -> None:
             raise QueryError(
                 f"{_function_name(fn)}() would be computed per shard: pass aggregate=True to combine it across shards"
             )
+    sql = _statement_sql(statement)
+    call = _AGGREGATE_CALL.search(sql)
+    if call is not None or _WINDOW.search(sql):
+        what = f"{call.group(1).lower()}()" if call is not None else "a window function (OVER)"
+        raise QueryError(
+            f"fan-out: {what} in this statement would be computed on each shard separately and the per-shard answers "
+            f"concatenated; select count/sum/min/max/avg as columns with aggregate=True, or run it on one database"
+        )
+    if statement._distinct:
+        raise QueryError(
+            "fan-out: SELECT DISTINCT is distinct per shard (a value on two shards would come back twice): "
+            "GROUP BY the columns with aggregate=True instead"
+        )
 
 
 @dataclass(frozen=True)
@@ -597,13 +646,29 @@ class _AggSpec:
     positions: tuple[int, ...]  # columns of the per-shard row it reads
 
 
-def _has_distinct(fn: FunctionElement[Any]) -> bool:
-    return any(
-        isinstance(arg, UnaryExpression) and arg.operator is operators.distinct_op for arg in fn.clauses.clauses
-    )
+def _refuse_uncombinable(kind: str, fn: FunctionElement[Any]) -> None:
+    """Refuse count/sum/min/max/avg whose arguments' SQL holds anything a per-shard partial cannot carry."""
+    call = _sql(fn)  # the whole call: a bare DISTINCT argument compiles (without a warning) only inside it
+    arguments = call[call.find("(") + 1: call.rfind(")")]
+    word = _NOT_COMBINABLE.search(arguments)
+    if word is not None:
+        found = word.group(1).upper()
+        why = ("a value may be on several shards, each counts it once" if found == "DISTINCT"
+               else "per-shard partials of it cannot be combined")
+        raise QueryError(f"{kind}({found} ...) cannot be combined across shards ({why}): {kind}({arguments})")
+    if _AGGREGATE_CALL.search(arguments):
+        raise QueryError(f"{kind}() of an aggregate cannot be combined across shards: {kind}({arguments})")
 
 
-def _aggregate_plan(statement: Select[Any]) -> tuple[list[str], list[ColumnElement[Any]], list[_AggSpec]]:
+def _aggregate_plan(
+    statement: Select[Any],
+) -> tuple[list[str], list[ColumnElement[Any]], list[_AggSpec], dict[int, ColumnElement[Any]]]:
+    """(result names, per-shard columns, how to combine each result column, PostgreSQL's replacement columns).
+
+    min/max of a string on a PostgreSQL shard reads ``COLLATE "C"``: the combine step compares
+    Python strings (code points), as the row merge does, and a shard answering in its own
+    collation would make that a mix of two orders.
+    """
     if statement._having_criteria:
         raise QueryError("fan-out aggregates cannot apply HAVING to per-shard partial groups; filter the combined rows")
     if statement._distinct:
@@ -616,12 +681,14 @@ def _aggregate_plan(statement: Select[Any]) -> tuple[list[str], list[ColumnEleme
     shard_columns: list[ColumnElement[Any]] = []
     specs: list[_AggSpec] = []
     grouped: list[ColumnElement[Any]] = []
+    postgresql: dict[int, ColumnElement[Any]] = {}
+    calls = 0
     for i, column in enumerate(statement.selected_columns):
         fn = _function(column)
         kind = None if fn is None else _function_name(fn)
         if fn is not None and kind in AGGREGATES:
-            if _has_distinct(fn):
-                raise QueryError(f"{kind}(DISTINCT ...) cannot be combined across shards (a value may be on several)")
+            _refuse_uncombinable(kind, fn)
+            calls += 1
             if kind == "avg":
                 args = list(fn.clauses.clauses)
                 pos = len(shard_columns)
@@ -629,6 +696,9 @@ def _aggregate_plan(statement: Select[Any]) -> tuple[list[str], list[ColumnEleme
                 specs.append(_AggSpec("avg", (pos, pos + 1)))
             else:
                 specs.append(_AggSpec(kind, (len(shard_columns),)))
+                args = list(fn.clauses.clauses)
+                if kind in ("min", "max") and len(args) == 1 and _is_string(args[0]):
+                    postgresql[len(shard_columns)] = getattr(func, kind)(args[0].collate("C")).label(names[i])
                 shard_columns.append(column)
             continue
         inner = column.element if isinstance(column, Label) else column
@@ -642,7 +712,15 @@ def _aggregate_plan(statement: Select[Any]) -> tuple[list[str], list[ColumnEleme
     for g in groups:
         if not any(g.compare(s) for s in grouped):
             raise QueryError(f"GROUP BY {g} must also be selected, so groups from different shards can be matched")
-    return names, shard_columns, specs
+    sql = _statement_sql(statement)
+    found = [m.group(1).lower() for m in _AGGREGATE_CALL.finditer(sql)]
+    if len(found) != calls or _WINDOW.search(sql):  # one hides in a WHERE subquery, a join, a GROUP BY
+        raise QueryError(
+            f"fan-out aggregates combine count/sum/min/max/avg selected as columns; this statement also computes "
+            f"{'a window function (OVER)' if _WINDOW.search(sql) else ', '.join(f + '()' for f in found)} elsewhere "
+            f"(a subquery or expression), which would be computed per shard: run it on one database"
+        )
+    return names, shard_columns, specs, postgresql
 
 
 def _add(kind: str, acc: Any, value: Any) -> Any:
@@ -674,13 +752,15 @@ def _aggregate(
     allow_partial: bool,
     max_workers: int | None,
 ) -> tuple[list[Row[Any]], list[ShardFailure]]:
-    names, shard_columns, specs = _aggregate_plan(statement)
+    names, shard_columns, specs, postgresql = _aggregate_plan(statement)
     orders = _orders(statement, statement.column_descriptions)
     limit, offset = _limits(statement)
-    shard_statement = (
-        restricted.with_only_columns(*shard_columns, maintain_column_froms=True).order_by(None).limit(None).offset(None)
-    )
-    per_shard, failed = _gather(store, servers, lambda _backend: shard_statement, readonly, allow_partial, max_workers)
+
+    def build(backend: str) -> Select[Any]:
+        columns = [postgresql.get(i, c) if backend == "postgresql" else c for i, c in enumerate(shard_columns)]
+        return restricted.with_only_columns(*columns, maintain_column_froms=True).order_by(None).limit(None).offset(None)
+
+    per_shard, failed = _gather(store, servers, build, readonly, allow_partial, max_workers)
     group_positions = [s.positions[0] for s in specs if s.kind == "group"]
     combined: dict[tuple[Any, ...], list[Any]] = {}
     for row in chain.from_iterable(per_shard):

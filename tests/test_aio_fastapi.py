@@ -64,6 +64,9 @@ def test_the_fastapi_app_of_the_docs_runs_as_written(
                 profile = (await client.get(f"/users/{uid}")).json()
                 assert profile["email"] == "Ann@Example.com" and profile["name"].startswith("Ann ")
                 assert (await client.get("/users/0:0:999999")).status_code == 404
+                for malformed in ("nope", "1:2", "0:0:-1"):  # not a GDID: no such user, not a 500
+                    assert (await client.get(f"/users/{malformed}")).status_code == 404
+                    assert (await client.put(f"/users/{malformed}/name", params={"name": "x"})).status_code == 404
 
     asyncio.run(main())
     with Store.from_yaml(path, types=[UserBriefcase]) as store:

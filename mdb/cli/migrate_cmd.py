@@ -90,9 +90,16 @@ def migrate_revision(
 # -- status ------------------------------------------------------------------------------------
 
 
+def _revision(value: str | None, known: bool) -> str:
+    """A revision as printed: "base" only for a server read at base; "unknown" where it was not read."""
+    if not known:
+        return "unknown"
+    return value or "base"
+
+
 def _status_json(s: ServerStatus) -> dict[str, object]:
     return {"area": s.area, "server": s.server, "replica": s.replica, "roles": list(s.roles), "current": s.current, "head": s.head,
-            "pending": s.pending, "state": s.state, "drift_checked": s.drift_checked,
+            "pending": s.pending, "state": s.state, "current_known": s.read, "drift_checked": s.drift_checked,
             "differences": [d.to_json() for d in s.differences],
             "error": None if s.error is None else mask_secrets(s.error), "ok": s.ok}
 
@@ -111,7 +118,7 @@ def _print_status(status: FleetStatus) -> None:
         else:
             state = "[green]at head[/green]"
         table.add_row(escape(s.area), escape(s.server + (" (replica)" if s.replica else "")), escape(", ".join(s.roles)),
-                      escape(s.current or "base"),
+                      escape(_revision(s.current, s.read)),
                       escape(" ".join(s.pending) or "-"), state)
     console.print(table)
     unfinished = [r for r in status.last_run if r.outcome != "done" and r.outcome != "already"]
@@ -195,7 +202,7 @@ def migrate_status(
 
 def _result_json(r: ServerResult) -> dict[str, object]:
     return {"area": r.area, "server": r.server, "roles": list(r.roles), "target": r.target, "before": r.before,
-            "after": r.after, "outcome": r.outcome, "steps": r.steps,
+            "before_known": r.before_read, "after": r.after, "after_known": r.after_known, "outcome": r.outcome, "steps": r.steps,
             "detail": None if r.detail is None else mask_secrets(r.detail), "seconds": round(r.seconds, 3)}
 
 
@@ -206,8 +213,8 @@ def _print_run(run: MigrationRun) -> None:
         table.add_column(column)
     for r in run.results:
         colour = "green" if r.ok else ("red" if r.outcome == "failed" else "yellow")
-        after = r.after if r.outcome != "planned" else " -> ".join(r.steps)
-        table.add_row(escape(r.area), escape(r.server), escape(r.before or "base"), escape(after or "base"),
+        after = _revision(r.after, r.after_known) if r.outcome != "planned" else " -> ".join(r.steps)
+        table.add_row(escape(r.area), escape(r.server), escape(_revision(r.before, r.before_read)), escape(after or "base"),
                       f"[{colour}]{escape(r.outcome)}[/{colour}]", escape(mask_secrets(r.detail or "")))
     console.print(table)
     if run.failed:

@@ -287,6 +287,7 @@ def _up_one(cluster: Cluster, target: Target, declared: list[DeclaredIndex], goa
         db = _mongo(cluster).database(target.server)
         diff = _compare(db, target.area, declared)
         result.before = declared_hash(diff.live_managed)
+        result.before_read = True
         result.steps = [f"create {i}" for i in diff.missing] + [f"drop {i.collection}.{i.name}" for i in diff.extra]
         if diff.differing:
             result.outcome = FAILED

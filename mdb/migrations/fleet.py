@@ -174,6 +174,8 @@ class ServerStatus:
     error: str | None = None
     replica: bool = False
     """The server's read-only replica (read, never migrated: it replays what its primary ran)."""
+    read: bool = False
+    """True once ``current`` was read off the server (``current`` None is then base, not unknown)."""
 
     @property
     def state(self) -> str:
@@ -234,6 +236,7 @@ def fleet_status(
         try:
             with cluster.transaction(target.server, readonly=replica) as conn:
                 status.current = current_revision(conn, target.area)
+                status.read = True
                 status.pending = _pending(histories[target.area], target.area, status.current, status.head)
                 if status.current == status.head:
                     status.differences = compare_tables(conn, tables[target.area])
@@ -302,10 +305,17 @@ class ServerResult:
     """The revisions run (or, in a dry run, to run), in order."""
     detail: str | None = None
     seconds: float = 0.0
+    before_read: bool = False
+    """True once ``before`` was read off the server (``before`` None is then base, not unknown)."""
 
     @property
     def ok(self) -> bool:
         return self.outcome in (DONE, ALREADY, PLANNED)
+
+    @property
+    def after_known(self) -> bool:
+        """True when ``after`` is the server's revision: it ran, or was already there, or (a dry run) stays."""
+        return self.ok
 
 
 @dataclass
@@ -362,6 +372,7 @@ def _migrate_one(
                 conn.execute(text(_lock_timeout_sql(lock_timeout)))
                 lock_out_moves(conn, target.server)
             result.before = current_revision(conn, target.area)
+            result.before_read = True
             lower, upper = (result.before, destination) if direction == "up" else (destination, result.before)
             if _beyond(script, target.area, lower, upper):  # e.g. `up --to a1` on a server at b2: left alone
                 result.outcome, result.after = ALREADY, result.before
@@ -388,7 +399,12 @@ def _migrate_one(
             with _operations(context):
                 try:
                     context.run_migrations()
-                except (MdbError, DBAPIError, CommandError):
+                except DBAPIError as exc:  # the revision's SQL failed here: name that, not a schema-apply hint
+                    raise MigrationError(
+                        f"server {target.server!r}: the revision's SQL failed: {describe(exc)} "
+                        "(fix the revision; this server's transaction rolled back)"
+                    ) from exc
+                except (MdbError, CommandError):
                     raise
                 except Exception as exc:  # the revision file's own code failed (it is application code): this server failed
                     raise MigrationError(f"server {target.server!r}: the revision raised {type(exc).__name__}: {exc}") from exc

@@ -112,6 +112,15 @@ def open_history(root: Path, area: str, *, create: bool = False) -> ScriptDirect
         script.get_heads()  # builds the revision map now; a broken history fails here, named
     except CommandError as exc:
         raise MigrationError(f"area {area!r}: the migration history at {directory} is broken: {exc}") from exc
+    except SyntaxError as exc:  # Alembic imports every revision file to read its ids
+        raise MigrationError(
+            f"area {area!r}: revision file {exc.filename}, line {exc.lineno}: {exc.msg} (fix the file; no server was touched)"
+        ) from exc
+    except Exception as exc:  # the file's module-level code failed (a bad import, a NameError): application code
+        raise MigrationError(
+            f"area {area!r}: a revision file under {directory / 'versions'} failed to load: {type(exc).__name__}: {exc} "
+            "(fix the file; no server was touched)"
+        ) from exc
     return script
 
 
