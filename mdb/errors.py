@@ -138,6 +138,10 @@ class ReshardStoppedError(MdbError):
     """A reshard stopped between two moves because ``mdb moves cancel`` asked it to (or took it over)."""
 
 
+class BriefcaseGoneError(MdbError):
+    """The briefcase to move has no root row on its source: the application deleted it; there is nothing to move."""
+
+
 class LeaseLostError(ReshardStoppedError):
     """A driver's lease was taken over (it was paused past it): a server refused its write by the lease's epoch."""
 

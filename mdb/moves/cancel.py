@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from mdb.cluster import Cluster
-from mdb.errors import CancelError, MoveLeaseHeldError
+from mdb.errors import BriefcaseGoneError, CancelError, MoveLeaseHeldError
 from mdb.gdid import GDID
 from mdb.faults import fault_point, register
 from mdb.moves.freeze import unfreeze_partition
@@ -51,11 +51,13 @@ class CancelOutcome:
     moved_back: int = 0
     left: int = 0
     """Finished moves left on their new server (``--leave``)."""
+    gone: int = 0
+    """Briefcases to move back that the application deleted meanwhile: nothing to move."""
     detail: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"move_id": self.move_id, "kind": self.kind, "rolled_back": self.rolled_back, "finalized": self.finalized,
-                "moved_back": self.moved_back, "left": self.left, "detail": self.detail}
+                "moved_back": self.moved_back, "left": self.left, "gone": self.gone, "detail": self.detail}
 
 
 def _refuse(entry: JournalEntry) -> None:
@@ -171,14 +173,20 @@ def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move
             out.moved_back += 1
         elif move_back:
             assert move.source is not None and move.target is not None
-            move_briefcase(store, entry.area, gdid, move.source, source=move.target, max_pause=max_pause,
-                           reshard_id=entry.move_id, journal=journal, reverse_of=move.move_id)
+            try:
+                move_briefcase(store, entry.area, gdid, move.source, source=move.target, max_pause=max_pause,
+                               reshard_id=entry.move_id, journal=journal, reverse_of=move.move_id)
+            except BriefcaseGoneError:  # deleted by the application since it moved: nothing to bring back
+                out.gone += 1
+                continue
             out.moved_back += 1
             if out.moved_back == 1:
                 fault_point("cancel.after_first_move_back")
         else:
             out.left += 1
     verb = f"{out.moved_back} moved back" if move_back else f"{out.left} left on their new shards as relocations"
+    if out.gone:
+        verb += f", {out.gone} deleted by the application meanwhile"
     out.detail = (f"cancelled at step {interrupted_at!r}: {out.rolled_back} interrupted move(s) rolled back, "
                   f"{len(forward)} finished ({verb}); the map is unchanged")
     journal.finish(entry.move_id, CANCELLED, out.detail)

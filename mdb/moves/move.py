@@ -33,7 +33,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Final, Protocol
 
 from mdb import telemetry
 from mdb.cluster import Cluster
@@ -64,6 +64,9 @@ __all__ = [
 
 log = logging.getLogger("mdb.moves")
 
+GONE: Final = "gone"
+"""A reshard's or move-back's :class:`MoveResult` status for a briefcase the application deleted before it moved."""
+
 DEFAULT_MAX_PAUSE = 5.0
 DEFAULT_LOCK_WAIT = 30.0
 
@@ -77,7 +80,7 @@ class MoveResult:
     gdid: GDID
     source: str
     target: str
-    status: str  # done | dry-run | already-there
+    status: str  # done | dry-run | already-there | gone (deleted by the application before it could move)
     tables: dict[str, tuple[int, int]] = field(default_factory=dict)
     """table (or collection) -> (rows or documents, bytes; 0 where a kind does not measure bytes)."""
     pause_seconds: float = 0.0

@@ -44,7 +44,7 @@ from collections.abc import Callable
 
 from mdb.backends import backend_of
 from mdb.cluster import Cluster
-from mdb.errors import BatchAbortedError, MdbError, MoveAbortedError, RoutingError
+from mdb.errors import BatchAbortedError, BriefcaseGoneError, MdbError, MoveAbortedError, RoutingError
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.maps.apply import apply_map
@@ -58,7 +58,7 @@ from mdb.moves.throttle import Throttle, ThrottleSettings
 from mdb.moves.plan import PartitionScan, PlannedMove, ReshardPlan, find_partition, plan_reshard, scan_for
 from mdb.moves.batch import BatchMove, hold_schemas
 from mdb.moves.gate import CutoverGate
-from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult, check_max_pause, move_briefcase
+from mdb.moves.move import DEFAULT_MAX_PAUSE, GONE, MoveResult, check_max_pause, move_briefcase
 from mdb.moves.sql_steps import area_tables
 from mdb.partition_map import PartitionMap, parse_map
 from mdb.relocations import set_relocations
@@ -142,12 +142,15 @@ class ReshardCounts:
             for name, n in m.rows.items():
                 self.pending_tables[name] = self.pending_tables.get(name, 0) + n
 
-    def moved(self, move: PlannedMove, rows: dict[str, int]) -> None:
-        """``move`` finished, carrying ``rows`` (the verified counts, which a live writer may have changed)."""
+    def moved(self, move: PlannedMove, rows: dict[str, int] | None) -> None:
+        """``move`` finished, carrying ``rows`` (the verified counts, which a live writer may have changed);
+        None: the application deleted the briefcase before it moved (no longer pending, not moved)."""
         planned = self.pending.pop(move.gdid, None)
         if planned is not None:
             for name, n in planned.rows.items():
                 self.pending_tables[name] -= n
+        if rows is None:
+            return
         self.briefcases_done += 1
         self.rows_done += sum(rows.values())
         for name, n in rows.items():
@@ -361,9 +364,17 @@ def _move_one(store: Cluster, journal: Journal, entry: JournalEntry, m: PlannedM
         try:
             return move_briefcase(store, entry.area, m.gdid, m.target, source=m.source, max_pause=max_pause,
                                   reshard_id=entry.move_id, journal=journal, refresh=False)
+        except BriefcaseGoneError:  # deleted by the application since the plan: nothing left to move
+            log.info("reshard %s: briefcase %s/%s was deleted since it was planned; nothing to move", entry.move_id, entry.area, m.gdid)
+            return MoveResult(None, entry.area, m.gdid, m.source, m.target, GONE)
         except MoveAbortedError as exc:  # e.g. --max-pause: the source is intact, try again
             last = exc
     raise MdbError(f"reshard {entry.move_id}: briefcase {entry.area}/{m.gdid} could not be moved: {last}")
+
+
+def _moved_rows(result: MoveResult) -> dict[str, int] | None:
+    """Rows per table a single move of the reshard moved; None for a briefcase deleted before it moved."""
+    return None if result.status == GONE else {name: rows for name, (rows, _) in result.tables.items()}
 
 
 class BatchSizer:
@@ -463,7 +474,7 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
     gate = CutoverGate()  # one worker's copy never stretches another's write pause
     servers = sorted({m.source for m in moves} | {m.target for m in moves})
 
-    def finished(done: list[tuple[PlannedMove, dict[str, int]]]) -> None:
+    def finished(done: list[tuple[PlannedMove, dict[str, int] | None]]) -> None:
         with lock:
             first = counts.briefcases_done == 0
             for m, rows in done:
@@ -474,8 +485,7 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
 
     def cut_over(batch: list[PlannedMove]) -> None:
         if len(batch) == 1 and not batched:
-            result = _move_one(store, journal, entry, batch[0], max_pause)
-            finished([(batch[0], {name: rows for name, (rows, _) in result.tables.items()})])
+            finished([(batch[0], _moved_rows(_move_one(store, journal, entry, batch[0], max_pause)))])
             return
         try:
             moved = BatchMove(store, journal, entry.area, [m.gdid for m in batch], batch[0].source, batch[0].target,
@@ -488,8 +498,7 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
             alone = [m for m in batch if m.gdid in set(exc.refused)] if len(batch) > 1 else batch
             rest = [m for m in batch if m not in alone]
             for m in alone:
-                result = _move_one(store, journal, entry, m, max_pause)
-                finished([(m, {name: rows for name, (rows, _) in result.tables.items()})])
+                finished([(m, _moved_rows(_move_one(store, journal, entry, m, max_pause)))])
             half = (len(rest) + 1) // 2
             for part in (rest[:half], rest[half:]):
                 if part:

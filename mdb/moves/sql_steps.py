@@ -23,7 +23,7 @@ from sqlalchemy.exc import OperationalError
 from mdb import dberrors
 from mdb.cluster import Cluster
 from mdb.dberrors import translated
-from mdb.errors import MdbError, MoveAbortedError, RoutingError, SchemaError
+from mdb.errors import BriefcaseGoneError, MdbError, MoveAbortedError, RoutingError, SchemaError
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.moves.collector import collection_deferred
@@ -241,7 +241,7 @@ def precheck(store: Cluster, area: str, gdid: GDID, source: str, target: str, ta
         if src_state is not None and src_state["state"] in (STATE_GONE, STATE_INCOMING):
             raise MdbError(f"{what}: the source records the briefcase as {src_state['state']!r}; run `mdb where` / `mdb moves resume`")
         if not root_exists(conn, tables, gdid):
-            raise MdbError(f"{what}: server {source!r} does not hold the briefcase (no root row)")
+            raise BriefcaseGoneError(f"{what}: server {source!r} does not hold the briefcase (no root row: deleted?)")
     return state
 
 
