@@ -83,8 +83,9 @@ def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster
 
 
 def test_every_fault_point_is_exercised_here_or_in_the_reshard_test() -> None:
+    # between_passes: tests/test_reshard_columns.py (a migration between two passes)
     covered = {p for p, _ in MOVE_POINTS} | {p for p, _ in RESHARD_POINTS} | {"resume.after_discard"} \
-        | {"cancel.after_first_move_back"} \
+        | {"cancel.after_first_move_back", "reshard.between_passes"} \
         | set(BATCH_POINTS)  # tests/test_moves_cancel.py, tests/test_reshard_batches.py
     FAULT_POINTS = [p for p in faults.points() if p.split(".")[0] in ("move", "reshard", "resume", "cancel", "batch")]
     assert covered == set(FAULT_POINTS)

@@ -61,7 +61,7 @@ from mdb.moves.fencing import unchecked
 from mdb.moves.gate import CutoverGate
 from mdb.moves.journal import ABORTED, DONE, ROLLED_BACK, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, ResumeOutcome, register_resolver
-from mdb.moves.sql_steps import area_tables, locked_briefcases, statement_cancelled, states
+from mdb.moves.sql_steps import area_tables, check_target_schema, locked_briefcases, statement_cancelled, states
 from mdb.relocations import set_relocations
 from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
 
@@ -145,6 +145,9 @@ def hold_schemas(cluster: Cluster, area: str, servers: Sequence[str], tables: Se
                         raise MigrationError(f"server {server!r}: a schema migration is running on it; reshard after it ends")
                     held.callback(_unlock_schema, conn)
                 revisions[server] = current_revision(conn, area)
+                # The live tables, not only the revision: a column added since the mover imported its
+                # models would be copied as NULL (lost), so a pass refuses to start instead.
+                check_target_schema(conn, server, list(tables), f"reshard pass of area {area!r}")
                 here = verify.hashable_tables(conn, tables)
                 hashed = here if hashed is None else hashed & here
                 conn.commit()

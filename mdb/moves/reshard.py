@@ -73,6 +73,7 @@ FAULT_POINTS = register(
     "reshard.after_plan",
     "reshard.after_prechecks",
     "reshard.after_first_move",
+    "reshard.between_passes",
     "reshard.after_moves",
     "reshard.after_freeze",
     "reshard.after_final_moves",
@@ -539,6 +540,7 @@ def _sweep(run: _Run, plan: ReshardPlan, sweeps: int) -> ReshardPlan:
         if not plan.moves:
             break
         _move_all(run, plan.moves)
+        fault_point("reshard.between_passes")  # the pass's schema locks are let go: a migration may run here
         run.store.refresh()
         before = len(plan.moves)
         plan = plan_reshard(run.store, run.scan, run.entry.area, plan.partition_start, plan.new_shards)
