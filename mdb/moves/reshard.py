@@ -618,7 +618,8 @@ def continue_reshard(
             progress.phase("prechecks")
         if entry.step != "moves":
             journal.step(entry.move_id, "prechecks", **counts.journal_values())
-            _refused_leaves_nothing(journal, entry, lambda: _prechecks(store, plan, scan, map_path, dry_run=True))
+            planned = plan
+            _refused_leaves_nothing(journal, entry, lambda: _prechecks(store, planned, scan, map_path, dry_run=True))
         else:  # resumed after moves began: a refusal now must stay resumable (the moved briefcases are relocations)
             journal.update(entry.move_id, **counts.journal_values())
             _prechecks(store, plan, scan, map_path, dry_run=True)
