@@ -231,9 +231,9 @@ def test_a_shard_that_dies_during_a_reshard_is_named_with_exit_3(pg_databases: C
                                                                  pg_server_factory: Any, tmp_path: Path) -> None:
     dedicated = pg_server_factory()
     urls = [*pg_databases(3), dedicated.create_database()]
-    cluster = _cluster(urls, tmp_path, users=12)
+    cluster = _cluster(urls, tmp_path, users=60)
     env = {"MDB_FAULT_POINT": "reshard.after_first_move", "MDB_FAULT_ACTION": "sleep:3"}
-    with cluster.store() as probe, _reaped(_popen(["reshard", str(cluster.path), "user", *RESHARD, "--batch-pause", "0"], env)) as proc:
+    with cluster.store() as probe, _reaped(_popen(["reshard", str(cluster.path), "user", *RESHARD, "--parallel", "2"], env)) as proc:
         journal = Journal(probe)
         _wait_for(proc, "the first briefcase to move", lambda: any(e.briefcases_done >= 1 for e in journal.entries(unfinished=True)
                                                                     if e.kind == "reshard"))

@@ -44,7 +44,10 @@ from collections.abc import Callable
 
 from mdb.backends import backend_of
 from mdb.cluster import Cluster
-from mdb.errors import BatchAbortedError, MdbError, MoveAbortedError, ReshardStoppedError, RoutingError
+from sqlalchemy.exc import DBAPIError
+
+from mdb.dberrors import describe, translate
+from mdb.errors import BatchAbortedError, MdbError, MoveAbortedError, ReshardStoppedError, RoutingError, ServerUnavailableError
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.maps.apply import apply_map
@@ -467,6 +470,8 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
     feeder = _Feeder(moves, sizer, batched)
     tables = area_tables(store, entry.area) if batched else None
     gate = CutoverGate()  # one worker's copy never stretches another's write pause
+    hashed: list[frozenset[str]] = [frozenset()]
+    """The held schemas' hashed tables (set once they are held, before any worker starts)."""
     servers = sorted({m.source for m in moves} | {m.target for m in moves})
 
     def finished(done: list[tuple[PlannedMove, dict[str, int]]]) -> None:
@@ -485,7 +490,7 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
             return
         try:
             moved = BatchMove(store, journal, entry.area, [m.gdid for m in batch], batch[0].source, batch[0].target,
-                              reshard_id=entry.move_id, tables=tables, max_pause=max_pause, hashed=hashed, gate=gate).run()
+                              reshard_id=entry.move_id, tables=tables, max_pause=max_pause, hashed=hashed[0], gate=gate).run()
         except BatchAbortedError as exc:
             # Rolled back, the source holds them all. Briefcases it named go one at a time (the single
             # move's checks say what is wrong with them); the rest as two smaller batches.
@@ -512,13 +517,30 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
                     return
                 if run.pace is not None:
                     run.pace(len(batch), sum(m.total_rows for m in batch))
-                cut_over(batch)
+                try:
+                    cut_over(batch)
+                except DBAPIError as exc:
+                    raise _named(store, [batch[0].source, batch[0].target], exc) from exc
         except BaseException:
             feeder.stopped = True  # the other workers finish their batch and stop
             raise
 
+    try:
+        _run_workers(run, store, entry.area, servers, tables, work, hashed)
+    except DBAPIError as exc:
+        # Letting the held schemas go on a server that just died fails too, and that driver error
+        # would replace the error naming the server (exit 2, "database error", issue 29).
+        if isinstance(exc.__context__, MdbError):
+            raise exc.__context__ from None
+        raise _named(store, servers, exc) from exc
+
+
+def _run_workers(run: _Run, store: Cluster, area: str, servers: list[str], tables: Any, work: Callable[[], None],
+                 hashed: list[frozenset[str]]) -> None:
+    """``work`` in ``run.parallel`` threads (the calling thread when 1), the area's schemas held meanwhile."""
     with ExitStack() as held:
-        hashed = held.enter_context(hold_schemas(store, entry.area, servers, tables)) if tables is not None else frozenset()
+        if tables is not None:
+            hashed[0] = held.enter_context(hold_schemas(store, area, servers, tables))
         if run.parallel <= 1:
             work()
             return
@@ -531,8 +553,28 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
                 # batch in hand (its commit point is journaled, resume picks up after it) and take no
                 # other; the pool's exit waits for them (issue 29 item 4: they used to move everything).
                 run.stopping.set()
-                feeder.stopped = True
                 raise
+
+
+def _named(store: Cluster, servers: list[str], exc: DBAPIError) -> Exception:
+    """A driver error that reached the reshard untranslated, as the error naming its server.
+
+    A connection cut mid-batch ("terminating connection due to administrator command") can
+    surface from a connection no ``translated`` block wraps; it used to end the CLI with exit 2
+    and no server named (issue 29). Which of the batch's servers went away is asked of them.
+    """
+    mapped = translate(servers[0], exc)
+    if not isinstance(mapped, ServerUnavailableError):
+        return exc if mapped is None else mapped
+    for server in servers:
+        try:
+            with store.transaction(server) as conn:
+                conn.exec_driver_sql("SELECT 1")
+        except ServerUnavailableError as down:
+            return down
+        except (MdbError, DBAPIError):
+            return ServerUnavailableError(server, describe(exc))
+    return ServerUnavailableError(" or ".join(servers), f"{describe(exc)} (both answer again now)")
 
 
 def _sweep(run: _Run, plan: ReshardPlan, sweeps: int) -> ReshardPlan:
