@@ -11,12 +11,13 @@ from sqlalchemy.exc import DBAPIError
 
 from mdb.budget import is_capacity_refusal
 from mdb.errors import (
-    CapacityError, DuplicateRowError, MapError, MdbError, SchemaError, ServerUnavailableError, TransactionConflictError,
+    AuthenticationError, CapacityError, DuplicateRowError, MapError, MdbError, SchemaError, ServerUnavailableError,
+    TransactionConflictError,
 )
 from mdb.gdid import GDID
 from mdb.urls import mask_secrets
 
-__all__ = ["describe", "translate", "translated"]
+__all__ = ["describe", "is_lock_timeout", "translate", "translated"]
 
 _MISSING_TABLE = ("no such table",)  # SQLite; PostgreSQL says it by SQLSTATE
 _PG_UNDEFINED_TABLE = "42P01"
@@ -26,6 +27,20 @@ _PREPARED_SQLSTATES = frozenset({"42P05", "26000"})
 _MISSING_COLUMN = ("no such column", "has no column named")
 """SQLite's words for a column the table lacks (PostgreSQL's is the UndefinedColumn class): the
 table differs from its model, which ``mdb schema check`` lists in full."""
+_AUTH_SQLSTATES = ("28P01", "28000")
+"""invalid_password and invalid_authorization_specification (unknown role, no pg_hba.conf entry)."""
+_AUTH_FAILED = (
+    "password authentication failed",
+    "authentication failed for user",
+    "no password supplied",
+    "no pg_hba.conf entry",
+    "pg_hba.conf rejects connection",
+)
+_AUTH_ROLE = re.compile(r'role "[^"]*" does not exist')
+"""A connection's words for refused credentials: checked before the "connection failed" of
+:data:`_UNREACHABLE`, which the same message starts with (the server answered; it said no)."""
+_LOCK_NOT_AVAILABLE = "55P03"
+"""PostgreSQL's lock_not_available: ``lock_timeout`` (or NOWAIT) ended a wait for a lock."""
 _UNREACHABLE = (
     "connection refused",
     "could not connect",
@@ -59,6 +74,16 @@ def _statement_table(statement: str | None) -> str | None:
     """
     found = _STATEMENT_TABLE.match(statement or "")
     return found.group(1) if found else None
+
+
+def is_lock_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is PostgreSQL's "canceling statement due to lock timeout" (nothing was changed)."""
+    return isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE
+
+
+def _is_auth_failure(orig: object, lowered: str) -> bool:
+    return (getattr(orig, "sqlstate", None) in _AUTH_SQLSTATES or any(s in lowered for s in _AUTH_FAILED)
+            or _AUTH_ROLE.search(lowered) is not None)
 
 
 def describe(exc: BaseException) -> str:
@@ -143,6 +168,8 @@ def translate(server: str, exc: BaseException) -> MdbError | None:
         return CapacityError(f"server {server!r} refused a connection: it is full, not down (retry later, or "
                              f"lower the connection budget, docs/operations.md): {detail}", server=server)
     lowered = str(getattr(exc, "orig", exc)).lower()
+    if _is_auth_failure(exc.orig, lowered):  # before the text rules: "connection failed: ... password authentication failed"
+        return AuthenticationError(server, detail)
     if any(s in lowered for s in _SQLITE_BUSY):
         return TransactionConflictError(server, detail)
     if exc.connection_invalidated or any(s in lowered for s in _UNREACHABLE):

@@ -41,6 +41,21 @@ class ServerUnavailableError(MdbError):
         self.server = server
 
 
+class AuthenticationError(MdbError):
+    """A server refused the credentials (wrong password, unknown role, no pg_hba entry): names the server.
+
+    Not a :class:`ServerUnavailableError`: the server is up and answered, and retrying with the
+    same credentials fails forever, so the CLI exits 2 (refused), not 3 (retry later).
+    """
+
+    def __init__(self, server: str, detail: str) -> None:
+        super().__init__(
+            f"server {server!r} refused the credentials: {detail} (check the user and password of its URL in the map, "
+            "or the environment variable / .pgpass it reads them from)"
+        )
+        self.server = server
+
+
 class SchemaError(MdbError, TypeError):
     """A briefcase type or table is declared in a way that would break a briefcase invariant."""
 
@@ -87,6 +102,18 @@ class CrossBriefcaseError(MdbError, ValueError):
 
 class RetryableError(MdbError):
     """The operation did not run and may be retried after refreshing routing."""
+
+
+class LockTimeoutError(RetryableError):
+    """A lock that mdb waits for (e.g. a reshard's freeze) stayed held past its timeout; nothing was changed.
+
+    The message names the server and the sessions that held the lock; running the command again
+    once they are gone succeeds, so the CLI exits 4.
+    """
+
+    def __init__(self, message: str, *, server: str) -> None:
+        super().__init__(message)
+        self.server = server
 
 
 class StaleRouteError(RetryableError):

@@ -144,10 +144,10 @@ def test_briefcases_per_second_spaces_the_cutovers_by_their_cost() -> None:
     t = throttle(ThrottleSettings(briefcases_per_second=100.0), clock)
     starts = []
     for _ in range(5):
-        t.wait(10, 0)  # 10 briefcases at 100/s cost 0.1 s each
+        t.wait(10, 0)  # 10 briefcases at 100/s cost 0.1 s each, paid before they start
         starts.append(clock.now)
-    assert starts == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
-    assert t.waited["rate"] == pytest.approx(0.4)
+    assert starts == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
+    assert t.waited["rate"] == pytest.approx(0.5)
 
 
 def test_the_stricter_limit_decides() -> None:
@@ -157,27 +157,39 @@ def test_the_stricter_limit_decides() -> None:
     assert t.cost(50, 10) == pytest.approx(0.5)  # briefcases: 0.5 s, rows: 0.01 s
     t.wait(1, 500)
     t.wait(50, 10)
-    t.wait(1, 1)
     assert clock.now == pytest.approx(1.0)
+    t.wait(1, 1)
+    assert clock.now == pytest.approx(1.01)
+
+
+def test_no_overshoot_at_the_start_with_growing_batches() -> None:
+    """Issue 29: batches of 8, 16, 32, 64 under 100/s: by any moment, at most 100/s x the time
+    since the first wait have started (paying afterwards let 120 start within 0.56 s)."""
+    clock = FakeClock()
+    t = throttle(ThrottleSettings(briefcases_per_second=100.0), clock)
+    started = 0
+    for n in (8, 16, 32, 64, 128, 128):
+        t.wait(n, 0)
+        started += n
+        assert started <= 100.0 * clock.now + 1e-9, (started, clock.now)
+    assert clock.now == pytest.approx(started / 100.0)
 
 
 def test_a_slow_reshard_earns_no_burst() -> None:
     clock = FakeClock()
     t = throttle(ThrottleSettings(rows_per_second=100.0), clock)
     t.wait(1, 100)
+    assert clock.now == pytest.approx(1.0)
     clock.now += 60.0  # the cutovers themselves took a minute
     t.wait(1, 100)
-    assert clock.now == pytest.approx(60.0)  # the 1 s it owed is long paid
-    t.wait(1, 100)
-    assert clock.now == pytest.approx(61.0)  # but the next one waits its full cost: no credit
+    assert clock.now == pytest.approx(62.0)  # it waits its own cost: a minute of slowness earns no credit
 
 
 def test_long_rate_waits_are_announced_in_slices_so_a_cancel_is_seen() -> None:
     clock = FakeClock()
     seen: list[tuple[str, float]] = []
     t = throttle(ThrottleSettings(briefcases_per_second=0.25), clock, on_wait=lambda why, s: seen.append((why, s)), poll_interval=1.0)
-    t.wait(1, 0)
-    t.wait(1, 0)  # owes 4 s
+    t.wait(1, 0)  # costs 4 s
     assert [s for _, s in seen] == pytest.approx([1.0, 1.0, 1.0, 1.0])
     assert all("at most 0.25 briefcases/s" in why for why, _ in seen)
 
@@ -189,7 +201,6 @@ def test_what_on_wait_raises_ends_the_wait() -> None:
         raise MdbError("cancelled by `mdb moves cancel`")
 
     t = throttle(ThrottleSettings(briefcases_per_second=1.0), clock, on_wait=cancelled)
-    t.wait(1, 0)
     with pytest.raises(MdbError, match="cancelled"):
         t.wait(1, 0)
 
@@ -215,8 +226,8 @@ def test_parallel_workers_share_one_budget_and_never_get_the_same_slot() -> None
     for th in threads:
         th.join()
     assert len(starts) == 1600
-    # every cutover got its own millisecond: 0, 1, ..., 1599 ms, none twice, none skipped
-    assert sorted(round(s * 1000) for s in starts) == list(range(1600))
+    # every cutover got its own millisecond: 1, 2, ..., 1600 ms, none twice, none skipped
+    assert sorted(round(s * 1000) for s in starts) == list(range(1, 1601))
 
 
 # -- replicas ------------------------------------------------------------------------------------
@@ -305,7 +316,7 @@ def test_lag_and_rate_combine() -> None:
     clock = FakeClock()
     t = throttle(ThrottleSettings(briefcases_per_second=1.0, max_lag=1.0), clock, cluster=lag_cluster(), servers=["u1"],
                  lag_of=Lags({"u1": [0.0, 3.0, 0.0]}), lag_check_interval=0.0)
-    t.wait(1, 1)
-    t.wait(1, 1)
-    assert t.waited == {"rate": pytest.approx(1.0), "lag": pytest.approx(1.0), "unreachable": 0.0}
+    t.wait(1, 1)  # its 1 s of rate; the replica is caught up
+    t.wait(1, 1)  # its 1 s of rate, then 1 s while the replica lags 3 s
+    assert t.waited == {"rate": pytest.approx(2.0), "lag": pytest.approx(1.0), "unreachable": 0.0}
 

@@ -21,6 +21,7 @@ import importlib
 import json
 import os
 import re
+import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -78,6 +79,8 @@ EXIT_RETRY = 4
 """Aborted safely (nothing half-done); running the same command later may succeed."""
 EXIT_INTERRUPTED = 130
 """Ctrl-C, by the shell's convention (128 + SIGINT)."""
+EXIT_TERMINATED = 143
+"""SIGTERM (128 + 15): handled like Ctrl-C (a reshard stops after its batches, names what to run), then this code."""
 
 CENTRAL_WAIT_SECONDS = 10.0
 """How long a command that needs no database waits for CENTRAL before using the file."""
@@ -343,10 +346,25 @@ def exit_code(exc: MdbError) -> int:
     return EXIT_REFUSED
 
 
+_terminated: list[int] = []
+
+
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM (systemd, kubectl, timeout) stops a command the way Ctrl-C does: the reshard's
+    workers finish the batch in hand, leases are let go, and the "what to run" note is printed.
+    The default action would kill the process mid-step with no word of what it left."""
+    _terminated.append(signum)
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     """Run the CLI: every error mdb raises on purpose ends in one ``error:`` line and its exit code."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         code = app(standalone_mode=False)
+        if code == EXIT_INTERRUPTED and _terminated:
+            code = EXIT_TERMINATED
     except MdbError as exc:
         _error_line(str(exc))
         sys.exit(exit_code(exc))

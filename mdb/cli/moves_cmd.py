@@ -17,10 +17,13 @@ from rich.table import Table
 
 from mdb.cli.metrics import MetricsPortOpt, serve_metrics
 from mdb.cli.app import EXIT_INTERRUPTED, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, app, console, emit_json, fail, open_store, warn
+from sqlalchemy.exc import SQLAlchemyError
+
 from mdb.errors import MdbError
 from mdb.cli.options import MapArg
 from mdb.gdid import GDID
 from mdb.moves.plan import PlannedMove
+from mdb.moves.freeze import DEFAULT_FREEZE_LOCK_WAIT
 from mdb.moves.move import DEFAULT_MAX_PAUSE, move_briefcase
 from mdb.moves.reshard import DEFAULT_BATCH_PAUSE, ReshardCounts
 from mdb.moves.resume import FAILED, HELD, resume_all
@@ -82,6 +85,12 @@ def move_cmd(
             # A MoveAbortedError (verification, --max-pause) is retryable: main() ends it with
             # exit 4, "aborted safely, retry later" (docs/cli.md), not 2, the code for bad input.
             result = move_briefcase(store, area, gid, to, dry_run=dry_run, max_pause=max_pause, on_table=on_table, on_sizes=on_sizes)
+        except KeyboardInterrupt:
+            if progress is not None:
+                progress.stop()
+                progress = None
+            _say_what_a_move_left(store, area, gid, map_path)
+            raise
         finally:
             if progress is not None:
                 progress.stop()
@@ -261,7 +270,11 @@ def cancel_cmd(
     from mdb.moves.cancel import cancel
 
     with open_store(map_path, tool=True) as store:
-        outcome = cancel(store, move_id, move_back=move_back, wait=wait)
+        try:
+            outcome = cancel(store, move_id, move_back=move_back, wait=wait)
+        except KeyboardInterrupt:
+            _say_what_a_cancel_left(store, move_id, map_path)
+            raise
     if as_json:
         emit_json(outcome.to_json())
         return
@@ -282,6 +295,7 @@ def reshard_cmd(
     rate: Annotated[str | None, typer.Option("--rate", metavar="RATE", help=f"At most this fast: {RATE_SYNTAX}.")] = None,
     max_lag: Annotated[str | None, typer.Option("--max-lag", metavar="SECONDS", help="Pause while a replica (in the map) of a server the reshard writes lags more, e.g. 5 or 500ms.")] = None,
     replica_timeout: Annotated[float, typer.Option("--replica-timeout", metavar="SECONDS", help="With --max-lag: how long an unreachable replica is waited for before the reshard stops (resumable).")] = DEFAULT_REPLICA_TIMEOUT,
+    freeze_wait: Annotated[float, typer.Option("--freeze-wait", metavar="SECONDS", min=0.001, help="How long the freeze waits for the partition's open write sessions; past it the reshard stops unfrozen (exit 4) naming them.")] = DEFAULT_FREEZE_LOCK_WAIT,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
     metrics_port: MetricsPortOpt = None,
 ) -> None:
@@ -302,13 +316,14 @@ def reshard_cmd(
         try:
             if dry_run or as_json:
                 outcome = reshard(store, area, _gdid(partition), new_shards, dry_run=dry_run, parallel=parallel, max_pause=max_pause,
-                                  map_path=map_path, batch_pause=batch_pause, throttle=settings)
+                                  map_path=map_path, batch_pause=batch_pause, throttle=settings, freeze_wait=freeze_wait)
             else:
                 if settings.limited:
                     console.print(f"throttle: {settings.describe()}", markup=False)
                 with _RichReshardProgress() as progress:
                     outcome = reshard(store, area, _gdid(partition), new_shards, parallel=parallel, max_pause=max_pause,
-                                      map_path=map_path, progress=progress, batch_pause=batch_pause, throttle=settings)
+                                      map_path=map_path, progress=progress, batch_pause=batch_pause, throttle=settings,
+                                      freeze_wait=freeze_wait)
         except KeyboardInterrupt:
             _say_how_to_resume(store, area, map_path)
             raise
@@ -348,6 +363,52 @@ def _say_how_to_resume(store: Store, area: str, map_path: str) -> None:
         if entry.kind == "reshard" and entry.area == area:
             warn(f"reshard {entry.move_id} interrupted at step {entry.step}: run `mdb moves resume {map_path}` to finish it "
                  f"(or `mdb moves cancel {map_path} {entry.move_id}` to undo it)")
+            return
+    warn(f"reshard of area {area!r} interrupted before it began moving: nothing changed, nothing to resume")
+
+
+def _journal_after_interrupt(store: Store, what: str) -> Any:
+    """The journal, for the one line said after Ctrl-C; None (and a line saying so) when CENTRAL cannot be read now."""
+    from mdb.moves.journal import Journal
+
+    try:
+        journal = Journal(store)
+        journal.entries(unfinished=True, limit=1)
+        return journal
+    except (MdbError, SQLAlchemyError) as exc:
+        warn(f"{what} interrupted; its state could not be read ({exc}): `mdb moves status` shows it, `mdb moves resume` finishes it")
+        return None
+
+
+def _say_what_a_move_left(store: Store, area: str, gid: GDID, map_path: str) -> None:
+    """After Ctrl-C of `mdb move`: one stderr line saying what state the move was left in and what to run."""
+    journal = _journal_after_interrupt(store, f"move of {area}/{gid}")
+    if journal is None:
+        return
+    for entry in journal.entries(unfinished=True):
+        if entry.kind != "reshard" and entry.area == area and entry.gdid == gid and entry.reshard_id is None:
+            warn(f"move {entry.move_id} of {area}/{gid} ({entry.source} -> {entry.target}) interrupted at step {entry.step}: "
+                 f"run `mdb moves resume {map_path}` to finish it (past its commit point) or roll it back (before it)")
+            return
+    warn(f"move of {area}/{gid} interrupted with no move of it unfinished: nothing to resume (`mdb where {map_path} {area} {gid}` says where it is)")
+
+
+def _say_what_a_cancel_left(store: Store, move_id: str, map_path: str) -> None:
+    """After Ctrl-C of `mdb moves cancel`: one stderr line with the entry's state and what to run."""
+    journal = _journal_after_interrupt(store, f"cancel of {move_id}")
+    if journal is None:
+        return
+    entry = journal.get(move_id)
+    if entry is None:
+        warn(f"cancel of {move_id} interrupted: no such move or reshard in the journal")
+    elif entry.status != "running":
+        warn(f"cancel of {move_id} interrupted: {move_id} is {entry.status}, nothing to resume")
+    elif entry.step == "cancel":
+        warn(f"cancel of {move_id} interrupted part-way (journaled): run `mdb moves cancel {map_path} {move_id}` again, "
+             f"or `mdb moves resume {map_path}`, to finish undoing it")
+    else:
+        warn(f"cancel of {move_id} interrupted before it began: {move_id} is unchanged at step {entry.step}; run "
+             f"`mdb moves cancel {map_path} {move_id}` again to cancel it, or `mdb moves resume {map_path}` to finish it")
 
 
 class _RichReshardProgress:

@@ -44,14 +44,19 @@ from collections.abc import Callable
 
 from mdb.backends import backend_of
 from mdb.cluster import Cluster
-from mdb.errors import BatchAbortedError, BriefcaseGoneError, MdbError, MoveAbortedError, RoutingError
+from sqlalchemy.exc import DBAPIError
+
+from mdb.dberrors import describe, translate
+from mdb.errors import (
+    BatchAbortedError, BriefcaseGoneError, MdbError, MoveAbortedError, ReshardStoppedError, RoutingError, ServerUnavailableError,
+)
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.maps.apply import apply_map
 from mdb.maps.history import applied_maps, newest_applied
 from mdb.maps.text import new_map_text, rewrite_map_file
-from mdb.moves.freeze import freeze_partition, unfreeze_partition
-from mdb.moves.journal import DONE, RUNNING, Journal, JournalEntry, new_move_id
+from mdb.moves.freeze import DEFAULT_FREEZE_LOCK_WAIT, freeze_partition, unfreeze_partition
+from mdb.moves.journal import ABORTED, DONE, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.lease import check_stop, describe_liveness, fenced_servers, hold
 from mdb.moves.status import RateWindow
 from mdb.moves.throttle import Throttle, ThrottleSettings
@@ -251,14 +256,19 @@ def reshard(
     progress: ReshardProgress | None = None,
     batch_pause: float = DEFAULT_BATCH_PAUSE,
     throttle: ThrottleSettings | None = None,
+    freeze_wait: float = DEFAULT_FREEZE_LOCK_WAIT,
 ) -> ReshardOutcome:
     """Re-shard partition ``start`` of ``area`` onto ``new_shards``; see the module docstring.
 
     ``batch_pause``: the write pause (seconds) a batch of briefcases aims at; batches grow or
     shrink to keep it (:class:`BatchSizer`), and never exceed ``max_pause``. 0: one at a time.
     ``throttle``: a rate and a replica lag not to exceed (journaled: a resume keeps them).
+    ``freeze_wait``: how long the freeze waits for the partition's writers already inside
+    (journaled); past it the reshard stops unfrozen with a retryable error naming who held on.
     """
     check_max_pause(max_pause)
+    if not freeze_wait > 0:
+        raise MdbError(f"freeze wait must be more than 0 seconds, got {freeze_wait!r}")
     if not 0 <= batch_pause <= max_pause:
         raise MdbError(f"batch pause must be between 0 and the max pause ({max_pause}s), got {batch_pause!r}")
     store.refresh()
@@ -284,7 +294,7 @@ def reshard(
     journal.start(JournalEntry(
         move_id=reshard_id, kind="reshard", area=area, step="plan", status=RUNNING,
         params={"partition_start": str(start), "old_shards": old, "new_shards": list(new_shards), "parallel": parallel,
-                "max_pause": max_pause, "batch_pause": batch_pause,
+                "max_pause": max_pause, "batch_pause": batch_pause, "freeze_wait": freeze_wait,
                 "map_path": None if map_path is None else str(Path(map_path).resolve()),
                 **(throttle or ThrottleSettings()).to_params()},
         tables={name: [rows, 0] for name, rows in plan.rows_per_table().items()},
@@ -356,6 +366,8 @@ class _Run:
     sizer: BatchSizer
     pace: Callable[[int, int], None] | None = None
     """Called with (briefcases, rows) before each batch is cut over; may wait (throttling)."""
+    stopping: threading.Event = field(default_factory=threading.Event)
+    """Set when the driving thread was interrupted (Ctrl-C, SIGTERM): every worker stops after its batch."""
 
 
 def _move_one(store: Cluster, journal: Journal, entry: JournalEntry, m: PlannedMove, max_pause: float) -> MoveResult:
@@ -473,6 +485,8 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
     feeder = _Feeder(moves, sizer, batched)
     tables = area_tables(store, entry.area) if batched else None
     gate = CutoverGate()  # one worker's copy never stretches another's write pause
+    hashed: list[frozenset[str]] = [frozenset()]
+    """The held schemas' hashed tables (set once they are held, before any worker starts)."""
     servers = sorted({m.source for m in moves} | {m.target for m in moves})
 
     def finished(done: list[tuple[PlannedMove, dict[str, int] | None]]) -> None:
@@ -490,7 +504,7 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
             return
         try:
             moved = BatchMove(store, journal, entry.area, [m.gdid for m in batch], batch[0].source, batch[0].target,
-                              reshard_id=entry.move_id, tables=tables, max_pause=max_pause, hashed=hashed, gate=gate).run()
+                              reshard_id=entry.move_id, tables=tables, max_pause=max_pause, hashed=hashed[0], gate=gate).run()
         except BatchAbortedError as exc:
             # Rolled back, the source holds them all. Briefcases it named go one at a time (the single
             # move's checks say what is wrong with them); the rest as two smaller batches.
@@ -512,21 +526,68 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
         try:
             while batch := feeder.next():
                 check_stop(entry.move_id)  # `mdb moves cancel` from another process: stop between two batches
+                if run.stopping.is_set():
+                    return
                 if run.pace is not None:
                     run.pace(len(batch), sum(m.total_rows for m in batch))
-                cut_over(batch)
+                try:
+                    cut_over(batch)
+                except DBAPIError as exc:
+                    raise _named(store, [batch[0].source, batch[0].target], exc) from exc
         except BaseException:
             feeder.stopped = True  # the other workers finish their batch and stop
             raise
 
+    try:
+        _run_workers(run, store, entry.area, servers, tables, work, hashed)
+    except DBAPIError as exc:
+        # Letting the held schemas go on a server that just died fails too, and that driver error
+        # would replace the error naming the server (exit 2, "database error", issue 29).
+        if isinstance(exc.__context__, MdbError):
+            raise exc.__context__ from None
+        raise _named(store, servers, exc) from exc
+
+
+def _run_workers(run: _Run, store: Cluster, area: str, servers: list[str], tables: Any, work: Callable[[], None],
+                 hashed: list[frozenset[str]]) -> None:
+    """``work`` in ``run.parallel`` threads (the calling thread when 1), the area's schemas held meanwhile."""
     with ExitStack() as held:
-        hashed = held.enter_context(hold_schemas(store, entry.area, servers, tables)) if tables is not None else frozenset()
+        if tables is not None:
+            hashed[0] = held.enter_context(hold_schemas(store, area, servers, tables))
         if run.parallel <= 1:
             work()
             return
         with ThreadPoolExecutor(max_workers=run.parallel, thread_name_prefix="mdb-reshard") as pool:
-            for future in [pool.submit(work) for _ in range(run.parallel)]:
-                future.result()
+            try:
+                for future in [pool.submit(work) for _ in range(run.parallel)]:
+                    future.result()
+            except BaseException:
+                # Ctrl-C and SIGTERM reach this (main) thread only: tell the workers, which finish the
+                # batch in hand (its commit point is journaled, resume picks up after it) and take no
+                # other; the pool's exit waits for them (issue 29 item 4: they used to move everything).
+                run.stopping.set()
+                raise
+
+
+def _named(store: Cluster, servers: list[str], exc: DBAPIError) -> Exception:
+    """A driver error that reached the reshard untranslated, as the error naming its server.
+
+    A connection cut mid-batch ("terminating connection due to administrator command") can
+    surface from a connection no ``translated`` block wraps; it used to end the CLI with exit 2
+    and no server named (issue 29). Which of the batch's servers went away is asked of them.
+    """
+    mapped = translate(servers[0], exc)
+    if not isinstance(mapped, ServerUnavailableError):
+        return exc if mapped is None else mapped
+    for server in servers:
+        try:
+            with store.transaction(server) as conn:
+                conn.exec_driver_sql("SELECT 1")
+        except ServerUnavailableError as down:
+            return down
+        except (MdbError, DBAPIError):
+            return ServerUnavailableError(server, describe(exc))
+    return ServerUnavailableError(" or ".join(servers), f"{describe(exc)} (both answer again now)")
 
 
 def _sweep(run: _Run, plan: ReshardPlan, sweeps: int) -> ReshardPlan:
@@ -598,10 +659,11 @@ def continue_reshard(
     store.refresh()
     counts = ReshardCounts.from_journal(journal, entry.move_id)
     # A reshard journaled by an older mdb has no batch_pause: it resumes one briefcase at a time, as it began.
+    stopping = threading.Event()
     if pace is None:
-        pace = _pace(store, entry, old_shards, new_shards, progress)
+        pace = _pace(store, entry, old_shards, new_shards, progress, stopping)
     run = _Run(store, journal, entry, scan, parallel, max_pause, progress, counts,
-               BatchSizer(float(params.get("batch_pause", 0.0))), pace)
+               BatchSizer(float(params.get("batch_pause", 0.0))), pace, stopping)
     if entry.step in ("plan", "prechecks", "moves"):
         if plan is None:
             plan = plan_reshard(store, scan, area, start, new_shards)
@@ -610,8 +672,13 @@ def continue_reshard(
         fault_point("reshard.after_plan")
         if progress is not None:
             progress.phase("prechecks")
-        journal.step(entry.move_id, "prechecks", **counts.journal_values())
-        _prechecks(store, plan, scan, map_path, dry_run=True)
+        if entry.step != "moves":
+            journal.step(entry.move_id, "prechecks", **counts.journal_values())
+            planned = plan
+            _refused_leaves_nothing(journal, entry, lambda: _prechecks(store, planned, scan, map_path, dry_run=True))
+        else:  # resumed after moves began: a refusal now must stay resumable (the moved briefcases are relocations)
+            journal.update(entry.move_id, **counts.journal_values())
+            _prechecks(store, plan, scan, map_path, dry_run=True)
         fault_point("reshard.after_prechecks")
         journal.step(entry.move_id, "moves")
         if progress is not None:
@@ -646,15 +713,34 @@ def continue_reshard(
                           params.get("map_backup"))
 
 
+def _refused_leaves_nothing(journal: Journal, entry: JournalEntry, prechecks: Callable[[], object]) -> None:
+    """Run ``prechecks``; when they refuse, journal the reshard aborted before raising.
+
+    Nothing has moved yet, and the command says so: an entry left running would block every
+    later move of the area and be "resumed" into the whole reshard the operator saw refused
+    (issue 29 item 3). A failure to record that is logged; the refusal is what is raised.
+    """
+    try:
+        prechecks()
+    except Exception as exc:
+        try:
+            journal.finish(entry.move_id, ABORTED, detail=f"refused by its prechecks, nothing moved: {exc}")
+        except Exception as again:  # CENTRAL itself failing: the entry stays resumable, the refusal is still raised
+            log.warning("reshard %s: refused by its prechecks, and journaling that failed too: %s", entry.move_id, again)
+        raise
+
+
 def _pace(store: Cluster, entry: JournalEntry, old_shards: list[str], new_shards: list[str],
-          progress: ReshardProgress | None) -> Callable[[int, int], None] | None:
-    """The throttle of the journaled settings (None when unthrottled); a cancel is noticed while it waits."""
+          progress: ReshardProgress | None, stopping: threading.Event | None = None) -> Callable[[int, int], None] | None:
+    """The throttle of the journaled settings (None when unthrottled); a cancel or Ctrl-C is noticed while it waits."""
     settings = ThrottleSettings.from_params(entry.params)
     if not settings.limited:
         return None
 
     def on_wait(reason: str, seconds: float) -> None:
         check_stop(entry.move_id)
+        if stopping is not None and stopping.is_set():
+            raise ReshardStoppedError(f"reshard {entry.move_id} stopped by an interrupt while throttled")
         if progress is not None:
             progress.waiting(reason, seconds)
 
@@ -673,9 +759,12 @@ def _frozen_phase(run: _Run, old_shards: list[str], map_path: str | None) -> Non
     area, start, new_shards = entry.area, GDID.parse(entry.params["partition_start"]), list(entry.params["new_shards"])
     if progress is not None:
         progress.phase("freeze")
-    freeze_partition(store, area, start, old_shards, entry.move_id)
-    fault_point("reshard.after_freeze")
     try:
+        # Inside the try: a freeze that fails (or is interrupted) on the second old shard has
+        # frozen the first; the handler unfreezes them all (issue 29 item 2).
+        freeze_partition(store, area, start, old_shards, entry.move_id,
+                         lock_wait=float(entry.params.get("freeze_wait", DEFAULT_FREEZE_LOCK_WAIT)))
+        fault_point("reshard.after_freeze")
         if entry.step in ("freeze", "final_moves"):
             journal.step(entry.move_id, "final_moves")
             entry.step = "final_moves"

@@ -8,8 +8,11 @@ lags serves stale reads, and a promoted replica that lags loses writes. The resh
 waits, so a throttled reshard is slower, never less safe.
 
 The rate is paced, not bucketed: each cutover reserves the time its briefcases and rows cost at
-the configured rate, and the next one may start only when that time has passed. A reshard that
-ran slower than the rate (or waited for a replica) gains no credit for a burst afterwards.
+the configured rate, and starts when that time has passed (it pays first): over any span from
+the first cutover on, at most rate x span briefcases have started. Paying afterwards let the
+first cutovers through at once, and with batches growing 8, 16, 32, 64 a reshard under
+``--rate 100`` moved 133 in its first second (issue 29). A reshard that ran slower than the
+rate (or waited for a replica) gains no credit for a burst afterwards.
 """
 
 from __future__ import annotations
@@ -265,8 +268,7 @@ class Throttle:
         with self._rate_lock:
             now = self._clock()
             start = now if self._next_start is None else max(now, self._next_start)
-            self._next_start = start + cost
-        until = start
+            until = self._next_start = start + cost  # this cutover's own cost is waited for before it starts
         while True:
             left = until - self._clock()
             if left <= 0:
