@@ -9,6 +9,9 @@ two protocols can never share (and so confuse) a point. Tests reach a point two 
   a power cut or an OOM kill does. ``MDB_FAULT_SKIP=N`` lets the point pass N times first (to
   crash in the middle of a reshard). ``MDB_FAULT_ACTION=sleep:S`` makes the point sleep S
   seconds instead (a driver held alive mid-way, its heartbeat running: the lease tests).
+  ``MDB_FAULT_ACTION=stop`` makes the process SIGSTOP itself there: paused exactly at that
+  step, with its transactions and locks held, until the test sends SIGCONT (repair tools run
+  against a move caught mid-way: tests/test_fsck_moves.py).
 * :data:`hook`, a callable given each point's name as the process passes it, for in-process
   tests (a test raises from it to stand in for a crash, or changes data at the exact step).
 
@@ -84,5 +87,8 @@ def fault_point(name: str, *, also_when: bool = False) -> None:
     action = os.environ.get("MDB_FAULT_ACTION", "kill")
     if action.startswith("sleep:"):
         time.sleep(float(action.removeprefix("sleep:")))
+        return
+    if action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)  # resumes here on SIGCONT
         return
     kill()
