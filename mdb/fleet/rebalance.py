@@ -145,9 +145,9 @@ def plan_rebalance(
     plan.moves = _mark_partitions(store, area, _collapse(plan.moves))
     gain = plan.max_skew(before) - plan.max_skew(loads)
     if plan.moves and gain < min_improvement:
-        plan.dropped = (f"{len(plan.moves)} move(s) would lower the largest skew by {gain:.1%} only "
+        plan.dropped = (f"{len(plan.moves)} move(s) would lower the largest skew by {gain * 100:.1f} percentage points only "
                         f"({plan.max_skew(before):.1%} -> {plan.max_skew(loads):.1%}), under the minimum improvement "
-                        f"of {min_improvement:.1%} (--min-improvement): nothing planned")
+                        f"of {min_improvement * 100:.1f} (--min-improvement): nothing planned")
         plan.moves = []
         plan.after = dict(before)
     return plan
