@@ -65,6 +65,8 @@ def test_fsck_and_balance_see_a_differing_copy_on_a_spare(tmp_sqlite_urls: Calla
     assert run.returncode == 1 and "misplaced" in run.stdout and "u3" in run.stdout, run.stdout
     shown = run_cli(["balance", str(cluster.path), "user"])
     assert shown.returncode == 0 and "u3 (spare)" in shown.stdout, shown.stdout
+    where = run_cli(["where", str(cluster.path), "user", str(g)])  # a copy no move made: fsck's, not resume's
+    assert "u3: holds" in where.stdout and "run `mdb fsck MAP user`" in where.stdout, where.stdout
 
 
 def test_a_duplicated_briefcase_is_counted_once(tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path) -> None:

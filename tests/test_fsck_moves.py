@@ -35,7 +35,8 @@ from mdb.moves.batch import BATCH_KIND
 from mdb.moves.journal import Journal
 
 MDB = str(Path(sys.executable).parent / "mdb")  # the installed console script
-LISTS = [["u1", "u2", "x"], ["u1", "u2"]]
+LISTS = [["u1", "u2", "x"]]
+"""One pass per point, out to three shards: ~13 briefcases move, in two batches."""
 POINTS = [p for p in BATCH_POINTS if p not in ("batch.resume.after_discard", "batch.after_resync")]
 
 
@@ -107,7 +108,7 @@ def _named_by_batches(cluster: Cluster) -> set[str]:
 @pytest.mark.parametrize("point", POINTS)
 def test_fsck_repair_while_a_batch_is_paused_at_each_step(cluster: Cluster, writers: Writers, point: str) -> None:
     writers.wait_for(20)
-    for shards in LISTS:  # out to three shards, then back to two
+    for shards in LISTS:
         proc = subprocess.Popen(
             [MDB, "reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", ",".join(shards)],
             env={**os.environ, "MDB_FAULT_POINT": point, "MDB_FAULT_ACTION": "stop"},
