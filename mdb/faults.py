@@ -9,8 +9,10 @@ two protocols can never share (and so confuse) a point. Tests reach a point two 
   a power cut or an OOM kill does. ``MDB_FAULT_SKIP=N`` lets the point pass N times first (to
   crash in the middle of a reshard). ``MDB_FAULT_ACTION=sleep:S`` makes the point sleep S
   seconds instead (a driver held alive mid-way, its heartbeat running: the lease tests), and
-  ``MDB_FAULT_ACTION=stop`` makes the process SIGSTOP itself there, once (a driver paused past
-  its lease, heartbeat and all, until a test sends SIGCONT: the fencing tests).
+  ``MDB_FAULT_ACTION=stop`` makes the process SIGSTOP itself there, once: paused exactly at that
+  step, with its transactions and locks held, until the test sends SIGCONT (a driver paused past
+  its lease: tests/test_moves_fencing.py; repair tools against a move caught mid-way:
+  tests/test_fsck_moves.py).
 * :data:`hook`, a callable given each point's name as the process passes it, for in-process
   tests (a test raises from it to stand in for a crash, or changes data at the exact step).
 

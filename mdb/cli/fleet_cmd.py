@@ -1,4 +1,4 @@
-"""``mdb balance``, ``mdb fsck`` and ``mdb rebalance``: the fleet as a whole (docs/fleet.md).
+"""``mdb balance``, ``mdb fsck``, ``mdb rebalance`` and ``mdb drain``: the fleet as a whole (docs/fleet.md).
 
 Every command opens the Store with :func:`mdb.cli.app.open_store` and reads the live servers;
 ``fsck`` exits 1 when it finds problems (decisions.md).
@@ -16,8 +16,9 @@ from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, fail, open_stor
 from mdb.cli.options import JsonOpt, MapArg
 from mdb.cli.metrics import MetricsPortOpt, serve_metrics
 from mdb.fleet.balance import MEASURES, AreaBalance, Measure, balance
+from mdb.fleet.drain import DrainCheck, DrainMove, check_drain, drain, drain_refusal
 from mdb.fleet.fsck import FsckReport, fsck
-from mdb.fleet.rebalance import PlannedMove, RebalancePlan, apply_plan, plan_rebalance
+from mdb.fleet.rebalance import MIN_IMPROVEMENT, PlannedMove, RebalancePlan, apply_plan, plan_rebalance
 from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult
 from mdb.store import Store
 
@@ -48,17 +49,23 @@ def _areas(store: Store, area: str | None) -> list[str]:
 def _print_balance(report: AreaBalance) -> None:
     skew = report.skew("bytes")
     table = Table(title=f"area {escape(report.area)}")
-    for column in ("server", "briefcases", "rows", "bytes", "disk", "skew (bytes)", ""):
+    for column in ("server", "briefcases", "rows", "bytes", "disk", "skew (bytes)", "stray", ""):
         table.add_column(column, justify="left" if column in ("server", "") else "right")
     peak = max((s.bytes for s in report.measured()), default=0)
     for s in report.servers:
+        name = escape(s.server) + (" (spare)" if s.spare else "")
         if not s.measured:
-            table.add_row(escape(s.server), "not measured", "", "", "", "", "")
+            table.add_row(name, "not measured", "", "", "", "", "", "")
             continue
         bar = "█" * (round(BAR_WIDTH * s.bytes / peak) if peak else 0)
-        table.add_row(escape(s.server), str(s.briefcases), str(s.rows), _size(s.bytes), _size(s.disk_bytes),
-                      f"{skew[s.server]:+.1%}", bar)
+        stray = f"{s.stray_briefcases} ({_size(s.stray_bytes)})" if s.stray_briefcases else "-"
+        table.add_row(name, str(s.briefcases), str(s.rows), _size(s.bytes), _size(s.disk_bytes),
+                      "-" if s.spare else f"{skew[s.server]:+.1%}", stray, bar)
     console.print(table)
+    strays = sum(s.stray_briefcases for s in report.servers)
+    if strays:
+        console.print(f"{strays} briefcase(s) have data on a server they are not routed to (stray: not counted above); "
+                      "`mdb fsck MAP` says what they are")
     for m in MEASURES:
         values = report.skew(m).values()
         console.print(f"max skew by {m}: {max((abs(v) for v in values), default=0.0):.1%}")
@@ -133,6 +140,12 @@ def _print_plan(plan: RebalancePlan) -> None:
     for m in plan.moves:
         table.add_row(str(m.gdid), escape(m.source), escape(m.target), _size(m.size) if plan.by == "bytes" else str(m.size))
     console.print(table)
+    if plan.dropped:
+        console.print(escape(plan.dropped))
+    crossing = plan.cross_partition
+    if crossing:
+        console.print(f"note: {len(crossing)} move(s) put a briefcase on a server outside its partition's shard list "
+                      f"(e.g. {crossing[0].gdid} -> {escape(crossing[0].target)}); it lives there as a relocation")
     show = _size if plan.by == "bytes" else str
     for server in plan.before:
         console.print(f"{escape(server)}: {show(plan.before[server])} -> {show(plan.after[server])}")
@@ -148,6 +161,10 @@ def rebalance_cmd(
     by: Annotated[str, typer.Option("--by", metavar="bytes|rows|briefcases", help="The measure to even out.")] = "bytes",
     max_moves: Annotated[int, typer.Option("--max-moves", metavar="N", help="At most N moves.", min=1)] = 100,
     max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Each move's bound on its write pause.", min=0.0)] = DEFAULT_MAX_PAUSE,
+    min_improvement: Annotated[float, typer.Option(
+        "--min-improvement", metavar="POINTS",
+        help="Plan nothing unless the moves lower the largest skew by at least this many percentage points.", min=0.0,
+    )] = MIN_IMPROVEMENT * 100,
     as_json: JsonOpt = False,
     metrics_port: MetricsPortOpt = None,
 ) -> None:
@@ -159,7 +176,7 @@ def rebalance_cmd(
     measure = cast(Measure, by)  # checked against MEASURES above
     with serve_metrics(metrics_port), open_store(map_path) as store:
         list(store.router.partitions(area))  # an unknown area: RoutingError (exit 2)
-        plan = plan_rebalance(store, area, by=measure, max_moves=max_moves)
+        plan = plan_rebalance(store, area, by=measure, max_moves=max_moves, min_improvement=min_improvement / 100)
         if not as_json:
             _print_plan(plan)
         if not apply:
@@ -176,3 +193,61 @@ def rebalance_cmd(
         emit_json({**plan.to_json(), "applied": [r.to_json() for r in results]})
     else:
         console.print(f"applied {len(results)} move(s); `mdb balance MAP {escape(area)}` shows the result")
+
+
+def _print_drain_check(check: DrainCheck) -> None:
+    for held in check.areas:
+        if not held.checked:
+            console.print(f"area {escape(held.area)}: not checked (no briefcase type registered: list its module under models:)")
+        elif held.holds_data:
+            console.print(f"area {escape(held.area)}: holds data: {len(held.routed)} briefcase(s) routed here, "
+                          f"{len(held.stray)} stray (routed elsewhere: `mdb fsck`), {held.rows} row(s)")
+        else:
+            console.print(f"area {escape(held.area)}: no data")
+    if check.roles:
+        console.print(f"still in the layout: {escape('; '.join(check.roles))}")
+    verdict = "holds data" if check.holds_data else "holds no data of any checked area"
+    console.print(f"server {escape(check.server)}: {verdict}")
+
+
+@app.command("drain")
+def drain_cmd(
+    map_path: MapArg,
+    server: Annotated[str, typer.Argument(help="the server to empty (in no partition's shard list)")],
+    check: Annotated[bool, typer.Option("--check", help="Only say, per area, whether the server still holds data.")] = False,
+    max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Each move's bound on its write pause.", min=0.0)] = DEFAULT_MAX_PAUSE,
+    as_json: JsonOpt = False,
+    metrics_port: MetricsPortOpt = None,
+) -> None:
+    """Move every briefcase routed to SERVER home (--check: does it still hold data, per area); exit 1 while data remains."""
+    moved: list[MoveResult] = []
+    with serve_metrics(metrics_port), open_store(map_path) as store:
+        if check:
+            result = check_drain(store, server)
+        else:
+            if server not in store.map.servers:
+                fail(f"unknown server {server!r} (the map names {', '.join(store.map.servers)})")
+            refusal = drain_refusal(store, server)
+            if refusal is not None:
+                fail(f"drain refused: {refusal}")
+            total = 0
+
+            def planned(moves: list[DrainMove]) -> None:
+                nonlocal total
+                total = len(moves)
+                if not as_json:
+                    console.print(f"draining {escape(server)}: {total} briefcase(s) to move home")
+
+            def done(m: DrainMove, r: MoveResult) -> None:
+                if not as_json:
+                    console.print(f"[{len(moved) + 1}/{total}] moved {m.area}/{m.gdid} -> {escape(m.target)} "
+                                  f"({r.rows} rows, pause {r.pause_seconds * 1000:.0f} ms)", markup=False)
+                moved.append(r)
+
+            result, _ = drain(store, server, max_pause=max_pause, on_plan=planned, on_move=done)
+    if as_json:
+        emit_json({**result.to_json(), "moved": [r.to_json() for r in moved]})
+    else:
+        _print_drain_check(result)
+    if result.holds_data:
+        raise typer.Exit(EXIT_NOT_FOUND)

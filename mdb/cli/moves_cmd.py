@@ -141,8 +141,9 @@ def where_cmd(
         console.print(f"  move in flight: {move['move_id']} {move['source']} -> {move['target']} at step {move['step']}, {move['driver']}", markup=False)
     if not found.moves_in_flight:
         console.print("  no move in flight", markup=False)
-    if not found.consistent:
-        console.print("  WARNING: the holders disagree with routing; run `mdb moves resume MAP`", markup=False)
+    if not found.consistent:  # a move in flight is resume's to settle; a copy no move made is fsck's
+        fix = "mdb moves resume MAP" if found.moves_in_flight else f"mdb fsck MAP {area}"
+        console.print(f"  WARNING: the holders disagree with routing; run `{fix}`", markup=False)
     if not found.holders:
         raise typer.Exit(_absent(found.unreachable))
 

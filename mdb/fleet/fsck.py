@@ -1,6 +1,7 @@
 """``mdb fsck``: what lies on an area's shards that the routing does not explain, and which of it is safe to remove.
 
-Every server of the area (layout plus relocation targets) is scanned twice through its
+Every server that can hold the area's briefcases (layout, relocation targets, and every other
+server of the map with the area's tables: spares, servers a reshard took out) is scanned twice through its
 backend's :class:`~mdb.backends.base.AreaScan`, both streamed: its briefcase keys and its state
 rows (SQL tables or MongoDB collections alike; comparing and removing copies is per kind,
 :class:`_Copies`: per-row checksums and the SQL move lock, or per-collection BSON checksums and
@@ -9,8 +10,10 @@ routed with ``store.router`` (map + relocation directory); one whose rows sit on
 router does not send it to is a *suspect*, examined afterwards (suspects are few; the keys of a
 shard are never held in memory). Findings:
 
-- ``unfinished_move``: rows, an ``incoming`` row or a freeze marker of a move or reshard the
-  journal says is unfinished. Never touched: ``mdb moves resume MAP`` resolves it.
+- ``unfinished_move``: rows or state rows of a briefcase that a running or interrupted move,
+  or a reshard's batch, names in the journal (:mod:`mdb.fleet.inflight`). Never touched, also
+  not when the move starts while fsck runs (read again under the lock before anything is
+  deleted): ``mdb moves resume MAP`` resolves it.
 - ``leftover_copy``: rows on a server the briefcase is not routed to, every one of them equal
   (per-row checksum, :func:`mdb.moves.verify.row_digests`) to the row the owner holds: a copy
   left by a failed move. ``--repair`` deletes them on that server under the briefcase's write
@@ -42,8 +45,8 @@ from sqlalchemy.engine import Connection
 from mdb.backends.base import AreaData, BriefcaseStateRow, documents_of
 from mdb.central.indexes import CentralIndex, registered_indexes
 from mdb.central.reconcile import check as central_check
-from mdb.fleet.balance import area_servers
-from mdb.fleet.scan import area_data, document_types, scan_of
+from mdb.fleet.inflight import InFlight, in_flight
+from mdb.fleet.scan import area_data, area_servers, document_types, scan_of
 from mdb.gdid import GDID
 from mdb.moves.document_move import KIND as DOCUMENT_MOVE
 from mdb.mongo.hot import COUNTERS, STATS_LOCK
@@ -51,7 +54,6 @@ from mdb.moves.document_move import checksums
 from mdb.mongo.shard_state import GUARD, STATE, guard_ids, set_guard, state_id
 from mdb.moves import verify
 from mdb.moves.copy import AreaTable, delete_rows, measure
-from mdb.moves.journal import Journal, JournalEntry
 from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, area_tables, locked_source
 from mdb.system_tables import STATE_FROZEN, STATE_GONE, STATE_INCOMING, briefcase_state
 from mdb.urls import MONGO, SQL
@@ -99,21 +101,6 @@ class FsckReport:
                 "central_indexes": self.central_indexes}
 
 
-@dataclass(frozen=True)
-class _Unfinished:
-    """What the journal says is in flight: briefcases of unfinished moves, partitions of unfinished reshards."""
-
-    moves: dict[str, JournalEntry]
-    briefcases: frozenset[GDID]
-    reshards: frozenset[str]
-
-    @classmethod
-    def of(cls, store: Any, area: str) -> _Unfinished:
-        entries = [e for e in Journal(store).entries(unfinished=True) if e.area == area]
-        moves = {e.move_id: e for e in entries if e.kind in ("move", DOCUMENT_MOVE)}
-        return cls(moves, frozenset(e.gdid for e in moves.values() if e.gdid is not None), frozenset(e.move_id for e in entries if e.kind == "reshard"))
-
-
 def _foreign_rows(store: Any, owner: str, tables: Sequence[AreaTable], gdid: GDID, here: Connection) -> int:
     """Rows of ``gdid`` on ``server`` (read on ``here``) that the owner lacks or holds differently."""
     with store.transaction(owner) as there:
@@ -132,14 +119,23 @@ def _resident_or_incoming(conn: Connection, area: str, gdid: GDID) -> None:
         briefcase_state.c.area == area, briefcase_state.c.gdid == gdid, briefcase_state.c.state != STATE_GONE))
 
 
-def _remove_copy(store: Any, area: str, server: str, owner: str, gdid: GDID, tables: Sequence[AreaTable]) -> int | None:
+def _remove_copy(store: Any, area: str, server: str, owner: str, gdid: GDID, tables: Sequence[AreaTable]) -> int | str:
     """Delete a verified leftover copy on ``server``: checked again under the briefcase's write lock there.
 
-    None when the check under the lock no longer holds (nothing deleted).
+    Inside the deleting transaction, with the lock held, the journal is read again: a move or
+    batch that started since the scan names the briefcase before it copies anything (its
+    journal row commits first), so a copy it makes is never taken for a leftover. Returns the
+    rows deleted, or why nothing was (the check under the lock no longer holds).
     """
     with locked_source(store, server, area, gdid, lock_wait=DEFAULT_LOCK_WAIT, max_pause=DEFAULT_MAX_PAUSE) as (conn, _):
-        if store.router.locate(area, gdid).server == server or _foreign_rows(store, owner, tables, gdid, conn):
-            return None
+        store.refresh()
+        named = in_flight(store, area).naming(gdid)
+        if named:
+            return f"move {', '.join(named)} names it now"
+        if store.router.locate(area, gdid).server == server:
+            return "it is routed here now"
+        if _foreign_rows(store, owner, tables, gdid, conn):
+            return "it differs from the owner's copy now"
         deleted = sum(delete_rows(conn, tables, gdid).values())
         _resident_or_incoming(conn, area, gdid)  # its incoming/resident row goes with the copy; a fence stays
         conn.commit()
@@ -154,8 +150,8 @@ class _Copies:
     """rows | documents"""
     differ: Callable[[str, GDID], str]
     """(owner, gdid) -> what the owner lacks or holds differently, "" when the data here is a copy of the owner's."""
-    remove: Callable[[str, GDID], int | None]
-    """(owner, gdid) -> how much was deleted; None when the check under the lock no longer holds."""
+    remove: Callable[[str, GDID], int | str]
+    """(owner, gdid) -> how much was deleted, or why nothing was (the check under the lock no longer holds)."""
 
 
 def _sql_copies(store: Any, area: str, server: str, tables: Sequence[AreaTable]) -> _Copies:
@@ -167,10 +163,10 @@ def _sql_copies(store: Any, area: str, server: str, tables: Sequence[AreaTable])
     return _Copies("rows", differ, lambda owner, gdid: _remove_copy(store, area, server, owner, gdid, tables))
 
 
-def _examine(store: Any, area: str, server: str, gdid: GDID, copies: _Copies, unfinished: _Unfinished, repair: bool) -> Finding:
+def _examine(store: Any, area: str, server: str, gdid: GDID, copies: _Copies, unfinished: InFlight, repair: bool) -> Finding:
     """A briefcase with data on a server it is not routed to: unfinished move, leftover copy or misplaced."""
     if gdid in unfinished.briefcases:
-        ids = ", ".join(m for m, e in unfinished.moves.items() if e.gdid == gdid)
+        ids = ", ".join(unfinished.naming(gdid))
         return Finding("unfinished_move", server, gdid, f"{copies.noun} of a briefcase whose move {ids} is unfinished", RESUME)
     owner = store.router.locate(area, gdid).server
     differing = copies.differ(owner, gdid)
@@ -181,8 +177,9 @@ def _examine(store: Any, area: str, server: str, gdid: GDID, copies: _Copies, un
     if not repair:
         return Finding("leftover_copy", server, gdid, detail)
     deleted = copies.remove(owner, gdid)
-    if deleted is None:
-        return Finding("leftover_copy", server, gdid, detail + "; changed while repairing, left as it is (run fsck again)")
+    if isinstance(deleted, str):
+        return Finding("leftover_copy", server, gdid, f"{detail}; changed while repairing ({deleted}), left as it is "
+                       "(run fsck again)")
     return Finding("leftover_copy", server, gdid, f"{detail}; deleted {deleted} {copies.noun[:-1]}(s) here", "repaired")
 
 
@@ -198,7 +195,7 @@ def _central(store: Any, indexes: list[type[CentralIndex]]) -> list[Finding]:
     ]
 
 
-def _odd_state(store: Any, area: str, server: str, state: BriefcaseStateRow, unfinished: _Unfinished) -> bool:
+def _odd_state(store: Any, area: str, server: str, state: BriefcaseStateRow, unfinished: InFlight) -> bool:
     """A state row the routing and the journal do not explain (a fence on a server moved away from is normal)."""
     if state.state == STATE_FROZEN:
         return state.move_id not in unfinished.reshards
@@ -208,7 +205,7 @@ def _odd_state(store: Any, area: str, server: str, state: BriefcaseStateRow, unf
     return here if state.state == STATE_GONE else not here
 
 
-def _state_finding(store: Any, area: str, server: str, state: BriefcaseStateRow, data: AreaData, unfinished: _Unfinished) -> tuple[Finding, bool]:
+def _state_finding(store: Any, area: str, server: str, state: BriefcaseStateRow, data: AreaData, unfinished: InFlight) -> tuple[Finding, bool]:
     """What an odd state row is, and whether removing it is provably safe (a fence whose peer holds nothing)."""
     gdid, peer = state.gdid, state.peer
     if state.state == STATE_FROZEN:
@@ -217,6 +214,10 @@ def _state_finding(store: Any, area: str, server: str, state: BriefcaseStateRow,
     if state.state == STATE_INCOMING:
         return Finding("stale_incoming", server, gdid, f"'incoming' row of move {state.move_id!r}, which the journal "
                        "does not list as unfinished (removed with its copy when that copy is a verified leftover)"), False
+    named = unfinished.naming(gdid)
+    if named:
+        return Finding("unfinished_move", server, gdid, f"{state.state!r} row of a briefcase whose move {', '.join(named)} "
+                       "is unfinished", RESUME), False
     if state.state != STATE_GONE:
         return Finding("stale_resident", server, gdid, f"{state.state!r} row here, but the relocation directory routes the "
                        f"briefcase to {store.router.locate(area, gdid).server!r}"), False
@@ -232,7 +233,8 @@ def _repair_fence(store: Any, area: str, server: str, gdid: GDID, tables: Sequen
     """Remove a safe stale fence on a SQL server under the briefcase's write lock (checked again there)."""
     detail = finding.detail.split("; ")[0]
     with locked_source(store, server, area, gdid, lock_wait=DEFAULT_LOCK_WAIT, max_pause=DEFAULT_MAX_PAUSE) as (conn, _):
-        if not sum(n for n, _ in measure(conn, tables, gdid, with_bytes=False).values()):  # checked again under the lock
+        # checked again under the lock: no move names it now, and its rows are here
+        if in_flight(store, area).naming(gdid) or not sum(n for n, _ in measure(conn, tables, gdid, with_bytes=False).values()):
             return Finding("stale_fence", server, gdid, detail + "; changed while repairing, left as it is (run fsck again)")
         conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid,
                                                    briefcase_state.c.state == STATE_GONE))
@@ -277,13 +279,16 @@ def _document_lock(store: Any, server: str, area: str, gdid: GDID) -> Iterator[A
         set_guard(db, area, gdid, None)
 
 
-def _remove_documents(store: Any, area: str, server: str, gdid: GDID) -> int | None:
-    """Delete a verified leftover document copy on ``server``, checked again under the guard (None: no longer one)."""
+def _remove_documents(store: Any, area: str, server: str, gdid: GDID) -> int | str:
+    """Delete a verified leftover document copy on ``server``, checked again under the guard (a str: why not)."""
     with _document_lock(store, server, area, gdid) as db:
         store.refresh()
-        if (store.router.locate(area, gdid).server == server or gdid in _Unfinished.of(store, area).briefcases
+        named = in_flight(store, area).naming(gdid)
+        if named:
+            return f"move {', '.join(named)} names it now"
+        if (store.router.locate(area, gdid).server == server
                 or _documents_differ(store, area, server, store.router.locate(area, gdid).server, gdid)):
-            return None
+            return "it is routed here or differs from the owner's copy now"
         deleted = sum(int(db[name].delete_many({key: bytes(gdid)}).deleted_count) for name, key in _document_collections(store, area))
         # its incoming/resident record goes with the copy; a fence stays (stale routers still need it)
         db[STATE].delete_one({"_id": state_id(area, gdid), "state": {"$ne": STATE_GONE}})
@@ -310,7 +315,7 @@ def _repair_document_fence(store: Any, area: str, server: str, state: BriefcaseS
     with _document_lock(store, server, area, state.gdid) as db:
         peer = state.peer
         peer_rows = scan_of(store, peer, data).rows_of(state.gdid) if peer is not None and peer in store.map.servers else 0
-        if peer_rows or not scan.rows_of(state.gdid):
+        if peer_rows or not scan.rows_of(state.gdid) or in_flight(store, area).naming(state.gdid):
             return Finding("stale_fence", server, state.gdid, detail + "; changed while repairing, left as it is (run fsck again)")
         db[STATE].delete_one({"_id": state_id(area, state.gdid), "state": STATE_GONE, "move_id": state.move_id})
     return Finding("stale_fence", server, state.gdid, detail + "; removed (the documents are here, the peer holds none)", "repaired")
@@ -323,15 +328,16 @@ def fsck(store: Any, area: str, *, repair: bool = False) -> FsckReport:
     briefcase's write lock of the server's kind (SQL: the move machinery's; MongoDB: its guard).
     """
     store.refresh()
-    servers = area_servers(store, area)
-    report = FsckReport(area, servers)
     data = area_data(store, area)
+    servers = area_servers(store, area, data)
+    report = FsckReport(area, servers)
     tables = area_tables(store, area) if data.tables else []
-    unfinished = _Unfinished.of(store, area)
+    unfinished = in_flight(store, area)
     relocated: dict[str, set[GDID]] = {}  # server -> briefcases the directory sends there (already in the router)
     for (a, g), target in store.router.relocations.items():
         if a == area:
             relocated.setdefault(target, set()).add(g)
+    stray: set[GDID] = set()  # briefcases with data off their routed server (the findings: few)
     for server in servers:
         sql = store.map.kind_of(server) == SQL
         scan = scan_of(store, server, data)
@@ -339,10 +345,12 @@ def fsck(store: Any, area: str, *, repair: bool = False) -> FsckReport:
         suspects: list[GDID] = []
         expected = relocated.get(server, set())
         for gdid in scan.keys():
-            report.briefcases += 1
             expected.discard(gdid)
             if store.router.locate(area, gdid).server != server:
                 suspects.append(gdid)
+            else:
+                report.briefcases += 1  # counted once, where it is routed; a copy elsewhere is a finding
+        stray.update(suspects)
         states = [s for s in scan.states() if _odd_state(store, area, server, s, unfinished)]
         for gdid in suspects:
             report.findings.append(_examine(store, area, server, gdid, copies, unfinished, repair))
@@ -357,6 +365,8 @@ def fsck(store: Any, area: str, *, repair: bool = False) -> FsckReport:
                     "which holds no row of it; not changed (find it with `mdb where MAP AREA GDID`)")
             for g in sorted(expected) if g not in unfinished.briefcases
         ]
+    # a briefcase whose only data lies off its routed server is still one briefcase of the area
+    report.briefcases += sum(1 for g in stray if not scan_of(store, store.router.locate(area, g).server, data).rows_of(g))
     # The CENTRAL check confirms an entry on its briefcase's root row: SQL briefcase types only. A
     # document area's entries (MongoDB CENTRAL, mdb.mongo.central) are not checked here.
     indexes = [idx for idx in registered_indexes() if idx.area == area] if store.types_of(area) else []

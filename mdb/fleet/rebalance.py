@@ -11,6 +11,12 @@ as ordinary relocations. Applying runs each planned move through
 :func:`mdb.moves.move.move_briefcase` one at a time, with its ``max_pause`` bound (the move
 machinery's throttle on how long a briefcase's writes may pause).
 
+A plan must pay for itself: when all its moves together lower the area's largest skew by less
+than ``min_improvement`` (default :data:`MIN_IMPROVEMENT`, 5 percentage points) it is dropped
+and the plan says why (100 moves that take 233.6% to 229.3% are churn, not balance). A move
+whose target is not in the shard list of the briefcase's partition is marked
+(``cross_partition``): the briefcase then lives as a relocation on another partition's server.
+
 Not built: a reshard proposal (a new shard list for a partition) when single moves cannot
 even it out; the plan then says how far it got.
 """
@@ -30,10 +36,13 @@ from mdb.gdid import GDID
 from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult, move_briefcase
 from mdb.urls import SQL
 
-__all__ = ["CANDIDATES", "PlannedMove", "RebalancePlan", "apply_plan", "plan_rebalance"]
+__all__ = ["CANDIDATES", "MIN_IMPROVEMENT", "PlannedMove", "RebalancePlan", "apply_plan", "plan_rebalance"]
 
 CANDIDATES = 1000
 """Largest briefcases of each server kept as move candidates while planning."""
+
+MIN_IMPROVEMENT = 0.05
+"""Default: a plan must lower the largest skew by at least 5 percentage points, or it is dropped."""
 
 
 @dataclass(frozen=True)
@@ -43,9 +52,12 @@ class PlannedMove:
     target: str
     size: int
     """The briefcase's value of the plan's measure (bytes, rows or 1)."""
+    cross_partition: bool = False
+    """The target is not a shard of the briefcase's partition (it lands there as a relocation)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"gdid": str(self.gdid), "source": self.source, "target": self.target, "size": self.size}
+        return {"gdid": str(self.gdid), "source": self.source, "target": self.target, "size": self.size,
+                "cross_partition": self.cross_partition}
 
 
 @dataclass
@@ -55,6 +67,12 @@ class RebalancePlan:
     before: dict[str, int]
     after: dict[str, int]
     moves: list[PlannedMove] = field(default_factory=list)
+    dropped: str | None = None
+    """Why the plan found moves but keeps none (under the minimum improvement); None otherwise."""
+
+    @property
+    def cross_partition(self) -> list[PlannedMove]:
+        return [m for m in self.moves if m.cross_partition]
 
     def max_skew(self, loads: dict[str, int]) -> float:
         return max((abs(v) for v in skew_of(dict(loads)).values()), default=0.0)
@@ -63,7 +81,8 @@ class RebalancePlan:
         return {
             "area": self.area, "by": self.by, "before": self.before, "after": self.after,
             "skew_before": self.max_skew(self.before), "skew_after": self.max_skew(self.after),
-            "moves": [m.to_json() for m in self.moves],
+            "moves": [m.to_json() for m in self.moves], "dropped": self.dropped,
+            "cross_partition": len(self.cross_partition),
         }
 
 
@@ -100,8 +119,11 @@ def _best(candidates: list[tuple[int, GDID]], gap: int, ideal: float) -> int | N
     return min(fitting)[1] if fitting else None
 
 
-def plan_rebalance(store: Cluster, area: str, *, by: Measure = "bytes", max_moves: int = 100) -> RebalancePlan:
-    """Greedy single-briefcase moves from the most to the least loaded server (see the module doc)."""
+def plan_rebalance(
+    store: Cluster, area: str, *, by: Measure = "bytes", max_moves: int = 100, min_improvement: float = MIN_IMPROVEMENT,
+) -> RebalancePlan:
+    """Greedy single-briefcase moves from the most to the least loaded server (see the module doc);
+    none when they would lower the largest skew by less than ``min_improvement`` (a fraction)."""
     store.refresh()
     before, candidates = _survey(store, area, by)
     loads = dict(before)
@@ -120,8 +142,23 @@ def plan_rebalance(store: Cluster, area: str, *, by: Measure = "bytes", max_move
         loads[hi] -= size
         loads[lo] += size
         plan.moves.append(PlannedMove(gdid, hi, lo, size))
-    plan.moves = _collapse(plan.moves)
+    plan.moves = _mark_partitions(store, area, _collapse(plan.moves))
+    gain = plan.max_skew(before) - plan.max_skew(loads)
+    if plan.moves and gain < min_improvement:
+        plan.dropped = (f"{len(plan.moves)} move(s) would lower the largest skew by {gain * 100:.1f} percentage points only "
+                        f"({plan.max_skew(before):.1%} -> {plan.max_skew(loads):.1%}), under the minimum improvement "
+                        f"of {min_improvement * 100:.1f} (--min-improvement): nothing planned")
+        plan.moves = []
+        plan.after = dict(before)
     return plan
+
+
+def _mark_partitions(store: Cluster, area: str, moves: list[PlannedMove]) -> list[PlannedMove]:
+    """Mark each move whose target is not in the shard list of its briefcase's partition."""
+    shards = {start: set(servers) for start, _, servers in store.router.partitions(area)}
+    return [PlannedMove(m.gdid, m.source, m.target, m.size,
+                        m.target not in shards[store.router.default_placement(area, m.gdid).partition_start])
+            for m in moves]
 
 
 def _collapse(moves: list[PlannedMove]) -> list[PlannedMove]:

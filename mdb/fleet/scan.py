@@ -8,15 +8,17 @@ Every scan streams (bounded memory on large shards).
 
 from __future__ import annotations
 
+from sqlalchemy import inspect as sa_inspect
+
 from mdb.backends import backend_of
-from mdb.backends.base import AreaData, AreaScan, BriefcaseSize, HasDocuments
+from mdb.backends.base import AreaData, AreaScan, BriefcaseSize, HasDocuments, documents_of
 from mdb.cluster import Cluster
 from mdb.errors import RoutingError
 from mdb.mongo.store import MongoStore
 from mdb.mongo.types import DocumentBriefcaseType
-from mdb.urls import MONGO
+from mdb.urls import MONGO, SQL
 
-__all__ = ["AreaData", "BriefcaseSize", "area_data", "document_types", "scan_of"]
+__all__ = ["AreaData", "BriefcaseSize", "area_data", "area_servers", "document_types", "holds_area", "scan_of"]
 
 
 def document_types(store: Cluster, area: str) -> list[type[DocumentBriefcaseType]]:
@@ -50,3 +52,34 @@ def area_data(store: Cluster, area: str) -> AreaData:
 def scan_of(store: Cluster, server: str, data: AreaData) -> AreaScan:
     """``server``'s scan of ``data``, from the backend of the server's kind."""
     return backend_of(store.map, server).scan(store, server, data)
+
+
+def holds_area(store: Cluster, server: str, data: AreaData) -> bool:
+    """Whether ``server`` has any table (collection) of ``data``: a server without them holds none of the area.
+
+    A server of another kind than the area's data holds none of it either. One catalog read.
+    """
+    kind = store.map.kind_of(server)
+    if kind == SQL and data.tables:
+        with store.transaction(server) as conn:
+            present = set(sa_inspect(conn).get_table_names())
+        return any(table.name in present for table, _ in data.tables)
+    if kind == MONGO and data.collections:
+        names = set(documents_of(store).database(server).list_collection_names())
+        return any(name in names for name, _ in data.collections)
+    return False
+
+
+def area_servers(store: Cluster, area: str, data: AreaData | None = None) -> list[str]:
+    """Every server that can hold ``area``'s briefcases, in map order: its layout, then relocation
+    targets outside it, then every other server the map names that has the area's tables
+    (spares, servers a reshard took out of the layout, shards of other areas built with every
+    area's tables). Without ``data`` only the layout and the relocation targets (no I/O).
+    """
+    out = list(dict.fromkeys(store.router.area_servers(area)))
+    for (a, _), server in sorted(store.router.relocations.items(), key=lambda item: item[1]):
+        if a == area and server not in out:
+            out.append(server)
+    if data is not None:
+        out += [s for s in store.map.servers if s not in out and holds_area(store, s, data)]
+    return out

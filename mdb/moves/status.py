@@ -100,7 +100,7 @@ def where(store: Cluster, area: str, gdid: GDID) -> BriefcaseWhere:
     kinds = move_kinds()
     out.moves_in_flight = [
         {**e.to_json(), "driver": describe(*liveness(journal, e))}
-        for e in journal.entries(unfinished=True) if e.kind in kinds and e.area == area and e.gdid == gdid
+        for e in journal.entries(unfinished=True) if e.kind in kinds and e.area == area and gdid in e.briefcases
     ]
     return out
 
