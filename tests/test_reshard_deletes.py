@@ -1,4 +1,4 @@
-"""The application deletes briefcases that a reshard planned, moved, or is moving (issue 28 item 4).
+"""The application deletes (and creates again) briefcases that a reshard planned, moved, or is moving (issue 28 item 4).
 
 A deleted briefcase is done: nothing to move, in the forward pass (deleted between the plan
 and its batch), after a SIGKILL and resume, and in a cancel's move-back (deleted on its new
@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable
 
-from movehelp import Cluster, locations, run_cli
+from movehelp import Cluster, create_user, locations, run_cli
 from sqlalchemy import delete
 from test_reshard_batches import SERVERS, USERS, cluster  # noqa: F401
 
@@ -81,9 +81,10 @@ def test_deletes_during_a_killed_reshard_its_resume_and_its_cancel_with_move_bac
     with cluster.store() as store:
         journal = Journal(store)
         moved = [g for e in journal.moves_of(entry.move_id) if e.status == "done" for g in e.briefcases if g in alive]
-        gone = moved[:2]
+        gone = moved[:3]
         _delete(store, gone)
-    alive -= set(gone)
+        create_user(store, gone[2], orders=1, lines=1)  # deleted and created again: routed where its GDID goes now
+    alive -= set(gone[:2])
     cancelled = run_cli(["moves", "cancel", str(cluster.path), entry.move_id, "--move-back"])
     assert cancelled.returncode == 0, (cancelled.stdout, cancelled.stderr)
     assert "3 deleted by the application meanwhile" in " ".join(cancelled.stdout.split()), cancelled.stdout

@@ -24,13 +24,14 @@ transaction that read an older epoch cannot commit after a claim committed. Docu
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
-from sqlalchemy import BigInteger, Column, Engine, MetaData, String, Table, insert, select, update
+from sqlalchemy import BigInteger, Column, Engine, MetaData, String, Table, insert, select, text, update
 from sqlalchemy.engine import Connection
 
 from mdb.briefcase import BriefcaseType
@@ -44,6 +45,8 @@ from mdb.urls import SQL
 if TYPE_CHECKING:
     from mdb.engines import EngineRegistry
     from mdb.session import BriefcaseSession
+
+log = logging.getLogger("mdb.moves.fencing")
 
 __all__ = ["FencedCluster", "check", "claim", "fence_check", "lease_fences", "unchecked"]
 
@@ -96,21 +99,55 @@ def check(conn: Connection, server: str, lease_id: str, epoch: int) -> None:
         _raise_or_take(conn, server, lease_id, epoch, seen)
 
 
+CLAIM_GRACE: Final = 2.0
+"""Seconds a claim waits for the older driver's open transactions before it ends their sessions."""
+
+
 def claim(cluster: Cluster, servers: Iterable[str], lease_id: str, epoch: int) -> None:
     """Raise the lease's epoch to ``epoch`` on every SQL server of ``servers`` (see the module docstring).
 
     Each claim is its own transaction and waits for the older driver's transactions that passed
     their check there; done before the new driver reads any state, so what it reads is final.
+    A driver paused *inside* such a transaction (its locks held) would make that wait endless,
+    so on PostgreSQL the sessions still blocking the claim after :data:`CLAIM_GRACE` seconds are
+    terminated: only drivers of this lease lock its fence row, and ending an old driver's
+    transaction before its commit point is what the source-is-authoritative rule expects.
     """
     for server in dict.fromkeys(servers):
         if cluster.map.kind_of(server) != SQL:
             continue
         _ensure_table(cluster, server)
-        with cluster.transaction(server) as conn:
+        with cluster.transaction(server) as conn, _ending_blockers(cluster, conn, server, lease_id):
             seen = conn.execute(
                 select(lease_fences.c.epoch).where(lease_fences.c.lease_id == lease_id).with_for_update()
             ).scalar_one_or_none()
             _raise_or_take(conn, server, lease_id, epoch, seen)
+
+
+@contextmanager
+def _ending_blockers(cluster: Cluster, conn: Connection, server: str, lease_id: str) -> Iterator[None]:
+    """While the block runs, terminate (from a second session) whatever blocks ``conn`` past the grace."""
+    if conn.dialect.name != "postgresql":
+        yield
+        return
+    pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(CLAIM_GRACE):
+            with cluster.transaction(server) as other:
+                for blocker in other.execute(text("SELECT unnest(pg_blocking_pids(:pid))"), {"pid": pid}).scalars():
+                    log.warning("server %r: ending session %s, which holds lease %s's fence for a driver whose lease "
+                                "was taken over (paused inside a transaction?)", server, blocker, lease_id)
+                    other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": blocker})
+
+    watcher = threading.Thread(target=watch, name=f"mdb-claim-{lease_id}", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 class FencedCluster:
