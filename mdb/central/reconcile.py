@@ -242,7 +242,7 @@ def repair(central: Central, indexes: Iterable[type[CentralIndex]], *, grace: fl
     before = check(central, idx_list, grace=grace)
     result = RepairReport(before)
     # Deletions first, so a key freed from a dangling or stale entry can be re-added below.
-    order = {"dangling": 0, "stale": 0, "unfinished": 1, "missing": 2, "conflict": 3}
+    order = {"dangling": 0, "stale": 0, "unfinished": 1, "missing": 2, "conflict": 3, "unreachable": 3}
     rows = {(r.index_name, r.key, r.gdid): r for r in _entries(central, before.indexes, DEFAULT_PARALLEL)}
     for problem in sorted(before.problems, key=lambda p: order[p.kind]):
         row = rows.get((problem.index, problem.key, problem.gdid))
