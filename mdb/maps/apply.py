@@ -24,6 +24,7 @@ from typing import Any, Literal
 from sqlalchemy import insert
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 
 from mdb import dberrors
 from mdb.backends import backend_of
@@ -179,7 +180,14 @@ def _adopt_running(cluster: Cluster, new_map: PartitionMap) -> None:
     cluster.refresh()
     records = recorded_identities(cluster)
     names = [s for s in cluster.map.servers_of_kind(SQL) if s in new_map.servers and s not in records]
-    record_identities(cluster, adopt(cluster, names))
+    moving = {s for s in names if cluster.map.servers[s].primary != new_map.servers[s].primary}
+    adopted = adopt(cluster, [s for s in names if s not in moving])  # a down server stops the apply, as step 1 would
+    for name in moving:
+        try:
+            adopted.update(adopt(cluster, [name]))
+        except (MdbError, DBAPIError):  # its old address is gone: the diff shows the new URL as not confirmed, and why
+            continue
+    record_identities(cluster, adopted)
 
 
 def live_diff(
