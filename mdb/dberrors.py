@@ -189,7 +189,10 @@ def translate(server: str, exc: BaseException) -> MdbError | None:
     ) or (
         getattr(exc.orig, "sqlstate", None) is None and any(s.lower() in lowered for s in _MISSING_TABLE)
     ):
-        return SchemaError(f"server {server!r}: {detail} (run `mdb schema apply MAP`)")
+        # Not a bare "run schema apply": a missing table is also what a mistyped URL that reaches
+        # another (empty) database looks like, and schema apply refuses that (server identity).
+        return SchemaError(f"server {server!r}: {detail} (if the map's URL for {server!r} reaches the right database, "
+                           "`mdb schema apply MAP` creates it)")
     return None
 
 

@@ -377,7 +377,8 @@ def check_ownership(rows: list[tuple[Any, ...]] | None, placement: Placement, ma
         return
     if start is None:
         raise StaleRouteError(
-            f"{what}: the server carries no layout stamp for area {placement.area!r} (run `mdb schema apply`)"
+            f"{what}: the server carries no layout stamp for area {placement.area!r} (if the map's URL for it reaches "
+            "the right database, run `mdb schema apply`)"
         )
     stamped = (_gdid(start), _gdid(end), int(index), int(count))
     expected = (placement.partition_start, placement.partition_end, placement.shard_index, placement.shard_count)

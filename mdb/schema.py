@@ -6,6 +6,13 @@ and the others proceed. Reports come back in map order whatever order the shards
 changing an existing stamp is a map change and belongs to ``mdb map apply`` (edit safety).
 Servers that no area uses yet are prepared for every area, so they can receive moves.
 
+Every SQL server's database is checked against its identity in CENTRAL first
+(:mod:`mdb.maps.identity`): a URL that reaches a database other than the one CENTRAL recorded
+for the server name is refused for that server before anything is created or stamped there, so
+a mistyped URL never makes an empty database take over a server's slot. A name CENTRAL never
+recorded (a new server, a fleet from before identities) is adopted: its database gets an
+identity and CENTRAL records it.
+
 Creating only what is missing would let an existing table that no longer matches its model
 pass as "ok", and the first write would fail instead. So every run, and ``check_schema``
 without creating anything, compares each server's tables with the models
@@ -25,6 +32,7 @@ from mdb.backends.sql import create_tables, stamp_layout
 from mdb.briefcase import registered_types
 from mdb.dberrors import describe
 from mdb.errors import MdbError
+from mdb.maps.identity import Recorded, ensure_on, identity_problem, read_identity, record_identities, recorded_identities
 from mdb.parallel import DEFAULT_PARALLEL, run_each
 from mdb.router import Router, ShardLayout
 from mdb.schema_diff import Difference, compare_tables
@@ -49,6 +57,8 @@ class ShardReport:
     differences: list[Difference] = field(default_factory=list)
     """How the server's tables differ from the models (after this run created what was missing)."""
     error: str | None = None
+    identity: str | None = None
+    """The identity of the database the server's URL reaches (SQL servers; after the run)."""
 
     @property
     def ok(self) -> bool:
@@ -150,15 +160,38 @@ def _server_schema(
     return roles, ServerSchema(layouts, store.map.version, tables=tables, known_tables=known)
 
 
+def _identity_refusal(store: Store, server: str, recorded: Recorded | None) -> str | None:
+    """Why ``server``'s URL reaches a database that is not the one CENTRAL recorded for it, or None."""
+    if recorded is None:
+        return None  # adopted after the run: nothing to compare with
+    with store.transaction(server) as conn:
+        live = read_identity(conn)
+    return identity_problem(server, store.engines.masked_url(server), live, recorded)
+
+
 def _apply_server(
-    store: Store, router: Router, server: str, layouts: list[ShardLayout], known: set[str]
+    store: Store, router: Router, server: str, layouts: list[ShardLayout], known: set[str],
+    records: dict[str, Recorded] | None,
 ) -> ShardReport:
-    """One server's part of ``apply_schema``, done by its backend: its failure is recorded on its report."""
+    """One server's part of ``apply_schema``, done by its backend: its failure is recorded on its report.
+
+    ``records``: CENTRAL's identity records (None: CENTRAL could not be read, so no SQL server is touched).
+    """
     report = ShardReport(server, store.engines.masked_url(server))
     backend = backend_of(store.map, server)
     report.roles, schema = _server_schema(store, router, server, layouts, known)
+    is_sql = store.map.kind_of(server) == SQL
     try:
+        if is_sql:
+            if records is None:
+                raise MdbError(f"server {server!r}: not applied: CENTRAL's record of server identities could not be read")
+            refusal = _identity_refusal(store, server, records.get(server))
+            if refusal is not None:
+                report.error = refusal + "; nothing was created or stamped there"
+                return report
         outcome = backend.apply_schema(store, server, schema)
+        if is_sql:
+            report.identity = ensure_on(store, server)
     except Exception as exc:  # this shard's failure, the others proceed
         translated = backend.translate(store, server, exc)
         _shard_failed(server, report, exc if translated is None else translated)
@@ -178,6 +211,11 @@ def apply_schema(
     """
     router, layouts = _server_plan(store)
     known = known_tables(store)
+    records: dict[str, Recorded] | None
+    try:
+        records = recorded_identities(store)
+    except (MdbError, DBAPIError):  # CENTRAL down: no SQL server is touched (each report says so)
+        records = None
     # Two server names for one database are done one after the other: concurrent CREATE TABLEs
     # of the same table would make one of them fail.
     same_database: dict[str, list[str]] = {}
@@ -185,7 +223,7 @@ def apply_schema(
         same_database.setdefault(spec.primary, []).append(server)
 
     def group(servers: list[str]) -> list[ShardReport]:
-        return [_apply_server(store, router, s, layouts.get(s, []), known) for s in servers]
+        return [_apply_server(store, router, s, layouts.get(s, []), known, records) for s in servers]
 
     def done(reports: list[ShardReport]) -> None:
         for report in reports:
@@ -197,4 +235,10 @@ def apply_schema(
         for reports in run_each(list(same_database.values()), group, parallel=parallel, on_done=done, name="mdb-schema-apply")
         for r in reports
     }
-    return [by_server[s] for s in store.map.servers]
+    reports = [by_server[s] for s in store.map.servers]
+    if records is not None:  # adopt the names CENTRAL never recorded, now that their databases carry an identity
+        record_identities(store, {
+            r.server: (r.identity, store.map.servers[r.server].masked_primary)
+            for r in reports if r.identity is not None and r.server not in records
+        })
+    return reports

@@ -3,7 +3,9 @@
 ``shard_metadata`` lives on every server: the ownership stamp each session checks
 (``mdb_shard_layout``) and the per-briefcase exceptions to default routing
 (``mdb_briefcase_state``: fences, incoming copies, relocated residents). ``central_metadata``
-lives on the CENTRAL shards only; feature modules (GDID sequences, indexes, the relocation
+lives on the CENTRAL shards only. Tables defined elsewhere join them: the server identity
+(``mdb_server_identity``, on every server, and CENTRAL's record of it, ``mdb_server_ids``, both
+in :mod:`mdb.maps.identity`). Feature modules (GDID sequences, indexes, the relocation
 directory, the move journal) define their tables on it, and :func:`load_system_tables`
 imports them so that ``mdb schema apply`` creates every one of them.
 """
@@ -73,6 +75,7 @@ briefcase_state = Table(
 CENTRAL_TABLE_MODULES: Final[tuple[str, ...]] = (
     "mdb.backends.sql",
     "mdb.maps.history",
+    "mdb.maps.identity",
     "mdb.idgen",
     "mdb.central.indexes",
     "mdb.moves.journal",

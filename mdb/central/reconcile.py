@@ -11,6 +11,13 @@ root column, normalized, equals the key. Problems:
 - ``unfinished``: a pending entry the root confirms (a creation that crashed after writing);
 - ``missing``: a root carries a key that no entry maps to its GDID;
 - ``conflict``: two briefcases' roots carry one unique key; repair cannot choose, it reports.
+- ``unreachable``: the entry's briefcase is on a shard that did not answer, or that answered
+  with the wrong identity (its URL reaches a database other than the one CENTRAL recorded for
+  it, :mod:`mdb.maps.identity`). Its briefcase is not known to be missing, only out of sight,
+  so repair never deletes such an entry; it reports it until the shard is back.
+
+An entry is only ``dangling`` when the shard the router places its briefcase on was read and
+is the database CENTRAL knows under that name.
 
 Pending entries younger than the grace period and not confirmed are creations in flight: listed
 as ``in_progress``, not counted as problems. Repair: unfinished -> live, dangling and stale ->
@@ -27,17 +34,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sqlalchemy import insert, select
+from sqlalchemy.exc import DBAPIError
 
 from mdb.briefcase import BriefcaseType
 from mdb.central.indexes import STATE_LIVE, STATE_PENDING, CentralIndex, IndexRow, central_index
 from mdb.central.service import Central
-from mdb.errors import DuplicateRowError
+from mdb.errors import DuplicateRowError, MdbError
 from mdb.gdid import GDID
+from mdb.maps.identity import Recorded, identity_problem, read_identity, recorded_identities
 from mdb.parallel import DEFAULT_PARALLEL, run_each
 
 __all__ = ["CheckReport", "Problem", "check", "repair"]
 
-PROBLEM_KINDS = ("dangling", "stale", "unfinished", "missing", "conflict")
+PROBLEM_KINDS = ("dangling", "stale", "unfinished", "missing", "conflict", "unreachable")
 
 
 @dataclass(frozen=True)
@@ -103,10 +112,15 @@ def _entries(central: Central, names: list[str], parallel: int) -> list[IndexRow
     return [row for rows in per_server for row in rows]
 
 
-def _roots(central: Central, btype: type[BriefcaseType], columns: list[str], parallel: int) -> dict[GDID, dict[str, Any]]:
+def _roots(
+    central: Central, btype: type[BriefcaseType], columns: list[str], parallel: int,
+    records: dict[str, Recorded], unread: dict[str, str],
+) -> dict[GDID, dict[str, Any]]:
     """Every root row of ``btype`` where the router places it: gdid -> {column: value}.
 
-    ``parallel`` shards are read at a time: each read is mostly waiting on its server.
+    ``parallel`` shards are read at a time: each read is mostly waiting on its server. A shard
+    that does not answer, or whose URL reaches a database other than the one CENTRAL recorded
+    for it, is not read: it goes into ``unread`` (server -> why), and its briefcases are unknown.
     """
     router = central.cluster.router
     table = btype.tables[0]
@@ -117,18 +131,28 @@ def _roots(central: Central, btype: type[BriefcaseType], columns: list[str], par
     ]))
     stmt = select(key, *(table.c[name] for name in columns))
 
-    def read(server: str) -> dict[GDID, dict[str, Any]]:
+    def read(server: str) -> tuple[str, dict[GDID, dict[str, Any]] | str]:
         found: dict[GDID, dict[str, Any]] = {}
-        with central.cluster.transaction(server, readonly=False) as conn:
-            for row in conn.execute(stmt):
-                gdid = row[0]
-                if router.locate(btype.area, gdid).server == server:
-                    found[gdid] = dict(zip(columns, row[1:]))
-        return found
+        try:
+            with central.cluster.transaction(server, readonly=False) as conn:
+                problem = identity_problem(server, central.cluster.engines.masked_url(server), read_identity(conn),
+                                           records.get(server))
+                if problem is not None:
+                    return server, problem
+                for row in conn.execute(stmt):
+                    gdid = row[0]
+                    if router.locate(btype.area, gdid).server == server:
+                        found[gdid] = dict(zip(columns, row[1:]))
+        except (MdbError, DBAPIError) as exc:  # reported per entry as "unreachable", never taken for "dangling"
+            return server, f"server {server!r} did not answer: {exc}"
+        return server, found
 
     out: dict[GDID, dict[str, Any]] = {}
-    for found in run_each(servers, read, parallel=parallel, name="mdb-central-check"):
-        out.update(found)  # a GDID is kept only from the one server the router places it on
+    for server, result in run_each(servers, read, parallel=parallel, name="mdb-central-check"):
+        if isinstance(result, str):
+            unread[server] = result
+        else:
+            out.update(result)  # a GDID is kept only from the one server the router places it on
     return out
 
 
@@ -154,11 +178,13 @@ def check(
     entries = _entries(central, list(by_name), parallel)
     report.entries = len(entries)
     roots_by_type: dict[type[BriefcaseType], dict[GDID, dict[str, Any]]] = {}
+    records = recorded_identities(central.cluster)
+    unread: dict[str, str] = {}
     for idx in idx_list:
         btype = central.briefcase_type(idx)
         if btype not in roots_by_type:
             columns = sorted({i.root_column for i in idx_list if i.root_column and central.briefcase_type(i) is btype})
-            roots_by_type[btype] = _roots(central, btype, columns, parallel)
+            roots_by_type[btype] = _roots(central, btype, columns, parallel, records, unread)
     report.briefcases = sum(len(r) for r in roots_by_type.values())
     now = time.time()
     valid: dict[tuple[str, str], set[GDID]] = {}
@@ -181,7 +207,10 @@ def check(
                 report.problems.append(Problem("unfinished", row.index_name, row.key, row.gdid, row.state,
                                                "pending entry whose briefcase exists: finish it"))
             continue
-        if root is None:
+        shard = central.cluster.router.locate(idx.area, row.gdid).server if root is None else None
+        if shard is not None and shard in unread:
+            kind, detail = "unreachable", f"its shard was not read, so the briefcase is not known to be missing: {unread[shard]}"
+        elif root is None:
             kind, detail = "dangling", "the briefcase does not exist"
         else:
             kind, detail = "stale", f"the briefcase root carries {idx.root_column}={carried_raw!r}"
@@ -213,7 +242,7 @@ def repair(central: Central, indexes: Iterable[type[CentralIndex]], *, grace: fl
     before = check(central, idx_list, grace=grace)
     result = RepairReport(before)
     # Deletions first, so a key freed from a dangling or stale entry can be re-added below.
-    order = {"dangling": 0, "stale": 0, "unfinished": 1, "missing": 2, "conflict": 3}
+    order = {"dangling": 0, "stale": 0, "unfinished": 1, "missing": 2, "conflict": 3, "unreachable": 3}
     rows = {(r.index_name, r.key, r.gdid): r for r in _entries(central, before.indexes, DEFAULT_PARALLEL)}
     for problem in sorted(before.problems, key=lambda p: order[p.kind]):
         row = rows.get((problem.index, problem.key, problem.gdid))

@@ -2,7 +2,8 @@
 
 ``route``, ``central-shard`` and ``map show`` need no database, but they answer for the map the
 system runs (:func:`mdb.cli.app.open_map`): the newest applied map when CENTRAL answers, the
-file with a note when it does not. ``map check`` checks the file itself.
+file with a note when it does not. ``map check`` (in :mod:`mdb.cli.map_edit_cmd`) checks the
+file itself, and the servers it names against their identities.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from mdb.cli.app import DefaultCommandGroup, app, console, emit_json, map_app, open_map, read_map_file
+from mdb.cli.app import DefaultCommandGroup, app, console, emit_json, map_app, open_map
 from mdb.cli.options import JsonOpt
 from mdb.gdid import GDID
 from mdb.partition_map import PartitionMap
 from mdb.router import Router
+from mdb.urls import mask_url
 
 gdid_app = typer.Typer(
     cls=DefaultCommandGroup,
@@ -91,24 +93,6 @@ def central_shard(
     console.print(table)
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-@map_app.command("check")
-def map_check(map_path: Annotated[str, typer.Argument(metavar="MAP")], as_json: JsonOpt = False) -> None:
-    """Validate a map file (every server's URL and driver included); a one-line summary, or the problems with file and line."""
-    pmap = read_map_file(map_path)
-    router = Router(pmap)
-    partitions = sum(1 for a in router.area_names() for _ in router.partitions(a))
-    if as_json:
-        emit_json({"map": map_path, "ok": True, "version": pmap.version, "servers": len(pmap.servers),
-                   "areas": len(pmap.areas), "partitions": partitions})
-        return
-    console.print(f"{map_path}: ok: version {pmap.version}, {_count(len(pmap.servers), 'server')}, "
-                  f"{_count(len(pmap.areas), 'area')}, {_count(partitions, 'partition')}", markup=False)
-
-
 def _partition_rows(pmap: PartitionMap) -> list[dict[str, Any]]:
     rows = []
     for area in Router(pmap).area_names():
@@ -122,13 +106,15 @@ def _partition_rows(pmap: PartitionMap) -> list[dict[str, Any]]:
 
 @map_app.command("show")
 def map_show(map_path: Annotated[str, typer.Argument(metavar="MAP")], as_json: JsonOpt = False) -> None:
-    """Show the map the system runs: servers (masked URLs) and every partition's shards."""
+    """Show the map the system runs: servers (masked URLs, pooler and direct URL where set) and every partition's shards."""
     pmap = open_map(map_path)
     router = Router(pmap)
     if as_json:
         emit_json({
             "version": pmap.version,
-            "servers": {name: {"primary": spec.masked_primary, "replica": spec.masked_replica} for name, spec in pmap.servers.items()},
+            "servers": {name: {"primary": spec.masked_primary, "replica": spec.masked_replica, "pooler": spec.pooler,
+                               "direct": None if spec.direct is None else mask_url(spec.direct)}
+                        for name, spec in pmap.servers.items()},
             "central": {"area": pmap.central_area, "shards": list(router.central_servers())},
             "partitions": _partition_rows(pmap),
         })
@@ -137,8 +123,15 @@ def map_show(map_path: Annotated[str, typer.Argument(metavar="MAP")], as_json: J
     servers.add_column("server")
     servers.add_column("primary")
     servers.add_column("replica")
+    pooled = any(spec.pooler != "none" or spec.direct is not None for spec in pmap.servers.values())
+    if pooled:  # a map without a pooler keeps its narrow table
+        servers.add_column("pooler")
+        servers.add_column("direct")
     for name, spec in pmap.servers.items():
-        servers.add_row(escape(name), escape(spec.masked_primary), escape(spec.masked_replica or "-"))
+        cells = [escape(name), escape(spec.masked_primary), escape(spec.masked_replica or "-")]
+        if pooled:
+            cells += [escape(spec.pooler), escape("-" if spec.direct is None else mask_url(spec.direct))]
+        servers.add_row(*cells)
     console.print(servers)
     areas = Table(title="areas")
     for col in ("area", "range set", "partition start", "shards"):

@@ -1,4 +1,10 @@
-"""``mdb map diff``, ``apply``, ``history`` and ``pull``: safe map edits (invariant 4).
+"""``mdb map check``, ``diff``, ``apply``, ``history`` and ``pull``: safe map edits (invariant 4).
+
+``check MAP`` validates the file, refuses literal passwords by the rule ``apply`` records maps
+by (:func:`mdb.maps.text.literal_secrets`), and, unless ``--offline``, asks the system whether
+each server whose URL differs from the applied map's reaches the database CENTRAL recorded for
+it (:mod:`mdb.maps.identity`); when CENTRAL does not answer it says the identities were not
+checked, never "ok" for them.
 
 ``diff`` is offline by default: without a high-water mark nothing new can be shown to be safe,
 so new partitions are refused until the mark comes from ``--high-water AREA=GDID`` or from the
@@ -16,22 +22,29 @@ from typing import Annotated
 
 import typer
 from rich.markup import escape
+from sqlalchemy.exc import DBAPIError
 from rich.table import Table
 
-from mdb.cli.app import EXIT_NOT_FOUND, EXIT_REFUSED, console, emit_json, fail, map_app, open_map, open_store, read_map_file
+from mdb.cli.app import (
+    CENTRAL_WAIT_SECONDS, EXIT_NOT_FOUND, EXIT_REFUSED, _within, console, emit_json, fail, map_app, open_map, open_store,
+    read_map_file, warn,
+)
 from mdb.cli.options import JsonOpt, ModelsOpt
-from mdb.errors import GDIDError
+from mdb.errors import GDIDError, MdbError
 from mdb.gdid import GDID
 from mdb.maps.apply import ApplyReport, apply_map, live_diff
 from mdb.maps.diff import MapDiff, diff_maps
 from mdb.maps.high_water import high_water_marks
 from mdb.maps.history import applied_maps, newest_applied
-from mdb.maps.text import write_map_file
+from mdb.maps.identity import IdentityFinding, survey
+from mdb.maps.text import literal_secrets, write_map_file
 from mdb.migrations.scripts import scripts_root, stamp_new_servers
-from mdb.partition_map import PartitionMap, read_map_text
+from mdb.partition_map import PartitionMap, read_map_text, safe_yaml_load
+from mdb.router import Router
 from mdb.store import Store
+from mdb.urls import SQL
 
-__all__ = ["map_apply", "map_diff", "map_history", "map_pull"]
+__all__ = ["map_apply", "map_check", "map_diff", "map_history", "map_pull"]
 
 MarginOpt = Annotated[
     int, typer.Option("--margin", min=0, help="add this many counter values of headroom to each live high-water mark"),
@@ -65,6 +78,74 @@ def _high_water(texts: list[str] | None, old: PartitionMap) -> dict[str, GDID]:
             fail(f"--high-water {area}=...: map version {old.version} has no partitioned area {area!r} "
                  f"(it has: {', '.join(areas) or 'none'})")
     return marks
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _identities(pmap: PartitionMap, map_path: str) -> list[IdentityFinding]:
+    """The identity findings of ``pmap``'s SQL servers whose URL differs from the applied map's
+    (every SQL server when no map was applied yet); raises when CENTRAL does not answer."""
+    reach = Store(pmap, types=[], map_path=map_path)
+    old: Store | None = None
+    try:
+        applied = newest_applied(reach)
+        names = pmap.servers_of_kind(SQL)
+        if applied is not None:
+            old = Store(applied.parse(pmap), types=[])
+            before = old.map.servers
+            names = [n for n in names if n not in before or before[n].primary != pmap.servers[n].primary]
+        return survey(reach, reach, names, old=old)
+    finally:
+        reach.close()
+        if old is not None:
+            old.close()
+
+
+@map_app.command("check")
+def map_check(
+    map_path: Annotated[str, typer.Argument(metavar="MAP")],
+    offline: Annotated[bool, typer.Option("--offline", help="check the file only; do not ask CENTRAL about server identities")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Validate a map file; refuse literal passwords and URLs that reach another database. Exit 2 if refused."""
+    pmap = read_map_file(map_path)
+    router = Router(pmap)
+    partitions = sum(1 for a in router.area_names() for _ in router.partitions(a))
+    problems = literal_secrets(safe_yaml_load(read_map_text(map_path), map_path))
+    findings: list[IdentityFinding] = []
+    not_checked: str | None = "--offline" if offline else None
+    if not offline:
+        try:
+            findings = _within(CENTRAL_WAIT_SECONDS, lambda: _identities(pmap, map_path))
+        except (MdbError, DBAPIError, TimeoutError) as exc:
+            not_checked = f"CENTRAL did not answer: {exc}"
+    problems += [f.problem for f in findings if f.verdict == "refused" and f.problem]
+    unconfirmed = [f for f in findings if f.verdict in ("unreachable", "unconfirmed")]
+    if as_json:
+        emit_json({"map": map_path, "ok": not problems, "version": pmap.version, "servers": len(pmap.servers),
+                   "areas": len(pmap.areas), "partitions": partitions, "problems": problems,
+                   "identities": {"checked": not_checked is None, "not_checked": not_checked,
+                                  "servers": [f.to_json() for f in findings]}})
+    else:
+        verdict = "ok" if not problems else "refused"
+        console.print(f"{map_path}: {verdict}: version {pmap.version}, {_count(len(pmap.servers), 'server')}, "
+                      f"{_count(len(pmap.areas), 'area')}, {_count(partitions, 'partition')}", markup=False)
+        for line in problems:
+            console.print(f"  refused: {line}", markup=False)
+        if not_checked is not None:
+            console.print(f"server identities not checked ({not_checked}): only the file was checked", markup=False)
+        else:
+            confirmed = sum(1 for f in findings if f.verdict == "ok")
+            new = sum(1 for f in findings if f.verdict == "new")
+            console.print(f"server identities: {confirmed} confirmed, {new} not recorded yet (recorded by the next apply), "
+                          f"{len(unconfirmed)} not confirmed, of {_count(len(findings), 'server')} with a new or changed URL",
+                          markup=False)
+    for f in unconfirmed:
+        warn(f.problem or f"server {f.server!r}: not confirmed")
+    if problems:
+        raise typer.Exit(EXIT_REFUSED)
 
 
 def print_diff(diff: MapDiff) -> None:

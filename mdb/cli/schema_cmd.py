@@ -72,7 +72,7 @@ def _summary(reports: list[ShardReport]) -> None:
 
 def _report_json(r: ShardReport) -> dict[str, object]:
     return {"server": r.server, "url": r.url, "roles": r.roles, "created": r.created, "stamped": r.stamped,
-            "kept": r.kept, "problems": [mask_secrets(p) for p in r.problems],
+            "kept": r.kept, "identity": r.identity, "problems": [mask_secrets(p) for p in r.problems],
             "differences": [d.to_json() for d in r.differences],
             "error": None if r.error is None else mask_secrets(r.error), "ok": r.ok}
 
@@ -98,7 +98,7 @@ def _print(reports: list[ShardReport], map_version: int) -> None:
 
 def _check_json(report: ShardReport) -> dict[str, object]:
     """A shard's report as ``schema check`` prints it: ``apply``'s without what apply wrote."""
-    return {k: v for k, v in _report_json(report).items() if k not in ("created", "stamped", "kept")}
+    return {k: v for k, v in _report_json(report).items() if k not in ("created", "stamped", "kept", "identity")}
 
 
 def _finish(reports: list[ShardReport], map_version: int, as_json: bool,

@@ -6,6 +6,13 @@ with the live high-water marks (:mod:`mdb.maps.high_water`) through the pure dif
 (:mod:`mdb.maps.diff`), writes nothing unless every change is accepted, and records the map
 in CENTRAL so every Store picks it up on refresh. A tool: it opens a Store on the new map to
 reach servers the old one does not name, and prepares their tables with :mod:`mdb.schema`.
+
+Every SQL server of the new map must reach the database CENTRAL recorded for its name
+(:mod:`mdb.maps.identity`); a URL that reaches another one is a refused change in the diff
+(``server-identity``), so a dry run refuses it too. A real apply first gives the databases of
+names CENTRAL never recorded an identity through the URLs of the map the system runs, so a
+changed URL of such a server is compared with them; after the stamps, the names still
+unrecorded (new servers) are recorded.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from typing import Any, Literal
 from sqlalchemy import insert
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 
 from mdb import dberrors
 from mdb.backends import backend_of
@@ -26,8 +34,10 @@ from mdb.cluster import Cluster
 from mdb.errors import MapEditError, MdbError
 from mdb.gdid import GDID
 from mdb.maps.diff import MapDiff, diff_maps
+from mdb.maps.diff import MapChange
 from mdb.maps.high_water import high_water_marks, stored_high_water
 from mdb.maps.history import AppliedMap, maps_server, maps_table, newest_applied
+from mdb.maps.identity import IdentityFinding, adopt, record_identities, recorded_identities, survey
 from mdb.maps.text import recordable_yaml
 from mdb.partition_map import PartitionMap, read_map_text
 from mdb.router import Router, ShardLayout
@@ -129,6 +139,29 @@ def _shrink_check(cluster: Cluster, conn: Connection, server: str, area: str, li
         )
 
 
+def _identity_change(f: IdentityFinding) -> MapChange | None:
+    """A diff row for a server whose URL may not be trusted (refused) or cannot be confirmed (accepted, said so)."""
+    if f.verdict == "unreachable" and f.error is not None:
+        raise f.error  # a down server stops the apply before anything changes, as step 1 always did
+    if f.verdict not in ("refused", "unconfirmed"):
+        return None
+    old = None if f.recorded is None else f"{f.recorded.identity or 'no identity'} at {f.recorded.url}"
+    new = f"{f.live or 'no identity'} at {f.url}"
+    return MapChange("server-identity", f"server {f.server}", old, new, f.verdict != "refused", f.problem or "")
+
+
+def _with_identities(diff: MapDiff, cluster: Cluster, new_map: PartitionMap) -> MapDiff:
+    """``diff`` plus a refused ``server-identity`` change for each SQL server of ``new_map`` whose URL
+    reaches a database other than the one CENTRAL recorded (or its old URL reaches)."""
+    target = Store(new_map, types=[])
+    try:
+        findings = survey(cluster, target, new_map.servers_of_kind(SQL), old=cluster)
+    finally:
+        target.close()
+    rows = [c for c in map(_identity_change, findings) if c is not None]
+    return diff if not rows else MapDiff(diff.old_version, diff.new_version, (*diff.changes, *rows), diff.high_water)
+
+
 def _live_diff(
     cluster: Cluster, new_map: PartitionMap, allow_reshard_of: tuple[str, GDID] | None, margin: int
 ) -> tuple[MapDiff, PartitionMap, AppliedMap | None]:
@@ -138,7 +171,23 @@ def _live_diff(
     relocated_to = set(cluster.router.relocations.values())
     marks = high_water_marks(cluster, margin=margin)
     diff = diff_maps(old_map, new_map, marks, allow_reshard_of=allow_reshard_of, relocated_to=relocated_to)
-    return diff, old_map, old_applied
+    return _with_identities(diff, cluster, new_map), old_map, old_applied
+
+
+def _adopt_running(cluster: Cluster, new_map: PartitionMap) -> None:
+    """Give the databases of the names CENTRAL never recorded an identity, through the map the system
+    runs, and record them: a changed URL of such a server is then checked like any other."""
+    cluster.refresh()
+    records = recorded_identities(cluster)
+    names = [s for s in cluster.map.servers_of_kind(SQL) if s in new_map.servers and s not in records]
+    moving = {s for s in names if cluster.map.servers[s].primary != new_map.servers[s].primary}
+    adopted = adopt(cluster, [s for s in names if s not in moving])  # a down server stops the apply, as step 1 would
+    for name in moving:
+        try:
+            adopted.update(adopt(cluster, [name]))
+        except (MdbError, DBAPIError):  # its old address is gone: the diff shows the new URL as not confirmed, and why
+            continue
+    record_identities(cluster, adopted)
 
 
 def live_diff(
@@ -189,6 +238,8 @@ def apply_map(
     """
     # A map given as text (a reshard's) has relative SQLite paths; they mean what the Store's do.
     new_map = new_map.resolved_in(cluster.map.folder)
+    if not dry_run:
+        _adopt_running(cluster, new_map)
     diff, old_map, old_applied = _live_diff(cluster, new_map, allow_reshard_of, margin)
     report = ApplyReport(old_map.version, new_map.version, diff)
     diff.raise_if_refused()
@@ -277,6 +328,10 @@ def apply_map(
                 "restoring stamps FAILED on: " + "; ".join(problems) + " (run the apply again to finish)"
             )
             raise MapEditError(f"map version {new_map.version} not applied: {detail}; {restored}") from exc
+
+        # the identities of the servers CENTRAL has no record of yet (new ones), recorded before publishing
+        records = recorded_identities(cluster)
+        record_identities(cluster, adopt(target, [s for s in new_map.servers_of_kind(SQL) if s not in records]))
 
         # 6. publish
         server = maps_server(new_map)

@@ -25,7 +25,7 @@ from mdb.gdid import GDID
 from mdb.partition_map import PartitionMap, parse_map, safe_yaml_load
 from mdb.urls import mask_url
 
-__all__ = ["backup_map_file", "new_map_text", "recordable_yaml", "rewrite_map_file", "write_map_file"]
+__all__ = ["backup_map_file", "literal_secrets", "new_map_text", "recordable_yaml", "rewrite_map_file", "write_map_file"]
 
 log = logging.getLogger("mdb.maps.text")
 
@@ -88,15 +88,26 @@ def recordable_yaml(pmap: PartitionMap, yaml_text: str | None, known_texts: Iter
                 if key in spec and spec[key] in raw:
                     spec[key] = raw[spec[key]]
         yaml_text = yaml.safe_dump(data, sort_keys=False)
-    for name, spec in (data.get("servers") or {}).items():
+    problems = literal_secrets(data)
+    if problems:
+        raise MapEditError(problems[0])
+    return yaml_text
+
+
+def literal_secrets(data: object) -> list[str]:
+    """One line per URL of map data (the YAML as written, ``${NAME}`` not expanded) that carries a
+    literal password: the one rule ``map apply`` refuses by and ``map check`` reports by."""
+    servers = data.get("servers") if isinstance(data, dict) else None
+    problems = []
+    for name, spec in (servers if isinstance(servers, dict) else {}).items():
         for key in ("primary", "replica", "direct"):
-            url = spec.get(key)
+            url = spec.get(key) if isinstance(spec, dict) else None
             if isinstance(url, str) and _literal_secret(url):
-                raise MapEditError(
+                problems.append(
                     f"server {name!r} {key} URL {mask_url(url)} carries a literal password; the applied map is "
                     "stored in CENTRAL, so write it as ${NAME} (expanded from the environment)"
                 )
-    return yaml_text
+    return problems
 
 
 def new_map_text(current_text: str, area: str, start: GDID, new_shards: list[str], version: int) -> str:
