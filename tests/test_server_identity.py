@@ -158,6 +158,11 @@ def test_a_mistyped_database_url_is_refused_at_every_step_and_nothing_is_lost(fl
     repair = mdb("central", "repair", str(v2), "--json", cwd=fleet.folder)
     assert repair.returncode == 1 and repair.stdout.startswith("{"), repair.stdout[:2000] + repair.stderr
     assert json.loads(repair.stdout)["fixed"] == {} and fleet.entries() == entries
+    # fsck through the mistyped map stops at user-2 (another database: none of the area's tables) and
+    # never suggests the repair that would complete the mistake.
+    fsck = mdb("fsck", str(v2), "user", "--json", cwd=fleet.folder)
+    assert fsck.returncode == 2 and "user-2" in fsck.stderr, fsck.stdout[:2000] + fsck.stderr
+    assert "central repair" not in fsck.stdout + fsck.stderr
 
     # Nothing was applied: the system still runs v1 and every user is there.
     assert one_value(fleet.urls["central"], select(func.count()).select_from(maps_table)) == 0
