@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from movehelp import ROOT, Cluster, make_cluster, run_cli
+from movehelp import ROOT, Cluster, locations, make_cluster, run_cli, snapshot
 from sqlalchemy import select, text
 from test_reshard_batches import BATCH_POINTS, SERVERS, Writers, _check_placement, _check_writes, cluster, writers  # noqa: F401
 
@@ -166,3 +166,38 @@ def test_a_claim_waits_for_the_old_drivers_checked_transaction_and_refuses_it_af
         with pytest.raises(LeaseLostError):
             with old.transaction("u1"):
                 pass
+
+
+@pytest.mark.parametrize("point", ["move.after_copy_commit", "move.before_commit_point", "move.after_commit_point"])
+def test_a_single_move_paused_past_its_lease_writes_nothing_after_a_takeover(point: str, cluster: Cluster) -> None:  # noqa: F811
+    """``mdb move`` drives its own lease: paused before, at and after its commit point while another host resumes it."""
+    from mdb.gdid import GDID
+
+    with cluster.store() as store:
+        g = GDID(0, 0, 3)
+        source = store.router.locate("user", g).server
+        target = "x"
+        before = snapshot(store, SERVERS)
+    env = {**os.environ, **FAST_LEASE, "PYTHONPATH": str(ROOT), "MDB_HOST_NAME": "host-a",
+           "MDB_FAULT_POINT": point, "MDB_FAULT_ACTION": "stop"}
+    first = subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", "move", str(cluster.path), "user", str(g),
+                              "--to", target], cwd=str(ROOT), env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_stopped(first, point)
+        time.sleep(float(FAST_LEASE["MDB_LEASE_STALE_SECONDS"]) + 1)
+        second = run_cli(["moves", "resume", str(cluster.path)], env={**FAST_LEASE, "MDB_HOST_NAME": "host-b"}, timeout=300)
+        assert second.returncode == 0 and "took over" in second.stderr, (point, second.stdout, second.stderr)
+        first.send_signal(signal.SIGCONT)
+        out, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode != 0, (point, out, err)
+    with cluster.store() as store:
+        store.refresh()
+        assert snapshot(store, SERVERS) == before, f"{point}: rows lost or doubled"
+        where = locations(store, SERVERS)[g]
+        assert where == [target if point == "move.after_commit_point" else source], (point, where)
+        assert store.router.locate("user", g).server == where[0]
+        assert Journal(store).entries(unfinished=True) == []
