@@ -35,6 +35,7 @@ KINDS: Final = (
     "missing column",
     "extra column",
     "type",
+    "width",
     "nullable",
     "primary key",
     "missing index",
@@ -152,6 +153,22 @@ def _fmt_cols(cols: tuple[str, ...]) -> str:
     return "(" + ", ".join(cols) + ")"
 
 
+def _int_width(t: Any) -> int | None:
+    """2, 4 or 8 bytes for an integer type, None for any other."""
+    for kind, width in ((sqltypes.BigInteger, 8), (sqltypes.SmallInteger, 2), (sqltypes.Integer, 4)):
+        if isinstance(t, kind):
+            return width
+    return None
+
+
+def _narrower(live: Any, model: Any) -> bool:
+    """The live column holds less than the model's: a shorter string length, or a smaller integer."""
+    if isinstance(live, sqltypes.String) and isinstance(model, sqltypes.String):
+        return live.length is not None and (model.length is None or live.length < model.length)
+    have, want = _int_width(live), _int_width(model)
+    return have is not None and want is not None and have < want
+
+
 def _compare_table(model: Table, live: dict[str, Any], dialect: Dialect) -> list[Difference]:
     name = model.name
     out: list[Difference] = []
@@ -167,6 +184,12 @@ def _compare_table(model: Table, live: dict[str, Any], dialect: Dialect) -> list
                 name, "type",
                 f"column {column.name!r} is {_type_name(found['type'], dialect)} ({have}), the model says "
                 f"{_type_name(column.type, dialect)} ({want})",
+            ))
+        elif dialect.name == "postgresql" and _narrower(found["type"], column.type):  # SQLite enforces no widths
+            out.append(Difference(
+                name, "width",
+                f"column {column.name!r} is {_type_name(found['type'], dialect)}, narrower than the model's "
+                f"{_type_name(column.type, dialect)} (a move or write of a wider value fails there)",
             ))
         if bool(found["nullable"]) != bool(column.nullable) and not column.primary_key:
             state = "nullable" if found["nullable"] else "NOT NULL"

@@ -14,10 +14,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+from psycopg import errors as pg_errors
 from psycopg import sql
 from sqlalchemy import Table, delete, func, insert, literal_column, select, tuple_, union_all
 from sqlalchemy.engine import Connection
 
+from mdb.errors import SchemaError
 from mdb.gdid import GDID
 from mdb.moves.gate import CutoverGate
 
@@ -94,7 +96,14 @@ def _pg_copy(src: Connection, dst: Connection, at: AreaTable, where: sql.Composa
         cols=cols, table=sql.Identifier(at.name), key=sql.Identifier(at.key), where=where
     )
     in_stmt = sql.SQL("COPY {table} ({cols}) FROM STDIN (FORMAT BINARY)").format(table=sql.Identifier(at.name), cols=cols)
-    return _pg_relay(src, dst, out_stmt, in_stmt, on_streamed, pace)
+    try:
+        return _pg_relay(src, dst, out_stmt, in_stmt, on_streamed, pace)
+    except pg_errors.DataError as exc:  # SQLSTATE class 22: e.g. a value wider than the target's column
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SchemaError(
+            f"table {at.name!r}: the target refused a copied row ({first}): its columns differ from the source's "
+            "(`mdb schema check MAP` lists them); nothing of this copy was committed"
+        ) from None
 
 
 def _pg_keys(gdids: Sequence[GDID]) -> sql.Composable:
