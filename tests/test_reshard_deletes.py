@@ -18,6 +18,7 @@ from test_reshard_batches import SERVERS, USERS, cluster  # noqa: F401
 from mdb import faults
 from mdb.demo.models import UserBriefcase
 from mdb.gdid import GDID
+from mdb.moves.batch import BATCH_KIND
 from mdb.moves.journal import Journal
 from mdb.moves.reshard import reshard
 from mdb.store import Store
@@ -91,6 +92,9 @@ def test_deletes_during_a_killed_reshard_its_resume_and_its_cancel_with_move_bac
     _check(cluster, alive)
     with cluster.store() as store:
         assert [list(p[2]) for p in store.router.partitions("user")] == [["u1", "u2"]]
+        backs = [e for e in Journal(store).moves_of(entry.move_id) if e.params.get("move_back")]
+        assert any(e.kind == BATCH_KIND and e.status == "done" and len(e.briefcases) > 1 for e in backs), \
+            "the move-back went one briefcase at a time, not in batches"
     # And a reshard of what is left runs to its end.
     done = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", "u1,u2,x"])
     assert done.returncode == 0, (done.stdout, done.stderr)

@@ -17,20 +17,28 @@ cancel that is itself interrupted is finished by ``mdb moves resume`` (or anothe
 
 from __future__ import annotations
 
+import logging
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Final
 
 from mdb.cluster import Cluster
-from mdb.errors import BriefcaseGoneError, CancelError, MoveLeaseHeldError
+from mdb.errors import BatchAbortedError, BriefcaseGoneError, CancelError, MoveLeaseHeldError
 from mdb.gdid import GDID
 from mdb.faults import fault_point, register
+from mdb.moves.batch import BatchMove, hold_schemas
 from mdb.moves.freeze import unfreeze_partition
 from mdb.moves.journal import CANCELLED, DONE, FINISHED, RUNNING, Journal, JournalEntry
 from mdb.moves.lease import Lease, fenced_servers, hold, me, request_stop
 from mdb.moves.move import DEFAULT_MAX_PAUSE, move_briefcase, move_kinds, resolve_move
+from mdb.moves.reshard import DEFAULT_BATCH_PAUSE, BatchSizer
+from mdb.moves.sql_steps import area_tables
+from mdb.urls import SQL
 
 __all__ = ["CANCEL_STEP", "CANCELLABLE_STEPS", "CancelOutcome", "cancel", "finish_cancel"]
+
+log = logging.getLogger("mdb.moves.cancel")
 
 CANCEL_STEP: Final = "cancel"
 CANCELLABLE_STEPS: Final = frozenset({"plan", "prechecks", "moves", "freeze", "final_moves", CANCEL_STEP})
@@ -145,6 +153,63 @@ def _cancel_move(store: Cluster, journal: Journal, entry: JournalEntry, move_bac
     return out
 
 
+def _is_move_back(move: JournalEntry) -> bool:
+    return bool(move.params.get("reverse_of") or move.params.get("move_back"))
+
+
+def _move_back(store: Cluster, journal: Journal, entry: JournalEntry, pending: list[tuple[JournalEntry, GDID]],
+               max_pause: float, out: CancelOutcome) -> None:
+    """Move ``pending`` (forward move, briefcase) back to their sources: in batches where the servers' kind
+    has a batched cutover, sized like a reshard's (:class:`mdb.moves.reshard.BatchSizer`), else one at a time.
+
+    A batch that cannot be taken whole goes one briefcase at a time (the single move's checks say
+    why), and a briefcase the application deleted since it moved is counted, not moved.
+    """
+    routes: dict[tuple[str, str], list[tuple[GDID, str]]] = {}  # (from, to) -> (briefcase, forward move id)
+    for move, gdid in pending:
+        assert move.source is not None and move.target is not None
+        routes.setdefault((move.target, move.source), []).append((gdid, move.move_id))
+    batched = bool(routes) and all(store.map.kind_of(src) == SQL for src, _ in routes)
+    tables = area_tables(store, entry.area) if batched else None
+    sizer = BatchSizer(DEFAULT_BATCH_PAUSE)
+
+    def one(gdid: GDID, forward_id: str, source: str, target: str) -> None:
+        try:
+            move_briefcase(store, entry.area, gdid, target, source=source, max_pause=max_pause,
+                           reshard_id=entry.move_id, journal=journal, reverse_of=forward_id)
+        except BriefcaseGoneError:  # deleted by the application since it moved: nothing to bring back
+            out.gone += 1
+            return
+        out.moved_back += 1
+
+    first = True
+    with ExitStack() as held:
+        servers = sorted({s for route in routes for s in route})
+        hashed = held.enter_context(hold_schemas(store, entry.area, servers, tables)) if tables is not None else frozenset()
+        for (source, target), items in routes.items():
+            while items:
+                take = sizer.next() if tables is not None else 1
+                chunk, items = items[:take], items[take:]
+                if tables is None or len(chunk) == 1:
+                    one(*chunk[0], source, target)
+                else:
+                    try:
+                        moved = BatchMove(store, journal, entry.area, [g for g, _ in chunk], source, target,
+                                          reshard_id=entry.move_id, tables=tables, max_pause=max_pause, hashed=hashed,
+                                          move_back=True).run()
+                    except BatchAbortedError as exc:  # rolled back: the source holds them all; one at a time
+                        log.info("cancel %s: %s", entry.move_id, exc)
+                        sizer.aborted()
+                        for gdid, forward_id in chunk:
+                            one(gdid, forward_id, source, target)
+                    else:
+                        sizer.observed(len(chunk), moved.pause_seconds)
+                        out.moved_back += len(chunk)
+                if first and out.moved_back:
+                    first = False
+                    fault_point("cancel.after_first_move_back")
+
+
 def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move_back: bool | None = None) -> CancelOutcome:
     """Cancel a reshard whose lease the caller holds; re-run safely after a crash (resume calls it at step ``cancel``)."""
     if move_back is None:
@@ -164,26 +229,16 @@ def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move
     unfreeze_partition(store, entry.area, start, entry.params["old_shards"])
     store.refresh()
     moves = journal.moves_of(entry.move_id)
-    # What was moved back already, per (forward move, briefcase): a batch is moved back one briefcase at a time.
-    undone = {(m.params.get("reverse_of"), m.gdid) for m in moves if m.status == DONE}
-    forward = [(m, g) for m in moves if m.status == DONE and not m.params.get("reverse_of") for g in m.briefcases]
+    # What was moved back already (single moves carry reverse_of, batches move_back), per briefcase.
+    undone = {g for m in moves if m.status == DONE and _is_move_back(m) for g in m.briefcases}
+    forward = [(m, g) for m in moves if m.status == DONE and not _is_move_back(m) for g in m.briefcases]
     max_pause = float(entry.params.get("max_pause", DEFAULT_MAX_PAUSE))
-    for move, gdid in forward:
-        if (move.move_id, gdid) in undone:
-            out.moved_back += 1
-        elif move_back:
-            assert move.source is not None and move.target is not None
-            try:
-                move_briefcase(store, entry.area, gdid, move.source, source=move.target, max_pause=max_pause,
-                               reshard_id=entry.move_id, journal=journal, reverse_of=move.move_id)
-            except BriefcaseGoneError:  # deleted by the application since it moved: nothing to bring back
-                out.gone += 1
-                continue
-            out.moved_back += 1
-            if out.moved_back == 1:
-                fault_point("cancel.after_first_move_back")
-        else:
-            out.left += 1
+    out.moved_back += sum(1 for _, g in forward if g in undone)
+    pending = [(m, g) for m, g in forward if g not in undone]
+    if move_back:
+        _move_back(store, journal, entry, pending, max_pause, out)
+    else:
+        out.left += len(pending)
     verb = f"{out.moved_back} moved back" if move_back else f"{out.left} left on their new shards as relocations"
     if out.gone:
         verb += f", {out.gone} deleted by the application meanwhile"
