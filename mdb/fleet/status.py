@@ -252,13 +252,13 @@ def fleet_report(store: Cluster, map_path: str, file_version: int, *, migrations
                 continue
             if held.briefcases:
                 report.spares.setdefault(spare, {})[measured_area.area] = held.briefcases
-    for server in spares:
-        report.spares.setdefault(server, {})
-        held = report.spares[server]
-        if held:
-            problems.append(Problem(ATTENTION, f"spare server {server!r} holds " + ", ".join(f"{n} briefcase(s) of {a!r}" for a, n in held.items()),
-                                    f"mdb fsck {map_path} (leftovers), or move them off before removing the server"))
     _jobs(store, report)
+    receiving = {t for j in report.jobs for t in [*j.status.entry.params.get("new_shards", []), j.status.entry.target] if t}
+    for server in spares:
+        holding = report.spares.setdefault(server, {})
+        if holding and server not in receiving:  # a spare an unfinished job moves to is filling up on purpose
+            problems.append(Problem(ATTENTION, f"spare server {server!r} holds " + ", ".join(f"{n} briefcase(s) of {a!r}" for a, n in holding.items()),
+                                    f"mdb fsck {map_path} (leftovers), or move them off before removing the server"))
     running_reshards = {j.status.entry.move_id for j in report.jobs if j.state == "running" and j.status.entry.kind == "reshard"}
     for job in report.jobs:
         if job.state != "running":
