@@ -42,6 +42,7 @@ class FleetGauges:
         meter = metrics.get_meter("mdb")
         self._errors = meter.create_counter(
             "mdb.status.refresh.errors", unit="{error}", description="Reads of the fleet's state that failed (the gauges keep the last good one).")
+        self._errors.add(0)  # the series exists (at 0) before the first error: rate() and alerts see it
         self._duration = meter.create_histogram(
             "mdb.status.refresh.duration", unit="s", description="Time to read the fleet's state (journal, servers, balance scan).")
         gauge = meter.create_observable_gauge
@@ -104,7 +105,7 @@ class FleetGauges:
         if r is None:
             return []
         ages = [(r.at - j.since).total_seconds() for j in r.jobs if j.state != "running" and j.since is not None]
-        return [Observation(max(ages, default=0.0) + (time.time() - r.at.timestamp()))] if ages else [Observation(0.0)]
+        return [Observation(max(ages) + time.time() - r.at.timestamp() if ages else 0.0)]  # aged to this scrape
 
     def _frozen(self, _: CallbackOptions) -> Iterable[Observation]:
         r = self._current()
