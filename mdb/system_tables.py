@@ -79,6 +79,7 @@ CENTRAL_TABLE_MODULES: Final[tuple[str, ...]] = (
     "mdb.idgen",
     "mdb.central.indexes",
     "mdb.moves.journal",
+    "mdb.moves.history",
     "mdb.hot.central_tables",
     "mdb.migrations.ledger",
 )

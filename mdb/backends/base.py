@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from sqlalchemy import Table
@@ -177,6 +178,8 @@ class BriefcaseStateRow:
     state: str
     peer: str | None
     move_id: str | None
+    changed_at: datetime | None = None
+    """When the state was written (how long a partition has been frozen); None where the server does not say."""
 
 
 class AreaScan(ABC):

@@ -144,7 +144,7 @@ class MongoAreaScan(AreaScan):
     def states(self) -> Iterator[BriefcaseStateRow]:
         found = self._db()[STATE].find({"area": self.data.area}, sort=[("_id", 1)], batch_size=STREAM_BATCH)
         for doc in found:
-            yield BriefcaseStateRow(GDID.from_bytes(doc["gdid"]), doc["state"], doc.get("peer"), doc.get("move_id"))
+            yield BriefcaseStateRow(GDID.from_bytes(doc["gdid"]), doc["state"], doc.get("peer"), doc.get("move_id"), doc.get("changed_at"))
 
 
 class MongoBackend(Backend):

@@ -123,4 +123,4 @@ class SqlAreaScan(AreaScan):
         query = select(briefcase_state).where(briefcase_state.c.area == self.data.area).order_by(briefcase_state.c.gdid)
         with self.cluster.transaction(self.server) as conn:
             for row in conn.execution_options(yield_per=STREAM_BATCH).execute(query).mappings():
-                yield BriefcaseStateRow(row["gdid"], row["state"], row["peer"], row["move_id"])
+                yield BriefcaseStateRow(row["gdid"], row["state"], row["peer"], row["move_id"], row["changed_at"])

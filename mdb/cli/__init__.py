@@ -11,6 +11,7 @@ from mdb.cli import mongo_cmd as _mongo_cmd  # noqa: F401
 from mdb.cli import hot_cmd as _hot_cmd  # noqa: F401
 from mdb.cli import fleet_cmd as _fleet_cmd  # noqa: F401
 from mdb.cli import migrate_cmd as _migrate_cmd  # noqa: F401
+from mdb.cli import status_cmd as _status_cmd  # noqa: F401
 from mdb.cli.app import app, main, use_house_style
 
 use_house_style(app)  # after every module registered its commands

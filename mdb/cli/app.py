@@ -10,7 +10,8 @@ live here so that every command behaves alike:
   every Store routed with CENTRAL's map, so ``mdb route`` and ``mdb where`` named different
   servers after an apply.
 * **Exit codes** (:func:`exit_code`, docs/cli.md): 0 done; 1 "not found" / "problems found";
-  2 bad input or a refused operation; 3 a server is unavailable; 4 aborted safely, retry later.
+  2 bad input or a refused operation; 3 a server is unavailable; 4 aborted safely, retry later;
+  ``mdb status`` only: 5 attention, 6 broken.
 * **One error line.** ``main`` turns every error mdb raises on purpose into one masked
   ``error:`` line on stderr, so operators and scripts never see a traceback.
 """
@@ -47,6 +48,8 @@ from mdb.store import Store
 from mdb.urls import MONGO, mask_secrets
 
 __all__ = [
+    "EXIT_ATTENTION",
+    "EXIT_BROKEN",
     "EXIT_NOT_FOUND",
     "EXIT_OK",
     "EXIT_REFUSED",
@@ -77,6 +80,10 @@ EXIT_UNAVAILABLE = 3
 """A server could not be reached."""
 EXIT_RETRY = 4
 """Aborted safely (nothing half-done); running the same command later may succeed."""
+EXIT_ATTENTION = 5
+"""``mdb status``: the fleet serves, but an operator should act (an interrupted job, a mixed rollout, ...)."""
+EXIT_BROKEN = 6
+"""``mdb status``: the application is affected now (a partition frozen with nobody to unfreeze it, a server unreadable)."""
 EXIT_INTERRUPTED = 130
 """Ctrl-C, by the shell's convention (128 + SIGINT)."""
 EXIT_TERMINATED = 143

@@ -312,6 +312,7 @@ class BatchMove:
         for counts in rows.values():
             for name, n in counts.items():
                 per_table[name] = per_table.get(name, 0) + n
+        self.journal.pause(self.move_id, pause)  # the reshard's pause p99 in its history (mdb.moves.history)
         with self.gate.step():
             _finalize(self.cluster, self.journal, entry, per_table)
         for per_table in rows.values():

@@ -21,6 +21,7 @@ from sqlalchemy.engine import RowMapping
 
 from mdb.cluster import Cluster
 from mdb import telemetry
+from mdb.moves import history
 from mdb.gdid import GDID
 from mdb.sqltypes import GDIDType
 from mdb.system_tables import central_metadata
@@ -82,6 +83,10 @@ move_leases = Table(
     # +1 on every take, never reset (the row stays, holder NULL, when released): the fencing token (mdb.moves.fencing)
     Column("epoch", BigInteger, nullable=False, server_default="1"),
 )
+
+
+_tables_ready: set[tuple[str, str]] = set()
+"""(server, URL) of CENTRALs where the history tables are known to exist (created on demand once per process)."""
 
 
 def new_move_id(kind: str = "move") -> str:
@@ -151,8 +156,16 @@ class Journal:
     def store(self) -> Cluster:
         return self._store
 
+    def _ready(self, conn: Any) -> None:
+        """The phase and history tables exist on this CENTRAL (an older one may lack them)."""
+        key = (self.server, str(self._store.map.servers[self.server].primary))
+        if key not in _tables_ready:
+            history.ensure_tables(conn)
+            _tables_ready.add(key)
+
     def start(self, entry: JournalEntry) -> None:
         with self._store.transaction(self.server) as conn:
+            self._ready(conn)
             conn.execute(
                 insert(moves_table).values(
                     move_id=entry.move_id, kind=entry.kind, area=entry.area, gdid=entry.gdid, source=entry.source,
@@ -162,14 +175,25 @@ class Journal:
                     rows_total=entry.rows_total, rows_done=entry.rows_done,
                 )
             )
+            history.add_phase(conn, entry.move_id, entry.step)
         telemetry.move_step(entry.move_id, entry.step)
 
     def step(self, move_id: str, step: str, **values: Any) -> None:
-        """Record that ``step`` is about to be taken (plus any counters/fields given)."""
-        self.update(move_id, step=step, **values)
+        """Record that ``step`` is about to be taken (plus any counters/fields given), and when (the job's phase timings)."""
+        self._write(move_id, dict(step=step, **values), phase=step)
         telemetry.move_step(move_id, step)
 
     def update(self, move_id: str, **values: Any) -> None:
+        self._write(move_id, values)
+
+    def pause(self, move_id: str, seconds: float) -> None:
+        """A committed move or batch held its briefcases' writes for ``seconds``: kept for its job's pause p99 (history)."""
+        with self._store.transaction(self.server) as conn:
+            self._ready(conn)
+            history.add_phase(conn, move_id, history.PAUSE, seconds)
+
+    def _write(self, move_id: str, values: dict[str, Any], *, phase: str | None = None, finished: bool = False) -> None:
+        """One committed transaction: the row's new values, plus the phase row of a step, or the history row of a finish."""
         for name in ("params", "tables"):
             if name in values and not isinstance(values[name], str):
                 values[name] = json.dumps(values[name])
@@ -178,11 +202,23 @@ class Journal:
                 update(moves_table).where(moves_table.c.move_id == move_id)
                 .values(updated_at=func.current_timestamp(), **values)
             ).rowcount
-        if not changed:
-            raise LookupError(f"move {move_id!r} is not in the journal on server {self.server!r}")
+            if not changed:
+                raise LookupError(f"move {move_id!r} is not in the journal on server {self.server!r}")
+            if phase is not None:
+                self._ready(conn)
+                history.add_phase(conn, move_id, phase)
+            if finished:
+                self._ready(conn)
+                row = conn.execute(select(moves_table).where(moves_table.c.move_id == move_id)).mappings().one()
+                children: list[str] = []
+                if row["kind"] == "reshard":
+                    children = list(conn.execute(select(moves_table.c.move_id).where(
+                        moves_table.c.reshard_id == move_id, moves_table.c.move_id != move_id)).scalars())
+                history.record_finish(conn, dict(row), children)
 
     def finish(self, move_id: str, status: str, detail: str | None = None, **values: Any) -> None:
-        self.update(move_id, status=status, step=status, detail=detail, **values)
+        """The job ended with ``status``; a reshard or a move of its own also gets its row in the history (same transaction)."""
+        self._write(move_id, dict(status=status, step=status, detail=detail, **values), finished=True)
         telemetry.move_finished(move_id, status)
 
     def get(self, move_id: str) -> JournalEntry | None:

@@ -235,6 +235,7 @@ class Move(ABC):
                 self.failed(exc)
                 raise
             fault_point(self.after_commit_point)
+            self.journal.pause(self.move_id, self.pause)  # before finalize: the history row of its finish has it
             self.finalize()
         if self.options.refresh:
             self.cluster.refresh()
