@@ -78,7 +78,7 @@ def test_idle_then_a_spare_holding_data_and_the_history_of_that_move(fleet: Clus
     assert code == HEALTHY and out["verdict"] == "healthy", out["problems"]
     assert out["map"] == {"file_version": 1, "applied_version": 1, "file_behind": False}
     (area,) = out["areas"]
-    assert [s["server"] for s in area["servers"]] == ["u1", "u2"]
+    assert [(s["server"], s["spare"]) for s in area["servers"]] == [("u1", False), ("u2", False), ("x", True)]
     assert sum(s["briefcases"] for s in area["servers"]) == len(USERS) and area["relocations"] == 0
     assert out["spares"] == [{"server": "x", "briefcases": {}}]
     assert out["jobs"] == [] and out["frozen"] == [] and out["failures"] == [] and out["problems"] == []
