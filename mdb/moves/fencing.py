@@ -173,6 +173,11 @@ class FencedCluster:
         return self.inner.map
 
     @property
+    def mongo(self) -> object:
+        """The wrapped cluster's document side, if any (:func:`mdb.moves.directory.documents_of` reads it)."""
+        return getattr(self.inner, "mongo", None)
+
+    @property
     def router(self) -> Router:
         return self.inner.router
 
