@@ -30,7 +30,6 @@ from mdb.mongo.shard_state import check_guard, excluded_gdids, ownership_rows
 from mdb.briefcase import types_by_area
 from mdb.mongo.types import DocumentBriefcaseType, encode, registered_document_types
 from mdb.ownership import check_ownership
-from mdb.retry import SessionRetry
 from mdb.router import Placement, Router
 from mdb.urls import MONGO
 
@@ -206,9 +205,8 @@ class MongoStore:
                 raise
             return DocumentBriefcase(dtype, gdid, placement, readonly, transactional, session, db)
 
-        retry = SessionRetry(self.store.move_wait_seconds, self.store.max_stale_retries)
         return open_routed(
-            self.store, dtype.area, gdid, attempt, retry,
+            self.store, attempt, self.store.routed_open(dtype.area, gdid),
             on_refused=lambda placement, exc: telemetry.ownership_refused(dtype.area, placement.server, exc),
             on_retry=lambda placement, exc: telemetry.stale_retry(dtype.area, placement.server, exc),
         )
