@@ -107,12 +107,13 @@ class RoutedOpen:
         self._delay = 0.01
         self._stale_left = max_stale_retries
         self._hops_left = MAX_FENCE_HOPS
+        self._followed: str | None = None  # where the last fence sent this open (whatever the cache keeps)
         self.waits = 0
         """Refusals waited out (a move or a freeze in progress): counted, not raised."""
 
     def placement(self, router: Router) -> Placement:
         """Where to try: a learned location when there is one, else the map's default shard."""
-        learned = self.routes.get(self.area, self.gdid)
+        learned = self._followed or self.routes.get(self.area, self.gdid)
         if learned is None:
             return router.default_placement(self.area, self.gdid)
         return router.placement_on(self.area, self.gdid, learned)
@@ -123,6 +124,7 @@ class RoutedOpen:
             if self._hops_left <= 0:
                 raise exc
             self._hops_left -= 1
+            self._followed = exc.moved_to
             if exc.moved_to == placement.default_server:
                 self.routes.forget(self.area, self.gdid)  # back home: the map routes it
             else:
@@ -138,5 +140,6 @@ class RoutedOpen:
         if self._stale_left <= 0:
             raise exc
         self._stale_left -= 1
+        self._followed = None
         self.routes.forget(self.area, self.gdid)
         return Step(refresh=True)

@@ -59,6 +59,12 @@ def test_learned_locations_are_shared_by_later_opens_and_bounded(router: Router)
     assert len(routes) == 2 and routes.get("user", G) is None  # the oldest dropped first
 
 
+def test_a_fence_is_followed_even_by_a_store_that_remembers_nothing(router: Router) -> None:
+    p = policy(LearnedRoutes(capacity=0))
+    p.refused(p.placement(router), StaleRouteError("fenced", moved_to="user-7"))
+    assert p.placement(router).server == "user-7" and len(p.routes) == 0
+
+
 def test_any_other_stale_route_forgets_refreshes_and_is_bounded(router: Router) -> None:
     routes = LearnedRoutes()
     routes.learn("user", G, "user-7")
