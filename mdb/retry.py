@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 from mdb.errors import BriefcaseMovingError, RetryableError, StaleRouteError
@@ -108,13 +108,15 @@ class RoutedOpen:
         self._stale_left = max_stale_retries
         self._hops_left = MAX_FENCE_HOPS
         self._followed: str | None = None  # where the last fence sent this open (whatever the cache keeps)
+        self._known: Container[str] = frozenset()  # the servers of the map placed with
         self.waits = 0
         """Refusals waited out (a move or a freeze in progress): counted, not raised."""
 
     def placement(self, router: Router) -> Placement:
         """Where to try: a learned location when there is one, else the map's default shard."""
+        self._known = router.map.servers
         learned = self._followed or self.routes.get(self.area, self.gdid)
-        if learned is None:
+        if learned is None or learned not in self._known:
             return router.default_placement(self.area, self.gdid)
         return router.placement_on(self.area, self.gdid, learned)
 
@@ -125,6 +127,12 @@ class RoutedOpen:
                 raise exc
             self._hops_left -= 1
             self._followed = exc.moved_to
+            if exc.moved_to not in self._known:
+                # a server added by a map this process has not read yet: read it, then go there
+                if self._stale_left <= 0:
+                    raise exc
+                self._stale_left -= 1
+                return Step(refresh=True)
             if exc.moved_to == placement.default_server:
                 self.routes.forget(self.area, self.gdid)  # back home: the map routes it
             else:

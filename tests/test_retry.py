@@ -65,6 +65,17 @@ def test_a_fence_is_followed_even_by_a_store_that_remembers_nothing(router: Rout
     assert p.placement(router).server == "user-7" and len(p.routes) == 0
 
 
+def test_a_fence_naming_a_server_the_map_lacks_refreshes_the_map_first(router: Router) -> None:
+    p = policy(stale=1)
+    home = p.placement(router)
+    fence = StaleRouteError("fenced", moved_to="user-99")  # added by a map version this process lacks
+    assert p.refused(home, fence) == Step(refresh=True)
+    assert p.placement(router) == home  # still unknown to this map: routed by it
+    with pytest.raises(StaleRouteError) as raised:
+        p.refused(home, fence)
+    assert raised.value is fence
+
+
 def test_any_other_stale_route_forgets_refreshes_and_is_bounded(router: Router) -> None:
     routes = LearnedRoutes()
     routes.learn("user", G, "user-7")
