@@ -117,7 +117,15 @@ class LockTimeoutError(RetryableError):
 
 
 class StaleRouteError(RetryableError):
-    """The shard a session was routed to no longer owns the briefcase (a fence or a re-stamp)."""
+    """The shard a session was routed to no longer owns the briefcase (a fence or a re-stamp).
+
+    ``moved_to`` is the server a fence names (the briefcase left for it): the retry goes there
+    directly and checks ownership there, with no refresh (docs/design.md, "Routing state").
+    """
+
+    def __init__(self, message: str, moved_to: str | None = None) -> None:
+        super().__init__(message)
+        self.moved_to = moved_to
 
 
 class BriefcaseMovingError(RetryableError):

@@ -366,7 +366,7 @@ def check_ownership(rows: list[tuple[Any, ...]] | None, placement: Placement, ma
     frozen_by = rest[0] if rest else None
     what = f"briefcase {placement.area}/{placement.gdid} on server {placement.server!r}"
     if state == STATE_GONE:
-        raise StaleRouteError(f"{what}: fenced, it moved to server {peer!r}")
+        raise StaleRouteError(f"{what}: fenced, it moved to server {peer!r}", moved_to=None if peer is None else str(peer))
     if state == STATE_INCOMING:
         raise BriefcaseMovingError(f"{what}: a move into this server is not finished yet")
     if frozen_by is not None:

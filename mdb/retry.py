@@ -1,38 +1,153 @@
-"""How a Store reacts when a shard refuses a briefcase session (docs/design.md invariant 2).
+"""How a Store routes a briefcase session and reacts when its shard refuses it (docs/design.md invariants 2, 8).
 
-Two kinds of refusal, two reactions. ``StaleRouteError``: this process routed with an old map
-or relocation cache; refresh and try again, a few times at most (more would mean the refresh
-does not help, which is a bug worth seeing). ``BriefcaseMovingError``: a move or a reshard's
-freeze holds the briefcase; wait with exponential backoff up to the Store's
-``move_wait_seconds``, then give up with that error (still retryable for the caller).
-SQL and document briefcases share this one policy.
+One policy, written once and without I/O (:class:`RoutedOpen`), drives both routed-open loops:
+the sync one (:func:`mdb.backends.open_routed`, SQL sessions and document contexts) and the async
+one (``AsyncStore._open_routed``). The loops only do what it says: open on the placement it
+gives, and on a refusal sleep for the step's delay and refresh the map when the step asks.
+
+Routing state per process is the map plus :class:`LearnedRoutes`, a bounded LRU of locations
+learned from fences, never the relocation directory. Three kinds of refusal, three reactions:
+
+- a fence (``StaleRouteError`` with ``moved_to``): the briefcase left for the server the fence
+  names. Go there at once (no refresh, no wait) and check ownership there; remember it.
+  Following fences from the default shard reaches the briefcase after any chain of moves,
+  hand-made relocations (a hot tenant) included: fences stay on the servers a briefcase left.
+- a briefcase in the middle of a move (``BriefcaseMovingError``: the target still holds an
+  ``incoming`` copy because the mover is between its commit point and its finalize, or a
+  reshard froze the partition): wait with exponential backoff, up to ``move_wait_seconds``,
+  then raise that (retryable) error.
+- any other stale route (a re-stamped layout after a map apply, a learned location that no
+  longer holds a ``resident`` record): forget what was learned, re-read the map (cheap: the
+  relocation directory is not read), try again; at most ``max_stale_retries`` times.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable, Container
+from dataclasses import dataclass
 
-from mdb.errors import BriefcaseMovingError, RetryableError
+from mdb.errors import BriefcaseMovingError, RetryableError, StaleRouteError
+from mdb.gdid import GDID
+from mdb.router import Placement, Router
 
-__all__ = ["SessionRetry"]
+__all__ = ["LearnedRoutes", "RoutedOpen", "Step", "ROUTE_CACHE_SIZE", "MAX_FENCE_HOPS"]
+
+ROUTE_CACHE_SIZE = 16_384
+"""Locations a Store remembers by default (least recently used dropped first): about 2 MB.
+Only briefcases that live off their default shard are kept; the rest route by the map."""
+
+MAX_FENCE_HOPS = 16
+"""Fences one session open follows before it gives up: each names where the briefcase went
+next, so a longer chain means a fence points back (a bug worth seeing, never looped on)."""
 
 
-class SessionRetry:
-    """The retry budget of one ``Store.briefcase(...)`` call."""
+class LearnedRoutes:
+    """Where briefcases that left their default shard were last found: a bounded LRU, shared by a Store's sessions.
 
-    def __init__(self, move_wait_seconds: float, max_stale_retries: int) -> None:
-        self._deadline = time.monotonic() + move_wait_seconds
+    Its size, not the number of briefcases moved, bounds what a process holds. An entry is a
+    hint: the shard it names checks ownership like any other, and a wrong one costs a retry.
+    """
+
+    def __init__(self, capacity: int = ROUTE_CACHE_SIZE) -> None:
+        if capacity < 0:
+            raise ValueError(f"route cache size must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[str, GDID], str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, area: str, gdid: GDID) -> str | None:
+        key = (area, gdid)
+        with self._lock:
+            server = self._entries.get(key)
+            if server is not None:
+                self._entries.move_to_end(key)
+            return server
+
+    def learn(self, area: str, gdid: GDID, server: str) -> None:
+        if not self.capacity:
+            return
+        key = (area, gdid)
+        with self._lock:
+            self._entries[key] = server
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+
+    def forget(self, area: str, gdid: GDID) -> None:
+        with self._lock:
+            self._entries.pop((area, gdid), None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What the loop does before its next attempt: sleep ``delay`` seconds, then refresh the map if ``refresh``."""
+
+    delay: float = 0.0
+    refresh: bool = False
+
+
+class RoutedOpen:
+    """The routing and retry policy of one session open (sans-IO: the caller opens, sleeps and refreshes)."""
+
+    def __init__(
+        self, routes: LearnedRoutes, area: str, gdid: GDID, *, move_wait_seconds: float, max_stale_retries: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.routes = routes
+        self.area = area
+        self.gdid = gdid
+        self._clock = clock
+        self._deadline = clock() + move_wait_seconds
         self._delay = 0.01
         self._stale_left = max_stale_retries
+        self._hops_left = MAX_FENCE_HOPS
+        self._followed: str | None = None  # where the last fence sent this open (whatever the cache keeps)
+        self._known: Container[str] = frozenset()  # the servers of the map placed with
+        self.waits = 0
+        """Refusals waited out (a move or a freeze in progress): counted, not raised."""
 
-    def wait_or_raise(self, exc: RetryableError) -> None:
-        """Sleep before the next attempt, or re-raise ``exc`` when the budget is spent."""
-        if isinstance(exc, BriefcaseMovingError):
-            if time.monotonic() + self._delay > self._deadline:
+    def placement(self, router: Router) -> Placement:
+        """Where to try: a learned location when there is one, else the map's default shard."""
+        self._known = router.map.servers
+        learned = self._followed or self.routes.get(self.area, self.gdid)
+        if learned is None or learned not in self._known:
+            return router.default_placement(self.area, self.gdid)
+        return router.placement_on(self.area, self.gdid, learned)
+
+    def refused(self, placement: Placement, exc: RetryableError) -> Step:
+        """The next step after ``placement`` refused the session with ``exc``; raises ``exc`` when the budget is spent."""
+        if isinstance(exc, StaleRouteError) and exc.moved_to is not None:
+            if self._hops_left <= 0:
                 raise exc
-            time.sleep(self._delay)
+            self._hops_left -= 1
+            self._followed = exc.moved_to
+            if exc.moved_to not in self._known:
+                # a server added by a map this process has not read yet: read it, then go there
+                if self._stale_left <= 0:
+                    raise exc
+                self._stale_left -= 1
+                return Step(refresh=True)
+            if exc.moved_to == placement.default_server:
+                self.routes.forget(self.area, self.gdid)  # back home: the map routes it
+            else:
+                self.routes.learn(self.area, self.gdid, exc.moved_to)
+            return Step()
+        if isinstance(exc, BriefcaseMovingError):
+            if self._clock() + self._delay > self._deadline:
+                raise exc
+            delay = self._delay
             self._delay = min(self._delay * 2, 0.5)
-            return
+            self.waits += 1
+            return Step(delay=delay)
         if self._stale_left <= 0:
             raise exc
         self._stale_left -= 1
+        self._followed = None
+        self.routes.forget(self.area, self.gdid)
+        return Step(refresh=True)

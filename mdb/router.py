@@ -9,6 +9,7 @@ schema tool and the move tools: there is no second copy of these rules.
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import FrozenInstanceError, dataclass
@@ -264,15 +265,31 @@ e-mail, a tenant slug) route by one dict lookup instead of FNV-1a in Python."""
 class Router:
     """Immutable routing table built from one map version and one relocation snapshot."""
 
-    __slots__ = ("_map", "_areas", "_central", "_central_at", "_relocations", "_moved", "_central_cache")
+    __slots__ = ("_map", "_areas", "_central", "_central_at", "_relocations", "_moved", "_central_cache", "_loader",
+                 "_load_lock")
 
-    def __init__(self, pmap: PartitionMap, relocations: Mapping[tuple[str, GDID], str] | None = None) -> None:
+    def __init__(
+        self,
+        pmap: PartitionMap,
+        relocations: Mapping[tuple[str, GDID], str] | Callable[[], Mapping[tuple[str, GDID], str]] | None = None,
+    ) -> None:
+        """``relocations``: the directory, or a function that reads it, called at most once and
+        only when something asks for it (:attr:`relocations`, :meth:`locate`).
+
+        Briefcase sessions route without the directory (by the map and the fences they meet,
+        :mod:`mdb.retry`), so an application process that never asks never holds it: its
+        routing state does not grow with what moved (docs/design.md invariant 8).
+        """
         self._map = pmap
-        self._relocations: Mapping[tuple[str, GDID], str] = dict(relocations or {})
+        self._loader: Callable[[], Mapping[tuple[str, GDID], str]] | None = None
+        self._load_lock = threading.Lock()
+        self._relocations: Mapping[tuple[str, GDID], str] | None = None
         # per area, only for areas with relocations: locate skips the (slow, GDID-hashing) lookup elsewhere
         self._moved: dict[str, dict[GDID, str]] = {}
-        for (area_name, gdid), server in self._relocations.items():
-            self._moved.setdefault(area_name, {})[gdid] = server
+        if callable(relocations):
+            self._loader = relocations
+        else:
+            self._set_directory(relocations or {})
         self._areas: dict[str, tuple[tuple[int, ...], tuple[_RangeSet, ...]]] = {}
         self._central: tuple[str, ...] = ()
         self._central_at: tuple[_CentralShard, ...] = ()
@@ -306,9 +323,31 @@ class Router:
     def version(self) -> int:
         return self._map.version
 
+    def _set_directory(self, relocations: Mapping[tuple[str, GDID], str]) -> Mapping[tuple[str, GDID], str]:
+        directory = dict(relocations)
+        moved: dict[str, dict[GDID, str]] = {}
+        for (area_name, gdid), server in directory.items():
+            moved.setdefault(area_name, {})[gdid] = server
+        self._moved = moved
+        self._relocations = directory
+        return directory
+
     @property
     def relocations(self) -> Mapping[tuple[str, GDID], str]:
-        return self._relocations
+        """The relocation directory (read now if this router was given a reader and nobody asked yet)."""
+        directory = self._relocations
+        if directory is None:
+            with self._load_lock:
+                directory = self._relocations
+                if directory is None:
+                    assert self._loader is not None  # set whenever the directory is not
+                    directory = self._set_directory(self._loader())
+        return directory
+
+    @property
+    def directory_loaded(self) -> bool:
+        """Whether this router holds the relocation directory (an application's routers never need to)."""
+        return self._relocations is not None
 
     def with_relocations(self, relocations: Mapping[tuple[str, GDID], str]) -> Router:
         return Router(self._map, relocations)
@@ -351,12 +390,21 @@ class Router:
     def locate(self, area: str, gdid: GDID) -> Placement:
         """Where ``gdid`` lives: the default shard, or its relocation where one exists."""
         at = self._shard(area, gdid)
+        if self._relocations is None:
+            self.relocations  # noqa: B018  (reads the directory: locate promises it)
         moved = self._moved.get(area)
         if moved is not None:
             moved_to = moved.get(gdid)
             if moved_to is not None and moved_to != at.server:
                 return _build(_new(Placement), at, gdid, moved_to, True)
         return _build(_new(Placement), at, gdid, at.server, False)
+
+    def placement_on(self, area: str, gdid: GDID, server: str) -> Placement:
+        """``gdid`` routed to ``server``: its default placement when that is its default shard,
+        else a relocated one (the target must hold a 'resident' record). How a session follows a
+        fence or a learned location without the relocation directory."""
+        at = self._shard(area, gdid)
+        return _build(_new(Placement), at, gdid, server, server != at.server)
 
     def locate_central(self, key: str | bytes | GDID) -> CentralPlacement:
         """CENTRAL shard of a key. A ``str`` is UTF-8 encoded as given: normalize it first.

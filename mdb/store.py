@@ -10,6 +10,7 @@ never a wrong write.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -36,7 +37,7 @@ from mdb.mongo.types import DocumentBriefcaseType
 from mdb.ownership import OwnershipCheck, check_ownership
 from mdb.partition_map import PartitionMap, load_map_cached
 from mdb.relocations import load_relocations
-from mdb.retry import SessionRetry
+from mdb.retry import ROUTE_CACHE_SIZE, LearnedRoutes, RoutedOpen
 from mdb.router import Placement, Router
 from mdb.urls import MONGO
 from mdb.session import _INFO_KEY, BriefcaseContext, BriefcaseSession
@@ -52,6 +53,12 @@ class Store:
     ``budget`` caps the PostgreSQL connections this Store holds open (docs/operations.md); pass
     one :class:`~mdb.budget.ConnectionBudget` to several Stores to make them share it. The
     map's ``max_connections_*`` settings lower its caps further.
+
+    ``move_wait_seconds`` bounds how long a session waits for a briefcase in the middle of a
+    move (or a reshard's freeze) before it raises :class:`~mdb.errors.BriefcaseMovingError`;
+    ``max_stale_retries`` how many map refreshes one session open may ask for;
+    ``route_cache_size`` how many locations learned from fences it remembers
+    (:class:`~mdb.retry.LearnedRoutes`; docs/briefcases.md, "Retries").
     """
 
     def __init__(
@@ -63,6 +70,7 @@ class Store:
         max_stale_retries: int = 3,
         move_wait_seconds: float = 30.0,
         budget: ConnectionBudget | None = None,
+        route_cache_size: int = ROUTE_CACHE_SIZE,
     ) -> None:
         self._map_path = None if map_path is None else Path(map_path)
         self._router = Router(pmap)
@@ -73,6 +81,11 @@ class Store:
         self.move_wait_seconds = move_wait_seconds
         self._relocations_loaded = False
         self._refresh_lock = threading.Lock()
+        self.routes = LearnedRoutes(route_cache_size)
+        """Locations of briefcases off their default shard, learned from fences (bounded)."""
+        self.refreshes = 0
+        self.refresh_seconds = 0.0
+        """How many refreshes this Store ran and how long they took (a benchmark reads them)."""
         self._ids = Ids(self)
         self._mongo: MongoStore | None = None
         self.central = Central(self, new_gdid=self.new_gdid)
@@ -104,12 +117,23 @@ class Store:
         return self._router.map
 
     def refresh(self) -> None:
-        """Reload the map file (when it has a newer version) and the relocation directory.
+        """Reload the map file (when it has a newer version) and the newest applied map; drop the directory.
 
         The file is parsed again only when its text changed (:func:`~mdb.partition_map.load_map_cached`):
         a refresh follows every stale route, and re-validating an unchanged map each time was the
-        larger part of its cost.
+        larger part of its cost. The relocation directory is read again only when something asks
+        for it (``router.relocations``: the move and fleet tools, fan-out); briefcase sessions
+        route without it, so an application's refresh costs the same however many briefcases
+        moved (docs/design.md invariant 8).
         """
+        started = time.perf_counter()
+        try:
+            self._refresh()
+        finally:
+            self.refreshes += 1
+            self.refresh_seconds += time.perf_counter() - started
+
+    def _refresh(self) -> None:
         with self._refresh_lock:
             pmap = self._router.map
             if self._map_path is not None:
@@ -121,7 +145,8 @@ class Store:
             if applied is not None:
                 pmap = applied
                 self.engines.update(pmap.servers)
-            self._router = Router(pmap, self._load_relocations(Router(pmap)))
+            central = Router(pmap)
+            self._router = Router(pmap, lambda: self._load_relocations(central))
             self._relocations_loaded = True
 
     @property
@@ -297,6 +322,12 @@ class Store:
             session.close()
             conn.close()
 
+    def routed_open(self, area: str, gdid: GDID) -> RoutedOpen:
+        """The routing and retry policy of one session open of ``area``/``gdid`` (:mod:`mdb.retry`):
+        every session opener (SQL, documents, async) takes its policy from here."""
+        return RoutedOpen(self.routes, area, gdid, move_wait_seconds=self.move_wait_seconds,
+                          max_stale_retries=self.max_stale_retries)
+
     def _open(
         self, btype: type[BriefcaseType], gdid: GDID, readonly: bool, exclusive: bool = False
     ) -> tuple[BriefcaseSession, Connection]:
@@ -315,7 +346,7 @@ class Store:
             return session, conn
 
         return open_routed(
-            self, btype.area, gdid, attempt, SessionRetry(self.move_wait_seconds, self.max_stale_retries),
+            self, attempt, self.routed_open(btype.area, gdid),
             on_refused=lambda placement, exc: telemetry.ownership_refused(btype.area, placement.server, exc),
             on_retry=lambda placement, exc: telemetry.stale_retry(btype.area, placement.server, exc),
         )

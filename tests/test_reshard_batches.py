@@ -27,6 +27,7 @@ from movehelp import ROOT, Cluster, add_transaction, create_user, locations, mak
 from sqlalchemy import select
 
 from mdb import faults
+from sqlalchemy import select
 from mdb.demo.models import Transaction, UserBriefcase
 from mdb.errors import RetryableError
 from mdb.gdid import GDID
@@ -54,15 +55,25 @@ BATCH_POINTS = [
 
 WRITER = r"""
 import sys, itertools
+from collections import Counter
 sys.path.insert(0, "tests")
 from pathlib import Path
 from movehelp import add_transaction
-from mdb.demo.models import UserBriefcase
+from sqlalchemy import select
+from mdb.demo.models import Transaction, UserBriefcase
 from mdb.errors import RetryableError
 from mdb.gdid import GDID
+from mdb.retry import RoutedOpen
 from mdb.store import Store
 path, stop, base, users = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 gdids = [GDID(0, 0, i) for i in range(1, users + 1)]
+steps = Counter()
+refused = RoutedOpen.refused
+def counted(self, placement, exc):
+    step = refused(self, placement, exc)
+    steps["wait" if step.delay else "refresh" if step.refresh else "follow"] += 1
+    return step
+RoutedOpen.refused = counted
 with Store.from_yaml(path, types=[UserBriefcase]) as store:
     print(f"version {store.map.version}", flush=True)
     for n in itertools.count():
@@ -71,9 +82,15 @@ with Store.from_yaml(path, types=[UserBriefcase]) as store:
         g, tid = gdids[n % len(gdids)], base + n
         try:
             add_transaction(store, g, tid, n)
-        except RetryableError:
+            if n % 4 == 0:  # and reads: a readonly session of the same briefcase
+                with store.briefcase(UserBriefcase, g, readonly=True) as s:
+                    s.scalars(select(Transaction).where(Transaction.transaction_id == GDID(0, 4, tid))).all()
+        except RetryableError as exc:  # counted by the caller: reshard tests of issue 31 allow none
+            print(f"error {type(exc).__name__}", flush=True)
             continue
         print(f"{g} {tid}", flush=True)
+    print("steps " + " ".join(f"{k}={v}" for k, v in sorted(steps.items())), flush=True)
+    print(f"routing learned={len(store.routes)} refreshes={store.refreshes} directory={store.router.directory_loaded}", flush=True)
 """
 
 
@@ -93,6 +110,10 @@ class Writers:
         self.cluster = cluster
         self.acked: list[tuple[GDID, int]] = []
         self.retried: Counter[str] = Counter()
+        """Retryable errors raised to the writers (thread and process), by type: an application would see them."""
+        self.steps: dict[str, int] = {}
+        """The writer process's refusals by reaction (wait, follow, refresh): what its Store absorbed."""
+        self.routing = ""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._stop_file = tmp_path / "stop-writers"
@@ -134,10 +155,17 @@ class Writers:
         assert self._proc.returncode == 0, err
         lines = out.splitlines()
         assert lines[0] == f"version {self.stale_version}"
+        self.routing = lines.pop()
+        self.steps = {k: int(v) for k, v in (kv.split("=") for kv in lines.pop().split()[1:])}
+        acked = 0
         for line in lines[1:]:
             text, tid = line.split()
+            if text == "error":
+                self.retried[tid] += 1
+                continue
             self.acked.append((GDID.parse(text), int(tid)))
-        return len(lines) - 1
+            acked += 1
+        return acked
 
 
 @pytest.fixture

@@ -24,12 +24,13 @@ from sqlalchemy import delete, func, insert, select, text, update
 from sqlalchemy.engine import Connection
 
 from mdb.demo.models import Address, User, UserBriefcase
-from mdb.errors import BriefcaseMovingError, StaleRouteError
+from mdb.errors import BriefcaseMovingError, RetryableError, StaleRouteError
 from mdb.gdid import GDID
 from mdb.ownership import lock_key_sql, ownership_prelude
 from mdb.partition_map import load_map
 from mdb.relocations import set_relocation
-from mdb.router import Router, ShardLayout
+from mdb.retry import RoutedOpen, Step
+from mdb.router import Placement, Router, ShardLayout
 from mdb.schema import apply_schema, stamp_layout
 from mdb.store import Store
 from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
@@ -117,6 +118,22 @@ def count_refreshes(store: Store, monkeypatch: pytest.MonkeyPatch, on_call: Call
 
     monkeypatch.setattr(store, "refresh", refresh)
     return calls
+
+
+def count_waits(monkeypatch: pytest.MonkeyPatch, on_wait: Callable[[int], None]) -> list[float]:
+    """The delays of every wait a session open takes (mdb.retry.RoutedOpen.refused), in this process."""
+    delays: list[float] = []
+    original = RoutedOpen.refused
+
+    def refused(self: RoutedOpen, placement: Placement, exc: RetryableError) -> Step:
+        step = original(self, placement, exc)
+        if step.delay:
+            delays.append(step.delay)
+            on_wait(len(delays))
+        return step
+
+    monkeypatch.setattr(RoutedOpen, "refused", refused)
+    return delays
 
 
 def create_user(store: Store, gdid: GDID) -> str:
@@ -239,7 +256,9 @@ def test_fence_and_relocation_send_a_stale_store_to_the_new_shard(cluster: Clust
         assert session.placement.default_server == "u1"
         assert session.get(User, gdid) is not None
         session.add(Address(address_id=GDID(0, 2, 4), line1="2 Side St", city="Shelbyville", country="US"))
-    assert len(refreshes) == 1
+    # the fence on u1 named x: the retry went there directly, no refresh, and x is remembered
+    assert refreshes == [] and stale.routes.get("user", gdid) == "x"
+    assert not stale.router.directory_loaded  # routed without the relocation directory
     assert rows_on_every_shard(stale, gdid) == {s: (3 if s == "x" else 0) for s in SHARDS}
 
     with stale_reader.briefcase(UserBriefcase, gdid, readonly=True) as session:
@@ -247,15 +266,23 @@ def test_fence_and_relocation_send_a_stale_store_to_the_new_shard(cluster: Clust
         assert len(session.scalars(select(Address)).all()) == 2
 
 
-def test_a_relocation_without_resident_record_is_refused(cluster: Cluster) -> None:
-    """The directory alone is not trusted: the target must say the briefcase lives there."""
+def test_a_relocation_without_resident_record_is_refused(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A location hint alone is not trusted: the target must say the briefcase lives there."""
     gdid = GDID(0, 0, 6)
-    store = cluster.store(max_stale_retries=1)
+    store = cluster.store(max_stale_retries=0)
+    store.routes.learn("user", gdid, "x")  # a wrong hint (as a directory entry without its move would be)
     set_relocation(store, "user", gdid, "x")
-    store.refresh()
     with pytest.raises(StaleRouteError, match="the relocation directory points here but the server holds no resident record"):
         create_user(store, gdid)
     assert rows_on_every_shard(store, gdid) == {s: 0 for s in SHARDS}
+
+    # with a retry left, the hint is forgotten and the briefcase is created where the map puts it
+    store = cluster.store(max_stale_retries=1)
+    store.routes.learn("user", gdid, "x")
+    refreshes = count_refreshes(store, monkeypatch)
+    assert create_user(store, gdid) == "u1"
+    assert len(refreshes) == 1 and store.routes.get("user", gdid) is None
+    assert rows_on_every_shard(store, gdid) == {s: (2 if s == "u1" else 0) for s in SHARDS}
 
 
 def test_incoming_copy_makes_sessions_wait(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -271,7 +298,7 @@ def test_incoming_copy_makes_sessions_wait(cluster: Cluster, monkeypatch: pytest
     # A patient session waits; once the move finalizes (incoming -> resident) it proceeds on x.
     waiting = threading.Event()
     patient = cluster.store(move_wait_seconds=60)
-    count_refreshes(patient, monkeypatch, on_call=lambda n: waiting.set() if n >= 2 else None)
+    count_waits(monkeypatch, on_wait=lambda n: waiting.set() if n >= 2 else None)
     outcome: list[Any] = []
 
     def session() -> None:

@@ -10,7 +10,7 @@ The rules are the sync ones, imported, not copied: the session class is
 :class:`mdb.session.BriefcaseSession` (``AsyncSession(sync_session_class=...)``, same ``info``
 context, so reads are filtered, writes checked and keys filled in by the same listeners); the
 check is :class:`mdb.ownership.OwnershipCheck` riding on BEGIN and read by
-:func:`mdb.ownership.check_ownership`; the retry budget is :class:`mdb.retry.SessionRetry`.
+:func:`mdb.ownership.check_ownership`; the routing and retry policy is :class:`mdb.retry.RoutedOpen`.
 Nothing is kept in thread-locals or globals: a session's briefcase lives in its own ``info``.
 """
 
@@ -40,7 +40,7 @@ from mdb.fanout import FanOutResult
 from mdb.gdid import GDID
 from mdb.idgen import GdidGenerator
 from mdb.ownership import OwnershipCheck, check_ownership
-from mdb.retry import SessionRetry
+from mdb.retry import RoutedOpen
 from mdb.router import Placement, Router
 from mdb.session import _INFO_KEY, BriefcaseContext, BriefcaseSession
 from mdb.store import Store
@@ -243,7 +243,7 @@ class AsyncStore:
         return self.sync.router
 
     async def refresh(self) -> None:
-        """Re-read the map and the relocation directory (the sync Store's refresh, in a thread)."""
+        """Re-read the map (the sync Store's refresh, in a thread)."""
         await asyncio.to_thread(self.sync.refresh)
         self._routed = True
 
@@ -259,26 +259,28 @@ class AsyncStore:
             if self.sync.router is stale:
                 await self.refresh()
 
-    async def _open_routed(
-        self, area: str, gdid: GDID, attempt: Callable[[Router, Placement], Awaitable[S]], retry: SessionRetry
-    ) -> S:
-        """The async twin of :func:`mdb.backends.open_routed` (same policy object, same telemetry).
+    async def _open_routed(self, attempt: Callable[[Router, Placement], Awaitable[S]], policy: RoutedOpen) -> S:
+        """The async driver of :class:`mdb.retry.RoutedOpen`, as :func:`mdb.backends.open_routed` is the sync one.
 
-        Why a twin: ``open_routed`` calls ``attempt`` and ``cluster.refresh`` and sleeps, all
-        synchronously; here ``attempt`` is awaited on the loop and the wait and the refresh run
-        in a thread. The policy itself (how long to wait for a move, how many stale retries) is
-        ``retry``'s, unchanged.
+        The policy (where to try, follow a fence, wait for a move, refresh the map) is the same
+        object's; only the I/O differs: ``attempt`` is awaited on the loop, the wait is
+        ``asyncio.sleep`` and the map refresh runs in a thread, once for every task refused
+        under the same router.
         """
+        area = policy.area
         while True:
             router = await self.router()
-            placement = router.locate(area, gdid)
+            placement = policy.placement(router)
             try:
                 return await attempt(router, placement)
             except RetryableError as exc:
                 telemetry.ownership_refused(area, placement.server, exc)
-                await asyncio.to_thread(retry.wait_or_raise, exc)  # sleeps while a move finishes
+                step = policy.refused(placement, exc)
+                if step.delay:
+                    await asyncio.sleep(step.delay)
                 telemetry.stale_retry(area, placement.server, exc)
-                await self._refresh_after(router)
+                if step.refresh:
+                    await self._refresh_after(router)
 
     # -- connections -------------------------------------------------------------------------
 
@@ -357,8 +359,7 @@ class AsyncStore:
             session.info[_INFO_KEY] = BriefcaseContext(btype, gdid, placement, readonly)
             return session, conn, gate
 
-        retry = SessionRetry(self.sync.move_wait_seconds, self.sync.max_stale_retries)
-        return await self._open_routed(btype.area, gdid, attempt, retry)
+        return await self._open_routed(attempt, self.sync.routed_open(btype.area, gdid))
 
     # -- GDIDs -------------------------------------------------------------------------------
 

@@ -14,6 +14,8 @@ satisfies it structurally.
 
 from __future__ import annotations
 
+import time
+
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -27,7 +29,7 @@ from sqlalchemy.engine import Connection
 from mdb.errors import MdbError, RetryableError
 from mdb.gdid import GDID
 from mdb.partition_map import PartitionMap
-from mdb.retry import SessionRetry
+from mdb.retry import RoutedOpen
 from mdb.router import Placement, Router, ShardLayout
 
 __all__ = [
@@ -46,11 +48,12 @@ class Servers(Protocol):
 
     @property
     def router(self) -> Router:
-        """The router with the relocation directory (the routed-open loop locates with it)."""
+        """The router of the map routed with now (the routed-open loop places sessions with it; it
+        does not read the relocation directory, :mod:`mdb.retry`)."""
         ...
 
     def refresh(self) -> None:
-        """Re-read the map and the relocation directory after a stale route."""
+        """Re-read the map after a stale route (the relocation directory is read again only when asked for)."""
         ...
 
     def transaction(self, server: str, readonly: bool = False) -> AbstractContextManager[Connection]:
@@ -317,31 +320,33 @@ S = TypeVar("S")
 
 def open_routed(
     cluster: Servers,
-    area: str,
-    gdid: GDID,
     attempt: Callable[[Router, Placement], S],
-    retry: SessionRetry,
+    policy: RoutedOpen,
     on_refused: Callable[[Placement, RetryableError], None] | None = None,
     on_retry: Callable[[Placement, RetryableError], None] | None = None,
 ) -> S:
-    """Route ``gdid``, open and ownership-check its shard with ``attempt``; refresh and retry while stale.
+    """Route ``policy``'s briefcase, open and ownership-check its shard with ``attempt``; retry as ``policy`` says.
 
-    The one routed-open loop of SQL sessions and document contexts: ``attempt`` opens the
-    server's session and runs the kind's ownership check (releasing what it opened when it
-    raises); a :class:`~mdb.errors.RetryableError` (a fence, a re-stamped layout, a move in
-    progress) waits or gives up as ``retry`` says, refreshes the cluster's routing and tries the
-    new route, so a stale cache costs a retry, never a wrong write. ``on_refused`` and
-    ``on_retry`` see each refusal before and after the wait (telemetry).
+    The sync driver of :class:`mdb.retry.RoutedOpen` (the async one is ``AsyncStore._open_routed``;
+    both only do what the policy says), for SQL sessions and document contexts: ``attempt``
+    opens the server's session and runs the kind's ownership check (releasing what it opened
+    when it raises); a :class:`~mdb.errors.RetryableError` (a fence, a re-stamped layout, a move
+    in progress) goes to the policy, which follows the fence, waits, or asks for a map refresh,
+    so a stale route costs a retry, never a wrong write. ``on_refused`` and ``on_retry`` see
+    each refusal before and after the wait (telemetry).
     """
     while True:
         router = cluster.router
-        placement = router.locate(area, gdid)
+        placement = policy.placement(router)
         try:
             return attempt(router, placement)
         except RetryableError as exc:
             if on_refused is not None:
                 on_refused(placement, exc)
-            retry.wait_or_raise(exc)
+            step = policy.refused(placement, exc)
+            if step.delay:
+                time.sleep(step.delay)
             if on_retry is not None:
                 on_retry(placement, exc)
-            cluster.refresh()
+            if step.refresh:
+                cluster.refresh()

@@ -30,17 +30,21 @@ from mdb.mongo.shard_state import check_guard, excluded_gdids, ownership_rows
 from mdb.briefcase import types_by_area
 from mdb.mongo.types import DocumentBriefcaseType, encode, registered_document_types
 from mdb.ownership import check_ownership
-from mdb.retry import SessionRetry
+from mdb.retry import RoutedOpen
 from mdb.router import Placement, Router
 from mdb.urls import MONGO
 
 
 
 class DocumentCluster(Cluster, Protocol):
-    """The cluster a MongoStore routes over, with the Store's retry settings for stale routes."""
+    """The cluster a MongoStore routes over, with the Store's routing and retry policy for stale routes."""
 
     max_stale_retries: int
     move_wait_seconds: float
+
+    def routed_open(self, area: str, gdid: GDID) -> RoutedOpen:
+        """The routing and retry policy of one session open (:mod:`mdb.retry`)."""
+        ...
 
 
 class _Host(DocumentCluster, Protocol):
@@ -206,9 +210,8 @@ class MongoStore:
                 raise
             return DocumentBriefcase(dtype, gdid, placement, readonly, transactional, session, db)
 
-        retry = SessionRetry(self.store.move_wait_seconds, self.store.max_stale_retries)
         return open_routed(
-            self.store, dtype.area, gdid, attempt, retry,
+            self.store, attempt, self.store.routed_open(dtype.area, gdid),
             on_refused=lambda placement, exc: telemetry.ownership_refused(dtype.area, placement.server, exc),
             on_retry=lambda placement, exc: telemetry.stale_retry(dtype.area, placement.server, exc),
         )
