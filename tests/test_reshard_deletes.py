@@ -8,6 +8,7 @@ exactly one server, where a fresh Store routes it, with its rows unchanged.
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Callable
 
@@ -60,6 +61,11 @@ def test_briefcases_deleted_between_the_plan_and_their_batch_are_done(cluster: C
     assert set(doomed) & set(movers), "no deleted briefcase was planned to move"
     assert out.moved == len(set(movers) - set(doomed))  # the deleted ones were not moved, and nothing waits for them
     _check(cluster, set(USERS) - set(doomed))
+    # `moves status` shows each batch as a batch: how many briefcases, and rows without a planned total of 0.
+    shown = run_cli(["moves", "status", str(cluster.path), "--limit", "50"], env={"COLUMNS": "250"})
+    assert shown.returncode == 0, shown.stderr
+    batches = [line for line in shown.stdout.splitlines() if "batch-move" in line]
+    assert batches and all(re.search(r"user: \d+ briefcases", line) and "/0 " not in line for line in batches), shown.stdout
 
 
 def test_deletes_during_a_killed_reshard_its_resume_and_its_cancel_with_move_back(cluster: Cluster) -> None:  # noqa: F811

@@ -216,11 +216,16 @@ def _print_status(running: list[MoveStatus], finished: list[MoveStatus]) -> None
             table.add_column(column)
         for s in items:
             e = s.entry
-            subject = f"{e.area}/{e.gdid}" if e.gdid is not None else f"{e.area} partition {e.params.get('partition_start')}"
+            batch = len(e.briefcases)
+            if e.gdid is None:
+                subject = f"{e.area} partition {e.params.get('partition_start')}"
+            else:  # a batch names its briefcases in params: how many, from the first
+                subject = f"{e.area}/{e.gdid}" if batch <= 1 else f"{e.area}: {batch} briefcases from {min(e.briefcases)}"
             route = f"{e.source} -> {e.target}" if e.gdid is not None else f"{','.join(e.params.get('old_shards', []))} -> {','.join(e.params.get('new_shards', []))}"
+            rows = f"{e.rows_done}/{e.rows_total}" if e.rows_total else str(e.rows_done)  # a batch plans no row total
             table.add_row(
                 escape(e.move_id), e.kind, escape(subject), escape(route), escape(e.step),
-                f"{e.briefcases_done}/{e.briefcases_total}", f"{e.rows_done}/{e.rows_total}",
+                f"{e.briefcases_done}/{e.briefcases_total}", rows,
                 _per_second(s.rate_briefcases), _per_second(s.rate_rows), format_eta(s.eta_seconds), _ago(e.updated_at),
             )
         console.print(table)
