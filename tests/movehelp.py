@@ -98,3 +98,12 @@ def run_cli(args: Sequence[str], env: dict[str, str] | None = None, timeout: flo
         [sys.executable, "-c", "from mdb.cli import main; main()", *args],
         capture_output=True, text=True, env=full, timeout=timeout, cwd=str(ROOT),
     )
+
+
+def process_state(pid: int) -> str:
+    """The process's state letter from /proc (T: stopped, e.g. by ``MDB_FAULT_ACTION=stop``); "" once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return ""
+    return text.rsplit(")", 1)[1].split()[0]

@@ -22,13 +22,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from movehelp import ROOT, Cluster, create_user, make_cluster
-from test_reshard_batches import BATCH_POINTS, SERVERS, USERS, Writers, _check_placement, _check_writes
+from movehelp import ROOT, Cluster, process_state
+from test_reshard_batches import BATCH_POINTS, Writers, _check_placement, _check_writes, cluster, writers  # noqa: F401  (fixtures)
 
 from mdb.fleet.fsck import RESUME
 from mdb.moves.batch import BATCH_KIND
@@ -45,47 +44,16 @@ def mdb(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
                           timeout=300, cwd=str(ROOT))
 
 
-@pytest.fixture
-def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster:
-    cluster = make_cluster(dict(zip(["c", *SERVERS], pg_databases(4))), tmp_path, [("0:0:0", ["u1", "u2"])])
-    with cluster.store() as store:
-        for g in USERS:
-            create_user(store, g, orders=1, lines=2)
-    return cluster
-
-
-@pytest.fixture
-def writers(cluster: Cluster, tmp_path: Path) -> Iterator[Writers]:
-    w = Writers(cluster, tmp_path)
-    try:
-        yield w
-    finally:
-        if not w._stop.is_set():
-            w._stop.set()
-            w._stop_file.touch()
-            w._thread.join()
-            w._proc.kill()
-
-
-def _state(pid: int) -> str:
-    """The process's state letter from /proc (T: stopped); "" once it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return ""
-    return text.rsplit(")", 1)[1].split()[0]
-
-
 def _wait_stopped_or_exited(proc: subprocess.Popen[str]) -> bool:
     """True when the process stopped itself (paused at its point), False when it exited."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
-        if _state(proc.pid) == "T":
+        if process_state(proc.pid) == "T":
             return True
         time.sleep(0.02)
-    raise AssertionError(f"the reshard neither paused nor ended (state {_state(proc.pid)!r})")
+    raise AssertionError(f"the reshard neither paused nor ended (state {process_state(proc.pid)!r})")
 
 
 def _fsck_repair(cluster: Cluster, point: str) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from movehelp import ROOT, Cluster, locations, make_cluster, run_cli, snapshot
+from movehelp import ROOT, Cluster, locations, make_cluster, process_state, run_cli, snapshot
 from sqlalchemy import select, text
 from test_reshard_batches import BATCH_POINTS, SERVERS, Writers, _check_placement, _check_writes, cluster, writers  # noqa: F401
 
@@ -35,14 +35,9 @@ HOLDS_A_TRANSACTION = {"batch.after_lock", "batch.after_source_cut", "batch.afte
 """Points inside the batch's locked source transaction (which holds the lease's fence row shared)."""
 
 
-def _stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
-
-
 def _wait_stopped(proc: subprocess.Popen[str], what: str) -> None:
     deadline = time.monotonic() + 120
-    while not _stopped(proc.pid):
+    while process_state(proc.pid) != "T":
         assert proc.poll() is None, (what, proc.communicate())
         assert time.monotonic() < deadline, f"{what}: the driver never reached its stop point"
         time.sleep(0.05)
