@@ -22,12 +22,13 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from movehelp import ROOT, Cluster, run_cli
 from test_fleet_metrics import SERVE, _free_port, _python
-from test_fleet_status import REVISION, build, kill, start_reshard
+from test_fleet_status import REVISION, build, kill, start_reshard, status
 
 from mdb.migrations.scripts import open_history
 
@@ -150,3 +151,27 @@ def test_serve_metrics_gauges_follow_a_reshard_and_the_dashboard_names_only_expo
     rules = yaml.safe_load((PROMETHEUS / "mdb-alerts.yml").read_text())
     alerted = {n for g in rules["groups"] for r in g["rules"] for n in re.findall(r"mdb_[a-z0-9_]+", r["expr"])}
     assert alerted and not alerted - exported, sorted(alerted - exported)
+
+
+def test_replica_lag_is_in_status_and_a_gauge(pg_databases: Callable[[int], list[str]], pg_replica_pair: Any, tmp_path: Path) -> None:
+    """The lag a `--max-lag` reshard waits on, measured the same way, outlives the command: `mdb status` and a gauge."""
+    pytest.importorskip("opentelemetry.exporter.prometheus")
+    c, u2, x = pg_databases(3)
+    cluster: Cluster = build([c, pg_replica_pair.primary_url, u2, x], tmp_path)
+    data = yaml.safe_load(cluster.path.read_text(encoding="utf-8"))
+    data["servers"]["u1"]["replica"] = pg_replica_pair.replica_url
+    cluster.path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    pg_replica_pair.wait_for_replay()
+    _, out = status(cluster)
+    assert set(out["replica_lag_seconds"]) == {"u1"} and 0 <= out["replica_lag_seconds"]["u1"] < 60, out["replica_lag_seconds"]
+    port = _free_port()
+    exporter = subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", "serve-metrics", str(cluster.path),
+                                 "--port", str(port), "--interval", "0.3"], cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen = wait_scrape(port, exporter, lambda m: 'mdb_replica_lag_seconds{server="u1"}' in m)
+        assert 0 <= seen['mdb_replica_lag_seconds{server="u1"}'] < 60
+        assert not any(k.startswith("mdb_replica_lag_seconds") and '"u2"' in k for k in seen)  # no replica, no series
+    finally:
+        exporter.terminate()
+        exporter.communicate(timeout=30)

@@ -61,6 +61,8 @@ class FleetGauges:
               description="Largest |server - mean| / mean of the area, by measure (bytes | rows | briefcases).")
         gauge("mdb.migrations.mixed", [self._mixed], unit="1", description="1 while an area's servers are at different migration revisions.")
         gauge("mdb.spare.briefcases", [self._spare], unit="{briefcase}", description="Briefcases held by a server in no area's layout, by server.")
+        gauge("mdb.replica.lag", [self._replica_lag], unit="s",
+              description="Seconds each server's map-named replica is behind its primary (what reshard --max-lag waits on), by server.")
 
     def refresh(self) -> FleetReport | None:
         """Read the fleet's state once; on an error the previous report stays served, the error counted and re-raised."""
@@ -141,6 +143,12 @@ class FleetGauges:
     def _mixed(self, _: CallbackOptions) -> Iterable[Observation]:
         r = self._current()
         return [] if r is None else [Observation(int(mixed), {"area": a}) for a, mixed in r.migrations_mixed.items()]
+
+    def _replica_lag(self, _: CallbackOptions) -> Iterable[Observation]:
+        report = self._current()
+        if report is None:
+            return []
+        return [Observation(lag, {"server": server}) for server, lag in report.replica_lag.items()]
 
     def _spare(self, _: CallbackOptions) -> Iterable[Observation]:
         r = self._current()

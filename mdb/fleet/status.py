@@ -18,6 +18,8 @@ the same snapshot as gauges (:mod:`mdb.fleet.gauges`).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -32,6 +34,7 @@ from mdb.fleet.balance import AreaBalance, balance, measure_server
 from mdb.fleet.scan import area_data, scan_of
 from mdb.migrations.fleet import fleet_status
 from mdb.migrations.scripts import area_dir
+from mdb.moves.throttle import replica_lag, replicas_of
 from mdb.moves.history import HistoryRow, history
 from mdb.moves.journal import Journal
 from mdb.moves.status import MoveStatus, move_status
@@ -122,6 +125,8 @@ class FleetReport:
     migrations: list[dict[str, Any]] = field(default_factory=list)
     migrations_mixed: dict[str, bool] = field(default_factory=dict)
     failures: list[HistoryRow] = field(default_factory=list)
+    replica_lag: dict[str, float] = field(default_factory=dict)
+    """server -> seconds its map-named replica is behind (what ``--max-lag`` throttles on; inf: never replayed)."""
     problems: list[Problem] = field(default_factory=list)
     max_skew: float = DEFAULT_MAX_SKEW
     at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
@@ -149,6 +154,7 @@ class FleetReport:
             "frozen": [f.to_json() for f in self.frozen],
             "migrations": {"mixed": self.migrations_mixed, "servers": self.migrations},
             "failures": [f.to_json() for f in self.failures],
+            "replica_lag_seconds": {s: (None if math.isinf(v) else round(v, 3)) for s, v in self.replica_lag.items()},
             "problems": [p.to_json() for p in self.problems],
         }
 
@@ -253,6 +259,12 @@ def fleet_report(store: Cluster, map_path: str, file_version: int, *, migrations
             if held.briefcases:
                 report.spares.setdefault(spare, {})[measured_area.area] = held.briefcases
     _jobs(store, report)
+    for server in replicas_of(store, list(store.map.servers)):  # the same measurement the reshard's throttle makes
+        try:
+            report.replica_lag[server] = replica_lag(store, server)
+        except (MdbError, DBAPIError) as exc:
+            problems.append(Problem(ATTENTION, f"the replica of {server!r} cannot be read: {_reason(exc)}",
+                                    "check the replica (reads and `--max-lag` reshards depend on it)"))
     receiving = {t for j in report.jobs for t in [*j.status.entry.params.get("new_shards", []), j.status.entry.target] if t}
     for server in spares:
         holding = report.spares.setdefault(server, {})
