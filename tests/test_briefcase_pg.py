@@ -296,7 +296,8 @@ def test_ownership_check_refuses_a_fenced_or_restamped_shard(store: Store) -> No
     with store.transaction("u3") as conn:
         layout = ShardLayout("user", GDID(0, 0, 1000), None, 0, 4)
         assert stamp_layout(conn, layout, 1, replace=True) is None
-    with pytest.raises(StaleRouteError, match=r"fenced, it moved to server 'u2'"):
+    # The fence on u1 sends the session to u2 (its peer); u2 holds no resident record of it and refuses too.
+    with pytest.raises(StaleRouteError, match=r"briefcase user/0:0:50 on server 'u2': .* no resident record"):
         with store.briefcase(UserBriefcase, fenced) as session:
             fill_briefcase(session, fenced)
     with pytest.raises(StaleRouteError, match=r"stamped partition \[0:0:1000, open\) shard 0 of 4 .* routed it to partition \[0:0:1000, open\) shard 0 of 3"):
