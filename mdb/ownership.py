@@ -373,7 +373,7 @@ def check_ownership(rows: list[tuple[Any, ...]] | None, placement: Placement, ma
         raise BriefcaseMovingError(f"{what}: partition {placement.partition_start} is frozen for writes by reshard {frozen_by}")
     if placement.relocated:
         if state != STATE_RESIDENT:
-            raise StaleRouteError(f"{what}: the relocation directory points here but the server holds no resident record")
+            raise StaleRouteError(f"{what}: routed here away from its default shard (a fence or the relocation directory) but the server holds no resident record")
         return
     if start is None:
         raise StaleRouteError(

@@ -81,7 +81,7 @@ def test_any_other_stale_route_forgets_refreshes_and_is_bounded(router: Router) 
     routes.learn("user", G, "user-7")
     p = policy(routes, stale=2)
     relocated = p.placement(router)
-    exc = StaleRouteError("the relocation directory points here but the server holds no resident record")
+    exc = StaleRouteError("routed here away from its default shard (a fence or the relocation directory) but the server holds no resident record")
     assert p.refused(relocated, exc) == Step(refresh=True)
     assert routes.get("user", G) is None
     assert p.refused(p.placement(router), exc) == Step(refresh=True)

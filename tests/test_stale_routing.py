@@ -272,7 +272,7 @@ def test_a_relocation_without_resident_record_is_refused(cluster: Cluster, monke
     store = cluster.store(max_stale_retries=0)
     store.routes.learn("user", gdid, "x")  # a wrong hint (as a directory entry without its move would be)
     set_relocation(store, "user", gdid, "x")
-    with pytest.raises(StaleRouteError, match="the relocation directory points here but the server holds no resident record"):
+    with pytest.raises(StaleRouteError, match=r"routed here away from its default shard \(a fence or the relocation directory\) but the server holds no resident record"):
         create_user(store, gdid)
     assert rows_on_every_shard(store, gdid) == {s: 0 for s in SHARDS}
 
