@@ -22,7 +22,7 @@ from sqlalchemy import update
 
 from mdb.demo.models import User
 from mdb.fleet.balance import balance
-from mdb.fleet.fsck import fsck
+from mdb.fleet.fsck import Finding, FsckReport, fsck
 from mdb.fleet.rebalance import plan_rebalance
 from mdb.gdid import GDID
 from mdb.moves.copy import copy_rows
@@ -45,6 +45,13 @@ def shrunk(urls: list[str], tmp_path: Path) -> Cluster:
     return cluster
 
 
+def _own(report: FsckReport) -> list[Finding]:
+    """Findings about the briefcases' rows. CENTRAL is not this file's subject: its briefcases are made
+    without index entries, and fsck in-process checks every index any imported module declared (in a
+    full test run, the demo's and the tests'), while the CLI imports only the map's models."""
+    return [f for f in report.findings if not f.kind.startswith("central_")]
+
+
 def test_fsck_and_balance_see_a_differing_copy_on_a_spare(tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path) -> None:
     cluster = shrunk(tmp_sqlite_urls(5), tmp_path)
     g = USERS[0]
@@ -56,7 +63,7 @@ def test_fsck_and_balance_see_a_differing_copy_on_a_spare(tmp_sqlite_urls: Calla
             conn.execute(update(User).where(User.user_id == g).values(name="changed on the spare"))
         report = fsck(store, "user", repair=True)
         assert "u3" in report.servers and "u4" in report.servers
-        assert [(f.kind, f.server, f.gdid, f.action) for f in report.findings] == [("misplaced", "u3", g, "reported")]
+        assert [(f.kind, f.server, f.gdid, f.action) for f in _own(report)] == [("misplaced", "u3", g, "reported")]
         assert report.briefcases == len(USERS), "the copy on the spare is not a second briefcase"
         assert sorted(locations(store, SHARDS)[g]) == sorted([owner, "u3"]), "a differing copy is never deleted"
         spare = {s.server: s for s in balance(store, "user").servers}
@@ -123,7 +130,7 @@ def test_drain_moves_a_spares_briefcases_home_resumably(tmp_sqlite_urls: Callabl
         held = locations(store, SHARDS)
         for g in moved:
             assert held[g] == [store.router.default_placement("user", g).server] == [store.router.locate("user", g).server]
-        assert fsck(store, "user").clean
+        assert _own(fsck(store, "user")) == []
     assert run_cli(["drain", path, "u3", "--check"]).returncode == 0
 
 

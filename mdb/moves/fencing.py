@@ -60,13 +60,17 @@ lease_fences = Table(
     Column("epoch", BigInteger, nullable=False),
 )
 
-_ensured: set[tuple[int, str]] = set()
+_ensured: set[str] = set()
 _ensured_lock = threading.Lock()
 
 
 def _ensure_table(cluster: Cluster, server: str) -> None:
-    """Create ``mdb_lease_fences`` on ``server`` once per process (fleets from before it have none)."""
-    key = (id(cluster.engines), server)
+    """Create ``mdb_lease_fences`` on ``server`` once per process and database (fleets from before it have none).
+
+    Keyed by the database's URL, not by a server name or an object's id: both are reused for
+    other databases within one process (a test suite, a tool serving several maps).
+    """
+    key = cluster.engine(server).url.render_as_string(hide_password=True)
     if key in _ensured:
         return
     with _ensured_lock:
