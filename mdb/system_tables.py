@@ -15,11 +15,13 @@ from __future__ import annotations
 import importlib
 from typing import Final
 
-from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table, func
+from sqlalchemy import BigInteger, Column, DateTime, Integer, MetaData, String, Table, func
 
 from mdb.sqltypes import GDIDType
 
 __all__ = [
+    "lease_fences",
+    "on_demand_metadata",
     "CENTRAL_TABLE_MODULES",
     "MIGRATION_VERSION_PREFIX",
     "STATE_FROZEN",
@@ -36,6 +38,16 @@ __all__ = [
 
 shard_metadata = MetaData()
 central_metadata = MetaData()
+on_demand_metadata = MetaData()
+"""Tables mdb creates where and when it first needs them, on any server (shard or CENTRAL): known, never "extra"."""
+
+lease_fences = Table(
+    "mdb_lease_fences",
+    on_demand_metadata,
+    # The newest epoch of each move lease this server has seen (mdb.moves.fencing: a lease is not a fence).
+    Column("lease_id", String(64), primary_key=True),
+    Column("epoch", BigInteger, nullable=False),
+)
 
 shard_layout = Table(
     "mdb_shard_layout",

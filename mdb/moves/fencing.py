@@ -31,7 +31,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from sqlalchemy import BigInteger, Column, Engine, MetaData, String, Table, insert, select, text, update
+from sqlalchemy import Engine, insert, select, text, update
 from sqlalchemy.engine import Connection
 
 from mdb.briefcase import BriefcaseType
@@ -40,6 +40,7 @@ from mdb.errors import LeaseLostError
 from mdb.gdid import GDID
 from mdb.partition_map import PartitionMap
 from mdb.router import Router
+from mdb.system_tables import lease_fences
 from mdb.urls import SQL
 
 if TYPE_CHECKING:
@@ -49,16 +50,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("mdb.moves.fencing")
 
 __all__ = ["FencedCluster", "check", "claim", "fence_check", "lease_fences", "unchecked"]
-
-fencing_metadata = MetaData()
-
-lease_fences = Table(
-    "mdb_lease_fences",
-    fencing_metadata,
-    # On every server a driver writes to (shards and CENTRAL): the newest epoch of each lease seen there.
-    Column("lease_id", String(64), primary_key=True),
-    Column("epoch", BigInteger, nullable=False),
-)
 
 _ensured: set[str] = set()
 _ensured_lock = threading.Lock()
