@@ -196,3 +196,29 @@ def test_a_single_move_paused_past_its_lease_writes_nothing_after_a_takeover(poi
         assert where == [target if point == "move.after_commit_point" else source], (point, where)
         assert store.router.locate("user", g).server == where[0]
         assert Journal(store).entries(unfinished=True) == []
+
+
+def test_a_take_ends_the_session_of_a_driver_paused_inside_its_heartbeat(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
+    """SIGSTOP can land between a beat's UPDATE and its COMMIT: the lease row stays locked. A take waits
+    the grace, then ends that session instead of waiting forever (seen once in the paused-driver test)."""
+    from sqlalchemy import func, update
+    from sqlalchemy.exc import DBAPIError
+
+    cluster = make_cluster(dict(zip(["c", *SERVERS], pg_databases(4))), tmp_path, [("0:0:0", ["u1", "u2"])])
+    with cluster.store() as store:
+        journal = Journal(store)
+        with hold(journal, "reshard-paused-beat"):
+            pass
+        paused = store.connect(journal.server)
+        try:
+            paused.begin()
+            paused.execute(update(move_leases).where(move_leases.c.move_id == "reshard-paused-beat")
+                           .values(beat_at=func.current_timestamp()))  # ... and then the process stops
+            started = time.monotonic()
+            with hold(journal, "reshard-paused-beat") as lease:
+                assert lease.epoch == 2
+            assert time.monotonic() - started >= fencing.CLAIM_GRACE
+            with pytest.raises(DBAPIError, match="terminat"):  # its session was ended: the paused driver's beat cannot commit
+                paused.execute(text("SELECT 1"))
+        finally:
+            paused.close()

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mdb.moves.fencing")
 
-__all__ = ["FencedCluster", "check", "claim", "fence_check", "lease_fences", "unchecked"]
+__all__ = ["FencedCluster", "check", "claim", "ending_blockers", "fence_check", "lease_fences", "unchecked"]
 
 _ensured: set[str] = set()
 _ensured_lock = threading.Lock()
@@ -112,7 +112,7 @@ def claim(cluster: Cluster, servers: Iterable[str], lease_id: str, epoch: int) -
         if cluster.map.kind_of(server) != SQL:
             continue
         _ensure_table(cluster, server)
-        with cluster.transaction(server) as conn, _ending_blockers(cluster, conn, server, lease_id):
+        with cluster.transaction(server) as conn, ending_blockers(cluster, conn, server, lease_id):
             seen = conn.execute(
                 select(lease_fences.c.epoch).where(lease_fences.c.lease_id == lease_id).with_for_update()
             ).scalar_one_or_none()
@@ -120,8 +120,12 @@ def claim(cluster: Cluster, servers: Iterable[str], lease_id: str, epoch: int) -
 
 
 @contextmanager
-def _ending_blockers(cluster: Cluster, conn: Connection, server: str, lease_id: str) -> Iterator[None]:
-    """While the block runs, terminate (from a second session) whatever blocks ``conn`` past the grace."""
+def ending_blockers(cluster: Cluster, conn: Connection, server: str, lease_id: str) -> Iterator[None]:
+    """While the block runs, terminate (from a second session) whatever blocks ``conn`` past :data:`CLAIM_GRACE`.
+
+    For statements only a driver of ``lease_id`` can be blocked by: a claim of its fence row, a
+    take of its lease row (a driver paused in the middle of its heartbeat's transaction holds it).
+    """
     if conn.dialect.name != "postgresql":
         yield
         return
@@ -132,8 +136,8 @@ def _ending_blockers(cluster: Cluster, conn: Connection, server: str, lease_id: 
         while not done.wait(CLAIM_GRACE):
             with cluster.transaction(server) as other:
                 for blocker in other.execute(text("SELECT unnest(pg_blocking_pids(:pid))"), {"pid": pid}).scalars():
-                    log.warning("server %r: ending session %s, which holds lease %s's fence for a driver whose lease "
-                                "was taken over (paused inside a transaction?)", server, blocker, lease_id)
+                    log.warning("server %r: ending session %s, which holds lease %s's row for a driver whose lease "
+                                "is being taken over (paused inside a transaction?)", server, blocker, lease_id)
                     other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": blocker})
 
     watcher = threading.Thread(target=watch, name=f"mdb-claim-{lease_id}", daemon=True)

@@ -235,8 +235,8 @@ def _take(journal: Journal, move_id: str) -> tuple[str, int]:
     for _ in range(3):
         mine = {"pid": os.getpid(), "host": _HOST, "token": uuid.uuid4().hex, "since": func.current_timestamp(),
                 "beat_at": func.current_timestamp(), "stop_by": None}
-        try:
-            with journal.store.transaction(journal.server) as conn:
+        try:  # a driver paused inside its heartbeat's transaction holds the row: ended after a grace, not waited for
+            with journal.store.transaction(journal.server) as conn, fencing.ending_blockers(journal.store, conn, journal.server, move_id):
                 conn.execute(insert(move_leases).values(move_id=move_id, epoch=1, **mine))
             return str(mine["token"]), 1
         except DuplicateRowError:  # Store.transaction translates the unique violation
@@ -246,7 +246,7 @@ def _take(journal: Journal, move_id: str) -> tuple[str, int]:
             continue  # deleted meanwhile (an older mdb releases by deleting): insert again
         if holder is not None and holder.alive and not holder.mine:
             raise MoveLeaseHeldError(move_id, holder.describe())
-        with journal.store.transaction(journal.server) as conn:
+        with journal.store.transaction(journal.server) as conn, fencing.ending_blockers(journal.store, conn, journal.server, move_id):
             taken = conn.execute(update(move_leases).where(
                 move_leases.c.move_id == move_id, move_leases.c.epoch == epoch,
             ).values(epoch=epoch + 1, **mine)).rowcount
