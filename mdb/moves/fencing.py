@@ -29,7 +29,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy import Engine, insert, select, text, update
 from sqlalchemy.engine import Connection
@@ -172,9 +172,10 @@ class FencedCluster:
         return self.inner.map
 
     @property
-    def mongo(self) -> object:
-        """The wrapped cluster's document side, if any (:func:`mdb.moves.directory.documents_of` reads it)."""
-        return getattr(self.inner, "mongo", None)
+    def mongo(self) -> Any:
+        """The wrapped cluster's document side; AttributeError where it has none, so ``hasattr`` and the
+        runtime ``HasDocuments`` check answer for the wrapped cluster."""
+        return getattr(self.inner, "mongo")  # noqa: B009 - Cluster does not declare it
 
     @property
     def router(self) -> Router:
