@@ -136,7 +136,7 @@ def test_a_shard_without_the_check_functions_asks_for_schema_apply(pooled: tuple
         with store.transaction(server) as conn:
             conn.execute(text("DROP FUNCTION mdb_check_read, mdb_check_write"))
         for readonly in (True, False):
-            with pytest.raises(SchemaError, match="mdb_check_.* does not exist.*run `mdb schema apply"):
+            with pytest.raises(SchemaError, match="mdb_check_.* does not exist.*`mdb schema apply MAP` creates it"):
                 with store.briefcase(UserBriefcase, gdid, readonly=readonly):
                     pass
     with tools_store(lambda: Store.from_yaml(path, types=[UserBriefcase])) as tools:

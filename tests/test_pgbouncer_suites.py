@@ -57,8 +57,8 @@ def test_fence_and_relocation_through_pgbouncer(cluster: test_stale_routing.Clus
     test_stale_routing.test_fence_and_relocation_send_a_stale_store_to_the_new_shard(cluster, monkeypatch)
 
 
-def test_relocation_without_resident_record_through_pgbouncer(cluster: test_stale_routing.Cluster) -> None:
-    test_stale_routing.test_a_relocation_without_resident_record_is_refused(cluster)
+def test_relocation_without_resident_record_through_pgbouncer(cluster: test_stale_routing.Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    test_stale_routing.test_a_relocation_without_resident_record_is_refused(cluster, monkeypatch)
 
 
 def test_incoming_copy_makes_sessions_wait_through_pgbouncer(cluster: test_stale_routing.Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
