@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from typing import Final
 
 from sqlalchemy import BigInteger, Column, ColumnElement, DateTime, String, Table, and_, case, func, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from mdb import telemetry
+from mdb.dialects import sql_dialect
 from mdb.errors import GDIDError
 from mdb.gdid import (
     COUNTER_BITS,
@@ -150,14 +150,6 @@ def authority_from_env() -> int:
 # -- the sequence table -------------------------------------------------------------------------
 
 
-def _upsert(dialect: str) -> Callable[[Table], postgresql.Insert | sqlite.Insert]:
-    if dialect == "postgresql":
-        return postgresql.insert
-    if dialect == "sqlite":
-        return sqlite.insert
-    raise GDIDError(f"GDID sequences need PostgreSQL or SQLite, not {dialect!r}")
-
-
 def reserve_block(conn: Connection, scope: str, sequence: str, size: int) -> Block:
     """Reserve ``size`` counters with ONE statement; ``conn`` must be in a transaction.
 
@@ -168,7 +160,7 @@ def reserve_block(conn: Connection, scope: str, sequence: str, size: int) -> Blo
     _check_block_size(size)
     t = sequences
     fits = t.c.next_counter + size <= MAX_COUNTER  # the position after the block is a valid counter
-    insert_new = _upsert(conn.dialect.name)(t).values(
+    insert_new = sql_dialect(conn).insert(t).values(
         scope=scope,
         sequence=sequence,
         era=0,
@@ -223,7 +215,7 @@ def advance_sequence(conn: Connection, scope: str, sequence: str, era: int, next
         raise GDIDError(f"invalid GDID sequence counter {next_counter!r}: must be in 1..{MAX_COUNTER}")
     t = sequences
     conn.execute(
-        _upsert(conn.dialect.name)(t)
+        sql_dialect(conn).insert(t)
         .values(scope=scope, sequence=sequence, era=0, next_counter=1, block_era=0, block_start=0, block_end=0)
         .on_conflict_do_nothing(index_elements=[t.c.scope, t.c.sequence])
     )

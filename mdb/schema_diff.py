@@ -27,6 +27,8 @@ from sqlalchemy import types as sqltypes
 from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.exc import CompileError, SAWarning
 
+from mdb.dialects import sql_dialect
+
 __all__ = ["KINDS", "Difference", "compare_tables", "format_differences"]
 
 KINDS: Final = (
@@ -185,7 +187,7 @@ def _compare_table(model: Table, live: dict[str, Any], dialect: Dialect) -> list
                 f"column {column.name!r} is {_type_name(found['type'], dialect)} ({have}), the model says "
                 f"{_type_name(column.type, dialect)} ({want})",
             ))
-        elif dialect.name == "postgresql" and _narrower(found["type"], column.type):  # SQLite enforces no widths
+        elif sql_dialect(dialect).enforces_widths and _narrower(found["type"], column.type):
             out.append(Difference(
                 name, "width",
                 f"column {column.name!r} is {_type_name(found['type'], dialect)}, narrower than the model's "

@@ -14,6 +14,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Mapper
 from sqlalchemy.types import TypeDecorator
 
+from mdb.dialects import sql_dialect
 from mdb.gdid import GDID
 
 __all__ = ["GDIDType", "parse_gdid_text"]
@@ -43,9 +44,7 @@ class GDIDType(TypeDecorator[GDID]):
             gdid = GDID.parse(value) if isinstance(value, str) else value
             if not isinstance(gdid, GDID):
                 raise TypeError(f"GDIDType column expects a GDID, got {type(value).__name__}: {value!r}")
-            if dialect.name == "postgresql":
-                return f"'\\x{gdid.hex}'::bytea"
-            return f"X'{gdid.hex}'"
+            return sql_dialect(dialect).gdid_literal(gdid.hex)
 
         return process
 

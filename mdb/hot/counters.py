@@ -46,7 +46,8 @@ from sqlalchemy import func, select, update
 
 from mdb.errors import StatsError
 from mdb.session import BriefcaseSession
-from mdb.hot.scope import Scope, dialect_insert, insert_once, place_of
+from mdb.dialects import sql_dialect
+from mdb.hot.scope import Scope, insert_once, place_of
 from mdb.hot.tables import NAME_LENGTH, CounterTables, check_name, derived_gdid
 
 __all__ = ["DEFAULT_MAX_K_AGE", "MAX_SLOTS", "Counters"]
@@ -198,7 +199,7 @@ class Counters:
         """
         rows = self.tables.rows
         place.conn.execute(
-            dialect_insert(place, rows)
+            sql_dialect(place.conn).insert(rows)
             .values([
                 {**place.key_values(), "row_id": _row_id(counter, n), "counter": counter, "slot": n}
                 for n in range(slots)

@@ -49,7 +49,8 @@ from mdb.errors import FoldError, RoutingError, SchemaError, StatsError
 from mdb.fanout import fan_out_servers
 from mdb.gdid import GDID
 from mdb.session import BriefcaseSession
-from mdb.hot.scope import Scope, central, dialect_insert, insert_once, place_of
+from mdb.dialects import sql_dialect
+from mdb.hot.scope import Scope, central, insert_once, place_of
 from mdb.hot.tables import LABEL_LENGTH, NAME_LENGTH, EventLogTables, check_name, derived_gdid
 from mdb.system_tables import STATE_INCOMING, briefcase_state
 
@@ -156,7 +157,7 @@ class EventLog:
         document = self._checked_payload(stream, event_id, kind, payload)
         ev = self.tables.events
         stmt = (
-            dialect_insert(place, ev)
+            sql_dialect(place.conn).insert(ev)
             .values(**place.key_values(), event_id=event_id, stream=stream, kind=kind, payload=document)
             .on_conflict_do_nothing(index_elements=[*place.key_values(), "event_id"])
             .returning(ev.c.event_id)
@@ -260,7 +261,7 @@ class EventLog:
             for event in sorted(claimed, key=lambda r: r[0]):
                 state = self._apply(state, *event, where=place.where, stream=stream, server=place.server, seq=seq)
             conn.execute(
-                dialect_insert(place, snaps).values(
+                sql_dialect(place.conn).insert(snaps).values(
                     **keys, snapshot_id=_snapshot_id(stream, new_seq), stream=stream, seq=new_seq,
                     state=state, events=len(claimed), total_events=int(total) + len(claimed),
                 )
@@ -299,8 +300,7 @@ class EventLog:
                 continue
             seen.add(url)
             with store.transaction(server) as conn:
-                if conn.dialect.name == "postgresql":
-                    conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                sql_dialect(conn).snapshot(conn)
                 incoming = set(conn.execute(
                     select(briefcase_state.c.gdid).where(briefcase_state.c.area == area, briefcase_state.c.state == STATE_INCOMING)
                 ).scalars())

@@ -24,6 +24,7 @@ from sqlalchemy import Table, select
 from sqlalchemy.engine import Connection
 
 from mdb.briefcase import BriefcaseType
+from mdb.dialects import sql_dialect
 from mdb.errors import CrossBriefcaseError, MdbError, RoutingError, StatsError
 from mdb.gdid import GDID
 from mdb.session import BriefcaseSession
@@ -31,7 +32,7 @@ from mdb.session import BriefcaseSession
 if TYPE_CHECKING:
     from mdb.cluster import Cluster
 
-__all__ = ["Scope", "central", "central_server", "dialect_insert", "insert_once", "place_of"]
+__all__ = ["Scope", "central", "central_server", "insert_once", "place_of"]
 
 
 @dataclass(frozen=True)
@@ -122,20 +123,6 @@ def central_server(store: Cluster, server: str) -> Iterator[Scope]:
         yield Scope(conn, server, store=None)
 
 
-def dialect_insert(place: Scope, table: Table) -> Any:
-    """INSERT with ON CONFLICT support for the place's backend (PostgreSQL or SQLite)."""
-    name = place.conn.dialect.name
-    if name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert as pg_insert
-
-        return pg_insert(table)
-    if name == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-
-        return sqlite_insert(table)
-    raise MdbError(f"hot-data tables need PostgreSQL or SQLite (ON CONFLICT), not {name!r}")
-
-
 def insert_once(place: Scope, table: Table, id_column: str, values: Mapping[str, Any], natural: Sequence[str]) -> bool:
     """Insert a row with a derived id unless its natural key is already there; True if inserted.
 
@@ -147,7 +134,7 @@ def insert_once(place: Scope, table: Table, id_column: str, values: Mapping[str,
     drop this row's effect. That raises instead.
     """
     stmt = (
-        dialect_insert(place, table)
+        sql_dialect(place.conn).insert(table)
         .values(**place.key_values(), **values)
         .on_conflict_do_nothing()
         .returning(table.c[id_column])

@@ -36,11 +36,11 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.script.revision import RangeNotAncestorError, RevisionError
 from alembic.util.exc import CommandError
-from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
 from mdb.cluster import Cluster
 from mdb.dberrors import describe
+from mdb.dialects import sql_dialect
 from mdb.errors import MdbError, MigrationError
 from mdb.faults import fault_point, register
 from mdb.migrations import ledger
@@ -353,10 +353,10 @@ def _resolve(script: ScriptDirectory, area: str, wanted: str | None, direction: 
     return revision.revision
 
 
-def _lock_timeout_sql(seconds: float) -> str:
+def _lock_timeout_ms(seconds: float) -> int:
     if seconds <= 0:
         raise MigrationError(f"lock timeout must be positive, got {seconds:g}s")
-    return f"SET LOCAL lock_timeout = '{int(seconds * 1000)}ms'"
+    return int(seconds * 1000)
 
 
 def _migrate_one(
@@ -368,9 +368,8 @@ def _migrate_one(
     started = time.monotonic()
     try:
         with cluster.transaction(target.server) as conn:
-            if not cluster.engines.is_sqlite(target.server):  # PostgreSQL: never queue behind a long transaction
-                conn.execute(text(_lock_timeout_sql(lock_timeout)))
-                lock_out_moves(conn, target.server)
+            sql_dialect(conn).lock_timeout(conn, _lock_timeout_ms(lock_timeout))  # never queue behind a long transaction
+            lock_out_moves(conn, target.server)
             result.before = current_revision(conn, target.area)
             result.before_read = True
             lower, upper = (result.before, destination) if direction == "up" else (destination, result.before)
@@ -445,7 +444,7 @@ def migrate(
     if to not in (None, "head", "heads", "base") and len(histories) > 1:
         raise MigrationError(f"--to {to} names one area's revision: say which area (--area; the map has {', '.join(histories)})")
     destinations = {area: _resolve(script, area, to, direction) for area, script in histories.items()}
-    _lock_timeout_sql(lock_timeout)  # a bad value fails before any server is touched
+    _lock_timeout_ms(lock_timeout)  # a bad value fails before any server is touched
     work = targets(cluster, list(histories))
     if servers is not None:
         unknown = sorted(set(servers) - {t.server for t in work})

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from sqlalchemy import Column, MetaData, String, Table, text
+from sqlalchemy import Column, MetaData, String, Table
 from sqlalchemy.engine import Connection
 
 from alembic.runtime.migration import MigrationContext
+from mdb.dialects import sql_dialect
 from mdb.errors import MigrationError
 from mdb.system_tables import MIGRATION_VERSION_PREFIX, version_table
 
@@ -93,23 +94,23 @@ def require_one_revision(area: str, revisions: Mapping[str, str | None]) -> str 
 
 
 def lock_out_moves(conn: Connection, server: str) -> None:
-    """Take the server's schema lock exclusive for this transaction (PostgreSQL), or refuse at once.
+    """Take the server's schema lock exclusive for this transaction, or refuse at once.
 
     Called by a migration before it changes a server's tables: a move copying into or out of
     the server holds the lock shared (:func:`lock_out_migrations`), and a copy running while a
     column appears would write rows of the old shape into the new table.
     """
-    if not conn.execute(text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY}).scalar():
+    if not sql_dialect(conn).try_advisory_xact_lock(conn, SCHEMA_LOCK_KEY, shared=False):
         raise MigrationError(f"server {server!r}: a move is copying briefcases to or from it; migrate it after the move ends")
 
 
 def lock_out_migrations(conn: Connection, server: str) -> None:
-    """Take the server's schema lock shared for this transaction (PostgreSQL), or refuse at once.
+    """Take the server's schema lock shared for this transaction, or refuse at once.
 
     For a move's copy (on the source and on the target): several moves may run at once on one
     server, a migration may not run during any of them.
     """
-    if conn.dialect.name != "postgresql":
-        return  # SQLite: one writer per file; a migration's transaction and a copy cannot overlap
-    if not conn.execute(text("SELECT pg_try_advisory_xact_lock_shared(:key)"), {"key": SCHEMA_LOCK_KEY}).scalar():
+    # SQLite has no advisory locks (always granted): one writer per file, so a migration's
+    # transaction and a copy cannot overlap there.
+    if not sql_dialect(conn).try_advisory_xact_lock(conn, SCHEMA_LOCK_KEY, shared=True):
         raise MigrationError(f"server {server!r}: a schema migration is running on it; move after it ends (mdb migrate status MAP)")

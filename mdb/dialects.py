@@ -1,0 +1,138 @@
+"""What differs between the SQL servers mdb runs on, in one strategy object per dialect.
+
+Features ask a :class:`SqlDialect` for a capability (an upsert, a lock, a timeout, a snapshot)
+instead of branching on ``dialect.name``: SQLAlchemy keeps its dialect differences in dialect
+classes the same way, and a third SQL server would be one more class here, not a hunt through
+the features. SQLite is the embedded default (one writer per file, no server-side timeouts or
+advisory locks, widths not enforced); PostgreSQL is production.
+
+The objects are stateless singletons; :func:`sql_dialect` picks one for a connection, an engine,
+a SQLAlchemy dialect, a URL or a backend name, and refuses any other server with one line.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from sqlalchemy import Table, text
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import URL, Connection, Dialect, Engine
+
+from mdb.errors import MdbError
+
+__all__ = ["PostgresDialect", "SqlDialect", "SqliteDialect", "sql_dialect"]
+
+
+class SqlDialect:
+    """The capabilities mdb needs from a SQL server; the defaults are the embedded (SQLite) ones.
+
+    ``enforces_widths``: VARCHAR(n) and NUMERIC(p, s) reject wider values (a schema check must
+    compare widths). ``server_side_timeouts``: statement and lock timeouts exist (else the
+    callers' checks between phases are the only bound). ``advisory_locks``: named locks that
+    several sessions of one server can share or exclude; without them (SQLite) one writer per
+    file already serialises what they would. ``copy``: ``COPY ... TO/FROM STDOUT`` streams.
+    """
+
+    name: ClassVar[str]
+    enforces_widths: ClassVar[bool] = False
+    server_side_timeouts: ClassVar[bool] = False
+    advisory_locks: ClassVar[bool] = False
+    copy: ClassVar[bool] = False
+    terminates_sessions: ClassVar[bool] = False
+
+    def insert(self, table: Table) -> Any:
+        """An INSERT that supports ``on_conflict_do_update`` / ``on_conflict_do_nothing``."""
+        raise NotImplementedError
+
+    def gdid_literal(self, hex_digits: str) -> str:
+        """A 12-byte GDID as an SQL literal of the binary column type."""
+        return f"X'{hex_digits}'"
+
+    def snapshot(self, conn: Connection, *, read_only: bool = False) -> None:
+        """Make the transaction just begun on ``conn`` read one snapshot (SQLite's transaction already does)."""
+
+    def statement_timeout(self, conn: Connection, ms: int, *, also: str = "") -> None:
+        """``SET LOCAL statement_timeout`` (plus ``also``, more SET LOCALs, in the same round trip) where it exists."""
+
+    def lock_timeout(self, conn: Connection, ms: int) -> None:
+        """``SET LOCAL lock_timeout`` where it exists: a lock wait ends with an error instead of queueing."""
+
+    def try_advisory_xact_lock(self, conn: Connection, key: int, *, shared: bool) -> bool:
+        """Take a transaction-scoped advisory lock without waiting; True where there are none to take."""
+        return True
+
+    def try_advisory_lock(self, conn: Connection, key: int, *, shared: bool) -> bool:
+        """Take a session-scoped advisory lock without waiting (undo with :meth:`advisory_unlock`)."""
+        return True
+
+    def advisory_unlock(self, conn: Connection, key: int, *, shared: bool) -> None:
+        """Release what :meth:`try_advisory_lock` took."""
+
+    def backend_pid(self, conn: Connection) -> int | None:
+        """The server process of this session (to end sessions blocking it), or None where there is none."""
+        return None
+
+
+class PostgresDialect(SqlDialect):
+    name = "postgresql"
+    enforces_widths = True
+    server_side_timeouts = True
+    advisory_locks = True
+    copy = True
+    terminates_sessions = True
+
+    def insert(self, table: Table) -> Any:
+        return postgresql.insert(table)
+
+    def gdid_literal(self, hex_digits: str) -> str:
+        return f"'\\x{hex_digits}'::bytea"
+
+    def snapshot(self, conn: Connection, *, read_only: bool = False) -> None:
+        conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ" + (", READ ONLY" if read_only else ""))
+
+    def statement_timeout(self, conn: Connection, ms: int, *, also: str = "") -> None:
+        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {int(ms)}" + (f"; {also}" if also else ""))
+
+    def lock_timeout(self, conn: Connection, ms: int) -> None:
+        conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{int(ms)}ms'")
+
+    def try_advisory_xact_lock(self, conn: Connection, key: int, *, shared: bool) -> bool:
+        function = "pg_try_advisory_xact_lock_shared" if shared else "pg_try_advisory_xact_lock"
+        return bool(conn.execute(text(f"SELECT {function}(:key)"), {"key": key}).scalar())
+
+    def try_advisory_lock(self, conn: Connection, key: int, *, shared: bool) -> bool:
+        function = "pg_try_advisory_lock_shared" if shared else "pg_try_advisory_lock"
+        return bool(conn.execute(text(f"SELECT {function}(:key)"), {"key": key}).scalar())
+
+    def advisory_unlock(self, conn: Connection, key: int, *, shared: bool) -> None:
+        function = "pg_advisory_unlock_shared" if shared else "pg_advisory_unlock"
+        conn.execute(text(f"SELECT {function}(:key)"), {"key": key})
+
+    def backend_pid(self, conn: Connection) -> int | None:
+        return int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+
+
+class SqliteDialect(SqlDialect):
+    name = "sqlite"
+
+    def insert(self, table: Table) -> Any:
+        return sqlite.insert(table)
+
+
+_DIALECTS: dict[str, SqlDialect] = {d.name: d for d in (PostgresDialect(), SqliteDialect())}
+
+
+def sql_dialect(of: Connection | Engine | Dialect | URL | str) -> SqlDialect:
+    """The strategy for ``of`` (a connection, engine, SQLAlchemy dialect, URL or backend name)."""
+    if isinstance(of, (Connection, Engine)):
+        name = of.dialect.name
+    elif isinstance(of, Dialect):
+        name = of.name
+    elif isinstance(of, URL):
+        name = of.get_backend_name()
+    else:
+        name = of
+    try:
+        return _DIALECTS[name]
+    except KeyError:
+        raise MdbError(f"mdb runs on PostgreSQL or SQLite, not {name!r}") from None
