@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import weakref
 from collections import deque

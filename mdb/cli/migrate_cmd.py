@@ -148,7 +148,7 @@ def _print_documents(documents: list[DocumentStatus]) -> None:
             state = f"[red]failed[/red]: {escape(mask_secrets(d.error))}"
         else:
             parts = [f"missing {i}" for i in d.missing] + [f"extra {i}" for i in d.extra]
-            parts += [f"differs {w.collection}.{w.name}: {l.shape()} here, declared {w.shape()}" for w, l in d.differing]
+            parts += [f"differs {w.collection}.{w.name}: {here.shape()} here, declared {w.shape()}" for w, here in d.differing]
             colour = {"at target": "green", "behind": "yellow"}.get(d.state, "red")
             state = f"[{colour}]{d.state}[/{colour}]" + (f": {escape('; '.join(parts))}" if parts else "")
             if d.other:

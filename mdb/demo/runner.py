@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mdb.central.cache import CacheStats
 from mdb.demo.models import UserBriefcase
-from mdb.demo.repositories import EmailIndex, LedgerRepository, LineItem, OrderRepository, UserRepository
+from mdb.demo.repositories import LedgerRepository, LineItem, OrderRepository, UserRepository
 from mdb.errors import DuplicateKeyError, MdbError
 from mdb.gdid import GDID
 from mdb.schema import apply_schema

@@ -275,7 +275,7 @@ def apply_map(
                 new_roles.add(new_map.central_area)
             if server in old_map.servers and new_roles <= old_roles.get(server, set()):
                 continue
-            all_layouts = [l for s, l in new_router.layouts() if s == server]
+            all_layouts = [layout for s, layout in new_router.layouts() if s == server]
             report.prepared[server] = _prepare(target, new_router, server, all_layouts, new_map.version)
 
         plan_add: list[tuple[str, str, ShardLayout]] = []
