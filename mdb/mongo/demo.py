@@ -21,7 +21,7 @@ import yaml
 
 from mdb.errors import MapError
 from mdb.gdid import GDID
-from mdb.mongo.fake import FakeMongo
+from mdb.testing.mongo import FakeMongo
 from mdb.mongo.hot import MongoCounter, MongoStatsLock
 from mdb.moves.document_move import checksums, move_documents
 from mdb.mongo.store import MongoStore
