@@ -27,7 +27,7 @@ from sqlalchemy import types as sqltypes
 from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.exc import CompileError, SAWarning
 
-__all__ = ["KINDS", "Difference", "compare_tables", "format_differences"]
+__all__ = ["Difference", "compare_tables", "format_differences"]
 
 KINDS: Final = (
     "missing table",

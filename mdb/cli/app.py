@@ -60,7 +60,6 @@ __all__ = [
     "err_console",
     "exit_code",
     "fail",
-    "import_models",
     "main",
     "map_app",
     "open_map",

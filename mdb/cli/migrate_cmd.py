@@ -30,7 +30,7 @@ from mdb.parallel import DEFAULT_PARALLEL, MAX_PARALLEL
 from mdb.store import Store
 from mdb.urls import MONGO, mask_secrets
 
-__all__ = ["migrate_app"]
+__all__ = []
 
 migrate_app = typer.Typer(help="Schema migrations (Alembic) on every shard: write, check, roll out.", no_args_is_help=True)
 app.add_typer(migrate_app, name="migrate")

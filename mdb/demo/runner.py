@@ -23,7 +23,7 @@ from mdb.gdid import GDID
 from mdb.schema import apply_schema
 from mdb.store import Store
 
-__all__ = ["DemoReport", "ShardCount", "demo_map_yaml", "email_for", "run_demo", "shard_counts", "write_demo_map"]
+__all__ = ["DemoReport", "run_demo", "shard_counts", "write_demo_map"]
 
 SECOND_PARTITION = 200
 DOMAIN = "demo.example"

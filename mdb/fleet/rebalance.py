@@ -34,7 +34,7 @@ from mdb.fleet.scan import BriefcaseSize, area_data, scan_of
 from mdb.gdid import GDID
 from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult, move_briefcase
 
-__all__ = ["CANDIDATES", "MIN_IMPROVEMENT", "PlannedMove", "RebalancePlan", "apply_plan", "plan_rebalance"]
+__all__ = ["MIN_IMPROVEMENT", "PlannedMove", "RebalancePlan", "apply_plan", "plan_rebalance"]
 
 CANDIDATES = 1000
 """Largest briefcases of each server kept as move candidates while planning."""

@@ -26,7 +26,6 @@ __all__ = [
     "MongoClients",
     "database_name",
     "is_mongo_url",
-    "mongo_servers",
     "pymongo_factory",
     "supports_transactions",
 ]

@@ -28,7 +28,7 @@ from mdb.mongo.store import MongoStore
 from mdb.mongo.types import DocumentBriefcaseType, MongoIndex
 from mdb.urls import mask_url
 
-__all__ = ["CustomerDocs", "DocumentDemoReport", "run_document_demo", "write_document_map"]
+__all__ = ["CustomerDocs", "DocumentDemoReport", "run_document_demo"]
 
 SHARDS = ("docs-1", "docs-2", "docs-3")
 
