@@ -9,8 +9,9 @@ are internal: their ``__all__`` says what other mdb modules use, not what is pro
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from mdb._lazy import lazy_exports
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports each on first use
     from mdb.aio import AsyncStore
@@ -103,15 +104,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    """Import a public name on first use and keep it (the next lookup is a plain attribute)."""
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mdb' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

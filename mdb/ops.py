@@ -7,8 +7,9 @@ Applications need only :mod:`mdb`; these act on a whole fleet and are run by an 
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from mdb._lazy import lazy_exports
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports each on first use
     from mdb.errors import (
@@ -100,15 +101,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    """Import an operator name on first use and keep it."""
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mdb.ops' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

@@ -10,19 +10,7 @@ import pytest
 
 from mdb.backoff import BackoffPolicy
 from mdb.budget import CAPACITY_WAIT, connect_patiently
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-        self.slept: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
+from mdb.testing import FakeClock
 
 
 def test_delays_grow_to_the_cap_and_stop_before_the_deadline() -> None:

@@ -11,7 +11,23 @@ import os
 
 from mdb.faults import TESTING_ENV
 
-__all__ = ["arm"]
+__all__ = ["FakeClock", "arm"]
+
+
+class FakeClock:
+    """A monotonic clock for sans-IO policies (:mod:`mdb.backoff`, :mod:`mdb.retry`): time passes
+    only when the test says so or :meth:`sleep` is called, and every sleep is recorded."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
 
 
 def arm() -> None:
