@@ -6,21 +6,22 @@ two protocols can never share (and so confuse) a point. Tests reach a point two 
 
 * ``MDB_FAULT_POINT=move.after_copy_commit`` in the environment of a process the test harness
   armed (``MDB_TESTING=1``, set by :func:`mdb.testing.arm` from tests/conftest.py and inherited
-  by the processes tests start) makes that process kill
-  itself with SIGKILL the moment it reaches that point: no cleanup, no ``finally``, exactly what
-  a power cut or an OOM kill does. ``MDB_FAULT_SKIP=N`` lets the point pass N times first (to
-  crash in the middle of a reshard). ``MDB_FAULT_ACTION=sleep:S`` makes the point sleep S
-  seconds instead (a driver held alive mid-way, its heartbeat running: the lease tests), and
-  ``MDB_FAULT_ACTION=stop`` makes the process SIGSTOP itself there, once: paused exactly at that
-  step, with its transactions and locks held, until the test sends SIGCONT (a driver paused past
-  its lease: tests/test_moves_fencing.py; repair tools against a move caught mid-way:
+  by the processes tests start) makes that process kill itself with SIGKILL the moment it
+  reaches that point: no cleanup, no ``finally``, exactly what a power cut or an OOM kill does.
+  ``MDB_FAULT_SKIP=N`` lets the point pass N times first (to crash in the middle of a reshard).
+  ``MDB_FAULT_ACTION=sleep:S`` makes the point sleep S seconds instead (a driver held alive
+  mid-way, its heartbeat running: the lease tests), and ``MDB_FAULT_ACTION=stop`` makes the
+  process SIGSTOP itself there, once: paused exactly at that step, with its transactions and
+  locks held, until the test sends SIGCONT (a driver paused past its lease:
+  tests/test_moves_fencing.py; repair tools against a move caught mid-way:
   tests/test_fsck_moves.py).
 * :data:`hook`, a callable given each point's name as the process passes it, for in-process
   tests (a test raises from it to stand in for a crash, or changes data at the exact step).
 
 Without ``MDB_TESTING=1`` the ``MDB_FAULT_*`` variables are ignored: a stray one in a production
-environment never kills a process. Unarmed or unset, a fault point costs two dict lookups. This module sits below every protocol that uses it
-(CENTRAL is a lower layer than the move tools): it imports nothing of mdb but its errors.
+environment never kills a process. Unset, a fault point costs one dict lookup. This module sits
+below every protocol that uses it (CENTRAL is a lower layer than the move tools): it imports
+nothing of mdb but its errors.
 """
 
 from __future__ import annotations

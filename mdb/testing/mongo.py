@@ -246,7 +246,9 @@ class FakeClient:
         """Nothing to release: the fake server outlives its clients, like a real one."""
 
 
-class FakeDatabase:
+class _Locked:
+    """A mongomock database or collection and the lock of the fake server it belongs to."""
+
     def __init__(self, inner: Any, lock: ServerLock) -> None:
         self._inner = inner
         self._lock = lock
@@ -255,6 +257,8 @@ class FakeDatabase:
     def name(self) -> str:
         return str(self._inner.name)
 
+
+class FakeDatabase(_Locked):
     def __getitem__(self, name: str) -> FakeCollection:
         return FakeCollection(self._inner[name], self._lock)
 
@@ -284,7 +288,7 @@ def _unwrap(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-class FakeCollection:
+class FakeCollection(_Locked):
     """Every call runs under the fake server's lock; cursors are materialized inside it."""
 
     _CURSORS = frozenset({"find", "aggregate", "list_indexes"})
@@ -292,14 +296,6 @@ class FakeCollection:
         "find", "find_one", "aggregate", "list_indexes", "index_information", "count_documents",
         "estimated_document_count", "distinct", "options",
     })
-
-    def __init__(self, inner: Any, lock: ServerLock) -> None:
-        self._inner = inner
-        self._lock = lock
-
-    @property
-    def name(self) -> str:
-        return str(self._inner.name)
 
     def __getattr__(self, attr: str) -> Any:
         method = getattr(self._inner, attr)
