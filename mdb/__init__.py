@@ -1,81 +1,89 @@
-"""mdb: an MDB-style router that spreads briefcases of relational data over many servers."""
+"""mdb: an MDB-style router that spreads briefcases of relational data over many servers.
+
+The application API is the names below (docs/reference.md); operator tools (map apply, moves,
+migrations, fleet repair) are in :mod:`mdb.ops`. Every name is imported on first use (module
+``__getattr__``, as SQLAlchemy and pydantic do), so ``import mdb`` costs almost nothing and
+loads no optional plug-in (MongoDB: :mod:`mdb.mongo`; asyncio: :mod:`mdb.aio`). Other modules
+are internal: their ``__all__`` says what other mdb modules use, not what is promised.
+"""
+
+from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mdb.briefcase import BriefcaseType
-from mdb.central import Central, CentralIndex
-from mdb.engines import EngineRegistry
-from mdb.errors import (
-    BriefcaseMovingError,
-    CrossBriefcaseError,
-    DuplicateKeyError,
-    DuplicateRowError,
-    GDIDError,
-    MapEditError,
-    MapError,
-    MdbError,
-    MigrationError,
-    QueryError,
-    RetryableError,
-    RoutingError,
-    SchemaError,
-    ServerUnavailableError,
-    StaleRouteError,
-    StatsError,
-)
-from mdb.fanout import FanOutResult, ShardFailure
-from mdb.gdid import GDID
-from mdb.idgen import GdidGenerator
-from mdb.maps.apply import ApplyReport, apply_map
-from mdb.maps.diff import MapDiff, diff_maps
-from mdb.maps.high_water import high_water_marks
-from mdb.partition_map import PartitionMap, load_map, parse_map
-from mdb.router import CentralPlacement, Placement, Router, ShardLayout
-from mdb.session import BriefcaseSession
-from mdb.sqltypes import GDIDType
-from mdb.store import Store
-from mdb.repository import Repository
-from mdb.urls import mask_url
+from mdb._lazy import lazy_exports
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports each on first use
     from mdb.aio import AsyncStore
+    from mdb.briefcase import BriefcaseType
+    from mdb.budget import ConnectionBudget
+    from mdb.central import Central, CentralIndex
+    from mdb.errors import (
+        AuthenticationError, BriefcaseMovingError, CapacityError, CrossBriefcaseError, DuplicateKeyError,
+        DuplicateRowError, GDIDError, MapError, MdbError, QueryError, RetryableError, RoutingError, SchemaError,
+        ServerUnavailableError, StaleRouteError, StatsError, TransactionConflictError,
+    )
+    from mdb.fanout import FanOutResult, ShardFailure
+    from mdb.gdid import GDID
+    from mdb.idgen import GdidGenerator
+    from mdb.partition_map import PartitionMap, load_map, parse_map
+    from mdb.repository import Repository
+    from mdb.router import Placement, Router
+    from mdb.session import BriefcaseSession
+    from mdb.sqltypes import GDIDType
+    from mdb.store import Store
+    from mdb.urls import mask_url
 
+_ERRORS = (
+    "AuthenticationError", "BriefcaseMovingError", "CapacityError", "CrossBriefcaseError", "DuplicateKeyError",
+    "DuplicateRowError", "GDIDError", "MapError", "MdbError", "QueryError", "RetryableError", "RoutingError",
+    "SchemaError", "ServerUnavailableError", "StaleRouteError", "StatsError", "TransactionConflictError",
+)
 
-def __getattr__(name: str) -> object:
-    """``mdb.AsyncStore``, imported on first use: SQLAlchemy's asyncio extension (greenlet) costs
-    ~50 ms at import, which every ``mdb`` command and sync application would otherwise pay."""
-    if name == "AsyncStore":
-        from mdb.aio import AsyncStore
-
-        return AsyncStore
-    raise AttributeError(f"module 'mdb' has no attribute {name!r}")
+_WHERE: dict[str, str] = {
+    "AsyncStore": "mdb.aio",
+    "BriefcaseSession": "mdb.session",
+    "BriefcaseType": "mdb.briefcase",
+    "Central": "mdb.central",
+    "CentralIndex": "mdb.central",
+    "ConnectionBudget": "mdb.budget",
+    "FanOutResult": "mdb.fanout",
+    "GDID": "mdb.gdid",
+    "GDIDType": "mdb.sqltypes",
+    "GdidGenerator": "mdb.idgen",
+    "PartitionMap": "mdb.partition_map",
+    "Placement": "mdb.router",
+    "Repository": "mdb.repository",
+    "Router": "mdb.router",
+    "ShardFailure": "mdb.fanout",
+    "Store": "mdb.store",
+    "load_map": "mdb.partition_map",
+    "mask_url": "mdb.urls",
+    "parse_map": "mdb.partition_map",
+    **dict.fromkeys(_ERRORS, "mdb.errors"),
+}
+"""Each public name and the module that defines it."""
 
 __all__ = [
-    "ApplyReport",
     "AsyncStore",
-    "MapDiff",
-    "apply_map",
-    "diff_maps",
-    "high_water_marks",
+    "AuthenticationError",
     "BriefcaseMovingError",
     "BriefcaseSession",
     "BriefcaseType",
+    "CapacityError",
     "Central",
     "CentralIndex",
-    "CentralPlacement",
+    "ConnectionBudget",
     "CrossBriefcaseError",
     "DuplicateKeyError",
     "DuplicateRowError",
-    "EngineRegistry",
     "FanOutResult",
     "GDID",
     "GDIDError",
     "GDIDType",
     "GdidGenerator",
-    "MapEditError",
     "MapError",
     "MdbError",
-    "MigrationError",
     "PartitionMap",
     "Placement",
     "QueryError",
@@ -86,11 +94,14 @@ __all__ = [
     "SchemaError",
     "ServerUnavailableError",
     "ShardFailure",
-    "ShardLayout",
     "StaleRouteError",
     "StatsError",
     "Store",
+    "TransactionConflictError",
     "load_map",
     "mask_url",
     "parse_map",
 ]
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

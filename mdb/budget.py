@@ -34,9 +34,10 @@ from typing import Any, TypeVar
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import ConnectionPoolEntry, Pool
 
+from mdb.backoff import BackoffPolicy, Clock
 from mdb.errors import CapacityError
 
-__all__ = ["BudgetPool", "ConnectionBudget", "connect_patiently", "instance_of", "is_capacity_refusal"]
+__all__ = ["CAPACITY_WAIT", "BudgetPool", "ConnectionBudget", "connect_patiently", "instance_of", "is_capacity_refusal"]
 
 log = logging.getLogger("mdb.budget")
 
@@ -70,25 +71,31 @@ def instance_of(url: URL) -> str | None:
     return f"{host}:{url.port or 5432}"
 
 
+CAPACITY_WAIT = BackoffPolicy(first=0.05, cap=1.0)
+"""How a connect refused for capacity is retried (up to the pool timeout)."""
+
+
 def connect_patiently(
-    connect: Callable[[], T], deadline: float, where: str, sleep: Callable[[float], None] = time.sleep
+    connect: Callable[[], T], deadline: float, where: str, sleep: Callable[[float], None] = time.sleep,
+    clock: Clock = time.monotonic,
 ) -> T:
     """``connect()``, retried with backoff while the server refuses for capacity, until ``deadline``.
 
     The last refusal is raised as it came (the caller's error translation turns it into a
     CapacityError); any other error is raised at once. ``sleep`` waits between tries (an async
-    engine passes one that suspends on its event loop instead of blocking it).
+    engine passes one that suspends on its event loop instead of blocking it); ``deadline`` is on
+    ``clock``'s scale.
     """
-    delay = 0.05
+    backoff = CAPACITY_WAIT.until(deadline, clock)
     while True:
         try:
             return connect()
         except Exception as exc:
-            if not is_capacity_refusal(exc) or time.monotonic() + delay > deadline:
+            delay = backoff.next_delay() if is_capacity_refusal(exc) else None
+            if delay is None:
                 raise
             log.info("instance %s refused a connection for capacity; retrying in %.2f s", where, delay)
         sleep(delay)
-        delay = min(delay * 2, 1.0)
 
 
 class ConnectionBudget:

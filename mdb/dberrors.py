@@ -1,4 +1,11 @@
-"""Turning driver errors into mdb errors that name the server and hide secrets."""
+"""Turning driver errors into mdb errors that name the server and hide secrets.
+
+PostgreSQL errors are classified by SQLSTATE; the driver's words are read only where it gives
+no code (SQLite, and libpq before a connection exists). A translated error keeps the code as
+``.sqlstate`` and the driver's error as ``__cause__``: the original when its text (message,
+statement, parameters) holds nothing that looks like a secret, else a :class:`DriverError`
+with that text masked. A traceback of a translated error therefore never shows a password.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ from mdb.errors import (
 from mdb.gdid import GDID
 from mdb.urls import mask_secrets
 
-__all__ = ["describe", "is_lock_timeout", "translate", "translated"]
+__all__ = ["DriverError", "describe", "is_lock_timeout", "sqlstate_of", "translate", "translated"]
 
 _MISSING_TABLE = ("no such table",)  # SQLite; PostgreSQL says it by SQLSTATE
 _PG_UNDEFINED_TABLE = "42P01"
@@ -41,6 +48,10 @@ _AUTH_ROLE = re.compile(r'role "[^"]*" does not exist')
 :data:`_UNREACHABLE`, which the same message starts with (the server answered; it said no)."""
 _LOCK_NOT_AVAILABLE = "55P03"
 """PostgreSQL's lock_not_available: ``lock_timeout`` (or NOWAIT) ended a wait for a lock."""
+_UNREACHABLE_SQLSTATES = ("57P01", "57P02", "57P03", "57P05", "25P03")
+"""The server ended or refused the session: admin_shutdown, crash_shutdown, cannot_connect_now,
+idle_session_timeout, idle_in_transaction_session_timeout; besides class 08 (connection_exception)."""
+_PG_UNDEFINED_COLUMN = "42703"
 _UNREACHABLE = (
     "connection refused",
     "could not connect",
@@ -62,6 +73,40 @@ _CONFLICT_SQLSTATES = ("40P01", "40001")
 # SQLite's SQLITE_BUSY/SQLITE_LOCKED once the busy timeout ran out: another writer held the file.
 # The statement did nothing and the caller's transaction is rolled back, so it is retryable too.
 _SQLITE_BUSY = ("database is locked", "database table is locked")
+_SQLITE_BUSY_CODES = ("SQLITE_BUSY", "SQLITE_LOCKED")
+"""sqlite3's name for the result code (``sqlite_errorname``); the words above are the fallback."""
+_SQLITE_UNIQUE_CODES = ("SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY")
+_CONNINFO_PASSWORD = re.compile(r"(?P<head>\bpassword\s*=\s*)(?P<secret>'(?:[^'\\]|\\.)*'|\S+)", re.I)
+"""libpq's ``key=value`` form (``password=...``), which :func:`mdb.urls.mask_secrets` does not know."""
+
+
+class DriverError(Exception):
+    """A driver error's text masked of secrets: the ``__cause__`` of a translated error whose
+    original text could show one (the original stays out of the traceback)."""
+
+    def __init__(self, kind: str, text: str, sqlstate: str | None) -> None:
+        super().__init__(f"({kind}) {text}")
+        self.kind = kind
+        self.sqlstate = sqlstate
+
+
+def sqlstate_of(exc: BaseException) -> str | None:
+    """The SQLSTATE of a driver error (or of the DBAPIError wrapping it); None when it has none."""
+    code = getattr(getattr(exc, "orig", None) or exc, "sqlstate", None)
+    return code if isinstance(code, str) else None
+
+
+def _mask(text: str) -> str:
+    return _CONNINFO_PASSWORD.sub(lambda m: f"{m['head']}***", mask_secrets(text))
+
+
+def _cause(exc: DBAPIError) -> BaseException:
+    """What a translated error chains: ``exc`` itself, or a masked stand-in when its text would show a secret."""
+    text = str(exc)
+    masked = _mask(text)
+    if masked == text:
+        return exc
+    return DriverError(f"{type(exc.orig).__module__}.{type(exc.orig).__qualname__}", masked, sqlstate_of(exc))
 
 
 _STATEMENT_TABLE = re.compile(r'^\s*(?:INSERT\s+INTO|UPDATE|DELETE\s+FROM|SELECT\b.*?\bFROM)\s+"?([A-Za-z_][\w$]*)', re.I | re.S)
@@ -78,11 +123,11 @@ def _statement_table(statement: str | None) -> str | None:
 
 def is_lock_timeout(exc: BaseException) -> bool:
     """Whether ``exc`` is PostgreSQL's "canceling statement due to lock timeout" (nothing was changed)."""
-    return isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE
+    return isinstance(exc, DBAPIError) and sqlstate_of(exc) == _LOCK_NOT_AVAILABLE
 
 
-def _is_auth_failure(orig: object, lowered: str) -> bool:
-    return (getattr(orig, "sqlstate", None) in _AUTH_SQLSTATES or any(s in lowered for s in _AUTH_FAILED)
+def _is_auth_failure(sqlstate: str | None, lowered: str) -> bool:
+    return (sqlstate in _AUTH_SQLSTATES or any(s in lowered for s in _AUTH_FAILED)
             or _AUTH_ROLE.search(lowered) is not None)
 
 
@@ -132,7 +177,7 @@ def _duplicate(server: str, exc: DBAPIError) -> DuplicateRowError | None:
     the values come from the statement's parameters when it inserted one row.
     """
     orig = exc.orig
-    if getattr(orig, "sqlstate", None) == _PG_UNIQUE:
+    if sqlstate_of(exc) == _PG_UNIQUE:
         diag = getattr(orig, "diag", None)
         table = getattr(diag, "table_name", None)
         m = _PG_KEY.search(getattr(diag, "message_detail", None) or "")
@@ -143,7 +188,7 @@ def _duplicate(server: str, exc: DBAPIError) -> DuplicateRowError | None:
             return DuplicateRowError(server, table, f"({m.group('cols')})=({m.group('vals')})")
         return DuplicateRowError(server, table, ", ".join(f"{c}={_pg_value(v)}" for c, v in zip(cols, vals)))
     text = str(orig)
-    if type(orig).__name__ != "IntegrityError" or not text.startswith(_SQLITE_UNIQUE):
+    if getattr(orig, "sqlite_errorname", None) not in _SQLITE_UNIQUE_CODES or not text.startswith(_SQLITE_UNIQUE):
         return None
     qualified = text[len(_SQLITE_UNIQUE):].split(", ")
     table = qualified[0].rsplit(".", 1)[0] if "." in qualified[0] else None
@@ -155,39 +200,50 @@ def _duplicate(server: str, exc: DBAPIError) -> DuplicateRowError | None:
 
 
 def translate(server: str, exc: BaseException) -> MdbError | None:
-    """An mdb error for a driver error on ``server``, or None when it is the caller's own error."""
+    """An mdb error for a driver error on ``server``, or None when it is the caller's own error.
+
+    The error carries the driver's SQLSTATE (``.sqlstate``) and the driver's error as its
+    ``__cause__``, masked where its text would show a secret (:class:`DriverError`).
+    """
     if not isinstance(exc, DBAPIError):
         return None
-    duplicate = _duplicate(server, exc)  # first: exact (SQLSTATE / prefix), and key values may hold any text
+    mapped = _classify(server, exc)
+    if mapped is not None:
+        mapped.sqlstate = sqlstate_of(exc)
+        mapped.__cause__ = _cause(exc)
+    return mapped
+
+
+def _classify(server: str, exc: DBAPIError) -> MdbError | None:
+    duplicate = _duplicate(server, exc)  # first: exact (SQLSTATE / result code), and key values may hold any text
     if duplicate is not None:
         return duplicate
     detail = describe(exc)
-    if getattr(exc.orig, "sqlstate", None) in _CONFLICT_SQLSTATES:  # exact, like the duplicate check
+    sqlstate = sqlstate_of(exc)
+    if sqlstate in _CONFLICT_SQLSTATES:  # exact, like the duplicate check
         return TransactionConflictError(server, detail)
     if is_capacity_refusal(exc.orig):  # before the text rules: "connection failed: ... too many clients"
         return CapacityError(f"server {server!r} refused a connection: it is full, not down (retry later, or "
                              f"lower the connection budget, docs/operations.md): {detail}", server=server)
-    lowered = str(getattr(exc, "orig", exc)).lower()
-    if _is_auth_failure(exc.orig, lowered):  # before the text rules: "connection failed: ... password authentication failed"
+    lowered = str(exc.orig).lower()
+    if _is_auth_failure(sqlstate, lowered):  # before the text rules: "connection failed: ... password authentication failed"
         return AuthenticationError(server, detail)
-    if any(s in lowered for s in _SQLITE_BUSY):
+    if getattr(exc.orig, "sqlite_errorname", None) in _SQLITE_BUSY_CODES or any(s in lowered for s in _SQLITE_BUSY):
         return TransactionConflictError(server, detail)
-    if exc.connection_invalidated or any(s in lowered for s in _UNREACHABLE):
+    if (exc.connection_invalidated or (sqlstate is not None and sqlstate.startswith("08")) or sqlstate in _UNREACHABLE_SQLSTATES
+            or (sqlstate is None and any(s in lowered for s in _UNREACHABLE))):
         return ServerUnavailableError(server, detail)
-    if type(exc.orig).__name__ == "UndefinedColumn" or any(s in lowered for s in _MISSING_COLUMN):
+    if sqlstate == _PG_UNDEFINED_COLUMN or (sqlstate is None and any(s in lowered for s in _MISSING_COLUMN)):
         table = _statement_table(exc.statement)
         where = f"server {server!r}, table {table!r}" if table else f"server {server!r}"
         return SchemaError(f"{where}: {detail} (check the table against its model: `mdb schema check MAP`)")
-    if getattr(exc.orig, "sqlstate", None) in _PREPARED_SQLSTATES:
+    if sqlstate in _PREPARED_SQLSTATES:
         return MapError(f"server {server!r}: {detail}: its connections reach a transaction-pooling pooler (PgBouncer) "
                         "that the map does not declare: add `pooler: transaction` to this server in the map (docs/operations.md)")
     # Only a missing table, or a missing function of mdb's own (mdb_check_read, ...), is cured by
     # `schema apply`; another "function/type ... does not exist" is the statement's own mistake.
-    sqlstate = getattr(exc.orig, "sqlstate", None)
-    if sqlstate == _PG_UNDEFINED_TABLE or type(exc.orig).__name__ == "UndefinedTable" or (
-        sqlstate == _PG_UNDEFINED_FUNCTION and "mdb_" in lowered
-    ) or (
-        getattr(exc.orig, "sqlstate", None) is None and any(s.lower() in lowered for s in _MISSING_TABLE)
+    if sqlstate == _PG_UNDEFINED_TABLE or (sqlstate == _PG_UNDEFINED_FUNCTION and "mdb_" in lowered) or (
+        sqlstate is None and any(s in lowered for s in _MISSING_TABLE)
     ):
         # Not a bare "run schema apply": a missing table is also what a mistyped URL that reaches
         # another (empty) database looks like, and schema apply refuses that (server identity).
@@ -208,5 +264,5 @@ def translated(server: str) -> Iterator[None]:
     except DBAPIError as exc:
         mapped = translate(server, exc)
         if mapped is not None:
-            raise mapped from None
+            raise mapped from mapped.__cause__  # the driver's error, masked (translate)
         raise

@@ -16,6 +16,10 @@ from typing import Any
 class MdbError(Exception):
     """Base of every error mdb raises on purpose."""
 
+    sqlstate: str | None = None
+    """The SQLSTATE of the database error this one was translated from (:mod:`mdb.dberrors`); None
+    for an error mdb raised itself or a driver that gave none (SQLite, a refused connection)."""
+
 
 class GDIDError(MdbError, ValueError):
     """A GDID could not be parsed or built; the message quotes the offending input."""

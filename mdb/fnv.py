@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-__all__ = ["FNV_OFFSET_BASIS", "FNV_PRIME", "NATIVE", "fnv1a_64", "fnv1a_64_many", "py_fnv1a_64", "py_fnv1a_64_many"]
+__all__ = ["NATIVE", "fnv1a_64", "fnv1a_64_many", "py_fnv1a_64", "py_fnv1a_64_many"]
 
 FNV_OFFSET_BASIS = 14695981039346656037
 FNV_PRIME = 1099511628211

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import weakref
 from collections import deque
@@ -61,13 +60,11 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "Block",
     "GdidGenerator",
-    "SequenceState",
     "advance_sequence",
     "authority_from_env",
     "generator_for",
     "read_sequence",
     "reserve_block",
-    "row_scope",
     "sequence_key",
     "sequences",
     "start_above",

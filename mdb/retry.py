@@ -29,15 +29,19 @@ from collections import OrderedDict
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 
+from mdb.backoff import BackoffPolicy
 from mdb.errors import BriefcaseMovingError, RetryableError, StaleRouteError
 from mdb.gdid import GDID
 from mdb.router import Placement, Router
 
-__all__ = ["LearnedRoutes", "RoutedOpen", "Step", "ROUTE_CACHE_SIZE", "MAX_FENCE_HOPS"]
+__all__ = ["LearnedRoutes", "MOVE_WAIT", "RoutedOpen", "Step", "ROUTE_CACHE_SIZE", "MAX_FENCE_HOPS"]
 
 ROUTE_CACHE_SIZE = 16_384
 """Locations a Store remembers by default (least recently used dropped first): about 2 MB.
 Only briefcases that live off their default shard are kept; the rest route by the map."""
+
+MOVE_WAIT = BackoffPolicy(first=0.01, cap=0.5)
+"""How an open waits out a briefcase in the middle of a move (up to ``move_wait_seconds``)."""
 
 MAX_FENCE_HOPS = 16
 """Fences one session open follows before it gives up: each names where the briefcase went
@@ -102,9 +106,7 @@ class RoutedOpen:
         self.routes = routes
         self.area = area
         self.gdid = gdid
-        self._clock = clock
-        self._deadline = clock() + move_wait_seconds
-        self._delay = 0.01
+        self._backoff = MOVE_WAIT.within(move_wait_seconds, clock)
         self._stale_left = max_stale_retries
         self._hops_left = MAX_FENCE_HOPS
         self._followed: str | None = None  # where the last fence sent this open (whatever the cache keeps)
@@ -139,10 +141,9 @@ class RoutedOpen:
                 self.routes.learn(self.area, self.gdid, exc.moved_to)
             return Step()
         if isinstance(exc, BriefcaseMovingError):
-            if self._clock() + self._delay > self._deadline:
+            delay = self._backoff.next_delay()
+            if delay is None:
                 raise exc
-            delay = self._delay
-            self._delay = min(self._delay * 2, 0.5)
             self.waits += 1
             return Step(delay=delay)
         if self._stale_left <= 0:

@@ -79,7 +79,7 @@ def server_tables(
     shard_md, central_md = load_system_tables()
     all_areas = router.area_names()
     is_central = server in router.central_servers()
-    areas = [l.area for l in server_layouts if l.area in all_areas]
+    areas = [layout.area for layout in server_layouts if layout.area in all_areas]
     roles = (["central"] if is_central else []) + areas
     if not roles:
         roles.append("spare")

@@ -29,7 +29,7 @@ from sqlalchemy.exc import CompileError, SAWarning
 
 from mdb.dialects import sql_dialect
 
-__all__ = ["KINDS", "Difference", "compare_tables", "format_differences"]
+__all__ = ["Difference", "compare_tables", "format_differences"]
 
 KINDS: Final = (
     "missing table",

@@ -17,7 +17,7 @@ from sqlalchemy.types import TypeDecorator
 from mdb.dialects import sql_dialect
 from mdb.gdid import GDID
 
-__all__ = ["GDIDType", "parse_gdid_text"]
+__all__ = ["GDIDType"]
 
 
 class GDIDType(TypeDecorator[GDID]):

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 from sqlalchemy.engine import Connection
@@ -32,8 +32,6 @@ from mdb.fanout import FanOutResult, ShardFailure, fan_out, warm_up
 from mdb.gdid import GDID
 from mdb.idgen import GdidGenerator, Ids
 from mdb.maps.history import load_applied_map
-from mdb.mongo.store import DocumentBriefcase, MongoStore
-from mdb.mongo.types import DocumentBriefcaseType
 from mdb.ownership import OwnershipCheck, check_ownership
 from mdb.partition_map import PartitionMap, load_map_cached
 from mdb.relocations import load_relocations
@@ -41,6 +39,10 @@ from mdb.retry import ROUTE_CACHE_SIZE, LearnedRoutes, RoutedOpen
 from mdb.router import Placement, Router
 from mdb.urls import MONGO
 from mdb.session import _INFO_KEY, BriefcaseContext, BriefcaseSession
+
+if TYPE_CHECKING:  # MongoDB is an optional plug-in: its modules load on first use of `Store.mongo`
+    from mdb.mongo.store import DocumentBriefcase, MongoStore
+    from mdb.mongo.types import DocumentBriefcaseType
 
 __all__ = ["Store"]
 
@@ -361,6 +363,8 @@ class Store:
         """
         mongo = self._mongo
         if mongo is None:
+            from mdb.mongo.store import MongoStore
+
             mongo = self._mongo = MongoStore(self)
         return mongo
 

@@ -17,10 +17,13 @@ import pytest
 from mongohelp import MongoEnv
 from sqlalchemy.engine import make_url
 
+from mdb.testing import arm
 from mdb.testing.pgbouncer import DEFAULT_POOL_SIZE, PgBouncer, pgbouncer_unavailable_reason
 from mdb.testing.postgres import PostgresCluster, PostgresServer, postgres_unavailable_reason
 
 pytest_plugins = ["pytester"]  # test_harness runs the skip-or-fail policy in a nested session
+
+arm()  # MDB_FAULT_POINT and MDB_MONGO_FAKE_DIR act in this process and every process a test starts
 
 POOL_SIZE = 4
 POSTGRES_FIXTURES = frozenset({"pg_cluster", "pg_databases", "pg_url", "pg_server_factory", "pg_replica_pair", "pgbouncer"})

@@ -1,7 +1,7 @@
 """MongoDB test harness: the same tests run on the in-process fake or on a real server.
 
 The ``mongo_env`` fixture (in conftest.py) yields a :class:`MongoEnv` whose ``factory`` is a
-client factory: a :class:`mdb.mongo.FakeMongo` by default, ``pymongo.MongoClient`` when
+client factory: a :class:`mdb.testing.mongo.FakeMongo` by default, ``pymongo.MongoClient`` when
 ``MDB_TEST_MONGO_URI`` names a real server (each test then gets its own databases
 ``mdbt_<random>_<name>``, dropped afterwards by :meth:`MongoEnv.drop`). ``transactions`` is
 parametrized where a test must cover both the transactional path (replica set / mongos) and the
@@ -21,7 +21,8 @@ from urllib.parse import urlsplit, urlunsplit
 from mapfiles import write_map
 
 from mdb import Store
-from mdb.mongo import DocumentBriefcaseType, FakeMongo, MongoIndex, MongoStore
+from mdb.mongo import DocumentBriefcaseType, MongoIndex, MongoStore
+from mdb.testing.mongo import FakeMongo
 from mdb.mongo.clients import pymongo_factory
 from mdb.schema import apply_schema
 

@@ -22,7 +22,8 @@ import yaml
 from mapfiles import map_dict
 from sqlalchemy import func, select, text
 
-from mdb import GDID, EngineRegistry, MdbError, ServerUnavailableError, Store, parse_map
+from mdb import GDID, MdbError, ServerUnavailableError, Store, parse_map
+from mdb.engines import EngineRegistry
 from mdb.budget import ConnectionBudget, instance_of
 from mdb.demo.models import User, UserBriefcase
 from mdb.urls import sqlalchemy_url

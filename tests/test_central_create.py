@@ -2,7 +2,7 @@
 
 Real processes ('spawn'), real databases (SQLite files and PostgreSQL servers), no mocks: the
 crash is the creating process killing itself with SIGKILL at a named step
-(``MDB_CENTRAL_CRASH_AT``), then ``mdb central check`` must see the damage and ``mdb central
+(``MDB_FAULT_POINT=central.create.<step>``, armed by conftest.py), then ``mdb central check`` must see the damage and ``mdb central
 repair`` must leave both invariants true: every index entry resolves to a briefcase whose root
 carries its key, and every briefcase is found by its key.
 """
@@ -21,8 +21,9 @@ from sqlalchemy import select
 from typer.testing import CliRunner
 
 from mdb import GDID, Store
+from mdb import faults
 from mdb.central import central_index
-from mdb.central.creation import CRASH_ENV, STEPS
+from mdb.central.creation import STEPS
 from mdb.cli import app
 from mdb.demo.models import User, UserBriefcase
 from mdb.demo.repositories import EmailIndex, UserRepository
@@ -121,7 +122,7 @@ def test_concurrent_registration_has_exactly_one_winner_per_email(map_path: Path
 
 
 def _register_and_crash(map_path: str, email: str, step: str) -> None:
-    os.environ[CRASH_ENV] = step
+    os.environ[faults.ENV] = f"central.create.{step}"
     with Store.from_yaml(map_path, types=[UserBriefcase]) as store:
         UserRepository(store).register(email, "Crash Test")
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from mdb import EngineRegistry, MdbError, RoutingError, load_map, parse_map
+from mdb import MdbError, RoutingError, load_map, parse_map
+from mdb.engines import EngineRegistry
 from mdb.budget import BudgetPool
 from mdb.engines import SQLITE_BUSY_TIMEOUT_MS
 from mdb.urls import sqlalchemy_url

@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 
-from mdb import EngineRegistry
+from mdb.engines import EngineRegistry
 from mdb import engines as engines_module
 from mdb.budget import instance_of
 from mdb.partition_map import EngineSpec, ServerSpec

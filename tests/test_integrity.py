@@ -6,7 +6,7 @@ SQLite and real PostgreSQL, with the map of tests/test_briefcase_pg.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path

@@ -1,6 +1,6 @@
 """Index changes of document areas on every MongoDB shard: ``status``, ``up``, failure, resume (issue 13).
 
-The MongoDB servers are the file-backed fake (:class:`mdb.mongo.FakeMongo` with ``path``), so
+The MongoDB servers are the file-backed fake (:class:`mdb.testing.mongo.FakeMongo` with ``path``), so
 the library tests and the CLI processes (``MDB_MONGO_FAKE_DIR``) see the same servers, and a CLI
 process SIGKILLed mid-rollout (``MDB_FAULT_POINT=migrate.after_server``) leaves what it had done
 for the rerun. CENTRAL (the run ledger) is SQLite.
@@ -19,7 +19,8 @@ from movehelp import run_cli
 from mdb import Store
 from mdb.migrations import ledger
 from mdb.migrations.documents import MANAGED, declared_hash, declared_indexes, document_status, migrate_documents
-from mdb.mongo import FakeMongo, MongoIndex, MongoStore
+from mdb.mongo import MongoIndex, MongoStore
+from mdb.testing.mongo import FakeMongo
 import mdb.mongo.types as _document_types
 from mdb.mongo.types import DocumentBriefcaseType
 from mdb.schema import apply_schema

@@ -58,7 +58,7 @@ def test_urls_and_secrets() -> None:
 
 
 def test_schema_apply_reports_an_unreachable_mongo_server_and_goes_on(tmp_path: Path) -> None:
-    from mdb.mongo import FakeMongo
+    from mdb.testing.mongo import FakeMongo
     from mdb.schema import apply_schema
 
     fake = FakeMongo()

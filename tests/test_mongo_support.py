@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from mdb.mongo import FakeMongo
+from mdb.testing.mongo import FakeMongo
 
 
 def test_fake_inc_is_atomic_under_threads() -> None:

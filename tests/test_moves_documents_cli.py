@@ -1,6 +1,6 @@
 """Document briefcases moved through the CLI: `mdb move`, `mdb where`, `mdb moves status|resume`.
 
-The MongoDB servers are the file-backed fake (``MDB_MONGO_FAKE_DIR``, :class:`mdb.mongo.FakeMongo`
+The MongoDB servers are the file-backed fake (``MDB_MONGO_FAKE_DIR``, :class:`mdb.testing.mongo.FakeMongo`
 with ``path``), so a CLI process SIGKILLed mid-move (``MDB_FAULT_POINT``) leaves what it had
 committed for the next process, as a real server would; CENTRAL (journal, directory) is SQLite.
 """
@@ -23,7 +23,8 @@ from movehelp import run_cli
 from mdb import GDID, Store
 from mdb.moves.document_move import FAULT_POINTS, checksums
 from mdb.moves.journal import DONE, ROLLED_BACK, Journal
-from mdb.mongo import FakeMongo, MongoStore
+from mdb.mongo import MongoStore
+from mdb.testing.mongo import FakeMongo
 from mdb.mongo import types as document_types
 from mdb.mongo.types import DocumentBriefcaseType
 from mdb.schema import apply_schema

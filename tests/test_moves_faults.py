@@ -22,7 +22,7 @@ from test_reshard_batches import BATCH_POINTS
 from mdb.demo.models import User, UserBriefcase
 from mdb.gdid import GDID
 from mdb import faults
-from mdb.moves import cancel as _cancel, reshard as _reshard, resume as _resume  # noqa: F401  (they register their points)
+from mdb.moves import cancel as _cancel, reshard as _reshard, resume as _resume_points  # noqa: F401  (they register their points)
 from mdb.moves.freeze import frozen_by
 from mdb.moves.journal import Journal
 from mdb.store import Store

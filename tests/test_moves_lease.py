@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from movehelp import ROOT, Cluster, create_user, make_cluster, run_cli
-from sqlalchemy import func, insert, update
+from sqlalchemy import func, update
 
 from mdb.errors import MoveLeaseHeldError
 from mdb.gdid import GDID

@@ -11,28 +11,46 @@ from __future__ import annotations
 import pytest
 from test_stale_routing import Cluster, pg_cluster, sqlite_cluster  # noqa: F401  (the fixtures)
 
+from mdb import Store
 from mdb.engines import set_prelude, take_result
+from mdb.errors import StaleRouteError
 from mdb.gdid import GDID
-from mdb.ownership import OwnershipCheck, check_ownership, ownership_prelude
+from mdb.ownership import OwnershipCheck, check_ownership, lock_key_sql
+from mdb.router import Placement
 
 
 @pytest.mark.parametrize("kind", ["postgresql", "sqlite"])
 @pytest.mark.parametrize(("lock", "exclusive"), [(False, False), (True, False), (True, True)])
-def test_ownership_check_runs_the_rendering_of_the_engines_kind(
+def test_the_ownership_check_confirms_the_routed_shard_and_refuses_another(
     kind: str, lock: bool, exclusive: bool, request: pytest.FixtureRequest
 ) -> None:
-    """:class:`~mdb.ownership.OwnershipCheck` returns, on each kind, the row its kind's rendering returns."""
+    """:class:`~mdb.ownership.OwnershipCheck`, run by the engine's BEGIN, reads the stamp of the
+    server it runs on: the shard the map routes to passes, another shard of the area is refused;
+    on PostgreSQL it holds the briefcase's lock in the mode asked for (another session sees it)."""
     cluster: Cluster = request.getfixturevalue("pg_cluster" if kind == "postgresql" else "sqlite_cluster")
     store = cluster.store()
     placement = store.router.locate("user", GDID(0, 0, 7))
-    readonly = not lock
-    rows = []
-    for prelude in (OwnershipCheck(placement, lock, exclusive), ownership_prelude(kind, placement, lock, exclusive)):
-        with store.connect(placement.server, readonly) as conn:
+    other = next(s for s, layout in store.router.layouts()
+                 if layout.area == "user" and layout.partition_start == placement.partition_start and s != placement.server)
+    for server in (placement.server, other):
+        with store.connect(server, not lock) as conn:
             assert conn.dialect.name == kind
-            set_prelude(conn, prelude)
+            set_prelude(conn, OwnershipCheck(placement, lock, exclusive))
             conn.begin()
-            rows.append(take_result(conn))
-            check_ownership(rows[-1], placement, store.router.version)  # stamped as routed: no error
+            rows = take_result(conn)
+            if server == other:
+                with pytest.raises(StaleRouteError, match="stamped"):
+                    check_ownership(rows, placement, store.router.version)
+            else:
+                check_ownership(rows, placement, store.router.version)  # stamped as routed: no error
+                if kind == "postgresql":
+                    assert _others_may_lock(store, server, placement, exclusive=True) is not lock
+                    assert _others_may_lock(store, server, placement, exclusive=False) is not (lock and exclusive)
             conn.rollback()
-    assert rows[0] == rows[1] and rows[0] is not None and len(rows[0]) == 1
+
+
+def _others_may_lock(store: Store, server: str, placement: Placement, *, exclusive: bool) -> bool:
+    """Whether another session could take the briefcase's advisory lock now (in ``exclusive`` or shared mode)."""
+    try_lock = "pg_try_advisory_xact_lock" if exclusive else "pg_try_advisory_xact_lock_shared"
+    with store.connect(server) as conn, conn.begin():
+        return bool(conn.exec_driver_sql(f"SELECT {try_lock}({lock_key_sql(placement.area, placement.gdid)})").scalar_one())

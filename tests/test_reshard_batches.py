@@ -27,7 +27,6 @@ from movehelp import ROOT, Cluster, add_transaction, create_user, locations, mak
 from sqlalchemy import select
 
 from mdb import faults
-from sqlalchemy import select
 from mdb.demo.models import Transaction, UserBriefcase
 from mdb.errors import RetryableError
 from mdb.gdid import GDID

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Callable
 
 from movehelp import Cluster, create_user, locations, run_cli
 from sqlalchemy import delete

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_moves_documents_cli import Env, forget_cli_docs  # noqa: F401 (autouse here too)
 
-from mdb import GDID, Store
+from mdb import GDID
 from mdb.errors import BriefcaseMovingError
 from mdb.moves.document_move import checksums
 from mdb.moves.freeze import freeze_partition, frozen_by, unfreeze_partition

@@ -13,17 +13,10 @@ import pytest
 from mdb import GDID, Router, load_map
 from mdb.errors import BriefcaseMovingError, StaleRouteError
 from mdb.retry import MAX_FENCE_HOPS, LearnedRoutes, RoutedOpen, Step
+from mdb.testing import FakeClock as Clock
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "partition_maps" / "example.yaml"
 G = GDID.parse("0:0:2")  # user-1 by default (docs/design.md example)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture(scope="module")

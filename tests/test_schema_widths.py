@@ -3,12 +3,11 @@ line before it copies, and a copy that meets one anyway is one line naming the t
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from movehelp import ROOT, create_user, make_cluster, run_cli
+from movehelp import create_user, make_cluster, run_cli
 from sqlalchemy import text
 
 from mdb.demo.models import User, UserBriefcase

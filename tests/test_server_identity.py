@@ -30,7 +30,7 @@ from sqlalchemy import create_engine, func, inspect, select, text
 from mdb import Store
 from mdb.central.indexes import central_index
 from mdb.demo.models import UserBriefcase
-from mdb.demo.repositories import EmailIndex, UserRepository
+from mdb.demo.repositories import UserRepository
 from mdb.maps.history import maps_table
 from mdb.maps.identity import identity_table, server_ids
 from mdb.urls import sqlalchemy_url

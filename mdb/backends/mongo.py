@@ -30,7 +30,7 @@ from mdb.router import ShardLayout
 from mdb.system_tables import STATE_FROZEN, STATE_RESIDENT, briefcase_state
 from mdb.urls import MONGO
 
-__all__ = ["LAYOUT", "RELOCATIONS", "STATE", "MongoAreaScan", "MongoBackend", "freeze_id", "stamp_layout"]
+__all__ = ["LAYOUT", "RELOCATIONS", "STATE", "MongoBackend", "freeze_id", "stamp_layout"]
 
 LAYOUT: Final = "mdb_shard_layout"
 RELOCATIONS: Final = "mdb_relocations"

@@ -23,13 +23,12 @@ already does on its hits.
 
 Crash points for tests, in the one registry (:mod:`mdb.faults`) as ``central.create.<step>``
 for the steps ``start``, ``reserved``, ``writing`` (flushed, not committed), ``written``,
-``live``: ``MDB_FAULT_POINT=central.create.written`` (or the older ``MDB_CENTRAL_CRASH_AT=written``)
-SIGKILLs the process there, and ``mdb.faults.hook`` is called with each point's name.
+``live``: ``MDB_FAULT_POINT=central.create.written`` SIGKILLs a process the test harness armed
+(:mod:`mdb.faults`) there, and ``mdb.faults.hook`` is called with each point's name.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, Protocol
 
@@ -43,16 +42,15 @@ from mdb.errors import DuplicateKeyError, SchemaError
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 
-__all__ = ["CRASH_ENV", "FAULT_POINTS", "STEPS", "create_entity"]
+__all__ = ["FAULT_POINTS", "STEPS", "create_entity"]
 
-CRASH_ENV: Final = "MDB_CENTRAL_CRASH_AT"
 STEPS: Final = ("start", "reserved", "writing", "written", "live")
 FAULT_POINTS: Final = register(*(f"central.create.{step}" for step in STEPS))
 
 
 def _step(name: str) -> None:
-    """Pass the crash point of creation step ``name`` (``MDB_CENTRAL_CRASH_AT`` names steps bare)."""
-    fault_point(f"central.create.{name}", also_when=os.environ.get(CRASH_ENV) == name)
+    """Pass the crash point of creation step ``name``."""
+    fault_point(f"central.create.{name}")
 
 
 class Central(Protocol):

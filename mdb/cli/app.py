@@ -38,12 +38,11 @@ from typer._click.exceptions import ClickException
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 from typer.models import DefaultPlaceholder
 
+from mdb import faults
 from mdb.dberrors import describe
 from mdb.errors import MdbError, RetryableError, ServerUnavailableError
 from mdb.maps.history import load_applied_map
 from mdb.partition_map import PartitionMap, load_map, load_map_cached
-from mdb.mongo.fake import FakeMongo
-from mdb.mongo.store import MongoStore
 from mdb.store import Store
 from mdb.urls import MONGO, mask_secrets
 
@@ -61,7 +60,6 @@ __all__ = [
     "err_console",
     "exit_code",
     "fail",
-    "import_models",
     "main",
     "map_app",
     "open_map",
@@ -310,14 +308,6 @@ def import_models(modules: list[str], map_path: str | None = None) -> None:
             fail(f"cannot import models module {module!r}: {exc} (looked in {' and '.join(folders)} and on PYTHONPATH)")
 
 
-FAKE_MONGO_DIR_ENV = "MDB_MONGO_FAKE_DIR"
-"""Test-only: the map's MongoDB servers are file-backed fakes kept in this folder (docs/mongodb.md).
-
-For tests that SIGKILL one CLI process mid-move and go on with another: an in-process fake
-would die with the first. ``MDB_TEST_MONGO_URI`` (a real server) wins over it.
-"""
-
-
 def open_store(map_path: str, models: Sequence[str] | None = None, *, tool: bool = False, **kwargs: Any) -> Store:
     """A Store on the map the system runs, for every command that talks to the servers.
 
@@ -335,9 +325,10 @@ def open_store(map_path: str, models: Sequence[str] | None = None, *, tool: bool
     store = Store(pmap, map_path=map_path, **kwargs)
     if tool:
         store.engines.use_direct()
-    fake_dir = os.environ.get(FAKE_MONGO_DIR_ENV, "").strip()
-    if fake_dir and not os.environ.get("MDB_TEST_MONGO_URI", "").strip() and store.map.servers_of_kind(MONGO):
-        MongoStore.attach(store, client_factory=FakeMongo(path=fake_dir))
+    if faults.armed() and store.map.servers_of_kind(MONGO):
+        from mdb.testing.mongo import attach_fake_dir  # the test harness's file-backed fake (MDB_MONGO_FAKE_DIR)
+
+        attach_fake_dir(store)
     return store
 
 

@@ -21,7 +21,7 @@ from mdb.cli.schema_cmd import ParallelOpt
 from mdb.parallel import DEFAULT_PARALLEL
 from mdb.store import Store
 
-__all__ = ["central_app"]
+__all__ = []
 
 central_app = typer.Typer(help="CENTRAL indexes: look keys up, check and repair index entries.", no_args_is_help=True)
 app.add_typer(central_app, name="central")

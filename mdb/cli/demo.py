@@ -17,7 +17,7 @@ from mdb.router import Router
 if TYPE_CHECKING:  # mdb.demo is imported when the command runs: its models register briefcase types
     from mdb.demo.runner import DemoReport
 
-__all__ = ["demo", "print_report"]
+__all__ = ["demo"]
 
 
 @app.command("demo")

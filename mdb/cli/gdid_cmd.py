@@ -16,7 +16,7 @@ from mdb.cli.inspect import gdid_app
 from mdb.idgen import AUTHORITY_ENV, GdidGenerator, sequence_key
 from mdb.router import Router
 
-__all__ = ["gdid_next"]
+__all__ = []
 
 MAX_COUNT = 1_000_000
 

@@ -29,7 +29,7 @@ def _logs_for(store: Store, where: str, name: str | None) -> list[EventLog]:
     if name is not None:
         chosen = [log for log in logs if log.name == name]
         if not chosen:
-            fail(f"no event log named {name!r} is declared (declared: {', '.join(sorted(l.name for l in logs)) or 'none'})")
+            fail(f"no event log named {name!r} is declared (declared: {', '.join(sorted(log.name for log in logs)) or 'none'})")
         return chosen
     if where == "central":
         found = [log for log in logs if log.tables.key_column is None]

@@ -44,7 +44,7 @@ from mdb.router import Router
 from mdb.store import Store
 from mdb.urls import SQL
 
-__all__ = ["map_apply", "map_check", "map_diff", "map_history", "map_pull"]
+__all__ = ["map_apply"]
 
 MarginOpt = Annotated[
     int, typer.Option("--margin", min=0, help="add this many counter values of headroom to each live high-water mark"),

@@ -30,7 +30,7 @@ from mdb.parallel import DEFAULT_PARALLEL, MAX_PARALLEL
 from mdb.store import Store
 from mdb.urls import MONGO, mask_secrets
 
-__all__ = ["migrate_app"]
+__all__ = []
 
 migrate_app = typer.Typer(help="Schema migrations (Alembic) on every shard: write, check, roll out.", no_args_is_help=True)
 app.add_typer(migrate_app, name="migrate")
@@ -148,7 +148,7 @@ def _print_documents(documents: list[DocumentStatus]) -> None:
             state = f"[red]failed[/red]: {escape(mask_secrets(d.error))}"
         else:
             parts = [f"missing {i}" for i in d.missing] + [f"extra {i}" for i in d.extra]
-            parts += [f"differs {w.collection}.{w.name}: {l.shape()} here, declared {w.shape()}" for w, l in d.differing]
+            parts += [f"differs {w.collection}.{w.name}: {here.shape()} here, declared {w.shape()}" for w, here in d.differing]
             colour = {"at target": "green", "behind": "yellow"}.get(d.state, "red")
             state = f"[{colour}]{d.state}[/{colour}]" + (f": {escape('; '.join(parts))}" if parts else "")
             if d.other:

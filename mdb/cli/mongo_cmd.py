@@ -12,7 +12,7 @@ from rich.table import Table
 from mdb.cli.app import app, console
 from mdb.urls import mask_url
 
-__all__ = ["demo_documents"]
+__all__ = []
 
 
 @app.command("demo-documents")

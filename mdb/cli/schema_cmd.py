@@ -25,7 +25,7 @@ from mdb.parallel import DEFAULT_PARALLEL, MAX_PARALLEL
 from mdb.schema import ShardReport, apply_schema, check_schema
 from mdb.urls import SQL, mask_secrets
 
-__all__ = ["ParallelOpt", "schema_app"]
+__all__ = ["ParallelOpt"]
 
 schema_app = typer.Typer(help="Create, and check for drift, mdb's and the briefcase types' tables on every shard.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")

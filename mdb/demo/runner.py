@@ -17,13 +17,13 @@ from pathlib import Path
 
 from mdb.central.cache import CacheStats
 from mdb.demo.models import UserBriefcase
-from mdb.demo.repositories import EmailIndex, LedgerRepository, LineItem, OrderRepository, UserRepository
+from mdb.demo.repositories import LedgerRepository, LineItem, OrderRepository, UserRepository
 from mdb.errors import DuplicateKeyError, MdbError
 from mdb.gdid import GDID
 from mdb.schema import apply_schema
 from mdb.store import Store
 
-__all__ = ["DemoReport", "ShardCount", "demo_map_yaml", "email_for", "run_demo", "shard_counts", "write_demo_map"]
+__all__ = ["DemoReport", "run_demo", "shard_counts", "write_demo_map"]
 
 SECOND_PARTITION = 200
 DOMAIN = "demo.example"

@@ -48,7 +48,6 @@ from mdb.central.reconcile import check as central_check
 from mdb.fleet.inflight import InFlight, in_flight
 from mdb.fleet.scan import area_data, area_servers, document_types, scan_of
 from mdb.gdid import GDID
-from mdb.moves.document_move import KIND as DOCUMENT_MOVE
 from mdb.mongo.hot import COUNTERS, STATS_LOCK
 from mdb.moves.document_move import checksums
 from mdb.mongo.shard_state import GUARD, STATE, guard_ids, set_guard, state_id

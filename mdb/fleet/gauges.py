@@ -24,7 +24,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from mdb.fleet.balance import MEASURES
 from mdb.fleet.status import ATTENTION, BROKEN, FleetReport
 
-__all__ = ["FleetGauges", "JOB_STATES"]
+__all__ = ["FleetGauges"]
 
 JOB_STATES: Final = ("running", "interrupted", "unknown")
 JOB_KINDS: Final = ("reshard", "move")

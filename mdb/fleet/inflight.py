@@ -17,7 +17,7 @@ from mdb.cluster import Cluster
 from mdb.gdid import GDID
 from mdb.moves.journal import Journal
 
-__all__ = ["InFlight", "RESHARD_KIND", "in_flight"]
+__all__ = ["InFlight", "in_flight"]
 
 RESHARD_KIND = "reshard"
 

@@ -31,12 +31,10 @@ from typing import Any
 from mdb.cluster import Cluster
 from mdb.fleet.balance import Measure, area_servers, skew_of
 from mdb.fleet.scan import BriefcaseSize, area_data, scan_of
-from mdb.errors import MdbError
 from mdb.gdid import GDID
 from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult, move_briefcase
-from mdb.urls import SQL
 
-__all__ = ["CANDIDATES", "MIN_IMPROVEMENT", "PlannedMove", "RebalancePlan", "apply_plan", "plan_rebalance"]
+__all__ = ["MIN_IMPROVEMENT", "PlannedMove", "RebalancePlan", "apply_plan", "plan_rebalance"]
 
 CANDIDATES = 1000
 """Largest briefcases of each server kept as move candidates while planning."""

@@ -50,7 +50,7 @@ from mdb.dialects import sql_dialect
 from mdb.hot.scope import Scope, insert_once, place_of
 from mdb.hot.tables import NAME_LENGTH, CounterTables, check_name, derived_gdid
 
-__all__ = ["DEFAULT_MAX_K_AGE", "MAX_SLOTS", "Counters"]
+__all__ = ["MAX_SLOTS", "Counters"]
 
 MAX_SLOTS = 4096
 DEFAULT_MAX_K_AGE = 10.0

@@ -54,7 +54,6 @@ from mdb.sqltypes import GDIDType
 
 __all__ = [
     "DERIVED_AUTHORITY",
-    "ID_SEPARATOR",
     "CounterTables",
     "EventLogTables",
     "StatsLockTables",

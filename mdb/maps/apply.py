@@ -41,8 +41,6 @@ from mdb.maps.identity import IdentityFinding, adopt, record_identities, recorde
 from mdb.maps.text import recordable_yaml
 from mdb.partition_map import PartitionMap, read_map_text
 from mdb.router import Router, ShardLayout
-from mdb.mongo.schema import server_collections
-from mdb.mongo.store import MongoStore
 from mdb.schema import create_tables, server_tables
 from mdb.store import Store
 from mdb.urls import MONGO, SQL
@@ -105,6 +103,8 @@ def _documents_for(target: Store, cluster: Cluster) -> None:
     """
     if not target.map.servers_of_kind(MONGO) or not isinstance(cluster, HasDocuments):
         return
+    from mdb.mongo.store import MongoStore  # MongoDB is an optional plug-in, loaded for a map that has it
+
     mine = cluster.mongo
     if isinstance(mine, MongoStore):
         MongoStore.attach(target, client_factory=mine.clients.factory, types=mine.types, transactions=mine.clients.force_transactions)
@@ -116,6 +116,8 @@ def _prepare(target: Store, router: Router, server: str, layouts: list[ShardLayo
     Its stamps are written by the apply's next steps, not here.
     """
     if target.map.kind_of(server) == MONGO:
+        from mdb.mongo.schema import server_collections
+
         _, collections = server_collections(target.mongo, router, server, layouts)
         schema = ServerSchema([], version, collections=collections)
         return backend_of(target.map, server).apply_schema(target, server, schema).created
@@ -275,7 +277,7 @@ def apply_map(
                 new_roles.add(new_map.central_area)
             if server in old_map.servers and new_roles <= old_roles.get(server, set()):
                 continue
-            all_layouts = [l for s, l in new_router.layouts() if s == server]
+            all_layouts = [layout for s, layout in new_router.layouts() if s == server]
             report.prepared[server] = _prepare(target, new_router, server, all_layouts, new_map.version)
 
         plan_add: list[tuple[str, str, ShardLayout]] = []

@@ -26,7 +26,6 @@ from mdb.system_tables import central_metadata
 from mdb.urls import MONGO
 
 __all__ = [
-    "MAPS_KEY",
     "AppliedMap",
     "applied_maps",
     "load_applied_map",

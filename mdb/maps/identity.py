@@ -45,7 +45,6 @@ __all__ = [
     "IdentityFinding",
     "Recorded",
     "adopt",
-    "ensure_identity",
     "ensure_on",
     "identity_problem",
     "identity_table",

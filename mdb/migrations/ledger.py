@@ -20,7 +20,7 @@ from sqlalchemy.engine import Connection
 
 from mdb.system_tables import central_metadata
 
-__all__ = ["LedgerRow", "PENDING", "finish", "last_run", "migration_runs", "start"]
+__all__ = ["LedgerRow", "finish", "last_run", "start"]
 
 PENDING = "pending"
 

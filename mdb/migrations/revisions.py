@@ -24,7 +24,6 @@ from mdb.system_tables import MIGRATION_VERSION_PREFIX, version_table
 
 __all__ = [
     "SCHEMA_LOCK_KEY",
-    "VERSION_TABLE_PREFIX",
     "current_revision",
     "lock_out_migrations",
     "lock_out_moves",

@@ -36,7 +36,7 @@ from mdb.errors import MigrationError
 from mdb.migrations.revisions import stamp_revision, version_table
 from mdb.urls import SQL
 
-__all__ = ["area_dir", "area_tables", "include_only", "make_revision", "one_head", "open_history", "scripts_root", "stamp_created"]
+__all__ = ["area_dir", "area_tables", "make_revision", "one_head", "open_history", "scripts_root", "stamp_created"]
 
 _ENV_PY = '''"""Run this area's history by hand on ONE database: alembic -c alembic.ini -x url=URL upgrade head.
 

@@ -1,11 +1,11 @@
 """Document briefcases on MongoDB servers (``mongodb://`` URLs in the map), through pymongo.
 
 Same map, router, relocation directory and move journal as the SQL side; see docs/mongodb.md.
+The in-process fake server for tests and the demo is :class:`mdb.testing.mongo.FakeMongo`.
 """
 
 from mdb.mongo.clients import MongoClients, is_mongo_url, supports_transactions
 from mdb.mongo.collection import BriefcaseCollection
-from mdb.mongo.fake import FakeMongo
 from mdb.mongo.store import DocumentBriefcase, FanOutDocuments, MongoStore
 from mdb.mongo.types import DocumentBriefcaseType, MongoIndex, registered_document_types
 
@@ -13,7 +13,6 @@ __all__ = [
     "BriefcaseCollection",
     "DocumentBriefcase",
     "DocumentBriefcaseType",
-    "FakeMongo",
     "FanOutDocuments",
     "MongoClients",
     "MongoIndex",

@@ -6,7 +6,7 @@ database is the URL's path (``mongodb://h/user_1`` -> ``user_1``; ``mdb`` when t
 empty). Readonly work goes to the map's replica URL when there is one, otherwise to the primary
 URL with read preference ``secondaryPreferred``. The client factory is pluggable so that the
 same code runs against a real server (``pymongo.MongoClient``) or the in-process fake
-(:mod:`mdb.mongo.fake`). URLs are masked in every repr and error.
+(:mod:`mdb.testing.mongo`). URLs are masked in every repr and error.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ __all__ = [
     "MongoClients",
     "database_name",
     "is_mongo_url",
-    "mongo_servers",
     "pymongo_factory",
     "supports_transactions",
 ]

@@ -21,14 +21,14 @@ import yaml
 
 from mdb.errors import MapError
 from mdb.gdid import GDID
-from mdb.mongo.fake import FakeMongo
+from mdb.testing.mongo import FakeMongo
 from mdb.mongo.hot import MongoCounter, MongoStatsLock
 from mdb.moves.document_move import checksums, move_documents
 from mdb.mongo.store import MongoStore
 from mdb.mongo.types import DocumentBriefcaseType, MongoIndex
 from mdb.urls import mask_url
 
-__all__ = ["CustomerDocs", "DocumentDemoReport", "run_document_demo", "write_document_map"]
+__all__ = ["CustomerDocs", "DocumentDemoReport", "run_document_demo"]
 
 SHARDS = ("docs-1", "docs-2", "docs-3")
 

@@ -30,7 +30,7 @@ def server_collections(
     from mdb.mongo.central import central_collections
 
     is_central = server in router.central_servers()
-    areas = [l.area for l in layouts]
+    areas = [layout.area for layout in layouts]
     roles = (["central"] if is_central else []) + areas
     if not roles:
         roles.append("spare")

@@ -34,7 +34,7 @@ from mdb.moves import verify
 from mdb.moves.copy import AreaTable, copy_batch, delete_batch, is_postgres
 from mdb.moves.gate import CutoverGate
 from mdb.moves.sql_steps import bound_statements, set_states, states, time_left_ms
-from mdb.system_tables import STATE_GONE, STATE_INCOMING, briefcase_state
+from mdb.system_tables import STATE_GONE, STATE_INCOMING
 
 __all__ = ["Sums", "SourceCut", "claim_and_copy", "fence_and_delete", "settle", "target_holdings", "undo"]
 

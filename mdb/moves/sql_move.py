@@ -40,7 +40,6 @@ from sqlalchemy.engine import Connection
 
 from mdb import dberrors, telemetry
 from mdb.cluster import Cluster
-from mdb.errors import MdbError
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.moves import verify

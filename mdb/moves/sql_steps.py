@@ -21,6 +21,7 @@ from psycopg import errors as pg_errors
 from sqlalchemy.exc import OperationalError
 
 from mdb import dberrors
+from mdb.backoff import BackoffPolicy
 from mdb.cluster import Cluster
 from mdb.dberrors import translated
 from mdb.errors import BriefcaseGoneError, MdbError, MoveAbortedError, RoutingError, SchemaError
@@ -120,6 +121,10 @@ def locked_source(store: Cluster, server: str, area: str, gdid: GDID, *, lock_wa
         yield conn, started
 
 
+LOCK_POLL = BackoffPolicy(first=0.002, cap=0.05)
+"""How a move polls for its briefcases' locks before its one blocking attempt."""
+
+
 @contextmanager
 def locked_briefcases(
     store: Cluster, server: str, area: str, gdids: Sequence[GDID], *, lock_wait: float, max_pause: float,
@@ -144,8 +149,7 @@ def locked_briefcases(
                     yield conn, started
                 return
             keys = lock_keys_sql(area, gdids)
-            deadline = time.monotonic() + lock_wait
-            delay = 0.002
+            backoff = LOCK_POLL.within(lock_wait)
             with ExitStack() as deferred:  # from each attempt that may take the locks on
                 while True:
                     conn.begin()
@@ -156,7 +160,8 @@ def locked_briefcases(
                         break
                     conn.rollback()
                     deferred.close()
-                    if time.monotonic() + delay >= deadline:
+                    delay = backoff.next_delay()
+                    if delay is None:
                         conn.begin()
                         fence_check(store, conn, server)
                         deferred.enter_context(collection_deferred())
@@ -173,7 +178,6 @@ def locked_briefcases(
                         conn.exec_driver_sql("SET LOCAL lock_timeout = 0")
                         break
                     time.sleep(delay)
-                    delay = min(delay * 2, 0.05)
                 yield conn, started
     finally:
         if conn.in_transaction():

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import yaml
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine
 
 from benchmarks import BenchContext, Result
 from mdb.migrations.fleet import migrate

@@ -11,8 +11,8 @@ real server guarantees; throughput is not representative and is never measured o
 One fake server per URL (scheme, host and path), shared by every client made for that URL by
 the same :class:`FakeMongo`, so a Store and a test see the same data.
 
-``FakeMongo(path=DIR)`` (tests only; the CLI takes it when ``MDB_MONGO_FAKE_DIR`` is set, see
-docs/mongodb.md) keeps each fake server in a file of ``DIR`` so that several processes share
+``FakeMongo(path=DIR)`` (tests only; the CLI takes it when the test harness armed it,
+``MDB_TESTING=1``, and ``MDB_MONGO_FAKE_DIR`` is set: :func:`attach_fake_dir`, docs/mongodb.md) keeps each fake server in a file of ``DIR`` so that several processes share
 it, and a process SIGKILLed mid-way leaves what it had committed: the server's lock is then
 also an ``fcntl`` lock on ``<file>.lock``; whoever takes it first loads the file if another
 process changed it, and whoever lets it go last after a write (or a transaction) writes the
@@ -29,10 +29,32 @@ import os
 import pickle
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
-__all__ = ["FakeMongo"]
+if TYPE_CHECKING:
+    from mdb.store import Store
+
+__all__ = ["FAKE_DIR_ENV", "FakeMongo", "attach_fake_dir"]
+
+FAKE_DIR_ENV = "MDB_MONGO_FAKE_DIR"
+"""The CLI's MongoDB servers are file-backed fakes kept in this folder (when the harness armed it).
+
+For tests that SIGKILL one CLI process mid-move and go on with another: an in-process fake
+would die with the first. ``MDB_TEST_MONGO_URI`` (a real server) wins over it.
+"""
+
+
+def attach_fake_dir(store: Store) -> bool:
+    """Give ``store`` the file-backed fake of ``MDB_MONGO_FAKE_DIR`` as its
+    MongoDB side; False (nothing done) when the variable is unset or a real test server is named."""
+    fake_dir = os.environ.get(FAKE_DIR_ENV, "").strip()
+    if not fake_dir or os.environ.get("MDB_TEST_MONGO_URI", "").strip():
+        return False
+    from mdb.mongo.store import MongoStore
+
+    MongoStore.attach(store, client_factory=FakeMongo(path=fake_dir))
+    return True
 
 
 class FakeMongo:
@@ -224,7 +246,9 @@ class FakeClient:
         """Nothing to release: the fake server outlives its clients, like a real one."""
 
 
-class FakeDatabase:
+class _Locked:
+    """A mongomock database or collection and the lock of the fake server it belongs to."""
+
     def __init__(self, inner: Any, lock: ServerLock) -> None:
         self._inner = inner
         self._lock = lock
@@ -233,6 +257,8 @@ class FakeDatabase:
     def name(self) -> str:
         return str(self._inner.name)
 
+
+class FakeDatabase(_Locked):
     def __getitem__(self, name: str) -> FakeCollection:
         return FakeCollection(self._inner[name], self._lock)
 
@@ -262,7 +288,7 @@ def _unwrap(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-class FakeCollection:
+class FakeCollection(_Locked):
     """Every call runs under the fake server's lock; cursors are materialized inside it."""
 
     _CURSORS = frozenset({"find", "aggregate", "list_indexes"})
@@ -270,14 +296,6 @@ class FakeCollection:
         "find", "find_one", "aggregate", "list_indexes", "index_information", "count_documents",
         "estimated_document_count", "distinct", "options",
     })
-
-    def __init__(self, inner: Any, lock: ServerLock) -> None:
-        self._inner = inner
-        self._lock = lock
-
-    @property
-    def name(self) -> str:
-        return str(self._inner.name)
 
     def __getattr__(self, attr: str) -> Any:
         method = getattr(self._inner, attr)
