@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The benchmark run for the lent 16-core machine (no network, no PostgreSQL): installs mdb from the
+# wheels tools/device_wheels.sh downloaded (carry .device/wheels), then runs the sections the wave-3
+# issues measure there, each under its own time limit, every table with its same-run baseline.
+# Usage: bash tools/device_bench.sh [SECTION ...]   (default: all below, in this order)
+# Each section's full output goes to $OUT/<section>.txt (or /tmp/mdb-device-bench) and its table here.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=${OUT:-/tmp/mdb-device-bench}
+mkdir -p "$out"
+bash tools/device_wheels.sh install >"$out/install.txt" 2>&1 || { cat "$out/install.txt"; exit 1; }
+py=.device/venv/bin/python
+echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%d GiB", $2/1048576}' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
+
+section() {  # NAME SECONDS ARGS...: one bench.py run, bounded
+    local name=$1 limit=$2; shift 2
+    local started=$SECONDS
+    timeout "$limit" "$py" tools/bench.py "$@" >"$out/$name.txt" 2>&1
+    local rc=$?
+    echo "== $name ($((SECONDS - started)) s, rc=$rc): tools/bench.py $*"
+    sed -n '/mdb benchmarks/,$p' "$out/$name.txt" | grep -v '^[┏┡└━]' | cut -c1-230
+    [ "$rc" -eq 0 ] || tail -5 "$out/$name.txt"
+}
+
+wanted=("$@")
+[ ${#wanted[@]} -gt 0 ] || wanted=(workers briefcase briefcase_async scale impact)
+for w in "${wanted[@]}"; do
+    case $w in
+    workers) section workers 300 reshard --workers "${WORKERS:-1,2,4,8}" --shards 4:8 ;;
+    briefcase) section briefcase 120 briefcase ;;
+    briefcase_async) section briefcase_async 120 briefcase --async ;;
+    scale) section scale 150 scale ;;
+    impact) section impact 240 reshard_impact --n "${IMPACT_N:-100000}" --procs 4 ;;
+    *) echo "unknown section $w" >&2 ;;
+    esac
+done
