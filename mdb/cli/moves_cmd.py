@@ -321,7 +321,7 @@ def reshard_cmd(
     partition: Annotated[str, typer.Option("--partition", metavar="START", help="absolute start GDID of the partition")],
     shards: Annotated[str, typer.Option("--shards", metavar="A,B,C", help="the partition's new shard list")],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
-    parallel: Annotated[int, typer.Option("--parallel", min=1, max=64, help="Batches in flight at once: one's copy overlaps another's cutover (docs/moves.md).")] = 1,
+    parallel: Annotated[int, typer.Option("--parallel", min=0, max=64, help="Batches this process moves at once (one's copy overlaps another's cutover, docs/moves.md); 0: only drive the job's phases, `mdb worker`s move.")] = 1,
     max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Per briefcase: abort a cutover that would block its writes longer.", min=0.0)] = DEFAULT_MAX_PAUSE,
     batch_pause: Annotated[float, typer.Option("--batch-pause", metavar="SECONDS", min=0.0,
                                                help="Write pause a batch of briefcases aims at (batches grow or shrink to keep it); 0: one briefcase at a time.")] = DEFAULT_BATCH_PAUSE,
@@ -354,8 +354,8 @@ def reshard_cmd(
             warn(f"--parallel runs as 1: SQLite lets one writer at a time into a file ({', '.join(sqlite)} are SQLite)")
             if workers:
                 fail(f"--workers: SQLite lets one writer at a time into a file ({', '.join(sqlite)} are SQLite); run without it")
-        if workers and not dry_run and store.engines.is_sqlite(Journal(store).server):
-            fail("--workers needs a PostgreSQL CENTRAL (a SQLite CENTRAL runs one worker: this command's own)")
+        if (workers or parallel == 0) and not dry_run and store.engines.is_sqlite(Journal(store).server):
+            fail("--workers and --parallel 0 need a PostgreSQL CENTRAL (a SQLite CENTRAL runs one worker: this command's own)")
         try:
             with _local_workers(map_path, 0 if dry_run else workers):
                 if dry_run or as_json:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
@@ -60,9 +61,10 @@ __all__ = [
 
 log = logging.getLogger("mdb.moves.jobs")
 
-ITEM_BRIEFCASES: Final = 200
+ITEM_BRIEFCASES: Final = int(os.environ.get("MDB_ITEM_BRIEFCASES") or 200)
 """Briefcases per work item: several batches' worth (a batch aims at ~25 ms, 60-80 briefcases of 100
-rows), so a claim's round trips are paid rarely, and few enough that the workers share a pass."""
+rows), so a claim's round trips are paid rarely, and few enough that the workers share a pass.
+``MDB_ITEM_BRIEFCASES`` overrides it (tests cut a small reshard into many items)."""
 DEFAULT_PER_SERVER: Final = 2
 """Items in flight at once on one server (as source or target), over every worker of every host."""
 CLAIM_SETTLE: Final = 10.0
@@ -154,6 +156,7 @@ class ItemResult:
 def enqueue(journal: Journal, job_id: str, pass_no: int, moves: Sequence[PlannedMove], size: int = ITEM_BRIEFCASES) -> list[str]:
     """Queue ``moves`` as items of ``job_id``'s pass ``pass_no``: per (source, target) pair, in plan order, pairs in turn."""
     _ensure(journal)
+    size = max(1, size)
     groups: dict[tuple[str, str], list[PlannedMove]] = {}
     for m in moves:
         groups.setdefault((m.source, m.target), []).append(m)

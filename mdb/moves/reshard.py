@@ -650,6 +650,7 @@ def work_item(workers: Workers, item: Item) -> bool:
     stopped: dropped) and its lease; stopping gives the item back (claimable again).
     """
     store, journal = workers.store, workers.journal
+    store.refresh()  # a long-running worker: the map may have a newer version since its last item
     with ExitStack() as stack:
         try:
             lease = stack.enter_context(hold(journal, item.item_id))
@@ -751,7 +752,7 @@ def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
             errors.append(exc)
             over.set()
 
-    threads = [threading.Thread(target=local, name=f"mdb-worker-{i}", daemon=True) for i in range(max(1, run.parallel))]
+    threads = [threading.Thread(target=local, name=f"mdb-worker-{i}", daemon=True) for i in range(run.parallel)]  # 0: workers elsewhere do it
     for t in threads:
         t.start()
     seen: set[str] = set()
