@@ -123,7 +123,8 @@ def _locked_batch(cluster: Cluster, server: str, area: str, gdids: Sequence[GDID
 
 
 @contextmanager
-def hold_schemas(cluster: Cluster, area: str, servers: Sequence[str], tables: Sequence[AreaTable]) -> Iterator[frozenset[str]]:
+def hold_schemas(cluster: Cluster, area: str, servers: Sequence[str], tables: Sequence[AreaTable],
+                 revisions: dict[str, str | None] | None = None) -> Iterator[frozenset[str]]:
     """Keep migrations off ``servers`` while batches run, check they are at one revision of ``area``,
     and yield the tables every one of them can sum by row hash (:func:`mdb.moves.verify.hashable_tables`).
 
@@ -132,10 +133,12 @@ def hold_schemas(cluster: Cluster, area: str, servers: Sequence[str], tables: Se
     reshard holds the lock shared at session level on one connection per PostgreSQL server for
     the whole pass (released when the block ends, or by the server when this process dies),
     so the revisions compared once here, and the column types the checksum was chosen by,
-    cannot change under any batch of the pass.
+    cannot change under any batch of the pass. ``revisions``: those of servers already held
+    (a worker holding more servers as it claims items of the pass), compared with these and
+    updated with them.
     """
     with ExitStack() as held:
-        revisions: dict[str, str | None] = {}
+        revisions = {} if revisions is None else revisions
         hashed: frozenset[str] | None = None
         for server in dict.fromkeys(servers):
             conn = held.enter_context(cluster.connect(server))

@@ -226,6 +226,8 @@ class Lease:
         with self.journal.store.transaction(self.journal.server) as conn:
             mine = (move_leases.c.move_id == self.move_id) & (move_leases.c.token == self.token)
             if not conn.execute(update(move_leases).where(mine).values(beat_at=func.current_timestamp())).rowcount:
+                if self._done.is_set():  # released meanwhile by this process (a beat racing the release): not lost
+                    return
                 self.lost = True
                 log.error("the lease of %s was taken over by another process; stopping at the next check", self.move_id)
                 return

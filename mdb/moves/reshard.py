@@ -69,6 +69,7 @@ from mdb.moves.plan import PartitionScan, PlannedMove, ReshardPlan, find_partiti
 from mdb.moves.batch import BatchMove, hold_schemas
 from mdb.moves.gate import CutoverGate
 from mdb.moves.move import DEFAULT_MAX_PAUSE, GONE, MoveResult, check_max_pause, move_briefcase, resolve_move
+from mdb.moves.copy import AreaTable
 from mdb.moves.sql_steps import area_tables
 from mdb.partition_map import PartitionMap, parse_map
 from mdb.relocations import set_relocations
@@ -592,9 +593,44 @@ class Workers:
         self.parent = parent
         """The stop flag of the process (``mdb worker``'s SIGTERM) when this is one job's run inside it."""
         self.gates = CutoverGate()
+        self._held = ExitStack()
+        self._held_key: tuple[str, int] | None = None
+        self._hashed: dict[str, frozenset[str]] = {}
+        self._revisions: dict[str, str | None] = {}
+        self._last_job: str | None = None
         self._sizers: dict[str, BatchSizer] = {}
         self._paces: dict[str, Callable[[int, int], None] | None] = {}
         self._lock = threading.Lock()
+
+    def schemas(self, job: JournalEntry, pass_no: int, servers: list[str], tables: list[AreaTable]) -> frozenset[str]:
+        """The area's schemas held on ``servers`` for the pass (:func:`hold_schemas`), the tables both sum by row hash.
+
+        Held for every item of one pass that this process works on, not per item: checking a
+        server's tables costs more than a batch. Let go when the pass changes (:meth:`let_go`).
+        """
+        with self._lock:
+            key = (job.move_id, pass_no)
+            if self._held_key != key:
+                self._held.close()
+                self._held, self._held_key, self._hashed, self._revisions = ExitStack(), key, {}, {}
+            missing = [s for s in dict.fromkeys(servers) if s not in self._hashed]
+            if missing:
+                hashed = self._held.enter_context(hold_schemas(self.store, job.area, missing, tables, self._revisions))
+                for server in missing:
+                    self._hashed[server] = hashed
+            return frozenset.intersection(*(self._hashed[s] for s in servers))
+
+    def let_go(self) -> None:
+        """Release the held schemas (the pass ended, or this worker is idle): migrations may run."""
+        with self._lock:
+            self._held.close()
+            self._held, self._held_key, self._hashed, self._revisions = ExitStack(), None, {}, {}
+
+    def fresh_for(self, job_id: str) -> bool:
+        """True the first time this process works on ``job_id`` since it worked on another one."""
+        with self._lock:
+            new, self._last_job = self._last_job != job_id, job_id
+            return new
 
     def stopped(self) -> bool:
         return self.stopping.is_set() or (self.parent is not None and self.parent.is_set())
@@ -650,7 +686,8 @@ def work_item(workers: Workers, item: Item) -> bool:
     stopped: dropped) and its lease; stopping gives the item back (claimable again).
     """
     store, journal = workers.store, workers.journal
-    store.refresh()  # a long-running worker: the map may have a newer version since its last item
+    if workers.fresh_for(item.job_id):
+        store.refresh()  # a long-running worker on a new job: the map may have a newer version since its last one
     with ExitStack() as stack:
         try:
             lease = stack.enter_context(hold(journal, item.item_id))
@@ -669,7 +706,7 @@ def work_item(workers: Workers, item: Item) -> bool:
         sizer, pace = workers.sizer(job), workers.pace(job)
         tables = area_tables(store, job.area)
         gate = workers.gates.pair(item.source, item.target)
-        hashed = stack.enter_context(hold_schemas(fenced, job.area, [item.source, item.target], tables))
+        hashed = workers.schemas(job, item.pass_no, [item.source, item.target], tables)
 
         def single(g: GDID) -> None:
             m = PlannedMove(g, item.source, item.target, {})
@@ -781,6 +818,7 @@ def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
         over.set()
         for t in threads:
             t.join()
+        workers.let_go()
         try:
             jobs.stop_items(journal, entry.move_id)
         except Exception as again:  # the holder's error is what is raised; the next holder settles the items
@@ -789,6 +827,7 @@ def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
     over.set()
     for t in threads:
         t.join()
+    workers.let_go()
     if errors:
         raise errors[0]
 

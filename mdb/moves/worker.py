@@ -74,12 +74,21 @@ def run_worker(store: Cluster, stopping: threading.Event, *, on_event: Callable[
     the server is back; an error that repeats is what ``mdb moves status`` and the logs show.
     """
     workers = Workers(store, stopping)
+    try:
+        _loop(store, stopping, workers, on_event, errors)
+    finally:
+        workers.let_go()
+
+
+def _loop(store: Cluster, stopping: threading.Event, workers: Workers, on_event: Callable[[str], None] | None,
+          errors: list[BaseException] | None) -> None:
     while not stopping.is_set():
         try:
             if adopt_jobs(store, stopping, on_event):
                 continue
             item = jobs.claim(workers.journal)
             if item is None:
+                workers.let_go()  # idle: no schema held (a migration may run)
                 stopping.wait(IDLE_POLL)
                 continue
             if on_event is not None:
@@ -91,4 +100,5 @@ def run_worker(store: Cluster, stopping: threading.Event, *, on_event: Callable[
                 errors.append(exc)
             if on_event is not None:
                 on_event(f"error: {exc}")
+            workers.let_go()
             stopping.wait(IDLE_POLL)
