@@ -248,6 +248,7 @@ def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move
     out.detail = (f"cancelled at step {interrupted_at!r}: {out.rolled_back} interrupted move(s) rolled back, "
                   f"{len(forward)} finished ({verb}); the map is unchanged")
     journal.finish(entry.move_id, CANCELLED, out.detail)
+    jobs.forget(journal, entry.move_id)
     store.refresh()
     return out
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Final
 
-from sqlalchemy import BigInteger, Column, DateTime, Integer, String, Table, Text, func, insert, select, text, update
+from sqlalchemy import BigInteger, Column, DateTime, Integer, String, Table, Text, delete, func, insert, select, text, update
 
 from mdb.cluster import Cluster
 from mdb.gdid import GDID
@@ -56,7 +56,7 @@ from mdb.system_tables import central_metadata
 
 __all__ = [
     "ITEM_BRIEFCASES", "Item", "ItemResult", "WorkerRow", "claim", "enqueue", "finish_item", "item_servers", "item_state",
-    "done_since", "drop", "job_items", "last_pass", "open_items", "release_item", "settle", "stop_items", "workers",
+    "done_since", "drop", "forget", "job_items", "last_pass", "open_items", "release_item", "settle", "stop_items", "workers",
 ]
 
 log = logging.getLogger("mdb.moves.jobs")
@@ -343,6 +343,13 @@ def drop(fenced: Cluster, journal_server: str, item_id: str) -> None:
     with fenced.transaction(journal_server) as conn:
         conn.execute(update(job_items).where(job_items.c.item_id == item_id, job_items.c.status.in_([PENDING, STOPPING]))
                      .values(status=DROPPED, updated_at=func.current_timestamp()))
+
+
+def forget(journal: Journal, job_id: str) -> None:
+    """The job ended: its items go (the journal and the history keep what it moved)."""
+    _ensure(journal)
+    with journal.store.transaction(journal.server) as conn:
+        conn.execute(delete(job_items).where(job_items.c.job_id == job_id))
 
 
 @dataclass

@@ -1001,6 +1001,7 @@ def continue_reshard(
             progress.phase("cleanup")
         _cleanup(store, area, start)
     journal.finish(entry.move_id, DONE, **counts.journal_values())
+    jobs.forget(journal, entry.move_id)
     store.refresh()
     return ReshardOutcome(entry.move_id, report, params.get("map_version"), counts.briefcases_done, counts.rows_done,
                           params.get("map_backup"))
