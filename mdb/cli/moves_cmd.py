@@ -440,8 +440,15 @@ def worker_cmd(map_path: MapArg) -> None:
         def say(line: str) -> None:
             console.print(f"{datetime.now(timezone.utc):%H:%M:%S} {line}", markup=False, soft_wrap=True)
 
-        thread = threading.Thread(target=run_worker, args=(store, stopping), kwargs={"on_event": say, "errors": errors},
-                                  name="mdb-worker")
+        crashed: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                run_worker(store, stopping, on_event=say, errors=errors)
+            except BaseException as exc:  # raised again in the main thread: the worker exits with its error
+                crashed.append(exc)
+
+        thread = threading.Thread(target=work, name="mdb-worker")
         say(f"worker started: {me()}")
         thread.start()
         try:
@@ -452,6 +459,8 @@ def worker_cmd(map_path: MapArg) -> None:
             stopping.set()
             thread.join()
             raise
+        if crashed:
+            raise crashed[0]
 
 
 def _say_how_to_resume(store: Store, area: str, map_path: str) -> None:
