@@ -946,6 +946,11 @@ def continue_reshard(
     plan = first_plan
     report = plan
     store.refresh()
+    workers = None
+    if entry.step not in ("unfreeze", "cleanup"):
+        # What earlier holders' workers left is settled first: the counts below include what it finishes.
+        workers = Workers(store, None, stopping)
+        jobs.settle(workers.journal, entry.move_id, lambda item: settle_item(store, item))
     counts = ReshardCounts.from_journal(journal, entry.move_id)
     # A reshard journaled by an older mdb has no batch_pause: it resumes one briefcase at a time, as it began.
     own_stop = threading.Event()
@@ -953,10 +958,10 @@ def continue_reshard(
         pace = _pace(store, entry, old_shards, new_shards, progress, own_stop)
     run = _Run(store, journal, entry, scan, parallel, max_pause, progress, counts,
                BatchSizer(float(params.get("batch_pause", 0.0))), pace, own_stop)
-    if entry.step not in ("unfreeze", "cleanup"):
-        run.workers = Workers(store, own_stop, stopping)
-        jobs.settle(run.workers.journal, entry.move_id, lambda item: settle_item(store, item))
-        run.pass_no = jobs.last_pass(run.workers.journal, entry.move_id)
+    if workers is not None:
+        workers.stopping = own_stop
+        run.workers = workers
+        run.pass_no = jobs.last_pass(workers.journal, entry.move_id)
     if entry.step in ("plan", "prechecks", "moves"):
         if plan is None:
             plan = plan_reshard(store, scan, area, start, new_shards)
