@@ -101,10 +101,11 @@ def test_workers_sigkilled_at_random_steps_and_all_at_once_lose_nothing(cluster:
 
     # Every process killed at once in the middle of a reshard; workers started afterwards finish it on their own.
     shards = lists[0] if _shards(cluster) == lists[1] else lists[1]
-    pool = [_worker(cluster, {"MDB_FAULT_ACTION": "sleep:0.3", "MDB_FAULT_POINT": "batch.after_precopy"}) for _ in range(3)]
-    driver = _spawn(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", ",".join(shards), "--parallel", "1"], {})
-    deadline = time.monotonic() + 120
-    while not any(status == "done" for status, _ in _batches(cluster)) or len(_batches(cluster)) < 2:
+    slow = {"MDB_FAULT_ACTION": "sleep:3", "MDB_FAULT_POINT": "batch.after_precopy"}  # every batch: time to kill them mid-job
+    pool = [_worker(cluster, slow) for _ in range(3)]
+    driver = _spawn(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", ",".join(shards), "--parallel", "1"], slow)
+    deadline = time.monotonic() + 300
+    while not any(status == "done" for status, _ in _batches(cluster)):
         assert driver.poll() is None and time.monotonic() < deadline, (seed, driver.communicate() if driver.poll() is not None else "")
         time.sleep(0.05)
     for p in [driver, *pool]:
