@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from mdb.testing.postgres import PostgresServer
@@ -53,6 +53,8 @@ class BenchContext:
 
     tmpdir: Path
     quick: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+    """Section options from the command line (``--workers``, ``--shards``, ``--per-server``: the reshard section)."""
     _servers: list[PostgresServer] = field(default_factory=list)
 
     def pg_urls(self, n: int) -> list[str]:
