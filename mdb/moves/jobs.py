@@ -50,7 +50,7 @@ from sqlalchemy import BigInteger, Column, DateTime, Integer, String, Table, Tex
 from mdb.cluster import Cluster
 from mdb.gdid import GDID
 from mdb.moves.journal import RUNNING, Journal, moves_table
-from mdb.moves.lease import LEASE_STALE, Holder, holders_in, me
+from mdb.moves.lease import Holder, holders_in, me
 from mdb.moves.plan import PlannedMove
 from mdb.system_tables import central_metadata
 
