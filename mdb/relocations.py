@@ -19,7 +19,7 @@ from mdb.backends import Servers, backend_of
 from mdb.gdid import GDID
 from mdb.router import Reach, Router
 
-__all__ = ["load_relocation_reach", "load_relocations", "set_relocation", "set_relocations"]
+__all__ = ["load_relocation_reach", "load_relocations", "relocation_of", "set_relocation", "set_relocations"]
 
 
 def load_relocations(cluster: Servers, router: Router | None = None) -> dict[tuple[str, GDID], str]:
@@ -33,6 +33,13 @@ def load_relocations(cluster: Servers, router: Router | None = None) -> dict[tup
     for server in router.central_servers():
         out.update(backend_of(router.map, server).load_relocations(cluster, server))
     return out
+
+
+def relocation_of(cluster: Servers, area: str, gdid: GDID) -> str | None:
+    """The directory entry of one briefcase (None: it lives on its default shard), read from the
+    CENTRAL shard that owns its bytes: what `mdb where` needs, without the rest of the directory."""
+    central = Router(cluster.map).locate_central(gdid).server
+    return backend_of(cluster.map, central).relocation_of(cluster, central, area, gdid)
 
 
 def load_relocation_reach(cluster: Servers, router: Router | None = None) -> dict[tuple[str, str], Reach]:

@@ -243,6 +243,10 @@ class Backend(ABC):
         """The relocation directory entries kept on the CENTRAL server ``server``."""
 
     @abstractmethod
+    def relocation_of(self, cluster: Servers, server: str, area: str, gdid: GDID) -> str | None:
+        """The directory entry of ``area``/``gdid`` on CENTRAL ``server`` (None: no entry): one key read."""
+
+    @abstractmethod
     def relocation_reach(self, cluster: Servers, server: str) -> dict[tuple[str, str], Reach]:
         """What the directory on CENTRAL ``server`` sends where, per (area, target server), without
         holding its entries: what fan-out and the fleet tools need to know which servers to ask."""

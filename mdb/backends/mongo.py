@@ -161,6 +161,10 @@ class MongoBackend(Backend):
         docs = documents_of(cluster).database(server)[RELOCATIONS].find({})
         return {(doc["area"], GDID.from_bytes(doc["gdid"])): doc["server"] for doc in docs}
 
+    def relocation_of(self, cluster: Servers, server: str, area: str, gdid: GDID) -> str | None:
+        doc = documents_of(cluster).database(server)[RELOCATIONS].find_one({"_id": f"{area}:{gdid.hex}"})
+        return None if doc is None else str(doc["server"])
+
     def relocation_reach(self, cluster: Servers, server: str) -> dict[tuple[str, str], Reach]:
         # streamed and summed here (a few fields per document, nothing kept per briefcase): linear
         # in the entries, unlike the SQL backend's one aggregate; document directories are small

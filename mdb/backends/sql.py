@@ -202,6 +202,12 @@ class SqlBackend(Backend):
         with cluster.transaction(server) as conn:
             return relocation_rows(conn)
 
+    def relocation_of(self, cluster: Servers, server: str, area: str, gdid: GDID) -> str | None:
+        with cluster.transaction(server) as conn:
+            query = select(relocations.c.server).where(relocations.c.area == area, relocations.c.gdid == gdid)
+            found: str | None = conn.execute(query).scalar_one_or_none()
+            return found
+
     def relocation_reach(self, cluster: Servers, server: str) -> dict[tuple[str, str], Reach]:
         with cluster.transaction(server) as conn:
             return relocation_reach(conn)
