@@ -123,7 +123,10 @@ class FanOutResult:
 def fan_out_servers(router: Router, area: str, from_gdid: GDID | None = None) -> list[str]:
     """Servers holding data of ``area`` (from ``from_gdid`` on, in sharding order), deduplicated.
 
-    Map order first (partition by partition), then relocation targets in directory order.
+    Map order first (partition by partition), then the servers the relocation directory sends
+    briefcases of ``area`` to (from ``from_gdid`` on), by name. Read from the directory's summary
+    per server (``router.relocation_reach``), never its entries: a process that fans out holds
+    nothing per moved briefcase (docs/design.md invariant 8).
     """
     v = None if from_gdid is None else from_gdid.sharding_value
     out: dict[str, None] = {}
@@ -131,8 +134,8 @@ def fan_out_servers(router: Router, area: str, from_gdid: GDID | None = None) ->
         if v is not None and end is not None and end.sharding_value <= v:
             continue
         out.update(dict.fromkeys(shards))
-    for (reloc_area, gdid), server in router.relocations.items():
-        if reloc_area == area and (v is None or gdid.sharding_value >= v):
+    for (reloc_area, server), reach in sorted(router.relocation_reach.items(), key=lambda item: item[0]):
+        if reloc_area == area and (v is None or reach.high >= v):
             out[server] = None
     return list(out)
 

@@ -69,13 +69,16 @@ class Prelude:
     unprepared: tuple[str, ...] = ()
     """The same with no prepared statement behind them (PostgreSQL): what an engine behind a
     transaction-pooling pooler sends, where nothing prepared outlives a transaction."""
+    begin: str = "BEGIN"
+    """How the transaction starts on PostgreSQL (a readonly session's takes one snapshot: see
+    :func:`ownership_prelude`)."""
 
     def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:
         """BEGIN and the ``EXECUTE`` statements, after preparing what this connection lacks."""
         known = prepared.known
         if known is None or not known.issuperset(self.prepare):
             _pg_prepare(connection, prepared, self.prepare)
-        sql = "; ".join(["BEGIN", *self.statements])
+        sql = "; ".join([self.begin, *self.statements])
         with connection.cursor() as cursor:
             try:
                 cursor.execute(sql)
@@ -92,7 +95,7 @@ class Prelude:
     def begin_postgresql_pooled(self, connection: psycopg.Connection[Any]) -> Rows | None:
         """BEGIN and the unprepared form (the check as a call of its PL/pgSQL function)."""
         with connection.cursor() as cursor:
-            cursor.execute("; ".join(["BEGIN", *(self.unprepared or self.statements)]))
+            cursor.execute("; ".join([self.begin, *(self.unprepared or self.statements)]))
             return _last_rows(cursor)
 
     def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
@@ -308,6 +311,14 @@ def ownership_prelude(backend: str, placement: Placement, lock: bool, exclusive:
     sessions of one briefcase (and a move) run one at a time; the check, a later statement,
     then reads a snapshot taken after the previous holder committed. On SQLite nothing changes:
     BEGIN IMMEDIATE already serializes every write transaction of the database file.
+
+    Without ``lock`` (readonly sessions) nothing holds a move off, so on PostgreSQL the
+    transaction is REPEATABLE READ: its one snapshot is taken by the check, and every read after
+    it sees the briefcase as the check found it. Under READ COMMITTED a move's commit point
+    (fence, source rows deleted) landing between the check and a read made that read find an
+    empty briefcase on a shard that had just said it owned it (seen by ``bench.py
+    reshard_impact``). A transaction that only reads never fails to serialize. A SQLite read
+    transaction already reads one snapshot.
     """
     if backend == "postgresql":
         # Both renderings: the engine sends the function call when it is behind a transaction
@@ -316,6 +327,7 @@ def ownership_prelude(backend: str, placement: Placement, lock: bool, exclusive:
         return Prelude(
             _pg_prelude_statements(placement, lock, pooled=False, exclusive=exclusive), PG_PREPARED,
             unprepared=_pg_prelude_statements(placement, lock, pooled=True, exclusive=exclusive),
+            begin="BEGIN" if lock else "BEGIN ISOLATION LEVEL REPEATABLE READ",
         )
     area, start = placement.area, placement.partition_start
     # SQLite: BEGIN IMMEDIATE already serializes write sessions with a reshard's freeze. The

@@ -1,12 +1,14 @@
 """The relocation directory: which briefcases live somewhere other than their default shard.
 
 Kept in CENTRAL, one entry per relocated briefcase, sharded over the CENTRAL shards by the
-GDID's 12 bytes like any CENTRAL key. Stores load the whole directory into their router and
-reload it when a session meets a fence; correctness never depends on that copy being fresh,
-because every session checks ownership on the shard itself (docs/design.md invariant 2).
+GDID's 12 bytes like any CENTRAL key. Briefcase sessions never read it (they route by the map and
+the fences they meet); a router reads it whole only when a tool asks for it (``router.relocations``,
+``router.locate``), and fan-out reads only its summary per target server
+(:func:`load_relocation_reach`). Correctness never depends on a copy being fresh, because every
+session checks ownership on the shard itself (docs/design.md invariant 2).
 
 Where the entries are kept (SQL rows, MongoDB documents) is the CENTRAL servers' backend's
-business (:mod:`mdb.backends`); these two functions are the directory's whole interface.
+business (:mod:`mdb.backends`); these functions are the directory's whole interface.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from collections.abc import Mapping
 
 from mdb.backends import Servers, backend_of
 from mdb.gdid import GDID
-from mdb.router import Router
+from mdb.router import Reach, Router
 
-__all__ = ["load_relocations", "set_relocation", "set_relocations"]
+__all__ = ["load_relocation_reach", "load_relocations", "relocation_of", "set_relocation", "set_relocations"]
 
 
 def load_relocations(cluster: Servers, router: Router | None = None) -> dict[tuple[str, GDID], str]:
@@ -30,6 +32,25 @@ def load_relocations(cluster: Servers, router: Router | None = None) -> dict[tup
     out: dict[tuple[str, GDID], str] = {}
     for server in router.central_servers():
         out.update(backend_of(router.map, server).load_relocations(cluster, server))
+    return out
+
+
+def relocation_of(cluster: Servers, area: str, gdid: GDID) -> str | None:
+    """The directory entry of one briefcase (None: it lives on its default shard), read from the
+    CENTRAL shard that owns its bytes: what `mdb where` needs, without the rest of the directory."""
+    central = Router(cluster.map).locate_central(gdid).server
+    return backend_of(cluster.map, central).relocation_of(cluster, central, area, gdid)
+
+
+def load_relocation_reach(cluster: Servers, router: Router | None = None) -> dict[tuple[str, str], Reach]:
+    """The directory summed up per (area, target server) over every CENTRAL shard: a few rows per
+    server, never its entries (``router`` as for :func:`load_relocations`)."""
+    router = Router(cluster.map) if router is None else router
+    out: dict[tuple[str, str], Reach] = {}
+    for server in router.central_servers():
+        for key, reach in backend_of(router.map, server).relocation_reach(cluster, server).items():
+            seen = out.get(key)
+            out[key] = reach if seen is None else seen.merge(reach)
     return out
 
 

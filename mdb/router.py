@@ -20,7 +20,7 @@ from mdb.fnv import fnv1a_64, fnv1a_64_many
 from mdb.gdid import GDID
 from mdb.partition_map import PartitionMap
 
-__all__ = ["CentralPlacement", "Placement", "Router", "ShardLayout", "fnv1a_64", "fnv1a_64_many"]  # the hash: mdb.fnv
+__all__ = ["CentralPlacement", "Placement", "Reach", "Router", "ShardLayout", "fnv1a_64", "fnv1a_64_many"]  # the hash: mdb.fnv
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +32,37 @@ class ShardLayout:
     partition_end: GDID | None  # exclusive; None = open-ended
     shard_index: int
     shard_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reach:
+    """What the relocation directory holds for one (area, target server), without naming the briefcases.
+
+    How many entries send briefcases there, and the lowest and highest sharding value among
+    them: enough to know which servers a query over an area (or over part of it) must reach,
+    in a few rows per server whatever the number of briefcases moved (docs/design.md invariant 8).
+    """
+
+    count: int
+    low: int
+    high: int
+
+    def merge(self, other: Reach) -> Reach:
+        return Reach(self.count + other.count, min(self.low, other.low), max(self.high, other.high))
+
+    def overlaps(self, low: int, high: int | None) -> bool:
+        """Whether some entry may lie in sharding values [low, high) (high None: no upper end)."""
+        return self.high >= low and (high is None or self.low < high)
+
+
+def reach_of(relocations: Mapping[tuple[str, GDID], str]) -> dict[tuple[str, str], Reach]:
+    """The :class:`Reach` per (area, server) of a whole directory (a router that holds one derives it)."""
+    out: dict[tuple[str, str], Reach] = {}
+    for (area, gdid), server in relocations.items():
+        v = gdid.sharding_value
+        seen = out.get((area, server))
+        out[(area, server)] = Reach(1, v, v) if seen is None else seen.merge(Reach(1, v, v))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,23 +297,30 @@ class Router:
     """Immutable routing table built from one map version and one relocation snapshot."""
 
     __slots__ = ("_map", "_areas", "_central", "_central_at", "_relocations", "_moved", "_central_cache", "_loader",
-                 "_load_lock")
+                 "_load_lock", "_reach", "_reach_loader")
 
     def __init__(
         self,
         pmap: PartitionMap,
         relocations: Mapping[tuple[str, GDID], str] | Callable[[], Mapping[tuple[str, GDID], str]] | None = None,
+        reach: Callable[[], Mapping[tuple[str, str], Reach]] | None = None,
     ) -> None:
         """``relocations``: the directory, or a function that reads it, called at most once and
-        only when something asks for it (:attr:`relocations`, :meth:`locate`).
+        only when something asks for it (:attr:`relocations`, :meth:`locate`). ``reach``: a
+        function that reads the directory's summary per target server (:attr:`relocation_reach`),
+        called at most once, when asked for and the directory is not held; without it the
+        summary is derived from the directory.
 
         Briefcase sessions route without the directory (by the map and the fences they meet,
-        :mod:`mdb.retry`), so an application process that never asks never holds it: its
-        routing state does not grow with what moved (docs/design.md invariant 8).
+        :mod:`mdb.retry`), and fan-out asks only for the summary, so an application process
+        holds neither a per-briefcase dictionary nor anything that grows with what moved
+        (docs/design.md invariant 8).
         """
         self._map = pmap
         self._loader: Callable[[], Mapping[tuple[str, GDID], str]] | None = None
         self._load_lock = threading.Lock()
+        self._reach: Mapping[tuple[str, str], Reach] | None = None
+        self._reach_loader = reach
         self._relocations: Mapping[tuple[str, GDID], str] | None = None
         # per area, only for areas with relocations: locate skips the (slow, GDID-hashing) lookup elsewhere
         self._moved: dict[str, dict[GDID, str]] = {}
@@ -338,11 +376,38 @@ class Router:
         directory = self._relocations
         if directory is None:
             with self._load_lock:
-                directory = self._relocations
-                if directory is None:
-                    assert self._loader is not None  # set whenever the directory is not
-                    directory = self._set_directory(self._loader())
+                directory = self._directory_locked()
         return directory
+
+    @property
+    def relocation_reach(self) -> Mapping[tuple[str, str], Reach]:
+        """(area, server) -> :class:`Reach` of the directory's entries: which servers hold relocated
+        briefcases of which areas, in a few rows per server. Read with the ``reach`` function this
+        router was given (never the whole directory), or derived from the directory when held."""
+        reach = self._reach
+        if reach is None:
+            with self._load_lock:
+                reach = self._reach
+                if reach is None:
+                    if self._relocations is None and self._reach_loader is not None:
+                        reach = dict(self._reach_loader())
+                    else:
+                        reach = reach_of(self._directory_locked())
+                    self._reach = reach
+        return reach
+
+    def _directory_locked(self) -> Mapping[tuple[str, GDID], str]:
+        """The directory, read now if needed; the caller holds the load lock."""
+        directory = self._relocations
+        if directory is None:
+            assert self._loader is not None  # set whenever the directory is not
+            directory = self._set_directory(self._loader())
+        return directory
+
+    @property
+    def reach_loaded(self) -> bool:
+        """Whether :attr:`relocation_reach` is known (no I/O to ask for it)."""
+        return self._reach is not None or self._relocations is not None
 
     @property
     def directory_loaded(self) -> bool:

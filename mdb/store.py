@@ -34,7 +34,7 @@ from mdb.idgen import GdidGenerator, Ids
 from mdb.maps.history import load_applied_map
 from mdb.ownership import OwnershipCheck, check_ownership
 from mdb.partition_map import PartitionMap, load_map_cached
-from mdb.relocations import load_relocations
+from mdb.relocations import load_relocation_reach, load_relocations
 from mdb.retry import ROUTE_CACHE_SIZE, LearnedRoutes, RoutedOpen
 from mdb.router import Placement, Router
 from mdb.urls import MONGO
@@ -148,7 +148,7 @@ class Store:
                 pmap = applied
                 self.engines.update(pmap.servers)
             central = Router(pmap)
-            self._router = Router(pmap, lambda: self._load_relocations(central))
+            self._router = Router(pmap, lambda: self._load_relocations(central), lambda: load_relocation_reach(self, central))
             self._relocations_loaded = True
 
     @property

@@ -13,8 +13,8 @@ from mdb import GDID
 from mdb.backends import backend_of
 from mdb.backends.mongo import MongoBackend
 from mdb.backends.sql import SqlBackend
-from mdb.relocations import load_relocations, set_relocation
-from mdb.router import ShardLayout
+from mdb.relocations import load_relocation_reach, load_relocations, set_relocation, set_relocations
+from mdb.router import Reach, ShardLayout, reach_of
 
 
 @pytest.mark.parametrize("central_on_mongo", [0, 2], ids=["sql-central", "mongo-central"])
@@ -34,6 +34,31 @@ def test_the_relocation_directory_is_set_loaded_and_cleared_through_the_central_
     assert load_relocations(store) == {("docs", other): "m2"}
     store.refresh()
     assert store.router.relocations == {("docs", other): "m2"}
+
+
+RELOCATED = {
+    GDID(0, 15, 5): "m2", GDID(0, 0, 7): "m2", GDID(0, 3, 100): "m2",  # authorities sort before counters in the bytes
+    GDID(1, 0, 2): "m1", GDID(0, 0, 9): "m1",
+}
+
+
+@pytest.mark.parametrize("central_on_mongo", [0, 2], ids=["sql-central", "mongo-central"])
+def test_the_directory_summary_per_target_server_counts_and_bounds_by_sharding_value(
+    mongo_env: MongoEnv, central_on_mongo: int
+) -> None:
+    store = mongo_env.store(2, central_on_mongo=central_on_mongo)
+    set_relocations(store, "docs", RELOCATED)
+    set_relocation(store, "other", GDID(0, 0, 1), "m1")
+    reach = load_relocation_reach(store)
+    assert reach == {
+        ("docs", "m2"): Reach(3, 5, 100),
+        ("docs", "m1"): Reach(2, 9, GDID(1, 0, 2).sharding_value),
+        ("other", "m1"): Reach(1, 1, 1),
+    }
+    assert reach == reach_of(load_relocations(store))  # what a router holding the directory derives
+    store.refresh()
+    assert store.router.relocation_reach == reach and not store.router.directory_loaded
+    assert not reach[("docs", "m2")].overlaps(101, None) and reach[("docs", "m2")].overlaps(0, 6)
 
 
 @pytest.mark.parametrize("server", ["c", "m1"], ids=["sql", "mongo"])

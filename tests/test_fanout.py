@@ -298,6 +298,7 @@ def test_relocated_briefcases_included_and_incoming_copies_excluded(
         store.refresh()
         assert "spare" in fan_out_servers(store.router, "user")
         assert "spare" not in fan_out_servers(store.router, "user", GDID(0, 0, 1000))
+        assert not store.router.directory_loaded  # the server list reads the directory's summary, not its entries
 
         # A move in progress of bob's briefcase to u3: the copy is there, marked incoming.
         copying = GDID(0, 0, 11)

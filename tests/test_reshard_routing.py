@@ -20,9 +20,12 @@ from movehelp import Cluster, create_user, locations, run_cli
 from sqlalchemy import func, select
 from test_reshard_batches import SERVERS, USERS, Writers, _batches, _check_writes, cluster, writers  # noqa: F401  (fixtures)
 
-from mdb.demo.models import Order, UserBriefcase
+from mdb.demo.models import Order, User, UserBriefcase
 from mdb.gdid import GDID
+from mdb.moves import move_briefcase
 from mdb.moves.reshard import reshard
+from mdb.relocations import load_relocation_reach, load_relocations, set_relocations
+from mdb.router import Reach, reach_of
 from mdb.store import Store
 
 
@@ -107,3 +110,64 @@ def test_an_arbitrarily_old_router_finds_every_briefcase_after_reshards_hot_move
     assert len(forgetful.routes) == 0
     for store in (oldest, forgetful, late):
         store.close()
+
+
+def test_a_readonly_session_reads_the_briefcase_its_check_found_though_a_move_commits_in_between(cluster: Cluster) -> None:
+    """The check of a readonly session holds no lock, so a move may commit (fence, source rows
+    deleted) between it and the session's reads. On PostgreSQL the session is one snapshot, taken
+    by the check: the reads see the briefcase as the check found it, never an empty one (under
+    READ COMMITTED they saw none: bench.py reshard_impact met it)."""
+    g = USERS[0]
+    with cluster.store() as store:
+        source = store.router.default_placement("user", g).server
+        target = next(s for s in SERVERS if s != source)
+        with store.briefcase(UserBriefcase, g, readonly=True) as s:
+            assert s.placement.server == source  # checked: the shard owns it
+            move_briefcase(store, "user", g, target)  # commits on other connections meanwhile
+            with store.transaction(source) as conn:
+                assert conn.scalar(select(func.count()).select_from(User).where(User.user_id == g)) == 0
+            assert s.scalar(select(func.count()).select_from(Order)) == 1  # the snapshot of the check
+            assert s.scalar(select(User.name).where(User.user_id == g)) == f"user {g.counter}"
+        with store.briefcase(UserBriefcase, g, readonly=True) as s:  # the next session follows the fence
+            assert s.placement.server == target
+            assert s.scalar(select(func.count()).select_from(Order)) == 1
+
+
+def test_a_hot_tenant_moved_off_the_layout_is_folded_by_a_later_reshard_and_routed_by_every_process(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """docs/moves.md: a reshard plans every briefcase of the partition where it lives, relocation
+    targets included, and puts each on its shard under the new list; the hot tenant's own
+    relocation is then cleared like the reshard's. Before that, `mdb move` to a chosen server
+    is routed by a process that never reads the directory."""
+    frozen = tmp_path / "frozen-map.yaml"
+    shutil.copy(cluster.path, frozen)
+    stale = Cluster(cluster.urls, frozen, cluster.central).store()
+    hot = next(g for g in USERS if g.sharding_value % 3 != 2)  # its shard under [u1, u2, x] is not x
+    moved = run_cli(["move", str(cluster.path), "user", str(hot), "--to", "x"])
+    assert moved.returncode == 0, moved.stderr
+    with stale.briefcase(UserBriefcase, hot) as s:
+        assert s.placement.server == "x"  # routed by the fence on u1/u2, without the directory
+    with cluster.store() as admin:
+        reshard(admin, "user", GDID(0, 0, 0), ["u1", "u2", "x"], parallel=2, map_path=cluster.path)
+    with cluster.store() as fresh:
+        assert ("user", hot) not in fresh.router.relocations  # folded: its default shard holds it
+        home = fresh.router.default_placement("user", hot).server
+        assert home != "x" and locations(fresh, SERVERS)[hot] == [home]
+    for store in (stale, Cluster(cluster.urls, frozen, cluster.central).store()):
+        with store.briefcase(UserBriefcase, hot, readonly=True) as s:
+            assert s.placement.server == home and s.scalar(select(func.count()).select_from(Order)) == 1
+        assert not store.router.directory_loaded
+        store.close()
+
+
+def test_the_directory_summary_on_postgresql_is_one_aggregate_exact_by_sharding_value(cluster: Cluster) -> None:
+    """What fan-out and the fleet tools read instead of the entries (PostgreSQL: MIN/MAX over hex
+    text per authority, since the bytes sort authority before counter)."""
+    entries = {GDID(0, 15, 5): "x", GDID(0, 0, 7): "x", GDID(0, 3, 100): "x", GDID(2, 1, 3): "u1"}
+    with cluster.store() as store:
+        set_relocations(store, "user", entries)
+        reach = load_relocation_reach(store)
+        assert reach == {("user", "x"): Reach(3, 5, 100), ("user", "u1"): Reach(1, *[GDID(2, 1, 3).sharding_value] * 2)}
+        assert reach == reach_of(load_relocations(store))
+        set_relocations(store, "user", dict.fromkeys(entries))

@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sections", nargs="*", metavar="SECTION", help=f"sections to run (default: all of {', '.join(sections)})")
     parser.add_argument("--quick", action="store_true", help="fewer iterations: a smoke run, not a measurement")
+    parser.add_argument("--n", type=int, help="size for the sections that take one (reshard_impact: briefcases, default 10000)")
+    parser.add_argument("--procs", type=int, help="application processes for the sections that start them (reshard_impact: default 4)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.add_argument("--async", dest="aio", action="store_true",
                         help="the asyncio variant of each section that has one (briefcase -> briefcase_async)")
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=args.json, width=None if stream.isatty() else 160)  # a log file gets the whole table
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="mdb-bench-") as tmp:
-        ctx = BenchContext(tmpdir=Path(tmp), quick=args.quick)
+        ctx = BenchContext(tmpdir=Path(tmp), quick=args.quick, n=args.n, procs=args.procs)
         if args.workers:
             old, _, new = args.shards.partition(":")
             ctx.options = {"workers": [int(w) for w in args.workers.split(",")], "shards": (int(old), int(new)),

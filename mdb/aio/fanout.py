@@ -93,8 +93,8 @@ async def fan_out(
     cluster = store.sync
     start = GDID.parse(from_gdid) if isinstance(from_gdid, str) else from_gdid
     router = await store.router()
-    if not router.directory_loaded:  # the server list reads the relocation directory: its first read is sync I/O
-        await asyncio.to_thread(lambda: router.relocations)
+    if not router.reach_loaded:  # the server list reads the relocation directory's summary: its first read is sync I/O
+        await asyncio.to_thread(lambda: router.relocation_reach)
     servers = sync_fanout._dedupe_by_url(cluster, sync_fanout.fan_out_servers(router, area, start), readonly)
     restricted = sync_fanout._restrict(statement, cluster, area, start)
     sync_fanout._refuse_aggregates(statement)

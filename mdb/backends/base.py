@@ -30,7 +30,7 @@ from mdb.errors import MdbError, RetryableError
 from mdb.gdid import GDID
 from mdb.partition_map import PartitionMap
 from mdb.retry import RoutedOpen
-from mdb.router import Placement, Router, ShardLayout
+from mdb.router import Placement, Reach, Router, ShardLayout
 
 __all__ = [
     "AreaData", "AreaScan", "Backend", "BriefcaseSize", "BriefcaseStateRow", "CollectionSpec", "DocumentServers", "HasDocuments", "IndexSpec", "SchemaOutcome", "ServerSchema",
@@ -241,6 +241,15 @@ class Backend(ABC):
     @abstractmethod
     def load_relocations(self, cluster: Servers, server: str) -> dict[tuple[str, GDID], str]:
         """The relocation directory entries kept on the CENTRAL server ``server``."""
+
+    @abstractmethod
+    def relocation_of(self, cluster: Servers, server: str, area: str, gdid: GDID) -> str | None:
+        """The directory entry of ``area``/``gdid`` on CENTRAL ``server`` (None: no entry): one key read."""
+
+    @abstractmethod
+    def relocation_reach(self, cluster: Servers, server: str) -> dict[tuple[str, str], Reach]:
+        """What the directory on CENTRAL ``server`` sends where, per (area, target server), without
+        holding its entries: what fan-out and the fleet tools need to know which servers to ask."""
 
     @abstractmethod
     def set_relocations(self, cluster: Servers, server: str, area: str, targets: Mapping[GDID, str | None]) -> None:

@@ -26,7 +26,7 @@ from mdb.backends.base import (
 )
 from mdb.errors import MapEditError, MdbError
 from mdb.gdid import GDID
-from mdb.router import ShardLayout
+from mdb.router import Reach, ShardLayout
 from mdb.system_tables import STATE_FROZEN, STATE_RESIDENT, briefcase_state
 from mdb.urls import MONGO
 
@@ -160,6 +160,21 @@ class MongoBackend(Backend):
     def load_relocations(self, cluster: Servers, server: str) -> dict[tuple[str, GDID], str]:
         docs = documents_of(cluster).database(server)[RELOCATIONS].find({})
         return {(doc["area"], GDID.from_bytes(doc["gdid"])): doc["server"] for doc in docs}
+
+    def relocation_of(self, cluster: Servers, server: str, area: str, gdid: GDID) -> str | None:
+        doc = documents_of(cluster).database(server)[RELOCATIONS].find_one({"_id": f"{area}:{gdid.hex}"})
+        return None if doc is None else str(doc["server"])
+
+    def relocation_reach(self, cluster: Servers, server: str) -> dict[tuple[str, str], Reach]:
+        # streamed and summed here (a few fields per document, nothing kept per briefcase): linear
+        # in the entries, unlike the SQL backend's one aggregate; document directories are small
+        out: dict[tuple[str, str], Reach] = {}
+        for doc in documents_of(cluster).database(server)[RELOCATIONS].find({}, {"area": 1, "gdid": 1, "server": 1}):
+            v = GDID.from_bytes(doc["gdid"]).sharding_value
+            key = (doc["area"], doc["server"])
+            seen = out.get(key)
+            out[key] = Reach(1, v, v) if seen is None else seen.merge(Reach(1, v, v))
+        return out
 
     def set_relocations(self, cluster: Servers, server: str, area: str, targets: Mapping[GDID, str | None]) -> None:
         directory = documents_of(cluster).database(server)[RELOCATIONS]

@@ -22,14 +22,14 @@ from mdb.backends.base import AreaData, AreaScan, Backend, SchemaOutcome, Server
 from mdb.errors import MapEditError, MdbError
 from mdb.gdid import GDID
 from mdb.ownership import FREEZE_GDID, install_pg_functions, partition_lock_key_sql
-from mdb.router import ShardLayout
+from mdb.router import Reach, ShardLayout
 from mdb.schema_diff import compare_tables
 from mdb.sqltypes import GDIDType
 from mdb.system_tables import STATE_FROZEN, STATE_RESIDENT, briefcase_state, central_metadata, shard_layout
 from mdb.urls import SQL
 
 __all__ = [
-    "SqlBackend", "create_tables", "lock_layout", "read_layouts", "relocation_rows", "relocations", "stamp_layout",
+    "SqlBackend", "create_tables", "lock_layout", "read_layouts", "relocation_reach", "relocation_rows", "relocations", "stamp_layout",
     "write_layout", "write_relocations",
 ]
 
@@ -49,6 +49,26 @@ def relocation_rows(conn: Connection) -> dict[tuple[str, GDID], str]:
         (area, gdid): server
         for area, gdid, server in conn.execute(select(relocations.c.area, relocations.c.gdid, relocations.c.server))
     }
+
+
+def relocation_reach(conn: Connection) -> dict[tuple[str, str], Reach]:
+    """The directory on one CENTRAL shard summed up per (area, target server): one aggregate query.
+
+    Grouped by the GDID's authority too: within one authority the 12 bytes sort like the
+    sharding value (era, counter), so MIN and MAX of the bytes give the group's lowest and highest
+    sharding value exactly; at most 16 rows per (area, server), whatever the number of entries.
+    """
+    # as hex text (PostgreSQL has no MIN/MAX of bytea): sorts like the bytes on both dialects
+    hexed = func.lower(func.encode(relocations.c.gdid, "hex") if conn.dialect.name == "postgresql" else func.hex(relocations.c.gdid))
+    authority = func.substr(hexed, 9, 1)
+    out: dict[tuple[str, str], Reach] = {}
+    query = (select(relocations.c.area, relocations.c.server, func.count(), func.min(hexed), func.max(hexed))
+             .group_by(relocations.c.area, relocations.c.server, authority))
+    for area, server, count, low, high in conn.execute(query):
+        reach = Reach(count, GDID.from_bytes(bytes.fromhex(low)).sharding_value, GDID.from_bytes(bytes.fromhex(high)).sharding_value)
+        seen = out.get((area, server))
+        out[(area, server)] = reach if seen is None else seen.merge(reach)
+    return out
 
 
 def write_relocations(conn: Connection, area: str, targets: Mapping[GDID, str | None]) -> None:
@@ -181,6 +201,16 @@ class SqlBackend(Backend):
     def load_relocations(self, cluster: Servers, server: str) -> dict[tuple[str, GDID], str]:
         with cluster.transaction(server) as conn:
             return relocation_rows(conn)
+
+    def relocation_of(self, cluster: Servers, server: str, area: str, gdid: GDID) -> str | None:
+        with cluster.transaction(server) as conn:
+            query = select(relocations.c.server).where(relocations.c.area == area, relocations.c.gdid == gdid)
+            found: str | None = conn.execute(query).scalar_one_or_none()
+            return found
+
+    def relocation_reach(self, cluster: Servers, server: str) -> dict[tuple[str, str], Reach]:
+        with cluster.transaction(server) as conn:
+            return relocation_reach(conn)
 
     def set_relocations(self, cluster: Servers, server: str, area: str, targets: Mapping[GDID, str | None]) -> None:
         with cluster.transaction(server) as conn:

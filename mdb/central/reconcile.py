@@ -127,7 +127,7 @@ def _roots(
     key = table.c[btype.key]
     servers = list(dict.fromkeys([
         *router.area_servers(btype.area),
-        *(s for (area, _), s in router.relocations.items() if area == btype.area),
+        *(s for area, s in sorted(router.relocation_reach) if area == btype.area),
     ]))
     stmt = select(key, *(table.c[name] for name in columns))
 

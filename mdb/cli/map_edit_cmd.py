@@ -187,7 +187,7 @@ def map_diff(
         try:
             old = store.map
             marks.update(high_water_marks(store, margin=margin))
-            relocated_to = set(store.router.relocations.values())
+            relocated_to = {server for _, server in store.router.relocation_reach}
         finally:
             store.close()
     else:

@@ -77,7 +77,7 @@ def area_servers(store: Cluster, area: str, data: AreaData | None = None) -> lis
     area's tables). Without ``data`` only the layout and the relocation targets (no I/O).
     """
     out = list(dict.fromkeys(store.router.area_servers(area)))
-    for (a, _), server in sorted(store.router.relocations.items(), key=lambda item: item[1]):
+    for a, server in sorted(store.router.relocation_reach, key=lambda key: key[1]):
         if a == area and server not in out:
             out.append(server)
     if data is not None:

@@ -232,8 +232,8 @@ def fleet_report(store: Cluster, map_path: str, file_version: int, *, migrations
     if file_version < store.map.version:
         problems.append(Problem(ATTENTION, f"map file {map_path} is v{file_version}; the system runs v{store.map.version}",
                                 f"mdb map pull {map_path} -o {map_path}"))
-    for (area, _), _server in store.router.relocations.items():
-        report.relocations[area] = report.relocations.get(area, 0) + 1
+    for (area, _server), reach in store.router.relocation_reach.items():
+        report.relocations[area] = report.relocations.get(area, 0) + reach.count
     for area in store.router.area_names():
         try:
             measured = balance(store, area, top=0)

@@ -170,7 +170,7 @@ def _live_diff(
     cluster.refresh()
     old_applied = newest_applied(cluster)
     old_map = old_applied.parse(cluster.map) if old_applied else cluster.map
-    relocated_to = set(cluster.router.relocations.values())
+    relocated_to = {server for _, server in cluster.router.relocation_reach}
     marks = high_water_marks(cluster, margin=margin)
     diff = diff_maps(old_map, new_map, marks, allow_reshard_of=allow_reshard_of, relocated_to=relocated_to)
     return _with_identities(diff, cluster, new_map), old_map, old_applied

@@ -98,12 +98,12 @@ def high_water_marks(cluster: Cluster, *, margin: int = 0, scopes: Mapping[str, 
             continue
         best[area] = 0
         servers = [*router.area_servers(area), *spares]
-        servers += [s for (a, _), s in router.relocations.items() if a == area]
+        servers += [s for a, s in sorted(router.relocation_reach) if a == area]
         for server in dict.fromkeys(servers):
             per_server.setdefault(server, []).append(area)
-    for (area, gdid), _ in router.relocations.items():
+    for (area, _), reach in router.relocation_reach.items():
         if area in best:
-            best[area] = max(best[area], gdid.sharding_value)
+            best[area] = max(best[area], reach.high)
     for server, areas in per_server.items():
         with translated(server):
             conn = cluster.connect(server, readonly=False)

@@ -105,7 +105,7 @@ def targets(cluster: Cluster, areas: list[str] | None = None, kind: str = SQL) -
             add(server, "shard")
         for server in spares:
             add(server, "spare")
-        for (moved_area, _), server in router.relocations.items():
+        for moved_area, server in sorted(router.relocation_reach):
             if moved_area == area:
                 add(server, "relocation target")
         out += [Target(area, s, tuple(r)) for s, r in roles.items() if cluster.map.kind_of(s) == kind]

@@ -311,7 +311,10 @@ def plan_reshard(store: Cluster, scan: PartitionScan, area: str, start: GDID, ne
 
     in_partition = partition_filter(router, area, pstart, pend)
 
-    relocated_to = {srv for (a, g), srv in router.relocations.items() if a == area and in_partition(g)}
+    low, high = pstart.sharding_value, None if pend is None else pend.sharding_value
+    # the directory's summary per target server, not its entries: a plan between two sweeps of a
+    # reshard would otherwise hold one entry per briefcase the sweeps moved
+    relocated_to = {srv for (a, srv), reach in router.relocation_reach.items() if a == area and reach.overlaps(low, high)}
     servers = list(dict.fromkeys([*old_shards, *sorted(relocated_to), *new_shards]))
     movers: dict[str, list[tuple[GDID, str]]] = {server: [] for server in servers}  # (briefcase, target), awaiting counts
 

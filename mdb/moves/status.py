@@ -26,7 +26,7 @@ from mdb.moves.document_move import document_holdings
 from mdb.moves.move import move_kinds
 from mdb.moves.sql_steps import area_tables, state_row
 from mdb.urls import MONGO, SQL
-from mdb.backends.sql import relocations
+from mdb.relocations import relocation_of
 
 __all__ = [
     "RATE_WINDOW",
@@ -71,15 +71,10 @@ def where(store: Cluster, area: str, gdid: GDID) -> BriefcaseWhere:
     """Where routing sends the briefcase, which servers of its kind hold any of it, and its moves in flight."""
     store.refresh()
     router = store.router
-    placement = router.locate(area, gdid)
-    central = router.locate_central(gdid).server
-    if store.map.kind_of(central) == MONGO:  # the directory the router loaded is the one in CENTRAL
-        relocation = router.relocations.get((area, gdid))
-    else:
-        with store.transaction(central) as conn:
-            relocation = conn.execute(
-                select(relocations.c.server).where(relocations.c.area == area, relocations.c.gdid == gdid)
-            ).scalar_one_or_none()
+    relocation = relocation_of(store, area, gdid)  # its one entry, not the whole directory
+    placement = router.default_placement(area, gdid)
+    if relocation is not None and relocation != placement.server:
+        placement = router.placement_on(area, gdid, relocation)
     out = BriefcaseWhere(area, gdid, placement.server, placement.default_server, relocation)
     if store.map.kind_of(placement.default_server) == MONGO:
         if not documents_of(store).types_of(area):  # once, not as every server "unreachable"

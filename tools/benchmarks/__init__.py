@@ -55,6 +55,10 @@ class BenchContext:
     quick: bool = False
     options: dict[str, Any] = field(default_factory=dict)
     """Section options from the command line (``--workers``, ``--shards``, ``--per-server``: the reshard section)."""
+    n: int | None = None
+    """``--n``: the size a section that takes one uses instead of its default (briefcases, rows)."""
+    procs: int | None = None
+    """``--procs``: how many application processes a section that starts them uses."""
     _servers: list[PostgresServer] = field(default_factory=list)
 
     def pg_urls(self, n: int) -> list[str]:
