@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from psycopg import pq
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from mdb.engines import PreparedNames, Rows
+from mdb.engines import PreparedNames, Rows, simple_query
 from mdb.errors import BriefcaseMovingError, StaleRouteError
 from mdb.gdid import GDID
 from mdb.router import Placement
@@ -72,28 +71,11 @@ class Prelude:
 
     def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:
         """BEGIN and the ``EXECUTE`` statements, after preparing what this connection lacks."""
-        known = prepared.known
-        if known is None or not known.issuperset(self.prepare):
-            _pg_prepare(connection, prepared, self.prepare)
-        sql = "; ".join(["BEGIN", *self.statements])
-        with connection.cursor() as cursor:
-            try:
-                cursor.execute(sql)
-            except psycopg.errors.InvalidSqlStatementName:
-                # Our statements were dropped behind our back. psycopg itself does it: a ROLLBACK
-                # on a connection where it auto-prepared statements sends DEALLOCATE ALL. So do
-                # DISCARD ALL and a pooler that swaps server sessions. Prepare them again, once.
-                cursor.execute("ROLLBACK")
-                prepared.known = None
-                _pg_prepare(connection, prepared, self.prepare)
-                cursor.execute(sql)
-            return _last_rows(cursor)
+        return _begin_prepared(connection, prepared, self.prepare, "; ".join(["BEGIN", *self.statements]))
 
     def begin_postgresql_pooled(self, connection: psycopg.Connection[Any]) -> Rows | None:
         """BEGIN and the unprepared form (the check as a call of its PL/pgSQL function)."""
-        with connection.cursor() as cursor:
-            cursor.execute("; ".join(["BEGIN", *(self.unprepared or self.statements)]))
-            return _last_rows(cursor)
+        return simple_query(connection, "; ".join(["BEGIN", *(self.unprepared or self.statements)]))
 
     def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
         """``begin``, then the statements with their named parameters (sqlite3 caches the texts)."""
@@ -105,15 +87,22 @@ class Prelude:
         return rows
 
 
-def _last_rows(cursor: psycopg.Cursor[Any]) -> Rows | None:
-    """Rows of the last result of a multi-statement string (psycopg), skipping the others.
-
-    Checks the result status instead of ``description``, which builds column objects.
-    """
-    while cursor.nextset():
-        pass
-    result = cursor.pgresult
-    return cursor.fetchall() if result is not None and result.status == pq.ExecStatus.TUPLES_OK else None
+def _begin_prepared(connection: psycopg.Connection[Any], prepared: PreparedNames, prepare: Mapping[str, str],
+                    sql: str) -> Rows | None:
+    """``sql`` (BEGIN and ``EXECUTE`` statements) in one round trip, after preparing what the connection lacks."""
+    known = prepared.known
+    if known is None or not known.issuperset(prepare):
+        _pg_prepare(connection, prepared, prepare)
+    try:
+        return simple_query(connection, sql)
+    except psycopg.errors.InvalidSqlStatementName:
+        # Our statements were dropped behind our back. psycopg itself does it: a ROLLBACK
+        # on a connection where it auto-prepared statements sends DEALLOCATE ALL. So do
+        # DISCARD ALL and a pooler that swaps server sessions. Prepare them again, once.
+        simple_query(connection, "ROLLBACK")
+        prepared.known = None
+        _pg_prepare(connection, prepared, prepare)
+        return simple_query(connection, sql)
 
 
 def _pg_prepare(connection: psycopg.Connection[Any], prepared: PreparedNames, prepare: Mapping[str, str]) -> None:
@@ -124,18 +113,20 @@ def _pg_prepare(connection: psycopg.Connection[Any], prepared: PreparedNames, pr
     which ones exist instead of trusting the record.
     """
     known = prepared.known
-    with connection.cursor() as cursor:
-        try:
-            if known is None:
-                cursor.execute("SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)", (list(prepare),))
-                known = {name for (name,) in cursor.fetchall()}
-            missing = [name for name in prepare if name not in known]
-            if missing:
-                cursor.execute("; ".join(f"PREPARE {name} {prepare[name]}" for name in missing))
-                known.update(missing)
-        except BaseException:
-            prepared.known = None
-            raise
+    if not prepare:
+        return
+    try:
+        if known is None:
+            names = ", ".join(f"'{name}'" for name in prepare)  # our own names: [a-z_] only
+            rows = simple_query(connection, f"SELECT name FROM pg_prepared_statements WHERE name IN ({names})") or []
+            known = {str(name) for (name,) in rows}
+        missing = [name for name in prepare if name not in known]
+        if missing:
+            simple_query(connection, "; ".join(f"PREPARE {name} {prepare[name]}" for name in missing))
+            known.update(missing)
+    except BaseException:
+        prepared.known = None
+        raise
     prepared.known = known
 
 
@@ -342,10 +333,13 @@ class OwnershipCheck:
     exclusive: bool = False
 
     def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:
-        return self._rendered("postgresql").begin_postgresql(connection, prepared)
+        # Only the rendering this engine sends (not both, as ownership_prelude builds them).
+        statements = _pg_prelude_statements(self.placement, self.lock, pooled=False, exclusive=self.exclusive)
+        return _begin_prepared(connection, prepared, PG_PREPARED, "; ".join(("BEGIN", *statements)))
 
     def begin_postgresql_pooled(self, connection: psycopg.Connection[Any]) -> Rows | None:
-        return self._rendered("postgresql").begin_postgresql_pooled(connection)
+        statements = _pg_prelude_statements(self.placement, self.lock, pooled=True, exclusive=self.exclusive)
+        return simple_query(connection, "; ".join(("BEGIN", *statements)))
 
     def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
         return self._rendered("sqlite").begin_sqlite(cursor, begin)
