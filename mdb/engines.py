@@ -43,7 +43,7 @@ from mdb.urls import mask_url, sqlalchemy_url
 
 __all__ = [
     "BEGIN_RESULT", "DEFAULT_ENGINE", "PRELUDE", "BeginPrelude", "EngineRegistry", "PreparedNames", "Rows",
-    "one_statement", "prelude_of", "prepared_names", "set_prelude", "simple_query", "sqlite_begin_read",
+    "one_statement", "one_statement_prelude", "prelude_of", "prepared_names", "set_prelude", "simple_query", "sqlite_begin_read",
     "sqlite_begin_write", "sqlite_setup", "take_result",
 ]
 
@@ -154,6 +154,11 @@ def one_statement(conn: Connection) -> None:
     around the statement.
     """
     set_prelude(conn, _ONE_STATEMENT)
+
+
+def one_statement_prelude() -> BeginPrelude:
+    """The prelude :func:`one_statement` sets, for a caller that hands a prelude over itself (the async fan-out)."""
+    return _ONE_STATEMENT
 
 
 def prelude_of(conn: Connection) -> BeginPrelude | None:
@@ -467,6 +472,7 @@ class EngineRegistry(ServerDirectory):
         super().__init__(servers)
         self._engines: dict[tuple[str, bool, bool], Engine] = {}
         self._by_server: dict[tuple[str, bool], Engine] = {}
+        self._backends: dict[str, str] = {}
         self._lock = threading.Lock()
         self._direct = False
         self.budget = budget if budget is not None else ConnectionBudget()
@@ -490,7 +496,12 @@ class EngineRegistry(ServerDirectory):
         return sqlalchemy_url(self.spec(server).primary).get_backend_name() == "sqlite"
 
     def backend(self, server: str) -> str:
-        return sqlalchemy_url(self.spec(server).primary).get_backend_name()
+        """The server's SQL backend name (``postgresql``, ``sqlite``); kept per server, since a
+        fan-out asks it of every shard and parsing the URL each time cost more than that shard's plan."""
+        backend = self._backends.get(server)
+        if backend is None:
+            backend = self._backends[server] = sqlalchemy_url(self.spec(server).primary).get_backend_name()
+        return backend
 
     def use_direct(self) -> None:
         """Connect to each server's ``direct:`` URL where the map gives one (the tools do this).
@@ -543,6 +554,7 @@ class EngineRegistry(ServerDirectory):
         with self._lock:
             live = self._adopt(servers) | {s.direct for s in self._servers.values() if s.direct}
             self._by_server.clear()
+            self._backends.clear()
             for key in [k for k in self._engines if k[0] not in live]:
                 self._engines.pop(key).dispose()
 
