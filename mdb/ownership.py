@@ -287,6 +287,7 @@ def _pg_prelude_statements(placement: Placement, lock: bool, pooled: bool, exclu
 _SQLITE_READ = _check_sql(":area", ":gdid", None, ":freeze")
 _SQLITE_WRITE = _check_sql(":area", ":gdid", ":start", ":freeze")
 """The check on SQLite, with named parameters (a write session's also reads the freeze marker)."""
+_SQLITE_FREEZE = bytes(FREEZE_GDID)
 
 
 def ownership_prelude(backend: str, placement: Placement, lock: bool, exclusive: bool = False) -> Prelude:
@@ -342,10 +343,16 @@ class OwnershipCheck:
         return simple_query(connection, "; ".join(("BEGIN", *statements)))
 
     def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
-        return self._rendered("sqlite").begin_sqlite(cursor, begin)
-
-    def _rendered(self, backend: str) -> Prelude:
-        return ownership_prelude(backend, self.placement, self.lock, self.exclusive)
+        # The check's one text per kind, its values as named parameters (as ownership_prelude
+        # renders it, without building a Prelude per session).
+        placement = self.placement
+        cursor.execute(begin)
+        if self.lock:
+            cursor.execute(_SQLITE_WRITE, {"area": placement.area, "gdid": bytes(placement.gdid), "freeze": _SQLITE_FREEZE,
+                                           "start": str(placement.partition_start)})
+        else:
+            cursor.execute(_SQLITE_READ, {"area": placement.area, "gdid": bytes(placement.gdid), "freeze": _SQLITE_FREEZE})
+        return cursor.fetchall()
 
 
 def _gdid(value: Any) -> GDID | None:
