@@ -56,8 +56,8 @@ if TYPE_CHECKING:
     from mdb.cluster import Cluster
 
 __all__ = [
-    "FanOutResult", "ShardFailure", "SortKey", "SortTerm", "fan_out", "fan_out_aggregate", "fan_out_servers",
-    "gather", "merge_sorted", "warm_up",
+    "FanOutPlan", "FanOutResult", "ShardFailure", "ShardQuery", "SortKey", "SortTerm", "fan_out", "fan_out_aggregate",
+    "fan_out_servers", "gather", "merge_sorted", "plan_fan_out", "run_shard", "settle", "warm_up",
 ]
 
 AGGREGATES = frozenset({"count", "sum", "min", "max", "avg"})
@@ -343,8 +343,97 @@ def _row_key(orders: list[_Order]) -> Callable[[Row[Any]], SortKey]:
     return lambda row: SortKey([o.get(row) for o in orders], terms)
 
 
+# -- the plan: sans-IO, run by a thread pool (here) or by asyncio (mdb.aio.fanout) ----------------
+
+
+@dataclass(frozen=True)
+class ShardQuery:
+    """What one shard runs: the rewritten statement, and how it must run there."""
+
+    statement: Select[Any]
+    orm: bool
+    """The statement selects ORM entities: run it through a Session (objects come back)."""
+    one_statement: bool
+    """It runs as ONE SQL statement (no eager load or polymorphic load issues a second one), so
+    it may go out without BEGIN and COMMIT: a transaction of its own on the server, one round
+    trip instead of three (:func:`mdb.engines.one_statement`)."""
+
+
+@dataclass
+class FanOutPlan:
+    """A fan-out decided before any I/O: which servers, what each runs, how the rows merge.
+
+    Sans-IO, so the thread-pool runner (:func:`fan_out`) and the asyncio one
+    (:func:`mdb.aio.fanout.fan_out`) share every decision and only differ in how they wait:
+    they run :meth:`query` on each of :attr:`servers`, hand the outcomes to :func:`settle`
+    (errors and the partial-failure policy) and the rows to :meth:`result`.
+    """
+
+    servers: list[str]
+    _queries: dict[str, ShardQuery]
+    _merge: Callable[[list[list[Row[Any]]]], list[Row[Any]]]
+
+    def query(self, server: str) -> ShardQuery:
+        return self._queries[server]
+
+    def result(self, per_shard: list[list[Row[Any]]], failed: list[ShardFailure]) -> FanOutResult:
+        """The merged rows of the shards that answered (in :attr:`servers` order, failed ones left out)."""
+        return FanOutResult(self._merge(per_shard), failed, self.servers)
+
+
+def plan_fan_out(
+    cluster: Cluster, router: Router, area: str, statement: Select[Any], *, aggregate: bool = False,
+    from_gdid: GDID | str | None = None, readonly: bool = False,
+) -> FanOutPlan:
+    """The :class:`FanOutPlan` of ``statement`` over ``area`` under ``router`` (no I/O: the
+    router's relocation directory must be loaded already when it is to be read)."""
+    if not isinstance(statement, Select):
+        raise QueryError(f"fan-out runs a SQLAlchemy select(), got {type(statement).__name__}")
+    start = GDID.parse(from_gdid) if isinstance(from_gdid, str) else from_gdid
+    servers = _dedupe_by_url(cluster, fan_out_servers(router, area, start), readonly)
+    restricted = _restrict(statement, cluster, area, start)
+    if aggregate:
+        build, merge = _aggregate_plan(statement, restricted)
+    else:
+        build, merge = _rows_plan(statement, restricted)
+    per_backend: dict[str, ShardQuery] = {}
+    queries: dict[str, ShardQuery] = {}
+    for server in servers:
+        backend = cluster.engines.backend(server)
+        query = per_backend.get(backend)
+        if query is None:
+            shard = build(backend)
+            orm = _selects_entities(shard)
+            query = per_backend[backend] = ShardQuery(shard, orm, not orm or _single_query(shard))
+        queries[server] = query
+    return FanOutPlan(servers, queries, merge)
+
+
+def _rows_plan(statement: Select[Any], restricted: Select[Any]) -> tuple[Callable[[str], Select[Any]], Callable[[list[list[Row[Any]]]], list[Row[Any]]]]:
+    """(per-backend shard statement, merge) of a row fan-out: ``LIMIT limit+offset`` per shard,
+    a heap merge of the sorted streams, OFFSET/LIMIT once."""
+    _refuse_aggregates(statement)
+    orders = _orders(statement, statement.column_descriptions)
+    limit, offset = _limits(statement)
+    key = _row_key(orders) if orders else None
+
+    def build(backend: str) -> Select[Any]:
+        shard = restricted.offset(None)
+        if limit is not None:
+            shard = shard.limit(limit + offset)
+        if orders:
+            shard = shard.order_by(None).order_by(*_shard_order_by(orders, backend))
+        return shard
+
+    return build, lambda per_shard: merge_sorted(per_shard, key, offset, limit)
+
+
 def merge_sorted(streams: Sequence[Sequence[R]], key: Callable[[R], SortKey] | None, offset: int, limit: int | None) -> list[R]:
-    """K-way merge of per-shard sorted ``streams`` (concatenation without ``key``), then OFFSET/LIMIT once."""
+    """K-way heap merge of per-shard sorted ``streams`` (concatenation without ``key``), then OFFSET/LIMIT once.
+
+    Lazy: a top-N over S shards keys the S stream heads and then only the rows it pops
+    (about N log S comparisons), never every row each shard returned.
+    """
     merged: Iterator[R] = heapq.merge(*streams, key=key) if key is not None else chain.from_iterable(streams)
     return list(islice(merged, offset, None if limit is None else offset + limit))
 
@@ -359,27 +448,51 @@ def _limits(statement: Select[Any]) -> tuple[int | None, int]:
     return limit, offset or 0
 
 
-# -- running on the shards ---------------------------------------------------------------------
-
-
 def _selects_entities(statement: Select[Any]) -> bool:
     """Does the statement select ORM entities (objects), not only columns?"""
     return any(d["entity"] is not None and d["expr"] is d["entity"] for d in statement.column_descriptions)
 
 
-def _run(store: Cluster, server: str, statement: Select[Any], readonly: bool, orm: bool) -> list[Row[Any]]:
-    """One shard's rows. Columns-only statements skip the ORM Session: its per-execution setup
-    was a large part of the per-shard Python cost, which threads cannot overlap (the GIL)."""
+_MORE_QUERIES = frozenset({"selectin", "subquery", "immediate"})
+"""Relationship loader strategies that run further statements while the first one loads."""
+
+
+def _single_query(statement: Select[Any]) -> bool:
+    """Is loading this ORM statement's entities ONE SQL statement?
+
+    Conservative: no loader options at all, and no selected mapper that is polymorphic or has
+    a relationship loaded by a further query ("selectin", "subquery", "immediate"). Lazy loads
+    never run: the rows come back detached. Otherwise the shard keeps its transaction, so that
+    every statement of the load reads one snapshot.
+    """
+    if statement._with_options:
+        return False
+    for description in statement.column_descriptions:
+        entity = description["entity"]
+        if entity is None:
+            continue
+        mapper = sa_inspect(entity).mapper
+        if mapper.inherits is not None or mapper.polymorphic_on is not None or len(mapper.polymorphic_map) > 1:
+            return False
+        if any(str(rel.lazy) in _MORE_QUERIES for rel in mapper.relationships):
+            return False
+    return True
+
+
+# -- running a plan on a thread pool -----------------------------------------------------------
+
+
+def run_shard(store: Cluster, server: str, query: ShardQuery, readonly: bool) -> list[Row[Any]]:
+    """One shard's rows of ``query`` (the thread-pool runner's unit of work)."""
     with telemetry.fanout_shard(server):
-        if not orm:
-            return _read(store, server, statement, readonly)
-        # An ORM statement may load more than once (selectinload, polymorphic loads): it keeps
-        # its transaction, so that every statement of it reads one snapshot.
+        if query.one_statement:
+            return _read(store, server, query.statement, readonly, query.orm)
+        # An ORM statement that loads more than once keeps its transaction: one snapshot.
         with store.transaction(server, readonly) as conn, Session(bind=conn, expire_on_commit=False) as session:
-            return list(session.execute(statement).all())
+            return list(session.execute(query.statement).all())
 
 
-def _read(store: Cluster, server: str, statement: Executable, readonly: bool) -> list[Row[Any]]:
+def _read(store: Cluster, server: str, statement: Executable, readonly: bool, orm: bool = False) -> list[Row[Any]]:
     """The rows of ONE statement on ``server``, sent without BEGIN and COMMIT (:func:`one_statement`).
 
     The statement is its own transaction, so it reads committed data of one moment, as before;
@@ -388,25 +501,31 @@ def _read(store: Cluster, server: str, statement: Executable, readonly: bool) ->
     (a restart) now fails on the statement instead of on BEGIN: it is replaced once, as
     ``Store`` replaces one whose BEGIN failed (nothing ran on it: the statement only reads).
     """
-    conn = store.connect(server, readonly)
-    try:
-        with translated(server):
+    engine = store.engines.engine(server, readonly)
+    with translated(server):
+        conn = engine.connect()
+        try:
             try:
-                return _one(conn, statement)
+                return _one(conn, statement, orm)
             except DBAPIError as exc:
                 if not exc.connection_invalidated:
                     raise
             conn.close()
-            conn = store.connect(server, readonly)
-            return _one(conn, statement)
-    finally:
-        conn.close()
+            conn = engine.connect()
+            return _one(conn, statement, orm)
+        finally:
+            conn.close()
 
 
-def _one(conn: Connection, statement: Executable) -> list[Row[Any]]:
+def _one(conn: Connection, statement: Executable, orm: bool) -> list[Row[Any]]:
     one_statement(conn)
+    if orm:
+        with Session(bind=conn, expire_on_commit=False) as session:
+            rows = list(session.execute(statement).all())
+            session.commit()  # sends nothing (no transaction is open on the server); ends SQLite's
+        return rows
     rows = list(conn.execute(statement).all())
-    conn.commit()  # sends nothing (no transaction is open on the server); ends SQLite's
+    conn.commit()  # as above
     return rows
 
 
@@ -440,28 +559,6 @@ def _dedupe_by_url(store: Cluster, servers: list[str], readonly: bool) -> list[s
     return out
 
 
-def _gather(
-    store: Cluster,
-    servers: list[str],
-    build: Callable[[str], Select[Any]],
-    readonly: bool,
-    allow_partial: bool,
-    max_workers: int | None,
-) -> tuple[list[list[Row[Any]]], list[ShardFailure]]:
-    statements: dict[str, tuple[Select[Any], bool]] = {}
-    per_server = {}
-    for server in servers:
-        backend = store.engines.backend(server)
-        if backend not in statements:
-            statement = build(backend)
-            statements[backend] = (statement, _selects_entities(statement))
-        per_server[server] = statements[backend]
-    return gather(
-        store, servers, lambda s: _run(store, s, per_server[s][0], readonly, per_server[s][1]),
-        allow_partial=allow_partial, max_workers=max_workers,
-    )
-
-
 def gather(
     cluster: Servers,
     servers: Sequence[str],
@@ -470,27 +567,43 @@ def gather(
     allow_partial: bool,
     max_workers: int | None,
 ) -> tuple[list[list[R]], list[ShardFailure]]:
-    """Run ``one(server)`` on every server in parallel; its results in server order, plus the failed shards.
+    """Run ``one(server)`` on every server on the thread pool; then :func:`settle` the outcomes.
 
-    The one gather of SQL and document fan-outs. A server's error is asked of its backend
-    (:meth:`~mdb.backends.base.Backend.translate`): an error of the server (unreachable, a
-    schema problem) is a failed shard, anything else is a bug and raised as it is. Failed
-    shards are raised (the first, the others in a note) unless ``allow_partial``; a
-    :class:`~mdb.errors.CapacityError` (a full server or budget) is raised even then, since the
-    shard is there, only busy, and dropping its rows silently would be wrong.
+    The one thread-pool gather of SQL and document fan-outs (the asyncio runner collects its
+    outcomes on the loop and settles them the same way).
+    """
+    pool = _pool(max(1, max_workers or DEFAULT_MAX_WORKERS))
+    futures = [pool.submit(one, s) for s in servers]
+    outcomes: list[list[R] | Exception] = []
+    for future in futures:
+        try:
+            outcomes.append(future.result())
+        except Exception as exc:  # settled below: a server's error or a bug, asked of its backend
+            outcomes.append(exc)
+    return settle(cluster, servers, outcomes, allow_partial=allow_partial)
+
+
+def settle(
+    cluster: Servers, servers: Sequence[str], outcomes: Sequence[list[R] | Exception], *, allow_partial: bool,
+) -> tuple[list[list[R]], list[ShardFailure]]:
+    """Each server's outcome (its rows, or what it raised) -> the rows in server order, plus the failed shards.
+
+    A server's error is asked of its backend (:meth:`~mdb.backends.base.Backend.translate`): an
+    error of the server (unreachable, a schema problem) is a failed shard, anything else is a
+    bug and raised as it is. Failed shards are raised (the first, the others in a note) unless
+    ``allow_partial``; a :class:`~mdb.errors.CapacityError` (a full server or budget) is raised
+    even then, since the shard is there, only busy, and dropping its rows silently would be wrong.
     """
     results: list[list[R]] = []
     errors: list[tuple[str, MdbError]] = []
-    pool = _pool(max(1, max_workers or DEFAULT_MAX_WORKERS))
-    futures = [(s, pool.submit(one, s)) for s in servers]
-    for server, future in futures:
-        try:
-            results.append(future.result())
-        except Exception as exc:
-            translated = backend_of(cluster.map, server).translate(cluster, server, exc)
-            if translated is None:
-                raise
-            errors.append((server, translated))  # names the server, masked
+    for server, outcome in zip(servers, outcomes, strict=True):
+        if not isinstance(outcome, Exception):
+            results.append(outcome)
+            continue
+        translated = backend_of(cluster.map, server).translate(cluster, server, outcome)
+        if translated is None:
+            raise outcome
+        errors.append((server, translated))  # names the server, masked
     capacity = [(s, e) for s, e in errors if isinstance(e, CapacityError)]
     if capacity or (errors and not allow_partial):
         errors = capacity + [(s, e) for s, e in errors if not isinstance(e, CapacityError)]
@@ -524,30 +637,12 @@ def fan_out(
     A :class:`~mdb.errors.CapacityError` (a full server, after its retries, or a full connection
     budget) is raised even with ``allow_partial``: the shard is there, only busy.
     """
-    if not isinstance(statement, Select):
-        raise QueryError(f"fan-out runs a SQLAlchemy select(), got {type(statement).__name__}")
-    start = GDID.parse(from_gdid) if isinstance(from_gdid, str) else from_gdid
-    servers = _dedupe_by_url(store, fan_out_servers(store.router, area, start), readonly)
-    restricted = _restrict(statement, store, area, start)
-    if aggregate:
-        rows, failed = _aggregate(store, servers, statement, restricted, readonly, allow_partial, max_workers)
-        return FanOutResult(rows, failed, servers)
-    _refuse_aggregates(statement)
-    descriptions = statement.column_descriptions
-    orders = _orders(statement, descriptions)
-    limit, offset = _limits(statement)
-
-    def build(backend: str) -> Select[Any]:
-        shard = restricted.offset(None)
-        if limit is not None:
-            shard = shard.limit(limit + offset)
-        if orders:
-            shard = shard.order_by(None).order_by(*_shard_order_by(orders, backend))
-        return shard
-
-    per_shard, failed = _gather(store, servers, build, readonly, allow_partial, max_workers)
-    rows = merge_sorted(per_shard, _row_key(orders) if orders else None, offset, limit)
-    return FanOutResult(rows, failed, servers)
+    plan = plan_fan_out(store, store.router, area, statement, aggregate=aggregate, from_gdid=from_gdid, readonly=readonly)
+    per_shard, failed = gather(
+        store, plan.servers, lambda s: run_shard(store, s, plan.query(s), readonly),
+        allow_partial=allow_partial, max_workers=max_workers,
+    )
+    return plan.result(per_shard, failed)
 
 
 def _warm(store: Cluster, server: str, readonly: bool) -> None:
@@ -663,7 +758,7 @@ def _refuse_uncombinable(kind: str, fn: FunctionElement[Any]) -> None:
         raise QueryError(f"{kind}() of an aggregate cannot be combined across shards: {kind}({arguments})")
 
 
-def _aggregate_plan(
+def _aggregate_columns(
     statement: Select[Any],
 ) -> tuple[list[str], list[ColumnElement[Any]], list[_AggSpec], dict[int, ColumnElement[Any]]]:
     """(result names, per-shard columns, how to combine each result column, PostgreSQL's replacement columns).
@@ -746,16 +841,11 @@ def _average(total: Any, count: int) -> Any:
     return Decimal(total) / Decimal(count)
 
 
-def _aggregate(
-    store: Cluster,
-    servers: list[str],
-    statement: Select[Any],
-    restricted: Select[Any],
-    readonly: bool,
-    allow_partial: bool,
-    max_workers: int | None,
-) -> tuple[list[Row[Any]], list[ShardFailure]]:
-    names, shard_columns, specs, postgresql = _aggregate_plan(statement)
+def _aggregate_plan(
+    statement: Select[Any], restricted: Select[Any],
+) -> tuple[Callable[[str], Select[Any]], Callable[[list[list[Row[Any]]]], list[Row[Any]]]]:
+    """(per-backend shard statement, combine) of an aggregate fan-out: per-shard partials, combined once."""
+    names, shard_columns, specs, postgresql = _aggregate_columns(statement)
     orders = _orders(statement, statement.column_descriptions)
     limit, offset = _limits(statement)
 
@@ -763,7 +853,15 @@ def _aggregate(
         columns = [postgresql.get(i, c) if backend == "postgresql" else c for i, c in enumerate(shard_columns)]
         return restricted.with_only_columns(*columns, maintain_column_froms=True).order_by(None).limit(None).offset(None)
 
-    per_shard, failed = _gather(store, servers, build, readonly, allow_partial, max_workers)
+    def combine(per_shard: list[list[Row[Any]]]) -> list[Row[Any]]:
+        return _combine(per_shard, names, specs, orders, offset, limit)
+
+    return build, combine
+
+
+def _combine(per_shard: list[list[Row[Any]]], names: list[str], specs: list[_AggSpec], orders: list[_Order],
+             offset: int, limit: int | None) -> list[Row[Any]]:
+    """Combine per-shard partial rows (grouped) into the answer, ordered and limited once."""
     group_positions = [s.positions[0] for s in specs if s.kind == "group"]
     combined: dict[tuple[Any, ...], list[Any]] = {}
     for row in chain.from_iterable(per_shard):
@@ -789,4 +887,4 @@ def _aggregate(
     rows = list(merged.all())
     if orders:
         rows.sort(key=_row_key(orders))
-    return rows[offset: None if limit is None else offset + limit], failed
+    return rows[offset: None if limit is None else offset + limit]

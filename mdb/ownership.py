@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from psycopg import pq
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from mdb.engines import PreparedNames, Rows
+from mdb.engines import PreparedNames, Rows, simple_query
 from mdb.errors import BriefcaseMovingError, StaleRouteError
 from mdb.gdid import GDID
 from mdb.router import Placement
@@ -75,28 +74,11 @@ class Prelude:
 
     def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:
         """BEGIN and the ``EXECUTE`` statements, after preparing what this connection lacks."""
-        known = prepared.known
-        if known is None or not known.issuperset(self.prepare):
-            _pg_prepare(connection, prepared, self.prepare)
-        sql = "; ".join([self.begin, *self.statements])
-        with connection.cursor() as cursor:
-            try:
-                cursor.execute(sql)
-            except psycopg.errors.InvalidSqlStatementName:
-                # Our statements were dropped behind our back. psycopg itself does it: a ROLLBACK
-                # on a connection where it auto-prepared statements sends DEALLOCATE ALL. So do
-                # DISCARD ALL and a pooler that swaps server sessions. Prepare them again, once.
-                cursor.execute("ROLLBACK")
-                prepared.known = None
-                _pg_prepare(connection, prepared, self.prepare)
-                cursor.execute(sql)
-            return _last_rows(cursor)
+        return _begin_prepared(connection, prepared, self.prepare, "; ".join([self.begin, *self.statements]))
 
     def begin_postgresql_pooled(self, connection: psycopg.Connection[Any]) -> Rows | None:
         """BEGIN and the unprepared form (the check as a call of its PL/pgSQL function)."""
-        with connection.cursor() as cursor:
-            cursor.execute("; ".join([self.begin, *(self.unprepared or self.statements)]))
-            return _last_rows(cursor)
+        return simple_query(connection, "; ".join([self.begin, *(self.unprepared or self.statements)]))
 
     def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
         """``begin``, then the statements with their named parameters (sqlite3 caches the texts)."""
@@ -108,15 +90,22 @@ class Prelude:
         return rows
 
 
-def _last_rows(cursor: psycopg.Cursor[Any]) -> Rows | None:
-    """Rows of the last result of a multi-statement string (psycopg), skipping the others.
-
-    Checks the result status instead of ``description``, which builds column objects.
-    """
-    while cursor.nextset():
-        pass
-    result = cursor.pgresult
-    return cursor.fetchall() if result is not None and result.status == pq.ExecStatus.TUPLES_OK else None
+def _begin_prepared(connection: psycopg.Connection[Any], prepared: PreparedNames, prepare: Mapping[str, str],
+                    sql: str) -> Rows | None:
+    """``sql`` (BEGIN and ``EXECUTE`` statements) in one round trip, after preparing what the connection lacks."""
+    known = prepared.known
+    if known is None or not known.issuperset(prepare):
+        _pg_prepare(connection, prepared, prepare)
+    try:
+        return simple_query(connection, sql)
+    except psycopg.errors.InvalidSqlStatementName:
+        # Our statements were dropped behind our back. psycopg itself does it: a ROLLBACK
+        # on a connection where it auto-prepared statements sends DEALLOCATE ALL. So do
+        # DISCARD ALL and a pooler that swaps server sessions. Prepare them again, once.
+        simple_query(connection, "ROLLBACK")
+        prepared.known = None
+        _pg_prepare(connection, prepared, prepare)
+        return simple_query(connection, sql)
 
 
 def _pg_prepare(connection: psycopg.Connection[Any], prepared: PreparedNames, prepare: Mapping[str, str]) -> None:
@@ -127,18 +116,20 @@ def _pg_prepare(connection: psycopg.Connection[Any], prepared: PreparedNames, pr
     which ones exist instead of trusting the record.
     """
     known = prepared.known
-    with connection.cursor() as cursor:
-        try:
-            if known is None:
-                cursor.execute("SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)", (list(prepare),))
-                known = {name for (name,) in cursor.fetchall()}
-            missing = [name for name in prepare if name not in known]
-            if missing:
-                cursor.execute("; ".join(f"PREPARE {name} {prepare[name]}" for name in missing))
-                known.update(missing)
-        except BaseException:
-            prepared.known = None
-            raise
+    if not prepare:
+        return
+    try:
+        if known is None:
+            names = ", ".join(f"'{name}'" for name in prepare)  # our own names: [a-z_] only
+            rows = simple_query(connection, f"SELECT name FROM pg_prepared_statements WHERE name IN ({names})") or []
+            known = {str(name) for (name,) in rows}
+        missing = [name for name in prepare if name not in known]
+        if missing:
+            simple_query(connection, "; ".join(f"PREPARE {name} {prepare[name]}" for name in missing))
+            known.update(missing)
+    except BaseException:
+        prepared.known = None
+        raise
     prepared.known = known
 
 
@@ -283,22 +274,28 @@ def install_pg_functions(conn: Connection) -> list[str]:
 
 def _pg_prelude_statements(placement: Placement, lock: bool, pooled: bool, exclusive: bool = False) -> tuple[str, ...]:
     """``EXECUTE`` of the prepared check (direct connections), or a call of its function (pooled)."""
-    area, start = placement.area, placement.partition_start
-    keys = (f"'{_partition_lock_key(area, start)}'", f"'{_lock_key(area, placement.gdid)}'")
-    check = (f"'{area}'", _pg_bytea(placement.gdid), *((f"'{start}'",) if lock else ()))
+    area, gdid = placement.area, placement.gdid
+    if not lock:  # a read session: no lock keys to render
+        check = f"'{area}', {_pg_bytea(gdid)}"
+        return (f"SELECT * FROM mdb_check_read({check})",) if pooled else (f"EXECUTE mdb_ownership_read({check})",)
+    start = placement.partition_start
+    keys = f"'{_partition_lock_key(area, start)}', '{_lock_key(area, gdid)}'"
+    check = f"'{area}', {_pg_bytea(gdid)}, '{start}'"
     if pooled:
-        write = "mdb_check_write_x" if exclusive else "mdb_check_write"
-        name, args = (write, (*keys, *check)) if lock else ("mdb_check_read", check)
-        return (f"SELECT * FROM {name}({', '.join(args)})",)
+        return (f"SELECT * FROM {'mdb_check_write_x' if exclusive else 'mdb_check_write'}({keys}, {check})",)
     lock_name = "mdb_ownership_lock_x" if exclusive else "mdb_ownership_lock"
-    statements = [f"EXECUTE {lock_name}({', '.join(keys)})"] if lock else []
-    statements.append(f"EXECUTE {'mdb_ownership_write' if lock else 'mdb_ownership_read'}({', '.join(check)})")
-    return tuple(statements)
+    return (f"EXECUTE {lock_name}({keys})", f"EXECUTE mdb_ownership_write({check})")
 
 
 _SQLITE_READ = _check_sql(":area", ":gdid", None, ":freeze")
 _SQLITE_WRITE = _check_sql(":area", ":gdid", ":start", ":freeze")
 """The check on SQLite, with named parameters (a write session's also reads the freeze marker)."""
+_SQLITE_FREEZE = bytes(FREEZE_GDID)
+
+
+def _pg_begin(lock: bool) -> str:
+    """A write session's BEGIN, or a read session's one-snapshot BEGIN (see :func:`ownership_prelude`)."""
+    return "BEGIN" if lock else "BEGIN ISOLATION LEVEL REPEATABLE READ"
 
 
 def ownership_prelude(backend: str, placement: Placement, lock: bool, exclusive: bool = False) -> Prelude:
@@ -327,7 +324,7 @@ def ownership_prelude(backend: str, placement: Placement, lock: bool, exclusive:
         return Prelude(
             _pg_prelude_statements(placement, lock, pooled=False, exclusive=exclusive), PG_PREPARED,
             unprepared=_pg_prelude_statements(placement, lock, pooled=True, exclusive=exclusive),
-            begin="BEGIN" if lock else "BEGIN ISOLATION LEVEL REPEATABLE READ",
+            begin=_pg_begin(lock),
         )
     area, start = placement.area, placement.partition_start
     # SQLite: BEGIN IMMEDIATE already serializes write sessions with a reshard's freeze. The
@@ -354,16 +351,25 @@ class OwnershipCheck:
     exclusive: bool = False
 
     def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:
-        return self._rendered("postgresql").begin_postgresql(connection, prepared)
+        # Only the rendering this engine sends (not both, as ownership_prelude builds them).
+        statements = _pg_prelude_statements(self.placement, self.lock, pooled=False, exclusive=self.exclusive)
+        return _begin_prepared(connection, prepared, PG_PREPARED, "; ".join((_pg_begin(self.lock), *statements)))
 
     def begin_postgresql_pooled(self, connection: psycopg.Connection[Any]) -> Rows | None:
-        return self._rendered("postgresql").begin_postgresql_pooled(connection)
+        statements = _pg_prelude_statements(self.placement, self.lock, pooled=True, exclusive=self.exclusive)
+        return simple_query(connection, "; ".join((_pg_begin(self.lock), *statements)))
 
     def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
-        return self._rendered("sqlite").begin_sqlite(cursor, begin)
-
-    def _rendered(self, backend: str) -> Prelude:
-        return ownership_prelude(backend, self.placement, self.lock, self.exclusive)
+        # The check's one text per kind, its values as named parameters (as ownership_prelude
+        # renders it, without building a Prelude per session).
+        placement = self.placement
+        cursor.execute(begin)
+        if self.lock:
+            cursor.execute(_SQLITE_WRITE, {"area": placement.area, "gdid": bytes(placement.gdid), "freeze": _SQLITE_FREEZE,
+                                           "start": str(placement.partition_start)})
+        else:
+            cursor.execute(_SQLITE_READ, {"area": placement.area, "gdid": bytes(placement.gdid), "freeze": _SQLITE_FREEZE})
+        return cursor.fetchall()
 
 
 def _gdid(value: Any) -> GDID | None:
@@ -376,6 +382,12 @@ def check_ownership(rows: list[tuple[Any, ...]] | None, placement: Placement, ma
         raise RuntimeError("the ownership check returned no row; the BEGIN prelude did not run")
     start, end, index, count, state, peer, *rest = rows[0]
     frozen_by = rest[0] if rest else None
+    if state is None and frozen_by is None and not placement.relocated and start is not None:
+        # The common case (no state row, no freeze, routed by the map): only the stamp to compare,
+        # and no message built for an error that is not raised.
+        expected = (placement.partition_start, placement.partition_end, placement.shard_index, placement.shard_count)
+        if (_gdid(start), _gdid(end), int(index), int(count)) == expected:
+            return
     what = f"briefcase {placement.area}/{placement.gdid} on server {placement.server!r}"
     if state == STATE_GONE:
         raise StaleRouteError(f"{what}: fenced, it moved to server {peer!r}", moved_to=None if peer is None else str(peer))

@@ -26,7 +26,7 @@ from mdb.backends import open_routed
 from mdb.budget import ConnectionBudget
 from mdb.central.service import Central
 from mdb.dberrors import translated
-from mdb.engines import EngineRegistry, prelude_of, set_prelude, take_result
+from mdb.engines import BeginPrelude, EngineRegistry, prelude_of, set_prelude, take_result
 from mdb.errors import QueryError, RoutingError
 from mdb.fanout import FanOutResult, ShardFailure, fan_out, warm_up
 from mdb.gdid import GDID
@@ -215,7 +215,7 @@ class Store:
             conn.close()
             raise
 
-    def _begin(self, conn: Connection, server: str, readonly: bool) -> Connection:
+    def _begin(self, conn: Connection, server: str, readonly: bool, prelude: BeginPrelude | None = None) -> Connection:
         """BEGIN on ``conn`` (with the prelude set on it), or on a fresh connection if ``conn`` was dead.
 
         After a server restart every pooled connection is dead, and the first statement on each
@@ -223,9 +223,11 @@ class Store:
         check are the first statements of every transaction, so nothing has run yet and one
         more attempt on a new connection is safe. SQLAlchemy invalidated the whole pool with
         the first failure, so one retry suffices. The normal path costs nothing (no pre-ping).
-        ``conn`` is closed when replaced; the fresh one is closed if it fails too.
+        ``conn`` is closed when replaced; the fresh one is closed if it fails too. ``prelude``: the
+        one set on ``conn``, when the caller knows it (else it is read off ``conn``).
         """
-        prelude = prelude_of(conn)
+        if prelude is None:
+            prelude = prelude_of(conn)
         try:
             conn.begin()
             return conn
@@ -334,15 +336,17 @@ class Store:
         self, btype: type[BriefcaseType], gdid: GDID, readonly: bool, exclusive: bool = False
     ) -> tuple[BriefcaseSession, Connection]:
         def attempt(router: Router, placement: Placement) -> tuple[BriefcaseSession, Connection]:
-            conn = self.connect(placement.server, readonly)
-            set_prelude(conn, OwnershipCheck(placement, lock=not readonly, exclusive=exclusive))
-            try:
-                with translated(placement.server):
-                    conn = self._begin(conn, placement.server, readonly)
-                check_ownership(take_result(conn), placement, router.version)
-            except BaseException:
-                conn.close()
-                raise
+            server = placement.server
+            prelude = OwnershipCheck(placement, lock=not readonly, exclusive=exclusive)
+            with translated(server):  # one translation around connect and BEGIN (each is a context manager per session)
+                conn = self.engines.engine(server, readonly).connect()
+                try:
+                    set_prelude(conn, prelude)
+                    conn = self._begin(conn, server, readonly, prelude)
+                    check_ownership(take_result(conn), placement, router.version)
+                except BaseException:
+                    conn.close()
+                    raise
             session = BriefcaseSession(bind=conn, join_transaction_mode="rollback_only", expire_on_commit=False)
             session.info[_INFO_KEY] = BriefcaseContext(btype, gdid, placement, readonly)
             return session, conn

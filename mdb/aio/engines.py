@@ -46,16 +46,16 @@ from mdb.budget import BudgetPool, ConnectionBudget, connect_patiently, instance
 # The same per-connection ``info`` keys and record as mdb.engines (set_prelude, take_result and
 # prelude_of are used unchanged on the sync Connection inside an AsyncConnection).
 from mdb.engines import (
-    _PRELUDE,
-    _RESULT,
+    BEGIN_RESULT,
     DEFAULT_ENGINE,
+    PRELUDE,
     BeginPrelude,
     EngineRegistry,
     Rows,
-    _prepared,
-    _sqlite_begin_read,
-    _sqlite_begin_write,
-    _sqlite_setup,
+    prepared_names,
+    sqlite_begin_read,
+    sqlite_begin_write,
+    sqlite_setup,
 )
 from mdb.errors import CapacityError
 from mdb.partition_map import EngineSpec
@@ -131,12 +131,31 @@ class _GreenletCursor:
 
 
 class _GreenletConnection:
-    """``connection.cursor()`` of psycopg's sync API over a ``psycopg.AsyncConnection``."""
+    """What :func:`mdb.engines.simple_query` and a prelude use of psycopg's sync Connection, over a
+    ``psycopg.AsyncConnection``: its ``pgconn`` and loaders as they are, ``wait`` awaited on the loop."""
 
     __slots__ = ("_connection",)
 
     def __init__(self, connection: psycopg.AsyncConnection[Any]) -> None:
         self._connection = connection
+
+    @property
+    def pgconn(self) -> Any:
+        return self._connection.pgconn
+
+    @property
+    def adapters(self) -> Any:
+        return self._connection.adapters
+
+    @property
+    def connection(self) -> Any:
+        return self._connection
+
+    def wait(self, gen: Any) -> Any:
+        return await_(self._connection.wait(gen))
+
+    def execute(self, query: str) -> None:
+        await_(self._connection.execute(query))
 
     def cursor(self) -> _GreenletCursor:
         return _GreenletCursor(self._connection.cursor())
@@ -144,17 +163,17 @@ class _GreenletConnection:
 
 def _pg_begin_through(fairy: Any, run: Callable[[BeginPrelude, psycopg.Connection[Any]], Rows | None]) -> None:
     """The sync engine's PostgreSQL BEGIN, with the driver connection seen through the greenlet facade."""
-    prelude: BeginPrelude | None = fairy.info.pop(_PRELUDE, None)
+    prelude: BeginPrelude | None = fairy.info.pop(PRELUDE, None)
     driver = fairy.driver_connection
     if prelude is None:
         await_(driver.execute("BEGIN"))
         return
     facade = cast(psycopg.Connection[Any], _GreenletConnection(driver))  # the API the prelude uses
-    fairy.info[_RESULT] = run(prelude, facade)
+    fairy.info[BEGIN_RESULT] = run(prelude, facade)
 
 
 def _pg_begin(fairy: Any) -> None:
-    _pg_begin_through(fairy, lambda prelude, conn: prelude.begin_postgresql(conn, _prepared(fairy)))
+    _pg_begin_through(fairy, lambda prelude, conn: prelude.begin_postgresql(conn, prepared_names(fairy)))
 
 
 def _pg_begin_pooled(fairy: Any) -> None:
@@ -319,8 +338,8 @@ def create_async(
             sqlite = create_async_engine(async_url, poolclass=NullPool)
         else:
             sqlite = create_async_engine(async_url, **pool_args)
-        event.listen(sqlite.sync_engine, "connect", _sqlite_setup)
-        return _begin_with(sqlite, _sqlite_begin_read if readonly else _sqlite_begin_write)
+        event.listen(sqlite.sync_engine, "connect", sqlite_setup)
+        return _begin_with(sqlite, sqlite_begin_read if readonly else sqlite_begin_write)
     if backend == "postgresql":
         connect_args: dict[str, Any] = {} if "connect_timeout" in parsed.query else {"connect_timeout": spec.connect_timeout}
         if pooled:

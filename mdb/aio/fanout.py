@@ -1,30 +1,27 @@
-"""Async fan-out: every shard queried concurrently on the event loop, merged by mdb.fanout.
+"""Async fan-out: the plan of :mod:`mdb.fanout`, its shards queried concurrently on the event loop.
 
-The statement is restricted, ordered and limited per shard by :mod:`mdb.fanout`'s own helpers,
-the per-shard rows are merged by its :func:`~mdb.fanout.merge_sorted` with its sort keys, and
-the partial-failure policy is its :func:`~mdb.fanout.gather`: each shard's outcome (rows or the
-error) is collected on the loop, then handed to ``gather`` which translates errors through the
-server's backend, raises capacity errors and, unless ``allow_partial``, the first failure, and
-lists the failed shards. Nothing of the merge or the policy is written twice.
-
-Aggregates (``aggregate=True``) run the sync fan-out in a worker thread: its combining code is
-not separable from its thread-pool gather without a change in mdb.fanout (docs/async.md).
+Everything but the waiting is the sync fan-out's public, sans-IO core: :func:`mdb.fanout.plan_fan_out`
+decides the servers, rewrites the statement per backend and says how each shard runs it and
+how the rows merge (a heap merge of the sorted per-shard streams, or the combining of aggregate
+partials); :func:`mdb.fanout.settle` applies the error translation and the partial-failure
+policy to the outcomes collected here. Nothing of the merge or the policy is written twice, and
+aggregates run on the loop like any other fan-out.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
 from sqlalchemy import Row, Select
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from mdb import fanout as sync_fanout
 from mdb import telemetry
-from mdb.errors import QueryError
-from mdb.fanout import FanOutResult
+from mdb.engines import BeginPrelude, one_statement_prelude
+from mdb.fanout import FanOutResult, ShardQuery, plan_fan_out, settle
 from mdb.gdid import GDID
 from mdb.router import Router
 from mdb.store import Store
@@ -40,35 +37,49 @@ class AsyncServers(Protocol):
 
     async def router(self) -> Router: ...
 
-    def transaction(self, server: str, readonly: bool = False) -> AbstractAsyncContextManager[AsyncConnection]: ...
+    def transaction(
+        self, server: str, readonly: bool = False, *, prelude: BeginPrelude | None = None,
+    ) -> AbstractAsyncContextManager[AsyncConnection]: ...
 
 
-async def _run(store: AsyncServers, server: str, statement: Select[Any], readonly: bool, orm: bool) -> list[Row[Any]]:
-    """One shard's rows (the async twin of ``mdb.fanout._run``)."""
-    with telemetry.fanout_shard(server):
-        async with store.transaction(server, readonly) as conn:
-            if not orm:
-                return list((await conn.execute(statement)).all())
+class _DiedBeforeRunning(Exception):
+    """A pooled connection that died with its server (a restart), met by a statement sent without BEGIN."""
+
+
+async def _attempt(store: AsyncServers, server: str, query: ShardQuery, readonly: bool, retry: bool) -> list[Row[Any]]:
+    prelude = one_statement_prelude() if query.one_statement else None
+    async with store.transaction(server, readonly, prelude=prelude) as conn:
+        try:
+            if not query.orm:
+                return list((await conn.execute(query.statement)).all())
             async with AsyncSession(bind=conn, expire_on_commit=False) as session:
-                return list((await session.execute(statement)).all())
+                return list((await session.execute(query.statement)).all())
+        except DBAPIError as exc:
+            if retry and prelude is not None and exc.connection_invalidated:
+                raise _DiedBeforeRunning from exc
+            raise
+
+
+async def _run(store: AsyncServers, server: str, query: ShardQuery, readonly: bool) -> list[Row[Any]]:
+    """One shard's rows (as :func:`mdb.fanout.run_shard`): one statement without BEGIN and COMMIT
+    where the plan allows it, else in a transaction of its own.
+
+    Without BEGIN, a pooled connection that died with its server fails on the statement (a
+    read: nothing ran), so it is replaced once, as a failed BEGIN is (``AsyncStore``).
+    """
+    with telemetry.fanout_shard(server):
+        try:
+            return await _attempt(store, server, query, readonly, retry=True)
+        except _DiedBeforeRunning:
+            return await _attempt(store, server, query, readonly, retry=False)
 
 
 async def _outcome(work: Awaitable[list[Row[Any]]]) -> list[Row[Any]] | Exception:
     try:
         rows: list[Row[Any]] = await work
         return rows
-    except Exception as exc:  # handed to mdb.fanout.gather, which decides what it is
+    except Exception as exc:  # handed to mdb.fanout.settle, which decides what it is
         return exc
-
-
-def _replay(outcomes: dict[str, list[Row[Any]] | Exception]) -> Callable[[str], list[Row[Any]]]:
-    def one(server: str) -> list[Row[Any]]:
-        outcome = outcomes[server]
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
-    return one
 
 
 async def fan_out(
@@ -82,39 +93,11 @@ async def fan_out(
     allow_partial: bool = False,
 ) -> FanOutResult:
     """:func:`mdb.fanout.fan_out` with every shard's query running concurrently on the loop."""
-    if aggregate:
-        await store.router()
-        return await asyncio.to_thread(
-            sync_fanout.fan_out, store.sync, area, statement, aggregate=True, from_gdid=from_gdid,
-            readonly=readonly, allow_partial=allow_partial,
-        )
-    if not isinstance(statement, Select):
-        raise QueryError(f"fan-out runs a SQLAlchemy select(), got {type(statement).__name__}")
-    cluster = store.sync
-    start = GDID.parse(from_gdid) if isinstance(from_gdid, str) else from_gdid
     router = await store.router()
     if not router.reach_loaded:  # the server list reads the relocation directory's summary: its first read is sync I/O
         await asyncio.to_thread(lambda: router.relocation_reach)
-    servers = sync_fanout._dedupe_by_url(cluster, sync_fanout.fan_out_servers(router, area, start), readonly)
-    restricted = sync_fanout._restrict(statement, cluster, area, start)
-    sync_fanout._refuse_aggregates(statement)
-    orders = sync_fanout._orders(statement, statement.column_descriptions)
-    limit, offset = sync_fanout._limits(statement)
-    per_backend: dict[str, tuple[Select[Any], bool]] = {}
-    work = []
-    for server in servers:
-        backend = cluster.engines.backend(server)
-        if backend not in per_backend:
-            shard = restricted.offset(None)
-            if limit is not None:
-                shard = shard.limit(limit + offset)
-            if orders:
-                shard = shard.order_by(None).order_by(*sync_fanout._shard_order_by(orders, backend))
-            per_backend[backend] = (shard, sync_fanout._selects_entities(shard))
-        shard_statement, orm = per_backend[backend]
-        work.append(_outcome(_run(store, server, shard_statement, readonly, orm)))
-    outcomes = dict(zip(servers, await asyncio.gather(*work)))
-    # The sync gather replays the outcomes: its error translation and partial-failure policy.
-    per_shard, failed = sync_fanout.gather(cluster, servers, _replay(outcomes), allow_partial=allow_partial, max_workers=None)
-    rows = sync_fanout.merge_sorted(per_shard, sync_fanout._row_key(orders) if orders else None, offset, limit)
-    return FanOutResult(rows, failed, servers)
+    cluster = store.sync
+    plan = plan_fan_out(cluster, router, area, statement, aggregate=aggregate, from_gdid=from_gdid, readonly=readonly)
+    outcomes = await asyncio.gather(*(_outcome(_run(store, s, plan.query(s), readonly)) for s in plan.servers))
+    per_shard, failed = settle(cluster, plan.servers, outcomes, allow_partial=allow_partial)
+    return plan.result(per_shard, failed)

@@ -304,9 +304,15 @@ class AsyncStore:
         return AsyncConnection(engine, sync), gate
 
     @asynccontextmanager
-    async def transaction(self, server: str, readonly: bool = False) -> AsyncIterator[AsyncConnection]:
-        """An async Core connection in one transaction on ``server`` (commit on success)."""
-        conn, gate = await self._begun(server, readonly)
+    async def transaction(
+        self, server: str, readonly: bool = False, *, prelude: BeginPrelude | None = None,
+    ) -> AsyncIterator[AsyncConnection]:
+        """An async Core connection in one transaction on ``server`` (commit on success).
+
+        ``prelude``: the engine's BEGIN hook for this transaction (mdb's own uses: the async
+        fan-out sends a one-statement read without BEGIN, :func:`mdb.engines.one_statement_prelude`).
+        """
+        conn, gate = await self._begun(server, readonly, prelude)
         try:
             with translated(server):
                 try:

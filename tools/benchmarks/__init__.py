@@ -7,6 +7,7 @@ same machine, so every Result carries its baseline and the report prints the rat
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ __all__ = ["BenchContext", "Result", "per_call", "compare"]
 
 Better = Literal["higher", "lower"]
 _RATE_SUFFIX = "/s"
+FRACTION_ENV = "MDB_BENCH_FRACTION"
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,15 @@ class BenchContext:
         return [server.create_database() for server in self._servers[:n]]
 
     def iterations(self, full: int, quick: int) -> int:
-        return quick if self.quick else full
+        """``quick`` with ``--quick``; else ``full``, scaled by ``MDB_BENCH_FRACTION`` (e.g. 0.25) where set.
+
+        The fraction keeps rounds alternating as before but shortens each, for a machine too busy
+        for the full run (the ratios stay same-run; only their spread grows).
+        """
+        if self.quick:
+            return quick
+        fraction = float(os.environ.get(FRACTION_ENV, "1"))
+        return max(quick, round(full * fraction))
 
     def close(self) -> None:
         while self._servers:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 from sqlalchemy import create_engine, insert, select
+from sqlalchemy.ext.horizontal_shard import ShardedSession
 from sqlalchemy.orm import Session
 
 from benchmarks import BenchContext, Result, compare
@@ -132,6 +133,14 @@ def _measure(ctx: BenchContext, backend: str, central: str, shard: str, otel_not
         with Session(plain) as session:
             return session.scalars(select(User).where(User.user_id == g)).one()
 
+    # The peer: SQLAlchemy's own sharding extension over the same one shard, its choosers
+    # trivial (no ownership check, no confinement): what "just use SQLAlchemy" costs there.
+    def sharded() -> object:
+        g = next(cursor)
+        with ShardedSession(shards={"u1": plain}, shard_chooser=lambda *a, **k: "u1",
+                            identity_chooser=lambda *a, **k: ["u1"], execute_chooser=lambda *a, **k: ["u1"]) as session:
+            return session.scalars(select(User).where(User.user_id == g)).one()
+
     iterations = ctx.iterations(2000, 200)
     rounds = ctx.iterations(5, 2)
     results = []
@@ -148,6 +157,13 @@ def _measure(ctx: BenchContext, backend: str, central: str, shard: str, otel_not
                     f"{iterations} reads x {rounds} rounds, median" + ("; + shared advisory lock" if not readonly and backend == "postgresql" else ""),
                 )
             )
+        value, base = compare(sharded, direct, iterations=iterations, rounds=rounds, warmup=ctx.iterations(300, 50))
+        results.append(
+            Result(
+                "briefcase", f"{backend}: SQLAlchemy horizontal_shard point read (peer)", value * 1e6, "µs/read",
+                "plain Session on the engine", base * 1e6, f"{iterations} reads x {rounds} rounds, median; one shard, trivial choosers",
+            )
+        )
         results.append(
             Result(
                 "briefcase", f"{backend}: telemetry hook alone, per session", _hook_cost(ctx) * 1e6, "µs/read",
