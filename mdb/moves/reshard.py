@@ -598,6 +598,7 @@ class Workers:
         self._hashed: dict[str, frozenset[str]] = {}
         self._revisions: dict[str, str | None] = {}
         self._last_job: str | None = None
+        self._moved: set[str] = set()
         self._sizers: dict[str, BatchSizer] = {}
         self._paces: dict[str, Callable[[int, int], None] | None] = {}
         self._lock = threading.Lock()
@@ -625,6 +626,15 @@ class Workers:
         with self._lock:
             self._held.close()
             self._held, self._held_key, self._hashed, self._revisions = ExitStack(), None, {}, {}
+
+    def moved(self, job_id: str) -> None:
+        """A batch or move of ``job_id`` committed here: the first one in this process is the crash point
+        ``reshard.after_first_move`` (where the batch was moved, as when one process moved them all)."""
+        with self._lock:
+            first = job_id not in self._moved
+            self._moved.add(job_id)
+        if first:
+            fault_point("reshard.after_first_move")
 
     def fresh_for(self, job_id: str) -> bool:
         """True the first time this process works on ``job_id`` since it worked on another one."""
@@ -716,6 +726,7 @@ def work_item(workers: Workers, item: Item) -> bool:
                     moved = move_briefcase(fenced, job.area, g, item.target, source=item.source, max_pause=max_pause,
                                            reshard_id=job.move_id, journal=fj, refresh=False, item=item.item_id)
                     result.add([g], _moved_rows(moved) or {})
+                    workers.moved(job.move_id)
                     return
                 except BriefcaseGoneError:
                     log.info("reshard %s: briefcase %s/%s was deleted since it was planned; nothing to move", job.move_id, job.area, g)
@@ -743,6 +754,7 @@ def work_item(workers: Workers, item: Item) -> bool:
                 return
             sizer.observed(len(batch), moved.pause_seconds)
             result.add(batch, moved.rows_per_table)
+            workers.moved(job.move_id)
 
         per_briefcase = item.rows_planned // max(1, len(item.gdids))
         while remaining:
@@ -797,12 +809,9 @@ def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
         while True:
             finished = jobs.done_since(journal, entry.move_id, pass_no, seen)
             if finished:
-                first = counts.briefcases_done == 0
                 for _, result in finished:
                     counts.moved_result(result)
                 _record(run.journal, entry, counts, run.progress)
-                if first and counts.briefcases_done:
-                    fault_point("reshard.after_first_move")
             if errors:
                 raise errors[0]
             check_stop(entry.move_id)
