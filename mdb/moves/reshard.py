@@ -726,7 +726,6 @@ def work_item(workers: Workers, item: Item) -> bool:
                     moved = move_briefcase(fenced, job.area, g, item.target, source=item.source, max_pause=max_pause,
                                            reshard_id=job.move_id, journal=fj, refresh=False, item=item.item_id)
                     result.add([g], _moved_rows(moved) or {})
-                    workers.moved(job.move_id)
                     return
                 except BriefcaseGoneError:
                     log.info("reshard %s: briefcase %s/%s was deleted since it was planned; nothing to move", job.move_id, job.area, g)
@@ -754,7 +753,6 @@ def work_item(workers: Workers, item: Item) -> bool:
                 return
             sizer.observed(len(batch), moved.pause_seconds)
             result.add(batch, moved.rows_per_table)
-            workers.moved(job.move_id)
 
         per_briefcase = item.rows_planned // max(1, len(item.gdids))
         while remaining:
@@ -770,6 +768,8 @@ def work_item(workers: Workers, item: Item) -> bool:
                 cut_over(batch)
             except DBAPIError as exc:
                 raise _named(store, [item.source, item.target], exc) from exc
+            jobs.progress_item(fenced, journal.server, item.item_id, result)  # the job's counts follow each batch
+            workers.moved(job.move_id)
         jobs.finish_item(fenced, journal.server, item.item_id, result)
         return True
 
@@ -804,22 +804,35 @@ def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
     threads = [threading.Thread(target=local, name=f"mdb-worker-{i}", daemon=True) for i in range(run.parallel)]  # 0: workers elsewhere do it
     for t in threads:
         t.start()
-    seen: set[str] = set()
+    seen: dict[str, ItemResult] = {}
+
+    def collect() -> bool:
+        """Fold what the items moved since the last look into the counts (and the journal); True if anything."""
+        fresh = False
+        for item_id, result in jobs.results_of(journal, entry.move_id, pass_no).items():
+            before = seen.get(item_id, ItemResult())
+            had = set(before.moved) | set(before.gone)
+            delta = ItemResult([g for g in result.moved if g not in had], [g for g in result.gone if g not in had],
+                               {name: n - before.tables.get(name, 0) for name, n in result.tables.items()})
+            if delta.moved or delta.gone:
+                counts.moved_result(delta)
+                seen[item_id] = result
+                fresh = True
+        if fresh:
+            _record(run.journal, entry, counts, run.progress)
+        return fresh
+
     try:
         while True:
-            finished = jobs.done_since(journal, entry.move_id, pass_no, seen)
-            if finished:
-                for _, result in finished:
-                    counts.moved_result(result)
-                _record(run.journal, entry, counts, run.progress)
+            collect()
             if errors:
                 raise errors[0]
             check_stop(entry.move_id)
             if workers.stopped():
                 raise ReshardStoppedError(f"reshard {entry.move_id} stopped by an interrupt; its work items are given back")
             if not jobs.open_items(journal, entry.move_id, pass_no):
-                if jobs.done_since(journal, entry.move_id, pass_no, seen):
-                    continue  # finished between the two reads: record them first
+                if collect():
+                    continue  # finished between the two reads: recorded now
                 break
             over.wait(0.1)
     except BaseException:
