@@ -56,7 +56,7 @@ from mdb.system_tables import central_metadata
 
 __all__ = [
     "ITEM_BRIEFCASES", "Item", "ItemResult", "WorkerRow", "claim", "enqueue", "finish_item", "item_servers", "item_state",
-    "done_since", "drop", "forget", "job_items", "last_pass", "open_items", "release_item", "settle", "stop_items", "workers",
+    "done_since", "drop", "forget", "progress_item", "results_of", "job_items", "last_pass", "open_items", "release_item", "settle", "stop_items", "workers",
 ]
 
 log = logging.getLogger("mdb.moves.jobs")
@@ -265,6 +265,21 @@ def finish_item(fenced: Cluster, journal_server: str, item_id: str, result: Item
     with fenced.transaction(journal_server) as conn:
         conn.execute(update(job_items).where(job_items.c.item_id == item_id).values(
             status=DONE, result=result.to_json(), updated_at=func.current_timestamp()))
+
+
+def progress_item(fenced: Cluster, journal_server: str, item_id: str, result: ItemResult) -> None:
+    """What the item has moved so far (after each batch), for the job's counts; fenced like every write of the item."""
+    with fenced.transaction(journal_server) as conn:
+        conn.execute(update(job_items).where(job_items.c.item_id == item_id, job_items.c.status == PENDING)
+                     .values(result=result.to_json(), updated_at=func.current_timestamp()))
+
+
+def results_of(journal: Journal, job_id: str, pass_no: int) -> dict[str, ItemResult]:
+    """What each item of the pass has moved so far (done or not)."""
+    with journal.store.transaction(journal.server) as conn:
+        rows = conn.execute(select(job_items.c.item_id, job_items.c.result).where(
+            job_items.c.job_id == job_id, job_items.c.pass_no == pass_no, job_items.c.result.isnot(None))).all()
+    return {item_id: ItemResult.from_json(result) for item_id, result in rows}
 
 
 def release_item(fenced: Cluster, journal_server: str, item_id: str) -> None:

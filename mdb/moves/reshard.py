@@ -597,6 +597,7 @@ class Workers:
         self._hashed: dict[str, frozenset[str]] = {}
         self._revisions: dict[str, str | None] = {}
         self._last_job: str | None = None
+        self._moved: set[str] = set()
         self._sizers: dict[str, BatchSizer] = {}
         self._paces: dict[str, Callable[[int, int], None] | None] = {}
         self._lock = threading.Lock()
@@ -624,6 +625,15 @@ class Workers:
         with self._lock:
             self._held.close()
             self._held, self._held_key, self._hashed, self._revisions = ExitStack(), None, {}, {}
+
+    def moved(self, job_id: str) -> None:
+        """A batch or move of ``job_id`` committed here: the first one in this process is the crash point
+        ``reshard.after_first_move`` (where the batch was moved, as when one process moved them all)."""
+        with self._lock:
+            first = job_id not in self._moved
+            self._moved.add(job_id)
+        if first:
+            fault_point("reshard.after_first_move")
 
     def fresh_for(self, job_id: str) -> bool:
         """True the first time this process works on ``job_id`` since it worked on another one."""
@@ -757,6 +767,8 @@ def work_item(workers: Workers, item: Item) -> bool:
                 cut_over(batch)
             except DBAPIError as exc:
                 raise _named(store, [item.source, item.target], exc) from exc
+            jobs.progress_item(fenced, journal.server, item.item_id, result)  # the job's counts follow each batch
+            workers.moved(job.move_id)
         jobs.finish_item(fenced, journal.server, item.item_id, result)
         return True
 
@@ -791,25 +803,35 @@ def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
     threads = [threading.Thread(target=local, name=f"mdb-worker-{i}", daemon=True) for i in range(run.parallel)]  # 0: workers elsewhere do it
     for t in threads:
         t.start()
-    seen: set[str] = set()
+    seen: dict[str, ItemResult] = {}
+
+    def collect() -> bool:
+        """Fold what the items moved since the last look into the counts (and the journal); True if anything."""
+        fresh = False
+        for item_id, result in jobs.results_of(journal, entry.move_id, pass_no).items():
+            before = seen.get(item_id, ItemResult())
+            had = set(before.moved) | set(before.gone)
+            delta = ItemResult([g for g in result.moved if g not in had], [g for g in result.gone if g not in had],
+                               {name: n - before.tables.get(name, 0) for name, n in result.tables.items()})
+            if delta.moved or delta.gone:
+                counts.moved_result(delta)
+                seen[item_id] = result
+                fresh = True
+        if fresh:
+            _record(run.journal, entry, counts, run.progress)
+        return fresh
+
     try:
         while True:
-            finished = jobs.done_since(journal, entry.move_id, pass_no, seen)
-            if finished:
-                first = counts.briefcases_done == 0
-                for _, result in finished:
-                    counts.moved_result(result)
-                _record(run.journal, entry, counts, run.progress)
-                if first and counts.briefcases_done:
-                    fault_point("reshard.after_first_move")
+            collect()
             if errors:
                 raise errors[0]
             check_stop(entry.move_id)
             if workers.stopped():
                 raise ReshardStoppedError(f"reshard {entry.move_id} stopped by an interrupt; its work items are given back")
             if not jobs.open_items(journal, entry.move_id, pass_no):
-                if jobs.done_since(journal, entry.move_id, pass_no, seen):
-                    continue  # finished between the two reads: record them first
+                if collect():
+                    continue  # finished between the two reads: recorded now
                 break
             over.wait(0.1)
     except BaseException:
