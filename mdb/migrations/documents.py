@@ -112,7 +112,7 @@ def _mongo(cluster: Cluster) -> MongoStore:
     except TypeError:
         mongo = None
     if not isinstance(mongo, MongoStore):
-        raise MigrationError("this cluster has MongoDB servers but no document side attached (store.mongo)")
+        raise MigrationError("this cluster has MongoDB servers but no document side attached (MongoStore.attach)")
     return mongo
 
 
