@@ -8,7 +8,6 @@ Every scan streams (bounded memory on large shards).
 
 from __future__ import annotations
 
-
 from mdb.backends import backend_of, servers_where
 from mdb.backends.base import AreaData, AreaScan, BriefcaseSize, documents_of
 from mdb.cluster import Cluster
