@@ -35,6 +35,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.pool import ConnectionPoolEntry, Pool
 
 from mdb.backoff import BackoffPolicy, Clock
+from mdb.dialects import find_sql_dialect
 from mdb.errors import CapacityError
 
 __all__ = ["CAPACITY_WAIT", "BudgetPool", "ConnectionBudget", "connect_patiently", "instance_of", "is_capacity_refusal"]
@@ -63,12 +64,8 @@ def is_capacity_refusal(error: BaseException | None) -> bool:
 
 def instance_of(url: URL) -> str | None:
     """``host:port`` of a PostgreSQL URL (the unit that ``max_connections`` limits); None otherwise."""
-    if url.get_backend_name() != "postgresql":
-        return None
-    host = url.host or url.query.get("host") or "localhost"
-    if isinstance(host, tuple):  # ?host=a&host=b: libpq tries them in order; budget them as one
-        host = ",".join(host)
-    return f"{host}:{url.port or 5432}"
+    dialect = find_sql_dialect(url)
+    return None if dialect is None else dialect.instance(url)
 
 
 CAPACITY_WAIT = BackoffPolicy(first=0.05, cap=1.0)

@@ -20,7 +20,7 @@ from sqlalchemy.engine import URL, Connection, Dialect, Engine
 
 from mdb.errors import MdbError
 
-__all__ = ["PostgresDialect", "SqlDialect", "SqliteDialect", "sql_dialect"]
+__all__ = ["PostgresDialect", "SqlDialect", "SqliteDialect", "UnknownDialect", "find_sql_dialect", "sql_dialect"]
 
 
 class SqlDialect:
@@ -72,6 +72,24 @@ class SqlDialect:
         """The server process of this session (to end sessions blocking it), or None where there is none."""
         return None
 
+    def normalise_url(self, url: URL) -> URL:
+        """``url`` as mdb connects with it (the driver it picks, options moved where they are masked)."""
+        return url
+
+    def database_file(self, url: URL) -> str | None:
+        """The database file ``url`` names, as written; None where the database is not a file of
+        its own (a server, an in-memory database, a ``file:`` URI)."""
+        return None
+
+    def url_problem(self, url: URL) -> str | None:
+        """Why a map may not name ``url`` (after the server's name and masked URL), or None."""
+        return None
+
+    def instance(self, url: URL) -> str | None:
+        """The server instance whose connection limit ``url``'s database shares (``host:port``), or None where
+        there is no such limit to budget (an embedded file)."""
+        return None
+
 
 class PostgresDialect(SqlDialect):
     name = "postgresql"
@@ -111,6 +129,24 @@ class PostgresDialect(SqlDialect):
     def backend_pid(self, conn: Connection) -> int | None:
         return int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
 
+    def normalise_url(self, url: URL) -> URL:
+        if url.drivername in ("postgresql", "postgres"):
+            url = url.set(drivername="postgresql+psycopg")
+        if "password" in url.query:
+            # libpq's ?password= means the same as the userinfo password (and wins over it, as the
+            # dialect applies query args last). Kept in the query, SQLAlchemy would print it in
+            # repr(engine) and str(url); as the URL's password it is masked there.
+            value = url.query["password"]
+            password = value[-1] if isinstance(value, tuple) else value
+            url = url.difference_update_query(["password"]).set(password=password)
+        return url
+
+    def instance(self, url: URL) -> str | None:
+        host = url.host or url.query.get("host") or "localhost"
+        if isinstance(host, tuple):  # ?host=a&host=b: libpq tries them in order; budget them as one
+            host = ",".join(host)
+        return f"{host}:{url.port or 5432}"
+
 
 class SqliteDialect(SqlDialect):
     name = "sqlite"
@@ -118,8 +154,33 @@ class SqliteDialect(SqlDialect):
     def insert(self, table: Table) -> Any:
         return sqlite.insert(table)
 
+    def database_file(self, url: URL) -> str | None:
+        database = url.database
+        if not database or database == ":memory:" or database.startswith("file:"):
+            return None
+        return database
+
+    def url_problem(self, url: URL) -> str | None:
+        if url.database in (None, "", ":memory:"):
+            # An in-memory database is a new, empty one on every connection: nothing written stays.
+            return "a SQLite server needs a file path (sqlite:///PATH); an in-memory database keeps nothing"
+        return None
+
 
 _DIALECTS: dict[str, SqlDialect] = {d.name: d for d in (PostgresDialect(), SqliteDialect())}
+_DIALECTS["postgres"] = _DIALECTS["postgresql"]  # the scheme libpq accepts too (mdb.urls.sqlalchemy_url renames it)
+
+
+def find_sql_dialect(of: Connection | Engine | Dialect | URL | str) -> SqlDialect | None:
+    """The strategy for ``of`` like :func:`sql_dialect`, or None for a server mdb has none for (a MongoDB URL)."""
+    try:
+        return sql_dialect(of)
+    except UnknownDialect:
+        return None
+
+
+class UnknownDialect(MdbError):
+    """A SQL server mdb has no :class:`SqlDialect` for."""
 
 
 def sql_dialect(of: Connection | Engine | Dialect | URL | str) -> SqlDialect:
@@ -135,4 +196,4 @@ def sql_dialect(of: Connection | Engine | Dialect | URL | str) -> SqlDialect:
     try:
         return _DIALECTS[name]
     except KeyError:
-        raise MdbError(f"mdb runs on PostgreSQL or SQLite, not {name!r}") from None
+        raise UnknownDialect(f"mdb runs on PostgreSQL or SQLite, not {name!r}") from None

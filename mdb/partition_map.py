@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from mdb.dialects import find_sql_dialect, sql_dialect
 from mdb.errors import MapError, RoutingError
 from mdb.gdid import GDID
 from mdb.urls import MONGO, kind_of_url, mask_secrets, mask_url, sqlalchemy_url
@@ -234,10 +235,8 @@ def sqlite_file(url: str) -> str | None:
         parsed = make_url(url)
     except ArgumentError:
         return None
-    database = parsed.database
-    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:" or database.startswith("file:"):
-        return None
-    return database
+    dialect = find_sql_dialect(parsed)
+    return None if dialect is None else dialect.database_file(parsed)
 
 
 def _rebased_url(url: str, base: Path) -> str:
@@ -561,9 +560,9 @@ def _url_problem(url: str) -> str | None:
     backend = parsed.get_backend_name()
     if backend not in _SUPPORTED_DRIVERS:
         return f"{shown}: mdb does not support {backend!r} servers (write e.g. {_URL_EXAMPLES})"
-    if backend == "sqlite" and parsed.database in (None, "", ":memory:"):
-        # An in-memory database is a new, empty one on every connection: nothing written stays.
-        return f"{shown}: a SQLite server needs a file path (sqlite:///PATH); an in-memory database keeps nothing"
+    problem = sql_dialect(backend).url_problem(parsed)
+    if problem is not None:
+        return f"{shown}: {problem}"
     try:
         dialect = parsed.get_dialect()
     except NoSuchModuleError as exc:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Table
 from sqlalchemy.exc import DBAPIError
 
-from mdb.backends import ServerSchema, backend_of
+from mdb.backends import ServerSchema, backend_of, servers_where
 from mdb.backends.sql import create_tables, stamp_layout
 from mdb.briefcase import registered_types
 from mdb.dberrors import describe
@@ -38,7 +38,6 @@ from mdb.router import Router, ShardLayout
 from mdb.schema_diff import Difference, compare_tables
 from mdb.store import Store
 from mdb.system_tables import load_system_tables, on_demand_metadata, version_table
-from mdb.urls import MONGO, SQL
 
 __all__ = ["ShardReport", "apply_schema", "check_schema", "create_tables", "known_tables", "server_tables", "stamp_layout"]
 
@@ -144,7 +143,7 @@ def check_schema(
             _shard_failed(server, report, exc)
         return report
 
-    servers = store.map.servers_of_kind(SQL)
+    servers = servers_where(store.map, lambda b: b.checks_drift)
     return run_each(servers, one, parallel=parallel, on_done=on_done, name="mdb-schema-check")
 
 
@@ -152,7 +151,7 @@ def _server_schema(
     store: Store, router: Router, server: str, layouts: list[ShardLayout], known: set[str]
 ) -> tuple[list[str], ServerSchema]:
     """(roles, what ``server`` must hold) under ``router``'s map, in the terms of the server's kind."""
-    if store.map.kind_of(server) == MONGO:
+    if backend_of(store.map, server).holds_documents:
         from mdb.mongo.schema import server_collections  # late: pymongo is an optional dependency
 
         roles, collections = server_collections(store.mongo, router, server, layouts)
@@ -181,9 +180,8 @@ def _apply_server(
     report = ShardReport(server, store.engines.masked_url(server))
     backend = backend_of(store.map, server)
     report.roles, schema = _server_schema(store, router, server, layouts, known)
-    is_sql = store.map.kind_of(server) == SQL
     try:
-        if is_sql:
+        if backend.has_identity:
             if records is None:
                 raise MdbError(f"server {server!r}: not applied: CENTRAL's record of server identities could not be read")
             refusal = _identity_refusal(store, server, records.get(server))
@@ -191,7 +189,7 @@ def _apply_server(
                 report.error = refusal + "; nothing was created or stamped there"
                 return report
         outcome = backend.apply_schema(store, server, schema)
-        if is_sql:
+        if backend.has_identity:
             report.identity = ensure_on(store, server)
     except Exception as exc:  # this shard's failure, the others proceed
         translated = backend.translate(store, server, exc)

@@ -14,6 +14,8 @@ from typing import Final
 
 from sqlalchemy.engine import URL, make_url
 
+from mdb.dialects import find_sql_dialect
+
 __all__ = ["MONGO", "SQL", "kind_of_url", "mask_secrets", "mask_url", "register_kind", "sqlalchemy_url"]
 
 # -- server kinds ------------------------------------------------------------------------------
@@ -46,16 +48,8 @@ def kind_of_url(url: str) -> str:
 def sqlalchemy_url(url: str) -> URL:
     """Parse a SQL server's map URL, choosing psycopg 3 for bare ``postgresql://`` URLs."""
     parsed = make_url(url)
-    if parsed.drivername in ("postgresql", "postgres"):
-        parsed = parsed.set(drivername="postgresql+psycopg")
-    if parsed.get_backend_name() == "postgresql" and "password" in parsed.query:
-        # libpq's ?password= means the same as the userinfo password (and wins over it, as the
-        # dialect applies query args last). Kept in the query, SQLAlchemy would print it in
-        # repr(engine) and str(url); as the URL's password it is masked there.
-        value = parsed.query["password"]
-        password = value[-1] if isinstance(value, tuple) else value
-        parsed = parsed.difference_update_query(["password"]).set(password=password)
-    return parsed
+    dialect = find_sql_dialect(parsed)
+    return parsed if dialect is None else dialect.normalise_url(parsed)
 
 
 # -- masking -----------------------------------------------------------------------------------

@@ -40,3 +40,27 @@ def test_a_kind_without_a_backend_is_refused_by_name() -> None:
 
     with pytest.raises(RoutingError, match="no backend serves servers of kind 'cassandra'"):
         backends.backend_for("cassandra")
+
+
+CAPABILITY_MAP = """\
+version: 1
+servers:
+  c: {primary: "sqlite:///c.db"}
+  docs: {primary: "mongodb://h/docs"}
+  s: {primary: "postgresql+psycopg://u@h/s"}
+areas:
+  central: {kind: central, shards: [c]}
+  user:
+    partitions: [{start: "0:0:0", shards: [s]}]
+"""
+
+
+def test_servers_are_picked_by_what_their_backend_can_do_in_map_order() -> None:
+    from mdb.partition_map import parse_map
+
+    pmap = parse_map(CAPABILITY_MAP)
+    assert backends.servers_where(pmap, lambda b: b.follows_histories) == ["c", "s"]
+    assert backends.servers_where(pmap, lambda b: b.has_identity) == ["c", "s"]
+    assert backends.servers_where(pmap, lambda b: b.holds_documents) == ["docs"]
+    assert backends.servers_where(pmap, lambda b: b.declares_indexes, ["s", "docs"]) == ["docs"]
+    assert not backends.backend_of(pmap, "docs").keeps_records  # no map history or ledger on a MongoDB CENTRAL

@@ -88,3 +88,24 @@ def test_sqlite_has_no_locks_to_take_and_no_server_session(tmp_sqlite_urls: Call
         dialect.lock_timeout(conn, 10)
     assert not dialect.enforces_widths and PostgresDialect.enforces_widths
     engine.dispose()
+
+
+def test_urls_are_normalised_by_their_dialect() -> None:
+    from mdb.dialects import find_sql_dialect
+    from mdb.urls import sqlalchemy_url
+
+    url = sqlalchemy_url("postgresql://u@h:6432/db?password=s3cret&sslmode=require")
+    assert url.drivername == "postgresql+psycopg"
+    assert url.password == "s3cret" and "password" not in url.query and "s3cret" not in repr(url)
+    assert sqlalchemy_url("sqlite:///f.db").drivername == "sqlite"
+    assert find_sql_dialect(make_url("mongodb://h/x")) is None
+    assert PostgresDialect().instance(url) == "h:6432"
+    assert SqliteDialect().instance(make_url("sqlite:///f.db")) is None
+
+
+@pytest.mark.parametrize(("url", "file"), [("sqlite:///rel/f.db", "rel/f.db"), ("sqlite://", None), ("sqlite:///:memory:", None),
+                                           ("postgresql+psycopg://u@h/db", None)])
+def test_only_an_embedded_database_is_a_file(url: str, file: str | None) -> None:
+    from mdb.partition_map import sqlite_file
+
+    assert sqlite_file(url) == file

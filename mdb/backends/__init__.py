@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from mdb.backends.base import (
     Backend,
@@ -44,6 +44,7 @@ __all__ = [
     "documents_of",
     "open_routed",
     "register_backend",
+    "servers_where",
 ]
 
 BackendFactory = Callable[[], Backend]
@@ -85,6 +86,15 @@ def backend_for(kind: str) -> Backend:
 def backend_of(pmap: PartitionMap, server: str) -> Backend:
     """The backend of ``server`` (by the kind of its primary URL)."""
     return backend_for(pmap.kind_of(server))
+
+
+def servers_where(pmap: PartitionMap, capable: Callable[[Backend], bool], servers: Iterable[str] | None = None) -> list[str]:
+    """The servers of ``pmap`` (or of ``servers``, in their order) whose backend ``capable`` accepts.
+
+    How a feature picks the servers it can work on: by what their backend can do
+    (``lambda b: b.follows_histories``), not by which kind they are.
+    """
+    return [s for s in (pmap.servers if servers is None else servers) if capable(backend_of(pmap, s))]
 
 
 def _lazy(module: str, name: str) -> BackendFactory:

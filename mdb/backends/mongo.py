@@ -151,6 +151,7 @@ class MongoBackend(Backend):
     """Servers reached through pymongo; each call is one operation on the server's mdb database."""
 
     kind: ClassVar[str] = MONGO
+    holds_documents = declares_indexes = True
 
     def stamp_layout(
         self, cluster: Servers, server: str, layout: ShardLayout, map_version: int, *, replace: bool
@@ -203,6 +204,12 @@ class MongoBackend(Backend):
 
     def scan(self, cluster: Servers, server: str, data: AreaData) -> AreaScan:
         return MongoAreaScan(cluster, server, data)
+
+    def holds_area(self, cluster: Servers, server: str, data: AreaData) -> bool:
+        if not data.collections:
+            return False
+        names = set(documents_of(cluster).database(server).list_collection_names())
+        return any(name in names for name, _ in data.collections)
 
     def translate(self, cluster: Servers, server: str, exc: Exception) -> MdbError | None:
         return documents_of(cluster).translate(server, exc)

@@ -191,6 +191,7 @@ class SqlBackend(Backend):
     """Servers reached through SQLAlchemy; every unit of work is one transaction on the server."""
 
     kind: ClassVar[str] = SQL
+    follows_histories = keeps_records = has_identity = checks_drift = rechecks_shrink = True
 
     def stamp_layout(
         self, cluster: Servers, server: str, layout: ShardLayout, map_version: int, *, replace: bool
@@ -230,6 +231,13 @@ class SqlBackend(Backend):
         from mdb.backends.sqlscan import SqlAreaScan  # the fleet tools' reads, loaded when a tool runs
 
         return SqlAreaScan(cluster, server, data)
+
+    def holds_area(self, cluster: Servers, server: str, data: AreaData) -> bool:
+        if not data.tables:
+            return False
+        with cluster.transaction(server) as conn:
+            present = set(sa_inspect(conn).get_table_names())
+        return any(table.name in present for table, _ in data.tables)
 
     def translate(self, cluster: Servers, server: str, exc: Exception) -> MdbError | None:
         # Store.transaction already turned driver errors into mdb errors naming the server.

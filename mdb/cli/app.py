@@ -39,12 +39,13 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup
 from typer.models import DefaultPlaceholder
 
 from mdb import faults
+from mdb.backends import servers_where
 from mdb.dberrors import describe
 from mdb.errors import MdbError, RetryableError, ServerUnavailableError
 from mdb.maps.history import load_applied_map
 from mdb.partition_map import PartitionMap, load_map, load_map_cached
 from mdb.store import Store
-from mdb.urls import MONGO, mask_secrets
+from mdb.urls import mask_secrets
 
 __all__ = [
     "EXIT_ATTENTION",
@@ -325,7 +326,7 @@ def open_store(map_path: str, models: Sequence[str] | None = None, *, tool: bool
     store = Store(pmap, map_path=map_path, **kwargs)
     if tool:
         store.engines.use_direct()
-    if faults.armed() and store.map.servers_of_kind(MONGO):
+    if faults.armed() and servers_where(store.map, lambda b: b.holds_documents):
         from mdb.testing.mongo import attach_fake_dir  # the test harness's file-backed fake (MDB_MONGO_FAKE_DIR)
 
         attach_fake_dir(store)

@@ -30,6 +30,7 @@ from mdb.cli.app import (
     read_map_file, warn,
 )
 from mdb.cli.options import JsonOpt, ModelsOpt
+from mdb.backends import servers_where
 from mdb.errors import GDIDError, MdbError
 from mdb.gdid import GDID
 from mdb.maps.apply import ApplyReport, apply_map, live_diff
@@ -42,7 +43,6 @@ from mdb.migrations.scripts import scripts_root, stamp_new_servers
 from mdb.partition_map import PartitionMap, read_map_text, safe_yaml_load
 from mdb.router import Router
 from mdb.store import Store
-from mdb.urls import SQL
 
 __all__ = ["map_apply"]
 
@@ -91,7 +91,7 @@ def _identities(pmap: PartitionMap, map_path: str) -> list[IdentityFinding]:
     old: Store | None = None
     try:
         applied = newest_applied(reach)
-        names = pmap.servers_of_kind(SQL)
+        names = servers_where(pmap, lambda b: b.has_identity)
         if applied is not None:
             old = Store(applied.parse(pmap), types=[])
             before = old.map.servers

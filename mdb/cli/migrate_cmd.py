@@ -22,13 +22,13 @@ from rich.table import Table
 
 from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, open_store
 from mdb.cli.options import JsonOpt, MapArg, ModelsOpt, server_progress
-from mdb.errors import MigrationError
-from mdb.migrations.documents import DocumentStatus, document_areas, document_status, document_targets, migrate_documents
-from mdb.migrations.fleet import DEFAULT_LOCK_TIMEOUT, FleetStatus, MigrationRun, ServerResult, ServerStatus, fleet_status, migrate, work_targets
+from mdb.migrations.documents import DocumentStatus, document_status, document_targets
+from mdb.migrations.fleet import DEFAULT_LOCK_TIMEOUT, FleetStatus, MigrationRun, ServerResult, ServerStatus, fleet_status, work_targets
+from mdb.migrations.rollout import DeclaredIndexes, Request, ScriptedHistories, migrate_areas, split_areas
 from mdb.migrations.scripts import make_revision, scripts_root
 from mdb.parallel import DEFAULT_PARALLEL, MAX_PARALLEL
 from mdb.store import Store
-from mdb.urls import MONGO, mask_secrets
+from mdb.urls import mask_secrets
 
 __all__ = []
 
@@ -49,19 +49,9 @@ def _root(store: Store, scripts: str | None) -> Path:
 
 
 def _split(store: Store, area: list[str] | None) -> tuple[list[str] | None, list[str] | None]:
-    """``--area`` as (SQL areas, document areas); None: every area of that kind (no --area given)."""
-    if area is None:
-        return None, None
-    documents = set(document_areas(store))
-    return [a for a in area if a not in documents], [a for a in area if a in documents]
-
-
-def _split_servers(store: Store, server: list[str] | None) -> tuple[list[str] | None, list[str] | None]:
-    """``--server`` as (SQL servers, MongoDB servers); None: every server (no --server given)."""
-    if server is None:
-        return None, None
-    mongo = [s for s in server if s in store.map.servers and store.map.kind_of(s) == MONGO]
-    return [s for s in server if s not in mongo], mongo
+    """``--area`` as (history areas, document areas); None: every area of that kind (no --area given)."""
+    split = split_areas(store, area)
+    return split[ScriptedHistories.name], split[DeclaredIndexes.name]
 
 
 # -- revision ----------------------------------------------------------------------------------
@@ -230,42 +220,19 @@ def _run(map_path: str, direction: str, to: str | None, area: list[str] | None, 
          dry_run: bool, lock_timeout: float, as_json: bool, scripts: str | None, models: list[str] | None) -> None:
     store = open_store(map_path, models, tool=True)
     try:
-        root = _root(store, scripts)
-        sql_areas, doc_areas = _split(store, area)
-        sql_servers, doc_servers = _split_servers(store, server)
-        if doc_areas and (direction == "down" or to is not None):
-            raise MigrationError(f"document area(s) {', '.join(doc_areas)} have no revisions: `mdb migrate up` without --to "
-                                 "takes them to the indexes their types declare (there is no down)")
-        doc_work = [] if direction == "down" or to is not None or doc_areas == [] or doc_servers == [] else [
-            t for t in document_targets(store, doc_areas) if doc_servers is None or t.server in doc_servers]
-        sql_work = [] if sql_servers == [] else [
-            t for t in work_targets(store, root, sql_areas) if sql_servers is None or t.server in sql_servers]
-        if canary is not None and doc_work and canary not in {t.server for t in sql_work + doc_work}:
-            raise MigrationError(f"canary {canary!r} is not a server of any area being migrated")
-        run: MigrationRun | None = None
-        if sql_work or not doc_work:  # SQL areas as before (an empty run, too, when there is nothing at all)
-            with server_progress(f"migrate {direction}", len(sql_work)) as on_done:
-                run = migrate(store, root, direction=direction, to=to, areas=sql_areas, servers=sql_servers, parallel=parallel,
-                              canary=canary if canary in {t.server for t in sql_work} or not doc_work else None,
-                              dry_run=dry_run, lock_timeout=lock_timeout, on_done=on_done)
-        documents: MigrationRun | None = None
-        if doc_work and (run is None or run.ok):  # a failed SQL server stops the rollout: no document server starts
-            with server_progress("migrate up (document indexes)", len(doc_work)) as on_done:
-                documents = migrate_documents(store, areas=doc_areas, servers=doc_servers, parallel=parallel,
-                                              canary=canary if canary in {t.server for t in doc_work} else None,
-                                              dry_run=dry_run, on_done=on_done)
+        ask = Request(_root(store, scripts), direction, to, area, server, parallel, dry_run, lock_timeout)
+        rollout = migrate_areas(store, ask, canary=canary, progress=server_progress)
     finally:
         store.close()
-    ok = all(r.ok for r in (run, documents) if r is not None)
+    run, documents = rollout.runs.get(ScriptedHistories.name), rollout.runs.get(DeclaredIndexes.name)
     if as_json:
         main = run if run is not None else documents
-        assert main is not None  # one of the two always runs
-        emit_json({**_run_json(main), "ok": ok, "documents": None if documents is None else _run_json(documents)})
+        assert main is not None  # the first way always runs when the other does not
+        emit_json({**_run_json(main), "ok": rollout.ok, "documents": None if documents is None else _run_json(documents)})
     else:
-        for each in (run, documents):
-            if each is not None:
-                _print_run(each)
-    if not ok:
+        for each in rollout.runs.values():
+            _print_run(each)
+    if not rollout.ok:
         raise typer.Exit(EXIT_NOT_FOUND)
 
 

@@ -18,12 +18,13 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from mdb.backends import servers_where
 from mdb.cli.app import app, console, emit_json, open_store
 from mdb.cli.options import JsonOpt, MapArg, ModelsOpt, server_progress
 from mdb.migrations.scripts import scripts_root, stamp_new_servers
 from mdb.parallel import DEFAULT_PARALLEL, MAX_PARALLEL
 from mdb.schema import ShardReport, apply_schema, check_schema
-from mdb.urls import SQL, mask_secrets
+from mdb.urls import mask_secrets
 
 __all__ = ["ParallelOpt"]
 
@@ -161,7 +162,7 @@ def schema_check(
     store = open_store(map_path, models)
     pmap = store.map
     try:
-        sql_servers = pmap.servers_of_kind(SQL)  # check skips MongoDB
+        sql_servers = servers_where(pmap, lambda b: b.checks_drift)  # check skips MongoDB
         with server_progress("schema check", len(sql_servers)) as on_done:
             reports = check_schema(store, parallel=parallel, on_done=on_done)
     finally:

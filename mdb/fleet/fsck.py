@@ -42,6 +42,7 @@ from typing import Any
 from sqlalchemy import delete
 from sqlalchemy.engine import Connection
 
+from mdb.backends import backend_of
 from mdb.backends.base import AreaData, BriefcaseStateRow, documents_of
 from mdb.central.indexes import CentralIndex, registered_indexes
 from mdb.central.reconcile import check as central_check
@@ -55,7 +56,6 @@ from mdb.moves import verify
 from mdb.moves.copy import AreaTable, delete_rows, measure
 from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, area_tables, locked_source
 from mdb.system_tables import STATE_FROZEN, STATE_GONE, STATE_INCOMING, briefcase_state
-from mdb.urls import MONGO, SQL
 
 __all__ = ["Finding", "FsckReport", "fsck"]
 
@@ -251,7 +251,7 @@ def _document_collections(store: Any, area: str) -> list[tuple[str, str]]:
 
 def _documents_differ(store: Any, area: str, server: str, owner: str, gdid: GDID) -> list[str]:
     """Collections whose documents of ``gdid`` on ``server`` the owner lacks or holds differently (empty: a copy)."""
-    if store.map.kind_of(owner) != MONGO:
+    if not backend_of(store.map, owner).holds_documents:
         return [f"the owner {owner!r} is not a MongoDB server"]
     mongo = documents_of(store)
     here, there = mongo.database(server), mongo.database(owner)
@@ -338,7 +338,7 @@ def fsck(store: Any, area: str, *, repair: bool = False) -> FsckReport:
             relocated.setdefault(target, set()).add(g)
     stray: set[GDID] = set()  # briefcases with data off their routed server (the findings: few)
     for server in servers:
-        sql = store.map.kind_of(server) == SQL
+        sql = not backend_of(store.map, server).holds_documents
         scan = scan_of(store, server, data)
         copies = _sql_copies(store, area, server, tables) if sql else _document_copies(store, area, server)
         suspects: list[GDID] = []

@@ -8,15 +8,12 @@ Every scan streams (bounded memory on large shards).
 
 from __future__ import annotations
 
-from sqlalchemy import inspect as sa_inspect
-
-from mdb.backends import backend_of
-from mdb.backends.base import AreaData, AreaScan, BriefcaseSize, HasDocuments, documents_of
+from mdb.backends import backend_of, servers_where
+from mdb.backends.base import AreaData, AreaScan, BriefcaseSize, documents_of
 from mdb.cluster import Cluster
 from mdb.errors import RoutingError
 from mdb.mongo.store import MongoStore
 from mdb.mongo.types import DocumentBriefcaseType
-from mdb.urls import MONGO, SQL
 
 __all__ = ["AreaData", "BriefcaseSize", "area_data", "area_servers", "document_types", "holds_area", "scan_of"]
 
@@ -27,9 +24,12 @@ def document_types(store: Cluster, area: str) -> list[type[DocumentBriefcaseType
     None for an area without MongoDB servers (the Store's MongoDB side is then not even created)
     or a cluster without one.
     """
-    if not isinstance(store, HasDocuments) or all(store.map.kind_of(s) != MONGO for s in store.router.area_servers(area)):
+    if not servers_where(store.map, lambda b: b.holds_documents, store.router.area_servers(area)):
         return []
-    mongo = store.mongo
+    try:
+        mongo = documents_of(store)
+    except TypeError:  # a cluster without a document side
+        return []
     return mongo.types_of(area) if isinstance(mongo, MongoStore) else []
 
 
@@ -59,15 +59,7 @@ def holds_area(store: Cluster, server: str, data: AreaData) -> bool:
 
     A server of another kind than the area's data holds none of it either. One catalog read.
     """
-    kind = store.map.kind_of(server)
-    if kind == SQL and data.tables:
-        with store.transaction(server) as conn:
-            present = set(sa_inspect(conn).get_table_names())
-        return any(table.name in present for table, _ in data.tables)
-    if kind == MONGO and data.collections:
-        names = set(documents_of(store).database(server).list_collection_names())
-        return any(name in names for name, _ in data.collections)
-    return False
+    return backend_of(store.map, server).holds_area(store, server, data)
 
 
 def area_servers(store: Cluster, area: str, data: AreaData | None = None) -> list[str]:

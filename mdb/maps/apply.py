@@ -27,8 +27,8 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from mdb import dberrors
-from mdb.backends import backend_of
-from mdb.backends.base import HasDocuments, ServerSchema
+from mdb.backends import Backend, backend_of, servers_where
+from mdb.backends.base import ServerSchema, documents_of
 from mdb.backends.sql import lock_layout, write_layout
 from mdb.cluster import Cluster
 from mdb.errors import MapEditError, MdbError
@@ -43,7 +43,6 @@ from mdb.partition_map import PartitionMap, read_map_text
 from mdb.router import Router, ShardLayout
 from mdb.schema import create_tables, server_tables
 from mdb.store import Store
-from mdb.urls import MONGO, SQL
 
 __all__ = ["ApplyReport", "StampChange", "apply_map", "live_diff"]
 
@@ -88,6 +87,11 @@ def _fmt_layout(layout: ShardLayout | None) -> str | None:
     return f"[{layout.partition_start}, {layout.partition_end or 'open'}) shard {layout.shard_index} of {layout.shard_count}"
 
 
+def _has_identity(backend: Backend) -> bool:
+    """Servers whose database carries an mdb identity (checked before an apply, recorded after)."""
+    return backend.has_identity
+
+
 def _end_shrinks(live: ShardLayout, new: ShardLayout | None) -> bool:
     """True when ``new`` ends the partition below where ``live`` ends (leaving the area is not shrinking)."""
     if new is None or new.partition_end is None:
@@ -101,11 +105,14 @@ def _documents_for(target: Store, cluster: Cluster) -> None:
     The stamps of MongoDB servers are written through ``target``'s document side; one made
     afresh would reach the servers with the default driver, not the caller's (a test's fake).
     """
-    if not target.map.servers_of_kind(MONGO) or not isinstance(cluster, HasDocuments):
+    if not servers_where(target.map, lambda b: b.holds_documents):
+        return
+    try:
+        mine = documents_of(cluster)
+    except TypeError:  # the caller has no document side to hand on
         return
     from mdb.mongo.store import MongoStore  # MongoDB is an optional plug-in, loaded for a map that has it
 
-    mine = cluster.mongo
     if isinstance(mine, MongoStore):
         MongoStore.attach(target, client_factory=mine.clients.factory, types=mine.types, transactions=mine.clients.force_transactions)
 
@@ -115,7 +122,7 @@ def _prepare(target: Store, router: Router, server: str, layouts: list[ShardLayo
 
     Its stamps are written by the apply's next steps, not here.
     """
-    if target.map.kind_of(server) == MONGO:
+    if backend_of(target.map, server).holds_documents:
         from mdb.mongo.schema import server_collections
 
         _, collections = server_collections(target.mongo, router, server, layouts)
@@ -157,7 +164,7 @@ def _with_identities(diff: MapDiff, cluster: Cluster, new_map: PartitionMap) -> 
     reaches a database other than the one CENTRAL recorded (or its old URL reaches)."""
     target = Store(new_map, types=[])
     try:
-        findings = survey(cluster, target, new_map.servers_of_kind(SQL), old=cluster)
+        findings = survey(cluster, target, servers_where(new_map, _has_identity), old=cluster)
     finally:
         target.close()
     rows = [c for c in map(_identity_change, findings) if c is not None]
@@ -181,7 +188,7 @@ def _adopt_running(cluster: Cluster, new_map: PartitionMap) -> None:
     runs, and record them: a changed URL of such a server is then checked like any other."""
     cluster.refresh()
     records = recorded_identities(cluster)
-    names = [s for s in cluster.map.servers_of_kind(SQL) if s in new_map.servers and s not in records]
+    names = [s for s in servers_where(cluster.map, _has_identity) if s in new_map.servers and s not in records]
     moving = {s for s in names if cluster.map.servers[s].primary != new_map.servers[s].primary}
     adopted = adopt(cluster, [s for s in names if s not in moving])  # a down server stops the apply, as step 1 would
     for name in moving:
@@ -294,11 +301,11 @@ def apply_map(
                 if area in areas and area not in new_layouts.get(server, {}):
                     plan_change.append((server, area, current, None))
 
-        unchecked = [(s, a) for s, a, current, new in plan_change if _end_shrinks(current, new) and new_map.kind_of(s) != SQL]
+        unchecked = [(s, a) for s, a, current, new in plan_change if _end_shrinks(current, new) and not backend_of(new_map, s).rechecks_shrink]
         if unchecked:  # its stored GDIDs cannot be re-checked under a lock that holds off writers
             raise MapEditError(
                 f"map version {new_map.version} not applied: it shrinks the partition end of {unchecked[0][1]!r} on "
-                f"{new_map.kind_of(unchecked[0][0])} server {unchecked[0][0]!r}, which only SQL shards support; nothing was written"
+                f"{backend_of(new_map, unchecked[0][0]).kind} server {unchecked[0][0]!r}, which only SQL shards support; nothing was written"
             )
         undo: list[tuple[str, str, ShardLayout | None]] = []
         try:
@@ -333,7 +340,7 @@ def apply_map(
 
         # the identities of the servers CENTRAL has no record of yet (new ones), recorded before publishing
         records = recorded_identities(cluster)
-        record_identities(cluster, adopt(target, [s for s in new_map.servers_of_kind(SQL) if s not in records]))
+        record_identities(cluster, adopt(target, [s for s in servers_where(new_map, _has_identity) if s not in records]))
 
         # 6. publish
         server = maps_server(new_map)

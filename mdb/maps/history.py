@@ -18,12 +18,12 @@ from sqlalchemy import Column, DateTime, Integer, Table, Text, func, select
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.exc import DBAPIError
 
+from mdb.backends import backend_of
 from mdb.cluster import Cluster
 from mdb.dberrors import translated
 from mdb.partition_map import PartitionMap, parse_map, sqlite_file
 from mdb.router import Router
 from mdb.system_tables import central_metadata
-from mdb.urls import MONGO
 
 __all__ = [
     "AppliedMap",
@@ -70,7 +70,7 @@ def _no_history_there(pmap: PartitionMap, server: str) -> bool:
     """True when ``server`` cannot hold a map history: a MongoDB CENTRAL (history is kept on
     SQL CENTRAL servers only), or a SQLite file that does not exist yet (asking would create
     an empty database file, and its folder, as a side effect of a read-only command)."""
-    return pmap.kind_of(server) == MONGO or _sqlite_file_missing(pmap, server)
+    return not backend_of(pmap, server).keeps_records or _sqlite_file_missing(pmap, server)
 
 
 def _sqlite_file_missing(pmap: PartitionMap, server: str) -> bool:

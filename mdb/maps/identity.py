@@ -32,6 +32,7 @@ from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
+from mdb.backends import backend_of
 from mdb.backends.sql import create_tables
 from mdb.cluster import Cluster
 from mdb.errors import DuplicateRowError, MdbError
@@ -39,7 +40,7 @@ from mdb.maps.history import maps_server
 from mdb.parallel import DEFAULT_PARALLEL, run_each
 from mdb.partition_map import PartitionMap, sqlite_file
 from mdb.system_tables import central_metadata, shard_metadata
-from mdb.urls import SQL, mask_url
+from mdb.urls import mask_url
 
 __all__ = [
     "IdentityFinding",
@@ -159,7 +160,7 @@ def record_identities(cluster: Cluster, found: Mapping[str, tuple[str, str]]) ->
         return []
     pmap = cluster.map
     server = maps_server(pmap)
-    if pmap.kind_of(server) != SQL:
+    if not backend_of(pmap, server).keeps_records:
         return []  # the history, and the records beside it, live on SQL CENTRAL servers only
     with cluster.transaction(server) as conn:
         create_tables(conn, [server_ids])
@@ -193,7 +194,7 @@ def identity_problem(server: str, url: str, live: str | None, recorded: Recorded
 
 def _not_sql_or_missing(pmap: PartitionMap, server: str) -> bool:
     """A server whose identity cannot be read without a side effect: not SQL, or a SQLite file not there yet."""
-    if pmap.kind_of(server) != SQL:
+    if not backend_of(pmap, server).has_identity:
         return True
     database = sqlite_file(pmap.servers[server].primary)
     return database is not None and not Path(database).exists()
@@ -227,7 +228,7 @@ def survey(
     def one(name: str) -> IdentityFinding:
         url = mask_url(pmap.servers[name].primary)
         recorded = known.get(name)
-        if pmap.kind_of(name) != SQL:
+        if not backend_of(pmap, name).has_identity:
             return IdentityFinding(name, url, None, recorded, "not-checked")
         try:
             live = _live(reach, name)
@@ -236,7 +237,7 @@ def survey(
                                    f"server {name!r}: its identity cannot be read at {url}: {exc}", exc)
         if recorded is None and old is not None and name in old.map.servers:
             before = old.map.servers[name].primary
-            if before != pmap.servers[name].primary and old.map.kind_of(name) == SQL:
+            if before != pmap.servers[name].primary and backend_of(old.map, name).has_identity:
                 try:
                     was = _live(old, name)
                 except (MdbError, DBAPIError) as exc:  # the old address is gone: nothing to compare with

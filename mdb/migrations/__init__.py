@@ -18,4 +18,6 @@ Store in with it):
   loop (canary, parallel, stop on failure, ledger) every kind of area shares;
 * :mod:`mdb.migrations.documents` -- document areas (MongoDB): their declared indexes, created
   and dropped on every server by the same loop.
+* :mod:`mdb.migrations.rollout` -- one ``migrate up|down`` over every area: each way of
+  migrating (histories, declared indexes) chosen by the capabilities of the areas' servers.
 """

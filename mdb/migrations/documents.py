@@ -34,14 +34,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from mdb.backends.base import HasDocuments
+from mdb.backends import backend_of, documents_of
 from mdb.cluster import Cluster
 from mdb.errors import MdbError, MigrationError
 from mdb.faults import fault_point
 from mdb.migrations.fleet import ALREADY, DONE, FAILED, PLANNED, MigrationRun, ServerResult, Target, roll_out, targets
 from mdb.mongo.store import MongoStore
 from mdb.parallel import DEFAULT_PARALLEL, run_each
-from mdb.urls import MONGO
 
 __all__ = [
     "MANAGED",
@@ -108,9 +107,12 @@ def _canonical(value: Any) -> Any:
 
 def _mongo(cluster: Cluster) -> MongoStore:
     """The cluster's document side; a map with MongoDB servers but no document side attached is refused."""
-    mongo = cluster.mongo if isinstance(cluster, HasDocuments) else None
+    try:
+        mongo = documents_of(cluster)
+    except TypeError:
+        mongo = None
     if not isinstance(mongo, MongoStore):
-        raise MigrationError("this cluster has MongoDB servers but no document side attached (store.mongo)")
+        raise MigrationError("this cluster has MongoDB servers but no document side attached (MongoStore.attach)")
     return mongo
 
 
@@ -118,7 +120,7 @@ def document_areas(cluster: Cluster) -> list[str]:
     """The areas whose shards are MongoDB servers, in map order."""
     router = cluster.router
     return [a for a in router.area_names()
-            if router.area_servers(a) and all(cluster.map.kind_of(s) == MONGO for s in router.area_servers(a))]
+            if router.area_servers(a) and all(backend_of(cluster.map, s).declares_indexes for s in router.area_servers(a))]
 
 
 def _areas(cluster: Cluster, areas: list[str] | None) -> list[str]:
@@ -133,7 +135,7 @@ def _areas(cluster: Cluster, areas: list[str] | None) -> list[str]:
 
 def document_targets(cluster: Cluster, areas: list[str] | None = None) -> list[Target]:
     """Every (document area, MongoDB server) holding the area's collections: shards, spares, relocation targets."""
-    return targets(cluster, _areas(cluster, areas), kind=MONGO)
+    return targets(cluster, _areas(cluster, areas), capable=lambda b: b.declares_indexes)
 
 
 def declared_indexes(cluster: Cluster, area: str) -> list[DeclaredIndex]:

@@ -38,6 +38,7 @@ from alembic.script.revision import RangeNotAncestorError, RevisionError
 from alembic.util.exc import CommandError
 from sqlalchemy.exc import DBAPIError
 
+from mdb.backends import Backend, backend_of
 from mdb.cluster import Cluster
 from mdb.dberrors import describe
 from mdb.dialects import sql_dialect
@@ -48,7 +49,6 @@ from mdb.migrations.revisions import current_revision, lock_out_moves, version_t
 from mdb.migrations.scripts import area_dir, area_tables, one_head, open_history
 from mdb.parallel import DEFAULT_PARALLEL, run_each
 from mdb.schema_diff import Difference, compare_tables
-from mdb.urls import SQL
 
 __all__ = [
     "DEFAULT_LOCK_TIMEOUT",
@@ -89,7 +89,9 @@ def _spares(cluster: Cluster) -> list[str]:
     return [s for s in cluster.map.servers if s not in used]
 
 
-def targets(cluster: Cluster, areas: list[str] | None = None, kind: str = SQL) -> list[Target]:
+def targets(
+    cluster: Cluster, areas: list[str] | None = None, capable: Callable[[Backend], bool] = lambda b: b.follows_histories
+) -> list[Target]:
     """Every (area, server of ``kind``) holding the area's tables (collections): shards, spares, relocation targets; map order."""
     router = cluster.router
     spares = _spares(cluster)
@@ -108,7 +110,7 @@ def targets(cluster: Cluster, areas: list[str] | None = None, kind: str = SQL) -
         for moved_area, server in sorted(router.relocation_reach):
             if moved_area == area:
                 add(server, "relocation target")
-        out += [Target(area, s, tuple(r)) for s, r in roles.items() if cluster.map.kind_of(s) == kind]
+        out += [Target(area, s, tuple(r)) for s, r in roles.items() if capable(backend_of(cluster.map, s))]
     return out
 
 
@@ -209,9 +211,9 @@ class FleetStatus:
 
 
 def _central_sql(cluster: Cluster) -> str | None:
-    """The CENTRAL server that keeps the ledger, or None when CENTRAL is not SQL (no ledger then)."""
+    """The CENTRAL server that keeps the ledger, or None when CENTRAL keeps no records (MongoDB: no ledger then)."""
     central = cluster.router.central_servers()
-    return central[0] if central and cluster.map.kind_of(central[0]) == SQL else None
+    return central[0] if central and backend_of(cluster.map, central[0]).keeps_records else None
 
 
 def fleet_status(

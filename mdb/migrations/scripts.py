@@ -31,10 +31,10 @@ from alembic.util.exc import CommandError
 from sqlalchemy import MetaData, Table
 from sqlalchemy.engine import Connection
 
+from mdb.backends import backend_of
 from mdb.cluster import Cluster
 from mdb.errors import MigrationError
 from mdb.migrations.revisions import stamp_revision, version_table
-from mdb.urls import SQL
 
 __all__ = ["area_dir", "area_tables", "make_revision", "one_head", "open_history", "scripts_root", "stamp_created"]
 
@@ -162,7 +162,7 @@ def make_revision(
         if not tables:
             raise MigrationError(f"area {area!r}: no briefcase types are known (list their modules under models: in the map, or --models)")
         server = reference or cluster.router.area_servers(area)[0]
-        if cluster.map.kind_of(server) != SQL:
+        if not backend_of(cluster.map, server).follows_histories:
             raise MigrationError(f"reference server {server!r} is not a SQL server")
         metadatas: list[MetaData] = list(dict.fromkeys(t.metadata for t in tables))
         def retrieve(revision: Any, context: MigrationContext) -> list[Any]:
@@ -219,7 +219,7 @@ def stamp_new_servers(cluster: Cluster, created: Mapping[str, Sequence[str]], ro
     """
     done: list[tuple[str, str, str]] = []
     for server, tables in created.items():
-        if not tables or cluster.map.kind_of(server) != SQL:
+        if not tables or not backend_of(cluster.map, server).follows_histories:
             continue
         for area in cluster.map.areas:
             names = [t.name for t in area_tables(cluster, area)]

@@ -19,7 +19,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from mdb import telemetry
-from mdb.backends import open_routed
+from mdb.backends import open_routed, servers_where
 from mdb.cluster import Cluster
 from mdb.errors import MdbError, QueryError, RetryableError, RoutingError
 from mdb.fanout import ShardFailure, SortKey, SortTerm, fan_out_servers, gather, merge_sorted
@@ -32,7 +32,6 @@ from mdb.mongo.types import DocumentBriefcaseType, encode, registered_document_t
 from mdb.ownership import check_ownership
 from mdb.retry import RoutedOpen
 from mdb.router import Placement, Router
-from mdb.urls import MONGO
 
 
 
@@ -243,7 +242,7 @@ class MongoStore:
             if d not in (1, -1):
                 raise QueryError(f"fan-out on {area}.{collection}: sort direction of {f!r} must be 1 or -1, got {d!r}")
         router = self.store.router
-        servers = [s for s in fan_out_servers(router, area) if router.map.kind_of(s) == MONGO]
+        servers = servers_where(router.map, lambda b: b.holds_documents, fan_out_servers(router, area))
         per_shard = None if limit is None else limit + skip
 
         def run(server: str) -> list[dict[str, Any]]:
@@ -270,9 +269,7 @@ class MongoStore:
             raise QueryError(f"fan-out: area {area!r} has no document collection {collection!r}")
         total = 0
         router = self.store.router
-        for server in fan_out_servers(router, area):
-            if router.map.kind_of(server) != MONGO:
-                continue
+        for server in servers_where(router.map, lambda b: b.holds_documents, fan_out_servers(router, area)):
             with telemetry.fanout_shard(server):
                 db = self.database(server)
                 where: dict[str, Any] = encode(dict(filter or {}))
