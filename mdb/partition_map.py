@@ -40,6 +40,7 @@ __all__ = [
     "PartitionSpec",
     "RangeSetSpec",
     "ServerSpec",
+    "absolute_start",
     "MAX_ALIAS_NODES",
     "MAX_DEPTH",
     "MAX_MAP_BYTES",
@@ -136,6 +137,17 @@ class PartitionSpec(_Strict):
 class RangeSetSpec(_Strict):
     breakpoint: GDID
     partitions: tuple[PartitionSpec, ...] = Field(min_length=1)
+
+    def absolute_starts(self) -> tuple[int, ...]:
+        """Each partition's start as a sharding value (see :func:`absolute_start`)."""
+        return tuple(absolute_start(self.breakpoint, p.start) for p in self.partitions)
+
+
+def absolute_start(breakpoint: GDID, offset: GDID) -> int:
+    """A partition's start as a sharding value: its ``start`` is an offset from its range set's
+    breakpoint (docs/partition-map.md). The one place this rule is written; the router, the
+    validator, the diff and the inspectors ask it."""
+    return breakpoint.sharding_value + offset.sharding_value
 
 
 class AreaSpec(_Strict):
@@ -667,7 +679,7 @@ def _semantic_problems(m: PartitionMap) -> list[tuple[Path_, str]]:
                     problems.append((p_path + ("start",), f"{kind} partition start {part.start}: starts must strictly increase (previous is {rs.partitions[p - 1].start})"))
                 if r > 0 and p == 0 and part.start.sharding_value != 0:
                     problems.append((p_path + ("start",), f"the first partition of range set {rs.breakpoint} must start at offset 0:0:0, or the GDIDs from the breakpoint up to {part.start} past it could not be routed"))
-                absolute = rs.breakpoint.sharding_value + part.start.sharding_value
+                absolute = absolute_start(rs.breakpoint, part.start)
                 if absolute > _MAX_SHARDING_VALUE:
                     problems.append((p_path + ("start",), f"partition start {part.start} (offset from breakpoint {rs.breakpoint}) lies past the largest GDID"))
                 if limit is not None and absolute >= limit:

@@ -13,14 +13,23 @@ import threading
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import FrozenInstanceError, dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from mdb.errors import RoutingError
 from mdb.fnv import fnv1a_64, fnv1a_64_many
 from mdb.gdid import GDID
 from mdb.partition_map import PartitionMap
 
-__all__ = ["CentralPlacement", "Placement", "Reach", "Router", "ShardLayout", "fnv1a_64", "fnv1a_64_many"]  # the hash: mdb.fnv
+__all__ = ["CentralPlacement", "Placement", "Reach", "Router", "ShardLayout", "fnv1a_64", "fnv1a_64_many", "shard_in"]  # the hash: mdb.fnv
+
+
+_T = TypeVar("_T")
+
+
+def shard_in(shards: Sequence[_T], gdid: GDID) -> _T:
+    """The server of ``shards`` (one partition's ordered list) that owns ``gdid``: ``value mod
+    shard count``. The rule every layout uses, the map's and a reshard's new one alike."""
+    return shards[gdid.sharding_value % len(shards)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,8 +350,7 @@ class Router:
             sets = []
             specs = area.effective_range_sets()
             for r, rs in enumerate(specs):
-                base = rs.breakpoint.sharding_value
-                starts = [base + p.start.sharding_value for p in rs.partitions]
+                starts = list(rs.absolute_starts())
                 set_end = specs[r + 1].breakpoint.sharding_value if r + 1 < len(specs) else None
                 ends = [*starts[1:], set_end]
                 parts = tuple(
@@ -444,8 +452,7 @@ class Router:
         p = bisect_right(rs.starts, v) - 1
         if p < 0:
             raise RoutingError(f"GDID {gdid} is below the first partition start {rs.partitions[0].start} of area {area!r}")
-        shards = rs.placed[p]
-        return shards[v % len(shards)]
+        return shard_in(rs.placed[p], gdid)
 
     def default_placement(self, area: str, gdid: GDID) -> Placement:
         """Where the map puts ``gdid``, ignoring relocations."""
@@ -545,6 +552,32 @@ class Router:
         for rs in sets:
             for part in rs.partitions:
                 yield part.start, part.end, part.shards
+
+    def partition(self, area: str, start: GDID) -> tuple[GDID, GDID | None, tuple[str, ...]]:
+        """The partition of ``area`` that starts at ``start`` (absolute): (start, end or None, shards)."""
+        starts = []
+        for s, e, shards in self.partitions(area):
+            if s == start:
+                return s, e, shards
+            starts.append(str(s))
+        raise RoutingError(f"area {area!r} has no partition starting at {start} (starts: {', '.join(starts)})")
+
+    def partition_member(self, area: str, start: GDID) -> Callable[[GDID], bool]:
+        """Whether the map puts a GDID in the partition of ``area`` starting at ``start``.
+
+        A reshard plan asks this of every key of the partition, so it compares the partition's
+        bounds directly instead of building a Placement per key. The zero GDID raises, as
+        routing it does."""
+        pstart, pend, _ = self.partition(area, start)
+        low, high = pstart.sharding_value, None if pend is None else pend.sharding_value
+
+        def member(gdid: GDID) -> bool:
+            v = gdid.sharding_value
+            if not v and gdid.is_zero:
+                self._shard(area, gdid)  # raises: the zero GDID means 'none', it routes nowhere
+            return low <= v and (high is None or v < high)
+
+        return member
 
     def layouts(self) -> Iterator[tuple[str, ShardLayout]]:
         """(server, layout) for every shard of every area, CENTRAL included: what to stamp."""

@@ -28,7 +28,7 @@ from mdb.demo.models import User, UserBriefcase
 from mdb.errors import RoutingError
 from mdb.gdid import GDID
 from mdb.moves import plan as plan_module
-from mdb.moves.plan import PartitionScan, ReshardPlan, ServerScan, find_partition, partition_filter, plan_reshard, scan_for
+from mdb.moves.plan import PartitionScan, ReshardPlan, ServerScan, plan_reshard, scan_for
 from mdb.moves.sql_steps import set_state
 from mdb.partition_map import parse_map
 from mdb.router import Router
@@ -255,12 +255,11 @@ def test_partition_filter_takes_exactly_what_the_router_puts_in_the_partition(er
     assume(not g.is_zero)
     home = router.default_placement("user", g).partition_start
     for start, _end, _shards in router.partitions("user"):
-        _, end, _ = find_partition(router, "user", start)
-        assert partition_filter(router, "user", start, end)(g) == (start == home), (g, start, end, home)
+        assert router.partition_member("user", start)(g) == (start == home), (g, start, home)
 
 
 def test_partition_filter_refuses_the_zero_gdid_as_routing_does() -> None:
     router = Router(parse_map(RANGE_SETS_MAP, "range-sets.yaml"))
-    start, end, _ = find_partition(router, "user", GDID(0, 0, 0))
+    start, _, _ = router.partition("user", GDID(0, 0, 0))
     with pytest.raises(RoutingError, match="zero GDID"):
-        partition_filter(router, "user", start, end)(GDID.ZERO)
+        router.partition_member("user", start)(GDID.ZERO)

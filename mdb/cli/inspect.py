@@ -97,9 +97,8 @@ def _partition_rows(pmap: PartitionMap) -> list[dict[str, Any]]:
     rows = []
     for area in Router(pmap).area_names():
         for rs in pmap.areas[area].effective_range_sets():
-            base = rs.breakpoint.sharding_value
-            for part in rs.partitions:
-                start = GDID.from_sharding_value(base + part.start.sharding_value)
+            for part, start_v in zip(rs.partitions, rs.absolute_starts(), strict=True):
+                start = GDID.from_sharding_value(start_v)
                 rows.append({"area": area, "range_set": str(rs.breakpoint), "start": str(start), "shards": list(part.shards)})
     return rows
 

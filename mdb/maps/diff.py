@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from mdb.errors import MapEditError
 from mdb.gdid import GDID
-from mdb.partition_map import AreaSpec, PartitionMap, RangeSetSpec, ServerSpec
+from mdb.partition_map import AreaSpec, PartitionMap, RangeSetSpec, ServerSpec, absolute_start
 from mdb.urls import mask_url
 
 __all__ = ["MapChange", "MapDiff", "Verdict", "diff_maps"]
@@ -217,16 +217,16 @@ class _Differ:
                      f"{len(rs.partitions)} partition(s)", ok, reason)
 
     def _range_set(self, name: str, old: RangeSetSpec, new: RangeSetSpec, hw: GDID | None) -> None:
-        base = old.breakpoint.sharding_value
+        bp = old.breakpoint
         old_parts = {p.start.sharding_value: p for p in old.partitions}
         new_parts = {p.start.sharding_value: p for p in new.partitions}
         gone = [p for p in old.partitions if p.start.sharding_value not in new_parts]
         came = [p for p in new.partitions if p.start.sharding_value not in old_parts]
         paired = len(gone) == len(came) and bool(gone)
         for i, p in enumerate(gone):
-            start = _gdid_v(base + p.start.sharding_value)
+            start = _gdid_v(absolute_start(bp, p.start))
             if paired:
-                moved = _gdid_v(base + came[i].start.sharding_value)
+                moved = _gdid_v(absolute_start(bp, came[i].start))
                 self.add("partition-start-changed", f"area {name} partition {start}", str(start), str(moved), False,
                          f"partition start {start} changes to {moved}: GDIDs between them would change partition")
             else:
@@ -234,14 +234,14 @@ class _Differ:
                          f"partition {start} is removed: its GDIDs would re-route to the partition below")
         if not paired:
             for p in came:
-                start_v = base + p.start.sharding_value
+                start_v = absolute_start(bp, p.start)
                 ok, reason = self._above_mark(name, start_v, hw, f"partition {_gdid_v(start_v)}")
                 self.add("partition-added", f"area {name} partition {_gdid_v(start_v)}", None, _fmt_shards(p.shards), ok, reason)
         for v, p in old_parts.items():
             q = new_parts.get(v)
             if q is None or q.shards == p.shards:
                 continue
-            start = _gdid_v(base + v)
+            start = _gdid_v(absolute_start(bp, p.start))
             subject = f"area {name} partition {start}"
             if self.allow is not None and self.allow[0] == name and self.allow[1].sharding_value == start.sharding_value:
                 self.reshard_found = True

@@ -22,7 +22,7 @@ from sqlalchemy.exc import ArgumentError
 
 from mdb.errors import MapEditError, RoutingError
 from mdb.gdid import GDID
-from mdb.partition_map import PartitionMap, parse_map, safe_yaml_load
+from mdb.partition_map import PartitionMap, absolute_start, parse_map, safe_yaml_load
 from mdb.urls import mask_url
 
 __all__ = ["backup_map_file", "literal_secrets", "new_map_text", "recordable_yaml", "rewrite_map_file", "write_map_file"]
@@ -121,9 +121,9 @@ def new_map_text(current_text: str, area: str, start: GDID, new_shards: list[str
         raise RoutingError(f"the map has no area {area!r}")
     sets = spec.get("range_sets") or [{"breakpoint": "0:0:0", "partitions": spec.get("partitions", [])}]
     for rs in sets:
-        base = GDID.parse(str(rs["breakpoint"])).sharding_value
+        breakpoint = GDID.parse(str(rs["breakpoint"]))
         for part in rs["partitions"]:
-            if GDID.from_sharding_value(base + GDID.parse(str(part["start"])).sharding_value) == start:
+            if absolute_start(breakpoint, GDID.parse(str(part["start"]))) == start.sharding_value:
                 part["shards"] = list(new_shards)
                 data["version"] = version
                 return yaml.safe_dump(data, sort_keys=False)

@@ -29,13 +29,14 @@ from sqlalchemy.engine import Connection
 from mdb.cluster import Cluster
 from mdb.errors import MdbError, RoutingError
 from mdb.gdid import GDID
+from mdb.router import shard_in
 from mdb.moves.copy import AreaTable, is_postgres
 from mdb.moves.sql_steps import area_tables, check_schemas
 from mdb.system_tables import STATE_INCOMING, briefcase_state
 from mdb.urls import SQL
 
 __all__ = [
-    "COUNT_BLOCK", "PartitionScan", "PlannedMove", "ReshardPlan", "ServerScan", "SqlPartitionScan", "find_partition", "partition_filter", "plan_reshard",
+    "COUNT_BLOCK", "PartitionScan", "PlannedMove", "ReshardPlan", "ServerScan", "SqlPartitionScan", "plan_reshard",
     "register_scan", "scan_for",
 ]
 
@@ -270,31 +271,6 @@ class ReshardPlan:
         }
 
 
-def find_partition(router: Any, area: str, start: GDID) -> tuple[GDID, GDID | None, list[str]]:
-    starts = []
-    for s, e, shards in router.partitions(area):
-        if s == start:
-            return s, e, list(shards)
-        starts.append(str(s))
-    raise RoutingError(f"area {area!r} has no partition starting at {start} (starts: {', '.join(starts)})")
-
-
-def partition_filter(router: Any, area: str, start: GDID, end: GDID | None) -> Callable[[GDID], bool]:
-    """Whether the map puts a GDID in the partition [``start``, ``end``) of ``area`` (absolute,
-    as :func:`find_partition` gives them): the range the router bisects, compared directly.
-    A plan asks this of every key of the partition; building each key's Placement to read its
-    partition cost more than reading the key. The zero GDID raises, as routing it does."""
-    low, high = start.sharding_value, None if end is None else end.sharding_value
-
-    def in_partition(gdid: GDID) -> bool:
-        v = gdid.sharding_value
-        if not v and gdid.is_zero:
-            router.default_placement(area, gdid)  # raises: the zero GDID means 'none', it routes nowhere
-        return low <= v and (high is None or v < high)
-
-    return in_partition
-
-
 def plan_reshard(store: Cluster, scan: PartitionScan, area: str, start: GDID, new_shards: list[str], *, keep_moves: bool = True) -> ReshardPlan:
     """Enumerate the partition's briefcases where they live now, pick those whose shard changes, count their rows.
 
@@ -306,16 +282,16 @@ def plan_reshard(store: Cluster, scan: PartitionScan, area: str, start: GDID, ne
     keeps the totals only: bounded memory (one block per server).
     """
     router = store.router
-    pstart, pend, old_shards = find_partition(router, area, start)
-    plan = ReshardPlan(area, pstart, pend, old_shards, list(new_shards))
+    pstart, pend, old = router.partition(area, start)
+    plan = ReshardPlan(area, pstart, pend, list(old), list(new_shards))
 
-    in_partition = partition_filter(router, area, pstart, pend)
+    in_partition = router.partition_member(area, start)
 
     low, high = pstart.sharding_value, None if pend is None else pend.sharding_value
     # the directory's summary per target server, not its entries: a plan between two sweeps of a
     # reshard would otherwise hold one entry per briefcase the sweeps moved
     relocated_to = {srv for (a, srv), reach in router.relocation_reach.items() if a == area and reach.overlaps(low, high)}
-    servers = list(dict.fromkeys([*old_shards, *sorted(relocated_to), *new_shards]))
+    servers = list(dict.fromkeys([*old, *sorted(relocated_to), *new_shards]))
     movers: dict[str, list[tuple[GDID, str]]] = {server: [] for server in servers}  # (briefcase, target), awaiting counts
 
     units = scan.units
@@ -338,7 +314,7 @@ def plan_reshard(store: Cluster, scan: PartitionScan, area: str, start: GDID, ne
                 raise RoutingError(f"briefcase {area}/{g} has rows on both {last[1]!r} and {read.server!r}: run `mdb where` and `mdb moves resume` first")
             last = (key, read.server)
             plan.briefcases_in_partition += 1
-            target = new_shards[g.sharding_value % len(new_shards)]
+            target = shard_in(new_shards, g)
             if target != read.server:
                 movers[read.server].append((g, target))
                 if len(movers[read.server]) >= COUNT_BLOCK:

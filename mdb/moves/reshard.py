@@ -40,7 +40,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from mdb.backends import backend_of
 from mdb.cluster import Cluster
@@ -60,7 +60,7 @@ from mdb.moves.journal import ABORTED, DONE, RUNNING, Journal, JournalEntry, new
 from mdb.moves.lease import check_stop, describe_liveness, fenced_servers, hold
 from mdb.moves.status import RateWindow
 from mdb.moves.throttle import Throttle, ThrottleSettings
-from mdb.moves.plan import PartitionScan, PlannedMove, ReshardPlan, find_partition, plan_reshard, scan_for
+from mdb.moves.plan import PartitionScan, PlannedMove, ReshardPlan, plan_reshard, scan_for
 from mdb.moves.batch import BatchMove, hold_schemas
 from mdb.moves.gate import CutoverGate
 from mdb.moves.move import DEFAULT_MAX_PAUSE, GONE, MoveResult, check_max_pause, move_briefcase
@@ -216,7 +216,7 @@ def _validate(store: Cluster, area: str, start: GDID, new_shards: list[str]) -> 
         raise RoutingError(f"--shards lists a server twice: {new_shards}")
 
 
-def _same_kind(store: Cluster, area: str, old: list[str], new_shards: list[str]) -> None:
+def _same_kind(store: Cluster, area: str, old: Sequence[str], new_shards: Sequence[str]) -> None:
     """A partition's shards are of one kind: a reshard never moves briefcases between kinds."""
     kind = store.map.kind_of(old[0])
     other = [s for s in new_shards if store.map.kind_of(s) != kind]
@@ -237,7 +237,7 @@ def parallel_for(store: Cluster, area: str, start: GDID, new_shards: list[str], 
     if parallel <= 1:
         return parallel, []
     store.refresh()
-    _, _, old = find_partition(store.router, area, start)
+    _, _, old = store.router.partition(area, start)
     known = [s for s in dict.fromkeys([*old, *new_shards]) if s in store.map.servers]
     sqlite = [s for s in known if store.engines.is_sqlite(s)]
     return (1, sqlite) if sqlite else (parallel, [])
@@ -273,11 +273,11 @@ def reshard(
         raise MdbError(f"batch pause must be between 0 and the max pause ({max_pause}s), got {batch_pause!r}")
     store.refresh()
     _validate(store, area, start, new_shards)
-    _, _, old = find_partition(store.router, area, start)
+    _, _, old = store.router.partition(area, start)
     scan = scan_for(store, area, old[0])
     _same_kind(store, area, old, new_shards)
-    if old == list(new_shards):
-        raise RoutingError(f"partition {start} of area {area!r} already has shards {old}")
+    if list(old) == list(new_shards):
+        raise RoutingError(f"partition {start} of area {area!r} already has shards {list(old)}")
     journal = Journal(store)
     busy = [e for e in journal.entries(unfinished=True) if e.area == area]
     if busy:
@@ -837,7 +837,7 @@ def _cleanup(store: Cluster, area: str, start: GDID) -> None:
     fault_point("reshard.after_clear_relocations")
     store.refresh()
     router = store.router
-    _, _, shards = find_partition(router, area, start)
+    _, _, shards = router.partition(area, start)
 
     for server in shards:
         def redundant(g: GDID, server: str = server) -> bool:
