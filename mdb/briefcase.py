@@ -29,15 +29,18 @@ from sqlalchemy.exc import NoInspectionAvailable
 
 from mdb.errors import GDIDError, SchemaError
 from mdb.gdid import sequence_key
+from mdb.registry import Kind, Registry, default_registry
 from mdb.sqltypes import GDIDType
 
 __all__ = ["BriefcaseType", "registered_types", "types_by_area"]
 
-_REGISTRY: dict[str, type[BriefcaseType]] = {}
-
 
 class BriefcaseType:
-    """Declare a briefcase type by subclassing; validation runs at class creation."""
+    """Declare a briefcase type by subclassing; validation runs at class creation.
+
+    The type joins the registry named by the class keyword (``class Users(BriefcaseType,
+    registry=reg)``), :data:`mdb.registry.default_registry` otherwise.
+    """
 
     area: ClassVar[str]
     key: ClassVar[str]
@@ -64,7 +67,7 @@ class BriefcaseType:
             return f"briefcase types {cls.__name__} and {other.__name__} of area {cls.area!r} share tables {sorted(shared)}"
         return None
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, registry: Registry | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         name = cls.__name__
         for attr in ("area", "key", "root"):
@@ -91,7 +94,7 @@ class BriefcaseType:
             raise SchemaError(f"briefcase type {name}: a table is listed twice ({', '.join(names)})")
         cls.models = models
         cls.tables = tuple(tables)
-        _REGISTRY[f"{cls.__module__}.{cls.__qualname__}"] = cls
+        (registry or default_registry).add(BRIEFCASE_TYPES, f"{cls.__module__}.{cls.__qualname__}", cls)
 
     @classmethod
     def key_column(cls, table: Table) -> Column[Any]:
@@ -126,9 +129,12 @@ def _check_table(type_name: str, key: str, table: Table, is_root: bool) -> None:
         raise SchemaError(f"{where}: the root table's primary key must be exactly the briefcase key {key!r}")
 
 
-def registered_types() -> list[type[BriefcaseType]]:
-    """Every briefcase type declared so far in this process (the CLI's default set)."""
-    return list(_REGISTRY.values())
+BRIEFCASE_TYPES: Kind[type[BriefcaseType]] = Kind("briefcase type")
+
+
+def registered_types(registry: Registry | None = None) -> list[type[BriefcaseType]]:
+    """Every briefcase type declared so far in ``registry`` (the default one: the CLI's set)."""
+    return (registry or default_registry).items(BRIEFCASE_TYPES)
 
 
 class AreaType(Protocol):

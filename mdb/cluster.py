@@ -22,6 +22,7 @@ from sqlalchemy.engine import Connection
 from mdb.briefcase import BriefcaseType
 from mdb.gdid import GDID
 from mdb.partition_map import PartitionMap
+from mdb.registry import Registry
 from mdb.router import Router
 
 if TYPE_CHECKING:
@@ -52,6 +53,11 @@ class Cluster(Protocol):
     @property
     def engines(self) -> EngineRegistry:
         """The SQL servers' engines (connection budget, pools)."""
+        ...
+
+    @property
+    def registry(self) -> Registry:
+        """The declarations this cluster serves (types, CENTRAL indexes, event logs)."""
         ...
 
     @property

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from sqlalchemy import Table, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Dialect, Engine
+from sqlalchemy.sql.elements import ColumnElement
 
 from mdb.errors import MdbError
 
@@ -43,6 +44,11 @@ class SqlDialect:
     def insert(self, table: Table) -> Any:
         """An INSERT that supports ``on_conflict_do_update`` / ``on_conflict_do_nothing``."""
         raise NotImplementedError
+
+    def bytewise(self, expr: ColumnElement[Any]) -> ColumnElement[Any]:
+        """A string expression compared by its UTF-8 bytes, the order a fan-out merges shard
+        results in (SQLite's default BINARY collation already is that order)."""
+        return expr
 
     def gdid_literal(self, hex_digits: str) -> str:
         """A 12-byte GDID as an SQL literal of the binary column type."""
@@ -104,6 +110,9 @@ class PostgresDialect(SqlDialect):
 
     def gdid_literal(self, hex_digits: str) -> str:
         return f"'\\x{hex_digits}'::bytea"
+
+    def bytewise(self, expr: ColumnElement[Any]) -> ColumnElement[Any]:
+        return expr.collate("C")  # the database's collation may be locale-aware
 
     def snapshot(self, conn: Connection, *, read_only: bool = False) -> None:
         conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ" + (", READ ONLY" if read_only else ""))

@@ -27,8 +27,9 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from decimal import Decimal
+from functools import partial
 from itertools import chain, islice
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from sqlalchemy import Enum, String, and_, func, or_, select, text
 from sqlalchemy import inspect as sa_inspect
@@ -45,6 +46,7 @@ from sqlalchemy.sql.selectable import Alias, Join, Select
 from mdb import telemetry
 from mdb.backends import Servers, backend_of
 from mdb.dberrors import translated
+from mdb.dialects import SqlDialect, sql_dialect
 from mdb.engines import one_statement
 from mdb.errors import CapacityError, MdbError, QueryError
 from mdb.gdid import GDID, MAX_AUTHORITY, MAX_COUNTER, MAX_ERA
@@ -288,7 +290,7 @@ def _is_string(expr: ColumnElement[Any]) -> bool:
     return isinstance(expr.type, String) and not isinstance(expr.type, Enum)
 
 
-def _shard_order_by(orders: list[_Order], backend: str) -> list[ColumnElement[Any]]:
+def _shard_order_by(orders: list[_Order], dialect: SqlDialect) -> list[ColumnElement[Any]]:
     """ORDER BY terms for a shard: explicit NULL placement; binary string order on PostgreSQL.
 
     The merge compares Python values, and Python orders str by code point: PostgreSQL's
@@ -297,8 +299,8 @@ def _shard_order_by(orders: list[_Order], backend: str) -> list[ColumnElement[An
     terms: list[ColumnElement[Any]] = []
     for o in orders:
         expr = o.sql
-        if backend == "postgresql" and _is_string(expr):
-            expr = expr.collate("C")
+        if _is_string(expr):
+            expr = dialect.bytewise(expr)
         term = expr.desc() if o.descending else expr.asc()
         terms.append(term.nulls_first() if o.nulls_first else term.nulls_last())
     return terms
@@ -402,14 +404,14 @@ def plan_fan_out(
         backend = cluster.engines.backend(server)
         query = per_backend.get(backend)
         if query is None:
-            shard = build(backend)
+            shard = build(sql_dialect(backend))
             orm = _selects_entities(shard)
             query = per_backend[backend] = ShardQuery(shard, orm, not orm or _single_query(shard))
         queries[server] = query
     return FanOutPlan(servers, queries, merge)
 
 
-def _rows_plan(statement: Select[Any], restricted: Select[Any]) -> tuple[Callable[[str], Select[Any]], Callable[[list[list[Row[Any]]]], list[Row[Any]]]]:
+def _rows_plan(statement: Select[Any], restricted: Select[Any]) -> tuple[Callable[[SqlDialect], Select[Any]], Callable[[list[list[Row[Any]]]], list[Row[Any]]]]:
     """(per-backend shard statement, merge) of a row fan-out: ``LIMIT limit+offset`` per shard,
     a heap merge of the sorted streams, OFFSET/LIMIT once."""
     _refuse_aggregates(statement)
@@ -417,12 +419,12 @@ def _rows_plan(statement: Select[Any], restricted: Select[Any]) -> tuple[Callabl
     limit, offset = _limits(statement)
     key = _row_key(orders) if orders else None
 
-    def build(backend: str) -> Select[Any]:
+    def build(dialect: SqlDialect) -> Select[Any]:
         shard = restricted.offset(None)
         if limit is not None:
             shard = shard.limit(limit + offset)
         if orders:
-            shard = shard.order_by(None).order_by(*_shard_order_by(orders, backend))
+            shard = shard.order_by(None).order_by(*_shard_order_by(orders, dialect))
         return shard
 
     return build, lambda per_shard: merge_sorted(per_shard, key, offset, limit)
@@ -760,12 +762,13 @@ def _refuse_uncombinable(kind: str, fn: FunctionElement[Any]) -> None:
 
 def _aggregate_columns(
     statement: Select[Any],
-) -> tuple[list[str], list[ColumnElement[Any]], list[_AggSpec], dict[int, ColumnElement[Any]]]:
-    """(result names, per-shard columns, how to combine each result column, PostgreSQL's replacement columns).
+) -> tuple[list[str], list[ColumnElement[Any]], list[_AggSpec], dict[int, Callable[[SqlDialect], ColumnElement[Any]]]]:
+    """(result names, per-shard columns, how to combine each result column, the columns each
+    dialect builds for itself).
 
-    min/max of a string on a PostgreSQL shard reads ``COLLATE "C"``: the combine step compares
-    Python strings (code points), as the row merge does, and a shard answering in its own
-    collation would make that a mix of two orders.
+    min/max of a string reads bytewise on every shard (:meth:`SqlDialect.bytewise`, ``COLLATE
+    "C"`` on PostgreSQL): the combine step compares Python strings (code points), as the row
+    merge does, and a shard answering in its own collation would make that a mix of two orders.
     """
     if statement._having_criteria:
         raise QueryError("fan-out aggregates cannot apply HAVING to per-shard partial groups; filter the combined rows")
@@ -779,7 +782,7 @@ def _aggregate_columns(
     shard_columns: list[ColumnElement[Any]] = []
     specs: list[_AggSpec] = []
     grouped: list[ColumnElement[Any]] = []
-    postgresql: dict[int, ColumnElement[Any]] = {}
+    bytewise: dict[int, Callable[[SqlDialect], ColumnElement[Any]]] = {}
     calls = 0
     for i, column in enumerate(statement.selected_columns):
         fn = _function(column)
@@ -796,7 +799,7 @@ def _aggregate_columns(
                 specs.append(_AggSpec(kind, (len(shard_columns),)))
                 args = list(fn.clauses.clauses)
                 if kind in ("min", "max") and len(args) == 1 and _is_string(args[0]):
-                    postgresql[len(shard_columns)] = getattr(func, kind)(args[0].collate("C")).label(names[i])
+                    bytewise[len(shard_columns)] = partial(_bytewise_extreme, kind, args[0], names[i])
                 shard_columns.append(column)
             continue
         inner = column.element if isinstance(column, Label) else column
@@ -818,7 +821,12 @@ def _aggregate_columns(
             f"{'a window function (OVER)' if _WINDOW.search(sql) else ', '.join(f + '()' for f in found)} elsewhere "
             f"(a subquery or expression), which would be computed per shard: run it on one database"
         )
-    return names, shard_columns, specs, postgresql
+    return names, shard_columns, specs, bytewise
+
+
+def _bytewise_extreme(kind: str, arg: ColumnElement[Any], name: str, dialect: SqlDialect) -> ColumnElement[Any]:
+    """``min``/``max`` of a string column in byte order on ``dialect``."""
+    return cast(ColumnElement[Any], getattr(func, kind)(dialect.bytewise(arg)).label(name))
 
 
 def _add(kind: str, acc: Any, value: Any) -> Any:
@@ -843,14 +851,14 @@ def _average(total: Any, count: int) -> Any:
 
 def _aggregate_plan(
     statement: Select[Any], restricted: Select[Any],
-) -> tuple[Callable[[str], Select[Any]], Callable[[list[list[Row[Any]]]], list[Row[Any]]]]:
-    """(per-backend shard statement, combine) of an aggregate fan-out: per-shard partials, combined once."""
-    names, shard_columns, specs, postgresql = _aggregate_columns(statement)
+) -> tuple[Callable[[SqlDialect], Select[Any]], Callable[[list[list[Row[Any]]]], list[Row[Any]]]]:
+    """(per-dialect shard statement, combine) of an aggregate fan-out: per-shard partials, combined once."""
+    names, shard_columns, specs, bytewise = _aggregate_columns(statement)
     orders = _orders(statement, statement.column_descriptions)
     limit, offset = _limits(statement)
 
-    def build(backend: str) -> Select[Any]:
-        columns = [postgresql.get(i, c) if backend == "postgresql" else c for i, c in enumerate(shard_columns)]
+    def build(dialect: SqlDialect) -> Select[Any]:
+        columns = [c if (b := bytewise.get(i)) is None else b(dialect) for i, c in enumerate(shard_columns)]
         return restricted.with_only_columns(*columns, maintain_column_froms=True).order_by(None).limit(None).offset(None)
 
     def combine(per_shard: list[list[Row[Any]]]) -> list[Row[Any]]:

@@ -98,7 +98,7 @@ def known_tables(store: Store) -> set[str]:
     process declared but did not give the Store.
     """
     shard_md, central_md = load_system_tables()
-    types = {*store.types, *registered_types()}
+    types = {*store.types, *registered_types(store.registry)}
     versions = {version_table(area) for area in store.map.areas}  # `mdb migrate`'s, one per area
     return {*shard_md.tables, *central_md.tables, *on_demand_metadata.tables, *versions,
             *(t.name for btype in types for t in btype.tables)}

@@ -22,6 +22,7 @@ from sqlalchemy.exc import DBAPIError
 
 from mdb import telemetry
 from mdb.briefcase import BriefcaseType, registered_types, types_by_area
+from mdb.registry import Registry, default_registry
 from mdb.backends import open_routed
 from mdb.budget import ConnectionBudget
 from mdb.central.service import Central
@@ -37,7 +38,6 @@ from mdb.partition_map import PartitionMap, load_map_cached
 from mdb.relocations import load_relocation_reach, load_relocations
 from mdb.retry import ROUTE_CACHE_SIZE, LearnedRoutes, RoutedOpen
 from mdb.router import Placement, Router
-from mdb.urls import MONGO
 from mdb.session import _INFO_KEY, BriefcaseContext, BriefcaseSession
 
 if TYPE_CHECKING:  # MongoDB is an optional plug-in: its modules load on first use of `Store.mongo`
@@ -67,6 +67,7 @@ class Store:
         self,
         pmap: PartitionMap,
         *,
+        registry: Registry | None = None,
         types: Sequence[type[BriefcaseType]] | None = None,
         map_path: str | Path | None = None,
         max_stale_retries: int = 3,
@@ -77,7 +78,9 @@ class Store:
         self._map_path = None if map_path is None else Path(map_path)
         self._router = Router(pmap)
         self.engines = EngineRegistry.for_map(pmap, budget)
-        self.types: list[type[BriefcaseType]] = list(registered_types() if types is None else types)
+        self.registry = registry or default_registry
+        """What the application declared (:mod:`mdb.registry`); ``types`` narrows its briefcase types."""
+        self.types: list[type[BriefcaseType]] = list(registered_types(self.registry) if types is None else types)
         self.types_by_area = types_by_area(self.types)
         self.max_stale_retries = max_stale_retries
         self.move_wait_seconds = move_wait_seconds
@@ -157,15 +160,9 @@ class Store:
         return self._map_path
 
     def _newest_applied_map(self, current: PartitionMap) -> PartitionMap | None:
-        """A map newer than ``current`` that `mdb map apply` recorded in CENTRAL, if any."""
-        if self._central_on_mongo(Router(current)):
-            return None  # map history (mdb_maps) is kept on SQL CENTRAL servers only
+        """A map newer than ``current`` that `mdb map apply` recorded in CENTRAL, if any (none
+        where the CENTRAL backend keeps no records: :func:`mdb.maps.history.newest_applied`)."""
         return load_applied_map(self, current)
-
-    @staticmethod
-    def _central_on_mongo(router: Router) -> bool:
-        """True when the CENTRAL servers are MongoDB servers (SQL-only CENTRAL features are skipped)."""
-        return any(router.map.kind_of(s) == MONGO for s in router.central_servers())
 
     def _load_relocations(self, router: Router) -> dict[tuple[str, GDID], str]:
         """The directory from the CENTRAL servers of ``router``'s map, through their backend."""

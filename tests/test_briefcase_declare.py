@@ -7,25 +7,21 @@ the suite never see them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import types
 
 import pytest
 from sqlalchemy import ForeignKeyConstraint, Identity, Integer, Sequence, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-import mdb.briefcase as briefcase_module
 from mdb.briefcase import BriefcaseType, registered_types, types_by_area
 from mdb.errors import SchemaError
 from mdb.gdid import GDID
+from mdb.registry import Registry
 from mdb.sqltypes import GDIDType
 
 
-@pytest.fixture(autouse=True)
-def _restore_registry() -> Iterator[None]:
-    saved = dict(briefcase_module._REGISTRY)
-    yield
-    briefcase_module._REGISTRY.clear()
-    briefcase_module._REGISTRY.update(saved)
+REGISTRY = Registry()
+"""This module's declarations: none of them reaches the default registry other modules' Stores read."""
 
 
 class Base(DeclarativeBase):
@@ -94,8 +90,13 @@ class Shop(Base):
     owner_id: Mapped[GDID] = mapped_column(primary_key=True)
 
 
+def _new(name: str, body: dict[str, object]) -> type[BriefcaseType]:
+    """``class name(BriefcaseType, registry=REGISTRY)`` with ``body``."""
+    return types.new_class(name, (BriefcaseType,), {"registry": REGISTRY}, lambda ns: ns.update(body))
+
+
 def _declare(children: tuple[type, ...], root: type = Owner, key: str = "owner_id", name: str = "T") -> type[BriefcaseType]:
-    return type(name, (BriefcaseType,), {"area": "decl", "key": key, "root": root, "children": children})
+    return _new(name, {"area": "decl", "key": key, "root": root, "children": children})
 
 
 def test_valid_type_registers_with_tables_and_models() -> None:
@@ -103,7 +104,8 @@ def test_valid_type_registers_with_tables_and_models() -> None:
     assert btype.models == (Owner, Pet)
     assert [t.name for t in btype.tables] == ["decl_owner", "decl_pet"]
     assert btype.key_column(Pet.__table__).name == "owner_id"
-    assert btype in registered_types()
+    assert btype in registered_types(REGISTRY)
+    assert btype not in registered_types()  # the default registry: declared elsewhere
 
 
 @pytest.mark.parametrize(
@@ -117,13 +119,13 @@ def test_valid_type_registers_with_tables_and_models() -> None:
     ],
 )
 def test_bad_child_table_is_refused(child: type, fragment: str) -> None:
-    before = registered_types()
+    before = registered_types(REGISTRY)
     with pytest.raises(SchemaError) as info:
         _declare((Pet, child), name="BadBriefcase")
     message = str(info.value)
     assert "briefcase type BadBriefcase" in message
     assert fragment in message
-    assert registered_types() == before  # a refused type is not registered
+    assert registered_types(REGISTRY) == before  # a refused type is not registered
 
 
 def test_root_primary_key_must_be_exactly_the_key() -> None:
@@ -143,7 +145,7 @@ def test_non_gdid_primary_key_column_is_refused() -> None:
 
 def test_missing_declaration_attribute_and_unmapped_class() -> None:
     with pytest.raises(SchemaError, match=r"briefcase type NoArea must set 'area'"):
-        type("NoArea", (BriefcaseType,), {"key": "owner_id", "root": Owner})
+        _new("NoArea", {"key": "owner_id", "root": Owner})
     with pytest.raises(SchemaError, match=r"is not a SQLAlchemy mapped class"):
         _declare((int,))
 
@@ -155,7 +157,7 @@ def test_table_listed_twice_is_refused() -> None:
 
 def test_area_with_two_briefcase_types() -> None:
     owners = _declare((Pet,), name="OwnerBriefcase")
-    shops = type("ShopBriefcase", (BriefcaseType,), {"area": "decl", "key": "owner_id", "root": Shop, "children": (Toy,)})
+    shops = _new("ShopBriefcase", {"area": "decl", "key": "owner_id", "root": Shop, "children": (Toy,)})
     grouped = types_by_area([owners, shops])
     assert grouped == {"decl": [owners, shops]}
 
@@ -169,7 +171,7 @@ def test_types_of_one_area_sharing_a_table_are_refused() -> None:
     assert "First" in message and "Second" in message and "'decl'" in message
     assert "decl_owner" in message and "decl_pet" in message
     # In different areas the same tables are fine (each area has its own servers).
-    other_area = type("Elsewhere", (BriefcaseType,), {"area": "decl2", "key": "owner_id", "root": Owner, "children": (Pet,)})
+    other_area = _new("Elsewhere", {"area": "decl2", "key": "owner_id", "root": Owner, "children": (Pet,)})
     assert set(types_by_area([first, other_area])) == {"decl", "decl2"}
 
 
@@ -177,8 +179,8 @@ def test_types_of_one_area_must_share_their_root_id_sequence() -> None:
     """One GDID space per area: a second root sequence would re-issue the first one's ids."""
     owners = _declare((Pet,), name="OwnerBriefcase")
     assert owners.id_sequence == "ids"
-    shops = type("ShopBriefcase", (BriefcaseType,), {"area": "decl", "key": "owner_id", "root": Shop, "id_sequence": "shop_ids"})
+    shops = _new("ShopBriefcase", {"area": "decl", "key": "owner_id", "root": Shop, "id_sequence": "shop_ids"})
     with pytest.raises(SchemaError, match=r"OwnerBriefcase and ShopBriefcase of area 'decl' draw root GDIDs from different sequences"):
         types_by_area([owners, shops])
     with pytest.raises(SchemaError, match=r"briefcase type Bad: invalid GDID sequence 'no/slash'"):
-        type("Bad", (BriefcaseType,), {"area": "decl", "key": "owner_id", "root": Shop, "id_sequence": "no/slash"})
+        _new("Bad", {"area": "decl", "key": "owner_id", "root": Shop, "id_sequence": "no/slash"})

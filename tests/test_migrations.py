@@ -24,7 +24,6 @@ from movehelp import ROOT, run_cli
 from sqlalchemy import Integer, String, create_engine, inspect, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-import mdb.briefcase as _briefcase_module
 from mdb.briefcase import BriefcaseType
 from mdb.demo.models import UserBriefcase
 from mdb.errors import MigrationError, SchemaError
@@ -36,6 +35,7 @@ from mdb.moves import move_briefcase
 from mdb.migrations.scripts import make_revision, open_history, stamp_created
 from mdb.schema import apply_schema, create_tables
 from mdb.sqltypes import GDIDType
+from mdb.registry import Registry
 from mdb.store import Store
 from mdb.urls import sqlalchemy_url
 
@@ -55,16 +55,16 @@ class Note(NoteBase):
     priority: Mapped[int] = mapped_column(Integer, server_default=text("0"), index=True)
 
 
-class NoteBriefcase(BriefcaseType):
+# In the default registry other modules' in-process CLI runs would look for its table (see
+# test_stats_support): a registry of its own, but the default one in this module's CLI subprocesses,
+# which import it as the map's models.
+NOTES_REGISTRY = None if os.environ.get("MDB_TEST_KEEP_NOTES") == "1" else Registry()
+
+
+class NoteBriefcase(BriefcaseType, registry=NOTES_REGISTRY):
     area = "notes"
     key = "note_id"
     root = Note
-
-
-# Declaring a type registers it for the whole process, and other modules' in-process CLI runs
-# would look for its table (see test_stats_support). The CLI subprocesses of this module keep it.
-if os.environ.get("MDB_TEST_KEEP_NOTES") != "1":
-    _briefcase_module._REGISTRY.pop(f"{NoteBriefcase.__module__}.{NoteBriefcase.__qualname__}", None)
 
 REV1 = '''"""create mig_notes"""
 from alembic import op

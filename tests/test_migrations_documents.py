@@ -21,8 +21,8 @@ from mdb.migrations import ledger
 from mdb.migrations.documents import MANAGED, declared_hash, declared_indexes, document_status, migrate_documents
 from mdb.mongo import MongoIndex, MongoStore
 from mdb.testing.mongo import FakeMongo
-import mdb.mongo.types as _document_types
 from mdb.mongo.types import DocumentBriefcaseType
+from mdb.registry import Registry
 from mdb.schema import apply_schema
 
 pytest.importorskip("mongomock_ng")
@@ -30,7 +30,12 @@ pytest.importorskip("mongomock_ng")
 SHARDS = ("m1", "m2", "m3")
 
 
-class V1(DocumentBriefcaseType):
+# Versions of one type (their collections clash): in the default registry a Store of another test
+# module would take them for its own types of area "docs". Every Store here names the version it deploys.
+VERSIONS = Registry()
+
+
+class V1(DocumentBriefcaseType, registry=VERSIONS):
     area = "docs"
     key = "user_id"
     root = "users"
@@ -38,7 +43,7 @@ class V1(DocumentBriefcaseType):
     indexes = (MongoIndex("orders", [("user_id", 1), ("number", 1)], unique=True),)
 
 
-class V2(DocumentBriefcaseType):
+class V2(DocumentBriefcaseType, registry=VERSIONS):
     """V1 and one more index: ``orders_placed``."""
 
     area = "docs"
@@ -48,7 +53,7 @@ class V2(DocumentBriefcaseType):
     indexes = (*V1.indexes, MongoIndex("orders", [("placed", -1)], name="orders_placed"))
 
 
-class V2Changed(DocumentBriefcaseType):
+class V2Changed(DocumentBriefcaseType, registry=VERSIONS):
     """``orders_placed`` redeclared with other keys under the same name (refused: never rebuilt in place)."""
 
     area = "docs"
@@ -58,7 +63,7 @@ class V2Changed(DocumentBriefcaseType):
     indexes = (*V1.indexes, MongoIndex("orders", [("placed", 1)], name="orders_placed"))
 
 
-class V3Unique(DocumentBriefcaseType):
+class V3Unique(DocumentBriefcaseType, registry=VERSIONS):
     """V1 and a unique index that m2's documents violate."""
 
     area = "docs"
@@ -68,11 +73,6 @@ class V3Unique(DocumentBriefcaseType):
     indexes = (*V1.indexes, MongoIndex("orders", [("user_id", 1), ("sku", 1)], unique=True, name="orders_sku"))
 
 
-# Declaring a type registers it for the whole process. These are versions of one type (their
-# collections clash) and a Store of another test module would take them for its own types of
-# area "docs": out of the registry again; every Store here names the one version it deploys.
-for _version in (V1, V2, V2Changed, V3Unique):
-    _document_types._REGISTRY.pop(f"{_version.__module__}.{_version.__qualname__}", None)
 
 
 class Fleet:

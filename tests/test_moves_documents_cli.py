@@ -25,8 +25,8 @@ from mdb.moves.document_move import FAULT_POINTS, checksums
 from mdb.moves.journal import DONE, ROLLED_BACK, Journal
 from mdb.mongo import MongoStore
 from mdb.testing.mongo import FakeMongo
-from mdb.mongo import types as document_types
-from mdb.mongo.types import DocumentBriefcaseType
+from mdb.mongo.types import DOCUMENT_TYPES, DocumentBriefcaseType
+from mdb.registry import default_registry
 from mdb.schema import apply_schema
 
 pytest.importorskip("mongomock_ng")
@@ -50,10 +50,10 @@ class CliDocs(DocumentBriefcaseType):
 def forget_cli_docs() -> Iterator[None]:
     """Each :class:`Env` declares its own ``CliDocs``; unregistered after the test, so a later
     test's Store that takes every registered type does not find two types of area ``docs``."""
-    saved = dict(document_types._REGISTRY)
+    before = set(default_registry.names(DOCUMENT_TYPES))
     yield
-    document_types._REGISTRY.clear()
-    document_types._REGISTRY.update(saved)
+    for name in set(default_registry.names(DOCUMENT_TYPES)) - before:
+        default_registry.remove(DOCUMENT_TYPES, name)
 
 
 class Env:

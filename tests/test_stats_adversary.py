@@ -22,9 +22,9 @@ from test_stats_support import (
     CENTRAL_COUNTERS,
     CENTRAL_LOCK,
     CENTRAL_LOG,
-    REGISTRY_KEY,
     StakerBriefcase,
     create_staker,
+    declare_staker,
     open_store,
 )
 from typer.testing import CliRunner
@@ -199,11 +199,9 @@ def test_a_failed_fold_leaves_no_markers_even_when_the_caller_commits(store: Sto
 
 
 def test_mdb_snapshot_reports_the_stream_it_cannot_fold_by_briefcase_and_exits_1(
-    map_path: Path, store: Store, monkeypatch: pytest.MonkeyPatch
+    map_path: Path, store: Store, request: pytest.FixtureRequest
 ) -> None:
-    from mdb import briefcase
-
-    monkeypatch.setitem(briefcase._REGISTRY, REGISTRY_KEY, StakerBriefcase)
+    declare_staker(request)
     with store.briefcase(StakerBriefcase, BOB) as s:
         BC_LOG.append(s, "ledger", GDID(0, 5, 20), "deposit", {"amount": 4})
     _poison(store, ALICE, GDID(0, 5, 98))

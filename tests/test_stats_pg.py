@@ -24,9 +24,9 @@ from test_stats_support import (
     CENTRAL_COUNTERS,
     CENTRAL_LOCK,
     CENTRAL_LOG,
-    REGISTRY_KEY,
     StakerBriefcase,
     append_events,
+    declare_staker,
     briefcase_increments,
     central_increments,
     create_staker,
@@ -474,10 +474,8 @@ def test_a_move_carries_log_snapshots_counters_and_locks_and_duplicates_stay_app
 # -- CLI ---------------------------------------------------------------------------------------------
 
 
-def test_mdb_snapshot_cli_folds_briefcase_and_central_streams(map_path: Path, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mdb import briefcase
-
-    monkeypatch.setitem(briefcase._REGISTRY, REGISTRY_KEY, StakerBriefcase)  # as the map's models: import would
+def test_mdb_snapshot_cli_folds_briefcase_and_central_streams(map_path: Path, store: Store, request: pytest.FixtureRequest) -> None:
+    declare_staker(request)
     for n, u in enumerate(USERS[:3]):
         with store.briefcase(StakerBriefcase, u) as s:
             BC_LOG.append(s, "ledger", GDID(0, 8, n), "deposit", {"amount": 1})

@@ -10,8 +10,9 @@ from pathlib import Path
 from sqlalchemy import String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from mdb import briefcase as _briefcase_module
-from mdb.briefcase import BriefcaseType
+import pytest
+
+from mdb.briefcase import BRIEFCASE_TYPES, BriefcaseType
 from mdb.errors import RetryableError
 from mdb.gdid import GDID
 from mdb.sqltypes import GDIDType
@@ -19,6 +20,7 @@ from mdb.hot import Counters, EventLog, StatsLock, SumFold, central, counter_mod
 from mdb.hot.central_tables import CENTRAL_EVENT_LOG, CENTRAL_STATS_LOCK
 from mdb.hot.tables import counter_tables
 from mdb.store import Store
+from mdb.registry import Registry, default_registry
 from mdb.system_tables import central_metadata
 
 VALUES = ("total_value_locked", "staker_count")
@@ -39,18 +41,26 @@ BC_LOCK_TABLES, BC_LOCK_MODELS = stats_lock_models(StatsBase, "staker_stats_lock
 BC_LOG_TABLES, BC_LOG_MODELS = event_log_models(StatsBase, "staker_ledger", key_column="user_id")
 
 
-class StakerBriefcase(BriefcaseType):
+STATS_REGISTRY = Registry()
+"""The type is declared in a registry of its own: in the default one, other test modules'
+in-process CLI runs (map diff --live, schema apply) would look for its tables on their servers."""
+
+
+class StakerBriefcase(BriefcaseType, registry=STATS_REGISTRY):
     area = "user"
     key = "user_id"
     root = Staker
     children = (*BC_COUNTER_MODELS, *BC_LOCK_MODELS, *BC_LOG_MODELS)
 
 
-# Declaring a type registers it for the whole process; other test modules' in-process CLI runs
-# (map diff --live, schema apply) would then look for these tables on their servers. Tests that
-# need it registered put it back for their own duration (registered_staker_type below).
 REGISTRY_KEY = f"{StakerBriefcase.__module__}.{StakerBriefcase.__qualname__}"
-_briefcase_module._REGISTRY.pop(REGISTRY_KEY, None)
+
+
+def declare_staker(request: pytest.FixtureRequest) -> None:
+    """StakerBriefcase in the default registry for one test, where the map's models: import would
+    put it for an in-process `mdb` command."""
+    default_registry.add(BRIEFCASE_TYPES, REGISTRY_KEY, StakerBriefcase)
+    request.addfinalizer(lambda: default_registry.remove(BRIEFCASE_TYPES, REGISTRY_KEY))
 
 
 CENTRAL_STAKE_TABLES = counter_tables(central_metadata, "test_stake_stats", VALUES)

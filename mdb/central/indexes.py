@@ -30,6 +30,7 @@ from mdb.errors import SchemaError
 from mdb.gdid import GDID
 from mdb.sqltypes import GDIDType
 from mdb.system_tables import central_metadata
+from mdb.registry import Kind, Registry, default_registry
 
 __all__ = [
     "STATE_LIVE",
@@ -100,9 +101,6 @@ def nfkc_strip_casefold(key: str) -> str:
     return unicodedata.normalize("NFKC", key).strip().casefold()
 
 
-_REGISTRY: dict[str, type[CentralIndex]] = {}
-
-
 class CentralIndex:
     """Declare an index by subclassing; validation runs at class creation."""
 
@@ -115,7 +113,7 @@ class CentralIndex:
     root_column: ClassVar[str | None] = None
     """Root column that carries the key (compared after ``normalize``); None: existence only."""
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, registry: Registry | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         label = cls.__name__
         for attr in ("name", "area", "normalize"):
@@ -143,13 +141,7 @@ class CentralIndex:
                     f"CENTRAL index {label}: root_column {cls.root_column!r} is not a column of "
                     f"{cls.briefcase.__name__}'s root table {root_table.name!r}"
                 )
-        other = _REGISTRY.get(cls.name)
-        if other is not None and (other.__module__, other.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise SchemaError(
-                f"CENTRAL index name {cls.name!r} is declared twice: {other.__module__}.{other.__qualname__} "
-                f"and {cls.__module__}.{cls.__qualname__}"
-            )
-        _REGISTRY[cls.name] = cls
+        (registry or default_registry).add(CENTRAL_INDEXES, cls.name, cls, clash=_declared_twice)
 
     @classmethod
     def key_of(cls, key: str) -> str:
@@ -171,20 +163,32 @@ class CentralIndex:
         return GDID.ZERO if cls.unique else gdid
 
 
-def registered_indexes() -> list[type[CentralIndex]]:
-    """Every index declared so far in this process."""
-    return list(_REGISTRY.values())
+CENTRAL_INDEXES: Kind[type[CentralIndex]] = Kind("CENTRAL index")
 
 
-def index_by_name(name: str) -> type[CentralIndex]:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        known = ", ".join(sorted(_REGISTRY)) or "none"
+def _declared_twice(old: type[CentralIndex], new: type[CentralIndex]) -> str | None:
+    """One index name, two classes: refused (the same class declared again, a module re-imported, is not)."""
+    if (old.__module__, old.__qualname__) == (new.__module__, new.__qualname__):
+        return None
+    return (f"CENTRAL index name {new.name!r} is declared twice: {old.__module__}.{old.__qualname__} "
+            f"and {new.__module__}.{new.__qualname__}")
+
+
+def registered_indexes(registry: Registry | None = None) -> list[type[CentralIndex]]:
+    """Every index declared so far in ``registry`` (the default one)."""
+    return (registry or default_registry).items(CENTRAL_INDEXES)
+
+
+def index_by_name(name: str, registry: Registry | None = None) -> type[CentralIndex]:
+    reg = registry or default_registry
+    found = reg.get(CENTRAL_INDEXES, name)
+    if found is None:
+        known = ", ".join(sorted(reg.names(CENTRAL_INDEXES))) or "none"
         raise SchemaError(
             f"unknown CENTRAL index {name!r} (declared: {known}); import the module that declares it "
             "(the map's models: list or --models)"
-        ) from None
+        )
+    return found
 
 
 # -- entries: one row of mdb_central_index, as the service and its creation protocol pass it around --

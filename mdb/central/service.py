@@ -78,10 +78,9 @@ class Central:
 
     # -- helpers -----------------------------------------------------------------------------
 
-    @staticmethod
-    def index(ref: IndexRef) -> type[CentralIndex]:
+    def index(self, ref: IndexRef) -> type[CentralIndex]:
         if isinstance(ref, str):
-            return index_by_name(ref)
+            return index_by_name(ref, self.cluster.registry)
         if isinstance(ref, type) and issubclass(ref, CentralIndex):
             return ref
         raise SchemaError(f"not a CENTRAL index: {ref!r}")

@@ -48,12 +48,12 @@ def _indexes(store: Store, names: list[str] | None) -> list[type[CentralIndex]]:
     """
     areas = store.map.areas
     if names:
-        indexes = [index_by_name(n) for n in names]
+        indexes = [index_by_name(n, store.registry) for n in names]
         for idx in indexes:
             if idx.area not in areas:
                 fail(f"CENTRAL index {idx.name!r} points at area {idx.area!r}, which map {store.map_path} does not have")
         return indexes
-    indexes = [idx for idx in registered_indexes() if idx.area in areas]
+    indexes = [idx for idx in registered_indexes(store.registry) if idx.area in areas]
     if not indexes:
         fail("no CENTRAL index of this map's areas is declared: list the module that declares them under models: "
              "in the map, or pass --models")
@@ -66,7 +66,7 @@ def lookup(map_path: MapArg, index: Annotated[str, typer.Argument(metavar="INDEX
     """The GDID a key maps to (exit 1 when it maps to none)."""
     store = _open(map_path, models)
     try:
-        idx = index_by_name(index)
+        idx = index_by_name(index, store.registry)
         normalized = idx.key_of(key)
         placement = store.router.locate_central(normalized)
         gdids = [g] if idx.unique and (g := store.central.lookup(idx, key)) else ([] if idx.unique else store.central.lookup_all(idx, key))

@@ -25,7 +25,7 @@ __all__ = ["snapshot"]
 
 
 def _logs_for(store: Store, where: str, name: str | None) -> list[EventLog]:
-    logs = registered_logs()
+    logs = registered_logs(store.registry)
     if name is not None:
         chosen = [log for log in logs if log.name == name]
         if not chosen:

@@ -368,7 +368,7 @@ def fsck(store: Any, area: str, *, repair: bool = False) -> FsckReport:
     report.briefcases += sum(1 for g in stray if not scan_of(store, store.router.locate(area, g).server, data).rows_of(g))
     # The CENTRAL check confirms an entry on its briefcase's root row: SQL briefcase types only. A
     # document area's entries (MongoDB CENTRAL, mdb.mongo.central) are not checked here.
-    indexes = [idx for idx in registered_indexes() if idx.area == area] if store.types_of(area) else []
+    indexes = [idx for idx in registered_indexes(store.registry) if idx.area == area] if store.types_of(area) else []
     report.central_indexes = sorted(idx.name for idx in indexes)
     report.findings += _central(store, indexes)
     return report

@@ -53,6 +53,7 @@ from mdb.dialects import sql_dialect
 from mdb.hot.scope import Scope, central, insert_once, place_of
 from mdb.hot.tables import LABEL_LENGTH, NAME_LENGTH, EventLogTables, check_name, derived_gdid
 from mdb.system_tables import STATE_INCOMING, briefcase_state
+from mdb.registry import Kind, Registry, default_registry
 
 if TYPE_CHECKING:
     from mdb.briefcase import BriefcaseType
@@ -123,21 +124,21 @@ class SnapshotResult:
     """Why the stream could not be folded (its pass rolled back, nothing claimed); None when it was."""
 
 
-_REGISTRY: dict[str, EventLog] = {}
+EVENT_LOGS: Kind[EventLog] = Kind("event log")
 
 
-def registered_logs() -> list[EventLog]:
-    """Every event log declared so far in this process (what ``mdb snapshot`` works on)."""
-    return list(_REGISTRY.values())
+def registered_logs(registry: Registry | None = None) -> list[EventLog]:
+    """Every event log declared so far in ``registry`` (the default one: what ``mdb snapshot`` works on)."""
+    return (registry or default_registry).items(EVENT_LOGS)
 
 
 class EventLog:
     """Operations on one event-log table pair with its fold; declaring one registers it by table name."""
 
-    def __init__(self, tables: EventLogTables, fold: Fold) -> None:
+    def __init__(self, tables: EventLogTables, fold: Fold, *, registry: Registry | None = None) -> None:
         self.tables = tables
         self.fold = fold
-        _REGISTRY[tables.events.name] = self
+        (registry or default_registry).add(EVENT_LOGS, tables.events.name, self)
 
     @property
     def name(self) -> str:

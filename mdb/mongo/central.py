@@ -43,22 +43,21 @@ def central_collections() -> list[CollectionSpec]:
     ]
 
 
-def _index(ref: type[CentralIndex] | str) -> type[CentralIndex]:
-    return index_by_name(ref) if isinstance(ref, str) else ref
-
-
 class MongoCentral:
     """lookup / lookup_all / keys_of / add / remove / create on MongoDB CENTRAL shards."""
 
     def __init__(self, mongo: MongoStore) -> None:
         self.mongo = mongo
 
+    def _index(self, ref: type[CentralIndex] | str) -> type[CentralIndex]:
+        return index_by_name(ref, self.mongo.store.registry) if isinstance(ref, str) else ref
+
     def _collection(self, nkey: str) -> Any:
         router = Router(self.mongo.store.map)  # pure: CENTRAL placement needs no relocations
         return self.mongo.database(router.locate_central(nkey).server)[INDEX]
 
     def lookup(self, index: type[CentralIndex] | str, key: str) -> GDID | None:
-        idx = _index(index)
+        idx = self._index(index)
         nkey = idx.key_of(key)
         doc = self._collection(nkey).find_one({"index_name": idx.name, "key": nkey, "slot": bytes(GDID.ZERO)}) if idx.unique else None
         if not idx.unique:
@@ -67,14 +66,14 @@ class MongoCentral:
         return None if doc is None else GDID.from_bytes(doc["gdid"])
 
     def lookup_all(self, index: type[CentralIndex] | str, key: str) -> list[GDID]:
-        idx = _index(index)
+        idx = self._index(index)
         nkey = idx.key_of(key)
         docs = self._collection(nkey).find({"index_name": idx.name, "key": nkey}, sort=[("slot", 1)])
         return [GDID.from_bytes(d["gdid"]) for d in docs]
 
     def keys_of(self, index: type[CentralIndex] | str, gdid: GDID | str) -> list[str]:
         """Every key of ``gdid`` in the index (asks every CENTRAL shard: keys hash anywhere)."""
-        idx = _index(index)
+        idx = self._index(index)
         gid = gdid if isinstance(gdid, GDID) else GDID.parse(gdid)
         keys: list[str] = []
         for server in Router(self.mongo.store.map).central_servers():
@@ -85,7 +84,7 @@ class MongoCentral:
         """Point ``key`` at ``gdid``; DuplicateKeyError when a unique key already points elsewhere."""
         import pymongo.errors
 
-        idx = _index(index)
+        idx = self._index(index)
         nkey = idx.key_of(key)
         gid = gdid if isinstance(gdid, GDID) else GDID.parse(gdid)
         doc = {
@@ -102,7 +101,7 @@ class MongoCentral:
             raise DuplicateKeyError(idx.name, nkey, None if holder is None else GDID.from_bytes(holder["gdid"])) from None
 
     def remove(self, index: type[CentralIndex] | str, key: str, gdid: GDID | str | None = None) -> bool:
-        idx = _index(index)
+        idx = self._index(index)
         nkey = idx.key_of(key)
         where: dict[str, Any] = {"index_name": idx.name, "key": nkey}
         if gdid is not None:
@@ -117,7 +116,7 @@ class MongoCentral:
         A crash after ``write`` leaves a briefcase without its key (found by a fan-out, re-added
         with :meth:`add`); no order leaves a key pointing at nothing.
         """
-        idx = _index(index)
+        idx = self._index(index)
         existing = self.lookup(idx, key) if idx.unique else None
         if existing is not None and existing != gdid:
             raise DuplicateKeyError(idx.name, idx.key_of(key), existing)

@@ -117,7 +117,7 @@ class MongoStore:
         self.store = store
         self.clients = MongoClients(store.map.servers, client_factory, transactions=transactions)
         self._map_version = store.map.version
-        self.types: list[type[DocumentBriefcaseType]] = list(registered_document_types() if types is None else types)
+        self.types: list[type[DocumentBriefcaseType]] = list(registered_document_types(store.registry) if types is None else types)
         self.types_by_area = types_by_area(self.types)
 
     @classmethod

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 from mdb.errors import SchemaError
 from mdb.gdid import GDID
+from mdb.registry import Kind, Registry, default_registry
 
 __all__ = [
     "DocumentBriefcaseType",
@@ -41,7 +42,6 @@ __all__ = [
 ]
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-_REGISTRY: dict[str, type[DocumentBriefcaseType]] = {}
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class DocumentBriefcaseType:
             )
         return None
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, registry: Registry | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         name = cls.__name__
         for attr in ("area", "key", "root"):
@@ -104,7 +104,7 @@ class DocumentBriefcaseType:
         for index in cls.indexes:
             _check_index(name, cls.key, collections, index)
         cls.collections = collections
-        _REGISTRY[f"{cls.__module__}.{cls.__qualname__}"] = cls
+        (registry or default_registry).add(DOCUMENT_TYPES, f"{cls.__module__}.{cls.__qualname__}", cls)
 
     @classmethod
     def indexes_of(cls, collection: str) -> list[MongoIndex]:
@@ -133,8 +133,12 @@ def _check_index(type_name: str, key: str, collections: Sequence[str], index: Mo
         )
 
 
-def registered_document_types() -> list[type[DocumentBriefcaseType]]:
-    return list(_REGISTRY.values())
+DOCUMENT_TYPES: Kind[type[DocumentBriefcaseType]] = Kind("document briefcase type")
+
+
+def registered_document_types(registry: Registry | None = None) -> list[type[DocumentBriefcaseType]]:
+    """Every document briefcase type declared so far in ``registry`` (the default one)."""
+    return (registry or default_registry).items(DOCUMENT_TYPES)
 
 
 def encode(value: Any) -> Any:

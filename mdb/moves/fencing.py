@@ -39,6 +39,7 @@ from mdb.cluster import Cluster
 from mdb.errors import LeaseLostError
 from mdb.gdid import GDID
 from mdb.partition_map import PartitionMap
+from mdb.registry import Registry
 from mdb.router import Router
 from mdb.system_tables import lease_fences
 from mdb.urls import SQL
@@ -188,6 +189,10 @@ class FencedCluster:
     @property
     def engines(self) -> EngineRegistry:
         return self.inner.engines
+
+    @property
+    def registry(self) -> Registry:
+        return self.inner.registry
 
     @property
     def types(self) -> list[type[BriefcaseType]]:
