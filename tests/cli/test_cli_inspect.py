@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from mdb import GDID, MdbError
 from mdb.cli import app, main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "partition_maps" / "example.yaml"
 EXAMPLE_DATA = (REPO / "partition_maps").resolve() / "mdb-data"  # relative SQLite paths: next to the map
 MDB = Path(sys.executable).parent / "mdb"
@@ -343,7 +343,7 @@ def test_map_show_and_check_json(secret_map: Path) -> None:
     assert data["servers"]["user-1"]["replica"] == "postgresql+psycopg://ro:***@10.0.0.16/user_1?password=***"
     assert data["partitions"] == [{"area": "user", "range_set": "0:0:0", "start": "0:0:0", "shards": ["user-1", "user-2"]}]
     checked = invoke_json("map", "check", str(EXAMPLE), "--json")
-    identities = checked.pop("identities")  # tests/test_server_identity.py checks what it says
+    identities = checked.pop("identities")  # tests/postgres/test_server_identity.py checks what it says
     assert checked == {"map": str(EXAMPLE), "ok": True, "version": 3, "servers": 10, "areas": 3, "partitions": 5, "problems": []}
     assert set(identities) == {"checked", "not_checked", "servers"}
 

@@ -44,7 +44,7 @@ def test_demo_on_a_postgresql_map(pg_databases, tmp_path: Path) -> None:  # type
     from typer.testing import CliRunner
 
     from mdb.cli import app
-    from test_central_index import make_map
+    from support.central import make_map
 
     urls = pg_databases(2) + pg_databases(2)
     path = make_map(tmp_path, urls)

@@ -17,7 +17,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from movehelp import Cluster, create_user, locations, make_cluster, run_cli, snapshot
+from support.moves import Cluster, create_user, locations, make_cluster, run_cli, snapshot
 from sqlalchemy import update
 
 from mdb.demo.models import User

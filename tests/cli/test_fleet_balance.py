@@ -11,25 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from movehelp import Cluster, create_user, locations, make_cluster, run_cli
+from support.moves import Cluster, locations, run_cli
 
 from mdb.fleet.balance import balance
-from mdb.gdid import GDID
 from mdb.moves.copy import measure
 from mdb.moves.move import area_tables
+from support.fleet import SHARDS, SKEWED_USERS, build_skewed
 
-SHARDS = ["u1", "u2", "u3", "u4"]
-USERS = [GDID(0, 0, i) for i in range(1, 25)]
-
-
-def build_skewed(urls: list[str], tmp_path: Path) -> Cluster:
-    """4 shards; u1 holds 3x the bytes of each other shard (issue 17): its briefcases (counter % 4 == 0) have
-    10 orders, the others 3 (with the user row, 10 orders weigh 3x what 3 do)."""
-    cluster = make_cluster(dict(zip(["c", *SHARDS], urls)), tmp_path, [("0:0:0", SHARDS)])
-    with cluster.store() as store:
-        for g in USERS:
-            create_user(store, g, orders=10 if g.counter % 4 == 0 else 3, lines=3)
-    return cluster
+USERS = SKEWED_USERS
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from movehelp import Cluster, create_user, locations, make_cluster, run_cli, snapshot
+from support.moves import Cluster, create_user, locations, make_cluster, run_cli, snapshot
 from sqlalchemy import insert, select, update
 
 from mdb.demo.models import User

@@ -1,36 +1,20 @@
 """``--metrics-port N`` (mdb/cli/metrics.py): a long command serves mdb's metrics to Prometheus while it runs.
 
 Each case runs in its own process: OpenTelemetry accepts one global meter provider per process,
-and this test process already has one (tests/test_telemetry.py).
+and this test process already has one (tests/postgres/test_telemetry.py).
 """
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from movehelp import ROOT, run_cli
-from test_fleet_balance import build_skewed
+from support.moves import run_cli
+from support.fleet import build_skewed
+from support.fleet import SERVE, _free_port, _python
 
-SERVE = """
-import sys, urllib.request
-from mdb import telemetry
-from mdb.cli.metrics import serve_metrics
-port = int(sys.argv[1])
-with serve_metrics(port, host="127.0.0.1"):
-    telemetry.move_done("user", None, 5, 0.1)
-    telemetry.stale_retry("user", "u1", RuntimeError())
-    print(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
-try:
-    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
-except OSError:
-    print("CLOSED")
-"""
 
 BLOCKED = """
 import sys
@@ -38,17 +22,6 @@ sys.modules["opentelemetry.exporter.prometheus"] = None  # as if mdb[observabili
 from mdb.cli import main
 main()
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=60, cwd=str(ROOT))
 
 
 def test_the_endpoint_serves_mdb_metrics_while_the_block_runs_and_closes_after() -> None:

@@ -10,8 +10,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from movehelp import create_user, locations, run_cli, snapshot
-from test_fleet_balance import SHARDS, build_skewed
+from support.moves import create_user, locations, run_cli, snapshot
+from support.fleet import SHARDS, build_skewed
 
 from mdb.fleet.balance import balance
 from mdb.fleet.rebalance import plan_rebalance

@@ -9,51 +9,26 @@ and SIGKILLed there. ``mdb moves history`` is checked on the jobs these leave be
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from movehelp import ROOT, Cluster, create_user, make_cluster, run_cli
+from support.moves import Cluster, run_cli
 
-from mdb.gdid import GDID
 from mdb.migrations.scripts import open_history
 from mdb.moves.journal import Journal
+from support.fleet import ATTENTION, BROKEN, HEALTHY, STATUS_SERVERS, STATUS_USERS, REVISION, build, kill, start_reshard, status
 
-SERVERS = ["u1", "u2", "x"]  # x: spare (in no area's layout)
-USERS = [GDID(0, 0, i) for i in range(1, 9)]
-HEALTHY, ATTENTION, BROKEN = 0, 5, 6
-
-
-def build(urls: list[str], tmp_path: Path) -> Cluster:
-    cluster = make_cluster(dict(zip(["c", *SERVERS], urls)), tmp_path, [("0:0:0", ["u1", "u2"])])
-    with cluster.store() as store:
-        for g in USERS:
-            create_user(store, g, orders=1, lines=1)
-    return cluster
+SERVERS, USERS = STATUS_SERVERS, STATUS_USERS
 
 
 @pytest.fixture
 def fleet(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster:
     return build(pg_databases(4), tmp_path)
-
-
-def status(cluster: Cluster, *extra: str) -> tuple[int, dict[str, Any]]:
-    done = run_cli(["status", str(cluster.path), "--json", "--max-skew", "100", *extra])
-    assert done.returncode in (HEALTHY, ATTENTION, BROKEN), (done.returncode, done.stdout, done.stderr)
-    return done.returncode, json.loads(done.stdout)
-
-
-def start_reshard(cluster: Cluster, point: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MDB_FAULT_POINT": point, "MDB_FAULT_ACTION": "sleep:600"}
-    return subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", "reshard", str(cluster.path), "user",
-                             "--partition", "0:0:0", "--shards", "u1,u2,x"], cwd=str(ROOT), env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def wait_for(cluster: Cluster, proc: subprocess.Popen[str], ready: Callable[[dict[str, Any]], bool]) -> tuple[int, dict[str, Any]]:
@@ -66,11 +41,6 @@ def wait_for(cluster: Cluster, proc: subprocess.Popen[str], ready: Callable[[dic
             return code, out
         time.sleep(0.3)
     raise AssertionError("the reshard never reached its fault point")
-
-
-def kill(proc: subprocess.Popen[str]) -> None:
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
 
 
 def test_idle_then_a_spare_holding_data_and_the_history_of_that_move(fleet: Cluster) -> None:
@@ -162,22 +132,6 @@ def test_a_frozen_partition_while_its_reshard_runs_and_after_it_was_killed(fleet
     assert run_cli(["moves", "resume", str(fleet.path)]).returncode == 0
     code, out = status(fleet)
     assert code == HEALTHY and out["frozen"] == [] and out["jobs"] == []
-
-
-REVISION = '''"""a no-op revision: enough to put the fleet at two revisions"""
-revision = "a1"
-down_revision = None
-branch_labels = None
-depends_on = None
-
-
-def upgrade() -> None:
-    pass
-
-
-def downgrade() -> None:
-    pass
-'''
 
 
 def test_a_migration_half_rolled_out(fleet: Cluster) -> None:

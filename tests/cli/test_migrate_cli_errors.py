@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from mapfiles import map_dict
-from movehelp import run_cli
+from support.mapfiles import map_dict
+from support.moves import run_cli
 
 from mdb.migrations.scripts import open_history
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 import yaml
-from mapfiles import map_dict
-from movehelp import ROOT, run_cli
+from support.mapfiles import map_dict
+from support.moves import ROOT, run_cli
 from sqlalchemy import Integer, String, create_engine, inspect, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -62,7 +62,7 @@ class NoteBriefcase(BriefcaseType):
 
 
 # Declaring a type registers it for the whole process, and other modules' in-process CLI runs
-# would look for its table (see test_stats_support). The CLI subprocesses of this module keep it.
+# would look for its table (see tests/support/stats.py). The CLI subprocesses of this module keep it.
 if os.environ.get("MDB_TEST_KEEP_NOTES") != "1":
     _briefcase_module._REGISTRY.pop(f"{NoteBriefcase.__module__}.{NoteBriefcase.__qualname__}", None)
 

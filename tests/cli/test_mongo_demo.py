@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mongohelp import REAL_URI
+from support.mongo import REAL_URI
 from typer.testing import CliRunner
 
 from mdb import Store

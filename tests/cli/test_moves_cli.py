@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
-from movehelp import Cluster, create_user, make_cluster, run_cli
+from support.moves import Cluster, create_user, make_cluster, run_cli
 
 from mdb.errors import MoveAbortedError, RetryableError
 from mdb.gdid import GDID
@@ -64,7 +64,7 @@ def test_reshard_keeps_the_old_map_file_and_its_counts_agree(cluster: Cluster) -
 def test_a_retried_move_is_counted_once(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first attempt of one move really aborts (--max-pause 0 on the real servers) and is
     retried; the reshard counts its finished moves only, so done = total = moves that finished.
-    One briefcase per cutover (batch_pause=0); an aborted batch: tests/test_reshard_batches.py."""
+    One briefcase per cutover (batch_pause=0); an aborted batch: tests/faults/test_reshard_batches.py."""
     from mdb.moves import reshard as reshard_mod
 
     real = reshard_mod.move_briefcase

@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 import yaml
-from movehelp import ROOT, Cluster, run_cli
-from test_fleet_metrics import SERVE, _free_port, _python
-from test_fleet_status import REVISION, build, kill, start_reshard, status
+from support.moves import ROOT, Cluster, run_cli
+from support.fleet import SERVE, _free_port, _python
+from support.fleet import REVISION, build, kill, start_reshard, status
 
 from mdb.migrations.scripts import open_history
 

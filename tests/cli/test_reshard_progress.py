@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from movehelp import Cluster, create_user, make_cluster, run_cli
+from support.moves import Cluster, create_user, make_cluster, run_cli
 
 from mdb.cli.moves_cmd import _RichReshardProgress, format_eta
 from mdb.gdid import GDID

@@ -28,20 +28,29 @@ from mdb.cli import app
 from mdb.demo.models import User, UserBriefcase
 from mdb.demo.repositories import EmailIndex, UserRepository
 from mdb.errors import DuplicateKeyError
-from test_central_index import make_map, open_store
+from support.central import make_map, open_store
+from support.mapfiles import write_map
+from support.pgbouncer import Pooling
 
 pytestmark = pytest.mark.slow
+
+THROUGH_PGBOUNCER_TOO = pytest.mark.parametrize("map_path", ["sqlite", "postgres", "pgbouncer"], indirect=True)
 
 EMAILS = [f"Person{i:02d}@Example.org" for i in range(24)]
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def map_path(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """CENTRAL on SQLite or PostgreSQL; ``pgbouncer`` (the tests marked THROUGH_PGBOUNCER_TOO):
+    PostgreSQL through a transaction-mode PgBouncer."""
     if request.param == "sqlite":
-        urls = request.getfixturevalue("tmp_sqlite_urls")(4)
+        urls, write = request.getfixturevalue("tmp_sqlite_urls")(4), write_map
+    elif request.param == "postgres":
+        urls, write = request.getfixturevalue("pg_databases")(2) + request.getfixturevalue("pg_databases")(2), write_map
     else:
-        urls = request.getfixturevalue("pg_databases")(2) + request.getfixturevalue("pg_databases")(2)
-    path = make_map(tmp_path, urls)
+        pooling = Pooling(request.getfixturevalue("pg_databases"), request.getfixturevalue("pgbouncer"))
+        urls, write = pooling.databases(2) + pooling.databases(2), pooling.write_map
+    path = make_map(tmp_path, urls, write)
     open_store(path).close()  # schema
     return path
 
@@ -97,6 +106,7 @@ def assert_invariants(store: Store) -> None:
         assert store.central.lookup(EmailIndex, email) == gdid
 
 
+@THROUGH_PGBOUNCER_TOO
 def test_concurrent_registration_has_exactly_one_winner_per_email(map_path: Path) -> None:
     ctx = mp.get_context("spawn")
     manager = ctx.Manager()
@@ -132,6 +142,7 @@ def cli(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
+@THROUGH_PGBOUNCER_TOO
 @pytest.mark.parametrize("step", STEPS)
 def test_sigkill_at_each_creation_step_is_found_by_check_and_fixed_by_repair(map_path: Path, step: str) -> None:
     with open_store(map_path) as store:
@@ -172,6 +183,7 @@ def test_sigkill_at_each_creation_step_is_found_by_check_and_fixed_by_repair(map
             assert_invariants(store)
 
 
+@THROUGH_PGBOUNCER_TOO
 def test_reader_settles_a_crashed_creation_without_repair(map_path: Path) -> None:
     for email, step in (("a@example.org", "reserved"), ("b@example.org", "written")):
         proc = mp.get_context("spawn").Process(target=_register_and_crash, args=(str(map_path), email, step))

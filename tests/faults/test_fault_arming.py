@@ -1,7 +1,7 @@
 """Test hooks act only where the test harness armed them (``MDB_TESTING=1``, mdb.testing.arm).
 
 A stray ``MDB_FAULT_POINT`` or ``MDB_MONGO_FAKE_DIR`` in a production environment must not
-SIGKILL a process or swap a map's MongoDB servers for files; tests/conftest.py arms the test run.
+SIGKILL a process or swap a map's MongoDB servers for files; tests/support/plugin.py arms the test run.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mapfiles import write_map
+from support.mapfiles import write_map
 
 from mdb import faults
 from mdb.cli.app import open_store

@@ -16,7 +16,7 @@ from typing import Any
 
 import bson
 import pytest
-from mongohelp import MongoEnv, UserDocs
+from support.mongo import MongoEnv, UserDocs
 
 from mdb import GDID, Store
 from mdb.fleet.balance import balance

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from movehelp import ROOT, Cluster, process_state
-from test_reshard_batches import BATCH_POINTS, Writers, _check_placement, _check_writes, cluster, writers  # noqa: F401  (fixtures)
+from support.moves import ROOT, Cluster, process_state
+from support.reshard import BATCH_POINTS, Writers, _check_placement, _check_writes, cluster, writers  # noqa: F401  (fixtures)
 
 from mdb.fleet.fsck import RESUME
 from mdb.moves.batch import BATCH_KIND

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mapfiles import map_dict
-from movehelp import run_cli
+from support.mapfiles import map_dict
+from support.moves import run_cli
 
 from mdb import Store
 from mdb.migrations import ledger

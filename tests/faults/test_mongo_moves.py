@@ -2,7 +2,7 @@
 
 The fake MongoDB server lives in the test process, so a crash is simulated by raising at the
 move's named fault points (``mdb.moves.document_move.FAULT_POINTS``, through ``mdb.faults.hook``)
-and then resuming with a fresh Store; tests/test_moves_documents_cli.py SIGKILLs real CLI processes.
+and then resuming with a fresh Store; tests/faults/test_moves_documents_cli.py SIGKILLs real CLI processes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from mdb.mongo.hot import MongoCounter, MongoStatsLock
 from mdb.moves.document_move import FAULT_POINTS as HOOK_POINTS, checksums, move_documents
 from mdb.moves.resume import resume_all as resume_mongo_moves
 from mdb.mongo.shard_state import STATE, state_id
-from mongohelp import MongoEnv, UserDocs
+from support.mongo import MongoEnv, UserDocs
 
 UID = GDID(0, 0, 4)  # v mod 3 = 1 -> m2
 COUNTER = MongoCounter("logins", slots=2)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from movehelp import ROOT, Cluster, create_user, locations, make_cluster, run_cli, snapshot
+from support.moves import ROOT, Cluster, create_user, locations, make_cluster, run_cli, snapshot
 
 from mdb.gdid import GDID
 from mdb.moves.freeze import frozen_by
@@ -39,7 +39,7 @@ def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster
 
 
 def _reshard_args(cluster: Cluster) -> list[str]:
-    """One briefcase per cutover, so a kill lands between single moves; a cancel of batches: tests/test_reshard_batches.py."""
+    """One briefcase per cutover, so a kill lands between single moves; a cancel of batches: tests/faults/test_reshard_batches.py."""
     return [RESHARD[0], str(cluster.path), "user", *RESHARD[1:], "--batch-pause", "0"]
 
 

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from movehelp import Cluster, create_user, locations, make_cluster, run_cli, snapshot
-from test_reshard_batches import BATCH_POINTS
+from support.pgbouncer import make_pooled_cluster
+from support.moves import Cluster, create_user, locations, make_cluster, run_cli, snapshot
+from support.reshard import BATCH_POINTS
 
 from mdb.demo.models import User, UserBriefcase
 from mdb.gdid import GDID
@@ -29,6 +30,7 @@ from mdb.store import Store
 
 SERVERS = ["u1", "u2", "x"]
 USERS = [GDID(0, 0, i) for i in range(1, 7)]
+THROUGH_PGBOUNCER_TOO = pytest.mark.parametrize("cluster", ["direct", "pgbouncer"], indirect=True)
 
 MOVE_POINTS = [
     ("move.after_journal_start", {}),
@@ -73,9 +75,14 @@ def _resume(cluster: Cluster, env: dict[str, str] | None = None) -> str:
 
 
 @pytest.fixture
-def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster:
-    urls = pg_databases(4)
-    cluster = make_cluster(dict(zip(["c", *SERVERS], urls)), tmp_path, [("0:0:0", ["u1", "u2"])])
+def cluster(request: pytest.FixtureRequest, pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster:
+    """Four databases, users on u1 and u2. ``pgbouncer`` (THROUGH_PGBOUNCER_TOO): every server
+    behind one transaction-mode PgBouncer, the tools too (no ``direct:`` URLs)."""
+    urls = dict(zip(["c", *SERVERS], pg_databases(4)))
+    if getattr(request, "param", "direct") == "pgbouncer":
+        cluster: Cluster = make_pooled_cluster(request.getfixturevalue("pgbouncer"), urls, tmp_path, [("0:0:0", ["u1", "u2"])], tools_direct=False)
+    else:
+        cluster = make_cluster(urls, tmp_path, [("0:0:0", ["u1", "u2"])])
     with cluster.store() as store:
         for g in USERS:
             create_user(store, g)
@@ -83,15 +90,16 @@ def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster
 
 
 def test_every_fault_point_is_exercised_here_or_in_the_reshard_test() -> None:
-    # between_passes: tests/test_reshard_columns.py (a migration between two passes)
+    # between_passes: tests/faults/test_reshard_columns.py (a migration between two passes)
     covered = {p for p, _ in MOVE_POINTS} | {p for p, _ in RESHARD_POINTS} | {"resume.after_discard"} \
         | {"cancel.after_first_move_back", "reshard.between_passes"} \
-        | set(BATCH_POINTS)  # tests/test_moves_cancel.py, tests/test_reshard_batches.py
+        | set(BATCH_POINTS)  # tests/faults/test_moves_cancel.py, tests/faults/test_reshard_batches.py
     FAULT_POINTS = [p for p in faults.points() if p.split(".")[0] in ("move", "reshard", "resume", "cancel", "batch")]
     assert covered == set(FAULT_POINTS)
     assert len(FAULT_POINTS) >= 20
 
 
+@THROUGH_PGBOUNCER_TOO
 def test_sigkill_at_every_move_step_then_resume(cluster: Cluster) -> None:
     with cluster.store() as store:
         before = snapshot(store, SERVERS)
@@ -164,13 +172,14 @@ RESHARD_POINTS = [
 ]
 
 
+@THROUGH_PGBOUNCER_TOO
 def test_sigkill_at_every_reshard_step_then_resume(cluster: Cluster) -> None:
     with cluster.store() as store:
         before = snapshot(store, SERVERS)
     _check(cluster, before)
     lists = [["u1", "u2", "x"], ["u1", "u2"]]
     # The single-move points with --batch-pause 0 (one briefcase at a time, as a reshard of an older
-    # mdb resumes); the batch points are killed with writers running in tests/test_reshard_batches.py.
+    # mdb resumes); the batch points are killed with writers running in tests/faults/test_reshard_batches.py.
     cases = [*RESHARD_POINTS, ("move.after_copy_commit", {"MDB_FAULT_SKIP": "1"}), ("move.after_commit_point", {"MDB_FAULT_SKIP": "1"})]
     for i, (point, env) in enumerate(cases):
         shards = lists[i % 2]

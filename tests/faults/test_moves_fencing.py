@@ -21,26 +21,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from movehelp import ROOT, Cluster, locations, make_cluster, process_state, run_cli, snapshot
+from support.moves import ROOT, Cluster, locations, make_cluster, run_cli, snapshot
 from sqlalchemy import select, text
-from test_reshard_batches import BATCH_POINTS, SERVERS, Writers, _check_placement, _check_writes, cluster, writers  # noqa: F401
+from support.reshard import BATCH_POINTS, SERVERS, Writers, _check_placement, _check_writes, cluster, writers  # noqa: F401 (fixtures: cluster, writers)
 
 from mdb.errors import LeaseLostError
 from mdb.moves import fencing
 from mdb.moves.journal import Journal, move_leases
 from mdb.moves.lease import hold
+from support.reshard import _wait_stopped
 
 FAST_LEASE = {"MDB_LEASE_STALE_SECONDS": "2", "MDB_LEASE_BEAT_SECONDS": "0.5"}
 HOLDS_A_TRANSACTION = {"batch.after_lock", "batch.after_source_cut", "batch.after_verify", "batch.before_commit_point"}
 """Points inside the batch's locked source transaction (which holds the lease's fence row shared)."""
-
-
-def _wait_stopped(proc: subprocess.Popen[str], what: str) -> None:
-    deadline = time.monotonic() + 120
-    while process_state(proc.pid) != "T":
-        assert proc.poll() is None, (what, proc.communicate())
-        assert time.monotonic() < deadline, f"{what}: the driver never reached its stop point"
-        time.sleep(0.05)
 
 
 @pytest.mark.timeout(900)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from movehelp import ROOT, Cluster, create_user, make_cluster, run_cli
+from support.moves import ROOT, Cluster, create_user, make_cluster, run_cli
 from sqlalchemy import func, update
 
 from mdb.errors import MoveLeaseHeldError

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from movehelp import ROOT, Cluster, create_user, make_cluster
+from support.moves import ROOT, Cluster, create_user, make_cluster
 
 from mdb.gdid import GDID
 from mdb.moves.journal import Journal

@@ -16,10 +16,10 @@ import signal
 import subprocess
 import sys
 
-from movehelp import ROOT, Cluster, add_transaction, create_user
+from support.moves import ROOT, Cluster, add_transaction, create_user
 from sqlalchemy import text
-from test_moves_fencing import _wait_stopped
-from test_reshard_batches import SERVERS, cluster  # noqa: F401
+from support.reshard import _wait_stopped
+from support.reshard import SERVERS, cluster  # noqa: F401 (fixtures: cluster)
 
 from mdb.gdid import GDID
 from mdb.moves.journal import Journal

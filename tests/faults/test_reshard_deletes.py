@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 import signal
 
-from movehelp import Cluster, create_user, locations, run_cli
+from support.moves import Cluster, create_user, locations, run_cli
 from sqlalchemy import delete
-from test_reshard_batches import SERVERS, USERS, cluster  # noqa: F401
+from support.reshard import SERVERS, USERS, cluster  # noqa: F401 (fixtures: cluster)
 
 from mdb import faults
 from mdb.demo.models import UserBriefcase

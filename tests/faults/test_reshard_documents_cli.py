@@ -14,7 +14,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from test_moves_documents_cli import Env, forget_cli_docs  # noqa: F401 (autouse here too)
+from support.documents import Env, forget_cli_docs  # noqa: F401 (autouse here too)
 
 from mdb import GDID
 from mdb.errors import BriefcaseMovingError

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from movehelp import ROOT, Cluster, add_transaction, create_user, locations, make_cluster, run_cli
+from support.moves import ROOT, Cluster, add_transaction, create_user, locations, make_cluster, run_cli
 from sqlalchemy import create_engine, text
 
 from mdb.demo.models import User, UserBriefcase

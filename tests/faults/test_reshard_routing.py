@@ -16,9 +16,9 @@ import signal
 import time
 from pathlib import Path
 
-from movehelp import Cluster, create_user, locations, run_cli
+from support.moves import Cluster, create_user, locations, run_cli
 from sqlalchemy import func, select
-from test_reshard_batches import SERVERS, USERS, Writers, _batches, _check_writes, cluster, writers  # noqa: F401  (fixtures)
+from support.reshard import SERVERS, USERS, Writers, _batches, _check_writes, cluster, writers  # noqa: F401  (fixtures)
 
 from mdb.demo.models import Order, User, UserBriefcase
 from mdb.gdid import GDID

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from mapfiles import write_map
+from support.mapfiles import write_map
 from sqlalchemy import Select, func, select, text
 
 from mdb.aio import AsyncStore
@@ -196,7 +196,7 @@ def test_no_briefcase_context_crosses_tasks(store: Store) -> None:
 
 def test_a_stale_async_store_writes_after_a_move_land_on_the_new_shard_only(pg_store: Store, tmp_path: Path) -> None:
     """A Store with the old map and relocation cache writes, from many tasks, after a move."""
-    from test_stale_routing import move_by_hand  # the same simulated move as the sync tests
+    from support.stale import move_by_hand  # the same simulated move as the sync tests
 
     gdid = GDID(0, 0, 8)  # u1
     with pg_store.briefcase(UserBriefcase, gdid) as session:
@@ -299,14 +299,14 @@ def test_hot_data_patterns_run_on_the_confined_sync_session(store: Store) -> Non
 
 
 def test_the_async_check_costs_no_extra_round_trip(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
-    """tests/test_briefcase_pg.py's round-trip count, for async sessions on the async engine.
+    """tests/postgres/test_briefcase_pg.py's round-trip count, for async sessions on the async engine.
 
     A plain AsyncSession on the same async engine costs BEGIN, SELECT, COMMIT; the routed
     session's BEGIN also carries the locks and the check in the same string, so it costs the same.
     """
     from sqlalchemy.engine import make_url
     from sqlalchemy.ext.asyncio import AsyncSession
-    from test_briefcase_pg import RoundTripCounter, _proxied
+    from support.briefcase import RoundTripCounter, _proxied
 
     central, shard = pg_databases(2)
     parsed = make_url(shard)

@@ -1,6 +1,6 @@
 """Async engines under the connection budget (mdb.aio.engines.AsyncBudgetPool, mdb.budget), on real PostgreSQL.
 
-Every test runs its own small PostgreSQL server (tests/test_budget.py's ``small_server``), so
+Every test runs its own small PostgreSQL server (tests/postgres/test_budget.py's ``small_server``), so
 its connections are this process's only and can be counted on the server as well.
 """
 
@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import yaml
-from mapfiles import map_dict
+from support.mapfiles import map_dict
 from sqlalchemy import event, insert, select, text
 from sqlalchemy.pool import Pool
-from test_budget import connections_to, fill, refusals, small_server, write_budget_map  # noqa: F401 (refusals, small_server: the suite's fixtures)
+from support.budget import connections_to, fill, refusals, small_server, write_budget_map  # noqa: F401 (refusals, small_server: the suite's fixtures)
 
 from mdb.aio import AsyncStore
 from mdb.aio.engines import AsyncBudgetPool

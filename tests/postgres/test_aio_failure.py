@@ -1,4 +1,4 @@
-"""tests/test_shard_failure.py for async code: a stopped server fails only its own shard, named, secret masked."""
+"""tests/postgres/test_shard_failure.py for async code: a stopped server fails only its own shard, named, secret masked."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mapfiles import write_map
+from support.mapfiles import write_map
 from sqlalchemy import func, select
-from test_shard_failure import SECRET, schema_apply, with_password
+from support.failure import SECRET, schema_apply, with_password
 
 from mdb import GDID, ServerUnavailableError, Store
 from mdb.aio import AsyncStore

@@ -16,14 +16,14 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from mapfiles import write_map
+from support.mapfiles import write_map
 from sqlalchemy import select
 
 from mdb.demo.models import User, UserBriefcase
 from mdb.schema import apply_schema
 from mdb.store import Store
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "async.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "async.md"
 
 
 def app_source() -> str:

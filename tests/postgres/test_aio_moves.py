@@ -1,6 +1,6 @@
 """Moves and a reshard while async writers keep writing (real PostgreSQL).
 
-The sync suite's move-under-writers test (tests/test_moves_online.py) with the writers as
+The sync suite's move-under-writers test (tests/postgres/test_moves_online.py) with the writers as
 asyncio tasks on an AsyncStore, on an event loop in its own thread: a write counts only when its
 session's commit returned; afterwards every acknowledged write is present exactly once, on the
 server that holds its briefcase, which is where a fresh Store routes it.
@@ -12,8 +12,8 @@ import asyncio
 import threading
 from collections import Counter
 
-from movehelp import Cluster, locations
-from test_moves_online import SERVERS, USERS, _transactions, cluster  # noqa: F401 (cluster: the suite's fixture)
+from support.moves import Cluster, locations
+from support.online import SERVERS, USERS, _transactions, cluster  # noqa: F401 (cluster: the suite's fixture)
 
 from mdb.aio import AsyncStore
 from mdb.demo.models import Transaction, UserBriefcase

@@ -1,7 +1,7 @@
-"""tests/test_stale_routing.py with async writers: an AsyncStore with a stale cache cannot lose data.
+"""tests/postgres/test_stale_routing.py with async writers: an AsyncStore with a stale cache cannot lose data.
 
 The cluster, the map versions, the simulated moves and the shard-by-shard inspection are that
-suite's own (imported); the writers are asyncio tasks on an AsyncStore. Each test runs on direct
+suite's own (tests/support/stale.py); the writers are asyncio tasks on an AsyncStore. Each test runs on direct
 PostgreSQL connections and again through a transaction-mode PgBouncer (``pooler: transaction``:
 the async engine sends the check as a call of its PL/pgSQL function, nothing prepared).
 """
@@ -9,15 +9,13 @@ the async engine sends the check as a call of its PL/pgSQL function, nothing pre
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import test_stale_routing
-from pgbouncerhelp import Pooling
+from support.pgbouncer import THROUGH_PGBOUNCER
 from sqlalchemy import select, update
-from test_stale_routing import SHARDS, V2, Cluster, count_waits, create_user, move_by_hand, restamp_for, rows_on_every_shard
+from support.stale import stale_pg_cluster  # noqa: F401 (the fixture)
+from support.stale import SHARDS, V2, Cluster, count_waits, create_user, move_by_hand, restamp_for, rows_on_every_shard
 
 from mdb.aio import AsyncStore
 from mdb.demo.models import Address, User, UserBriefcase
@@ -27,19 +25,15 @@ from mdb.partition_map import load_map
 from mdb.router import Router, ShardLayout
 from mdb.schema import stamp_layout
 from mdb.system_tables import STATE_INCOMING, STATE_RESIDENT, briefcase_state
-from mdb.testing.pgbouncer import PgBouncer
 
 
-@pytest.fixture(params=["direct", "pgbouncer"])
-def cluster(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
-    pg_databases: Callable[[int], list[str]] = request.getfixturevalue("pg_databases")
-    if request.param == "direct":
-        yield from test_stale_routing._cluster(pg_databases(4) + pg_databases(3), tmp_path)
-        return
-    pgbouncer: Callable[..., PgBouncer] = request.getfixturevalue("pgbouncer")
-    pooling = Pooling(pg_databases, pgbouncer)
-    monkeypatch.setattr(test_stale_routing, "write_map", pooling.write_map)
-    yield from test_stale_routing._cluster(pooling.databases(4) + pooling.databases(3), tmp_path)
+pytestmark = THROUGH_PGBOUNCER  # every test on direct connections and through PgBouncer
+
+
+@pytest.fixture
+def cluster(stale_pg_cluster: Cluster) -> Cluster:
+    """test_stale_routing's cluster on PostgreSQL (support.stale), reached as ``pg_route`` says."""
+    return stale_pg_cluster
 
 
 def counted(aio: AsyncStore) -> list[int]:

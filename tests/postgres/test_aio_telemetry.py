@@ -1,6 +1,6 @@
 """Async sessions and fan-outs feed the instruments sync ones feed (mdb.telemetry), on real PostgreSQL.
 
-The SDK and its in-memory reader are tests/test_telemetry.py's (the global providers can be
+The SDK and its in-memory reader are tests/postgres/test_telemetry.py's (the global providers can be
 set once per process); each test reads the deltas of the cumulative series around its workload.
 """
 
@@ -12,9 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from movehelp import make_cluster
+from support.moves import make_cluster
 from sqlalchemy import select, text
-from test_telemetry import Otel, assert_no_gdid_or_key, otel, s  # noqa: F401 (otel: the suite's fixture)
+from support.telemetry import Otel, assert_no_gdid_or_key, otel, s  # noqa: F401 (otel: the suite's fixture)
 
 from mdb.aio import AsyncStore
 from mdb.demo.models import Address, User, UserBriefcase

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from movehelp import create_user, make_cluster
+from support.moves import create_user, make_cluster
 from sqlalchemy import func, select
 
 from mdb.demo.models import OrderLineItem

@@ -6,10 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 from sqlalchemy import select, update
 
-from mapfiles import write_map
 from mdb import GDID, Store
 from mdb.central import CentralCache, CentralIndex, central_index, exact, strip_casefold
 from mdb.central.indexes import STATE_LIVE
@@ -17,25 +15,8 @@ from mdb.demo.models import User, UserBriefcase
 from mdb.demo.repositories import EmailIndex, UserRepository
 from mdb.errors import DuplicateKeyError, SchemaError
 from mdb.router import fnv1a_64
-from mdb.schema import apply_schema
+from support.central import make_map, open_store
 
-MODELS = ["mdb.demo.models", "mdb.demo.repositories"]
-
-
-def make_map(tmp_path: Path, urls: list[str]) -> Path:
-    """central: 2 shards (so keys spread); user: one partition of the remaining servers."""
-    names = [f"s{i}" for i in range(len(urls))]
-    path = write_map(tmp_path, dict(zip(names, urls)), central=names[:2], partitions=[("0:0:0", names[2:])])
-    data = yaml.safe_load(path.read_text())
-    data["models"] = MODELS
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
-
-
-def open_store(path: Path) -> Store:
-    store = Store.from_yaml(path, types=[UserBriefcase])
-    assert all(r.ok for r in apply_schema(store))
-    return store
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -13,7 +13,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from mapfiles import write_map
+from support.mapfiles import write_map
 from sqlalchemy import select, text
 
 from mdb.demo.models import User, UserBriefcase

@@ -18,7 +18,7 @@ from mdb.urls import sqlalchemy_url
 from mdb.partition_map import EngineSpec, ServerSpec
 
 SECRET = "Hunter2-secret"
-EXAMPLE = Path(__file__).resolve().parent.parent / "partition_maps" / "example.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "partition_maps" / "example.yaml"
 
 
 def sqlite_servers(tmp_path: Path) -> dict[str, ServerSpec]:

@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
-from mapfiles import map_dict
+from support.mapfiles import map_dict
 from sqlalchemy import create_engine, func, insert, select, text
 
 from mdb.budget import ConnectionBudget, instance_of

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Engine, create_engine, delete, distinct, func, literal_column, select
 from sqlalchemy.orm import Session, aliased
-from test_fanout import insert_users, make_store, user_rows
+from support.fanout import insert_users, make_store, user_rows
 
 from mdb import GDID, Store
 from mdb.aio import AsyncStore

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from mapfiles import write_map
+from support.mapfiles import write_map
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import selectinload
-from test_briefcase_pg import RoundTripCounter, _proxied
+from support.briefcase import RoundTripCounter, _proxied
 
 from mdb.aio import AsyncStore
 from mdb.demo.models import Order, OrderLineItem, User, UserBriefcase

@@ -173,8 +173,8 @@ def test_no_postgres_marker_without_postgres_fixtures(request: pytest.FixtureReq
 def test_unavailable_postgres_fails_in_ci_and_skips_elsewhere(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, ci: str, outcome: dict[str, int]
 ) -> None:
-    """A one-test suite with this conftest, on a machine where no binaries can be found."""
-    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    """A one-test suite with the shared fixtures plugin as its conftest, on a machine where no binaries can be found."""
+    pytester.makeconftest((Path(__file__).parents[1] / "support" / "plugin.py").read_text())
     pytester.makepyfile("def test_needs_pg(pg_url):\n    pass\n")
     monkeypatch.setenv("CI", ci)
     monkeypatch.setenv("MDB_PG_BINDIR", str(pytester.path / "no-such-dir"))

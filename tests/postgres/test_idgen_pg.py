@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from mapfiles import write_map
+from support.mapfiles import write_map
 from sqlalchemy import event, text
 from typer.testing import CliRunner
 

@@ -1,7 +1,7 @@
 """Data integrity of briefcase sessions (issue 11): bulk flush cost, GDID text, duplicate keys,
 one root-id sequence per type, child ids outside the area's scope, exclusive sessions.
 
-SQLite and real PostgreSQL, with the map of tests/test_briefcase_pg.py.
+SQLite and real PostgreSQL, with the map of tests/postgres/test_briefcase_pg.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy.orm import Session
-from test_briefcase_pg import make_store, pg_store, sqlite_store, store  # noqa: F401 (fixtures)
+from support.briefcase import eight_exclusive_writers_lose_nothing, make_store, pg_store, sqlite_store, store  # noqa: F401 (fixtures)
 
 from mdb.demo.models import Transaction, User, UserBriefcase
 from mdb.gdid import GDID
@@ -158,43 +158,9 @@ def test_child_row_ids_do_not_raise_the_areas_high_water_mark(sqlite_store: Stor
 
 
 def test_exclusive_sessions_lose_no_read_modify_write_update_under_8_writers(store: Store) -> None:  # noqa: F811
-    """``user.n = user.n + 1`` in the ORM, 8 threads x 15: every increment must land.
-
-    A plain write session takes the briefcase lock SHARED, so under READ COMMITTED two writers
-    read the same value and one increment is lost (an independent harness saw 18 torn counters).
-    An exclusive session takes it EXCLUSIVE in BEGIN's round trip: the next writer's reads run
-    after the previous one committed. On SQLite BEGIN IMMEDIATE already serializes writers.
-    """
-    import threading
-
-    from mdb.demo.models import Balance
-
-    me, balance_id = GDID(0, 0, 21), GDID(0, 1, 21)
-    with store.briefcase(UserBriefcase, me) as session:
-        session.add(User(user_id=me, email="counter@example.com", name="counter"))
-        session.add(Balance(balance_id=balance_id, currency="EUR", amount_cents=0))
-    threads, per_thread, errors = 8, 15, []
-    start = threading.Barrier(threads)
-
-    def writer() -> None:
-        try:
-            start.wait()
-            for _ in range(per_thread):
-                with store.briefcase(UserBriefcase, me, exclusive=True) as session:
-                    row = session.get(Balance, (me, balance_id))
-                    assert row is not None
-                    row.amount_cents = row.amount_cents + 1
-        except BaseException as exc:  # reported below: a thread's failure must fail the test
-            errors.append(exc)
-
-    workers = [threading.Thread(target=writer) for _ in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    assert errors == []
-    with store.briefcase(UserBriefcase, me, readonly=True) as session:
-        assert session.get(Balance, (me, balance_id)).amount_cents == threads * per_thread  # type: ignore[union-attr]
+    """``user.n = user.n + 1`` in the ORM, 8 threads x 15: every increment must land (see
+    support.briefcase.eight_exclusive_writers_lose_nothing; also run through PgBouncer)."""
+    eight_exclusive_writers_lose_nothing(store)
 
 
 def test_an_exclusive_session_cannot_be_readonly(sqlite_store: Store) -> None:  # noqa: F811

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mapfiles import write_map
+from support.mapfiles import write_map
+from support.pgbouncer import THROUGH_PGBOUNCER, Direct, Pooling
 from sqlalchemy import inspect as sa_inspect, select, text
 from typer.testing import CliRunner
 
@@ -42,9 +43,11 @@ class System:
     urls: dict[str, str]
     directory: Path
     stores: list[Store]
+    writer: Callable[..., Path] = write_map
+    """Writes a map file: support.mapfiles.write_map, or a ``pg_route``'s (through PgBouncer)."""
 
     def write(self, version: int, partitions: list[tuple[str, list[str]]], servers: list[str], name: str) -> Path:
-        path = write_map(self.directory, {s: self.urls[s] for s in servers}, central=["central"],
+        path = self.writer(self.directory, {s: self.urls[s] for s in servers}, central=["central"],
                          partitions=partitions, version=version, filename=name)
         # The CENTRAL URL comes from the environment: the recorded map must keep the reference.
         text_ = path.read_text().replace(self.urls["central"], "${" + ENV + "}")
@@ -62,8 +65,8 @@ class System:
         return self.store(self.write(99, V2, ALL, "all.yaml"))
 
 
-def _system(urls: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[System]:
-    system = System(dict(zip(ALL, urls)), tmp_path, [])
+def _system(urls: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: Callable[..., Path] = write_map) -> Iterator[System]:
+    system = System(dict(zip(ALL, urls)), tmp_path, [], writer)
     monkeypatch.setenv(ENV, system.urls["central"])
     v1 = system.write(1, V1, ["central", "u1", "u2"], "v1.yaml")
     admin = Store.from_yaml(v1, types=[UserBriefcase])
@@ -77,8 +80,9 @@ def _system(urls: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.fixture
-def pg_system(pg_databases: Callable[[int], list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[System]:
-    yield from _system(pg_databases(3) + pg_databases(2), tmp_path, monkeypatch)
+def pg_system(pg_route: Direct | Pooling, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[System]:
+    """Five databases over three servers, reached directly or through PgBouncer (``pg_route``)."""
+    yield from _system(pg_route.databases(3) + pg_route.databases(2), tmp_path, monkeypatch, pg_route.write_map)
 
 
 @pytest.fixture
@@ -163,6 +167,7 @@ def _apply_new_partition(system: System) -> None:
     assert system.store(system.directory / "v1.yaml").map.version == 2
 
 
+@THROUGH_PGBOUNCER
 def test_apply_new_partition_above_the_mark_pg(pg_system: System) -> None:
     _apply_new_partition(pg_system)
 
@@ -171,6 +176,7 @@ def test_apply_new_partition_above_the_mark_sqlite(sqlite_system: System) -> Non
     _apply_new_partition(sqlite_system)
 
 
+@THROUGH_PGBOUNCER
 def test_apply_refuses_a_bad_edit_and_changes_nothing(pg_system: System) -> None:
     system = pg_system
     admin = system.store(system.directory / "v1.yaml")
@@ -192,6 +198,7 @@ def test_apply_refuses_a_bad_edit_and_changes_nothing(pg_system: System) -> None
         assert sa_inspect(conn).get_table_names() == []  # new servers untouched
 
 
+@THROUGH_PGBOUNCER
 def test_write_after_the_mark_was_read_is_caught_under_the_lock_and_undone(
     pg_system: System, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -238,6 +245,7 @@ def test_write_after_the_mark_was_read_is_caught_under_the_lock_and_undone(
         apply_map(admin, load_map(v2), yaml_text=v2.read_text())
 
 
+@THROUGH_PGBOUNCER
 def test_apply_reshard_restamps_and_drops_the_leaving_server(pg_system: System) -> None:
     system = pg_system
     admin = system.store(system.directory / "v1.yaml")
@@ -250,6 +258,7 @@ def test_apply_reshard_restamps_and_drops_the_leaving_server(pg_system: System) 
     assert s["u1"]["user"][2:4] == (0, 3) and s["u2"] == {} and s["u3"]["user"][2:4] == (1, 3)
 
 
+@THROUGH_PGBOUNCER
 def test_cli_diff_and_apply(pg_system: System) -> None:
     system = pg_system
     v1 = system.directory / "v1.yaml"

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from movehelp import make_cluster
+from support.moves import make_cluster
 from sqlalchemy import text
 
 from mdb.errors import MoveAbortedError

@@ -13,13 +13,12 @@ import subprocess
 import sys
 import threading
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from movehelp import ROOT, Cluster, add_transaction, create_user, locations, make_cluster, run_cli
+from support.moves import ROOT, Cluster, add_transaction, locations, run_cli
 from sqlalchemy import func, select
 
 from mdb.demo.models import Transaction, User, UserBriefcase
@@ -29,15 +28,14 @@ from mdb.moves import move_briefcase
 from mdb.moves.journal import JournalEntry
 from mdb.moves.reshard import reshard
 from mdb.moves.status import status_of
+from support.online import SERVERS, USERS, _transactions, cluster  # noqa: F401 (fixtures: cluster)
 
-SERVERS = ["u1", "u2", "x"]
-USERS = [GDID(0, 0, i) for i in range(1, 9)]
 
 WRITER = r"""
 import sys, itertools
 sys.path.insert(0, "tests")
 from pathlib import Path
-from movehelp import add_transaction
+from support.moves import add_transaction
 from mdb.demo.models import UserBriefcase
 from mdb.errors import RetryableError
 from mdb.gdid import GDID
@@ -55,25 +53,6 @@ with Store.from_yaml(path, types=[UserBriefcase]) as store:
             continue
         print(f"{g} {tid}", flush=True)
 """
-
-
-@pytest.fixture
-def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster:
-    cluster = make_cluster(dict(zip(["c", *SERVERS], pg_databases(4))), tmp_path, [("0:0:0", ["u1", "u2"])])
-    with cluster.store() as store:
-        for g in USERS:
-            create_user(store, g, orders=1, lines=2)
-    return cluster
-
-
-def _transactions(cluster: Cluster) -> Counter[tuple[str, GDID, int]]:
-    out: Counter[tuple[str, GDID, int]] = Counter()
-    with cluster.store() as store:
-        for server in SERVERS:
-            with store.transaction(server) as conn:
-                for uid, tid in conn.execute(select(Transaction.__table__.c.user_id, Transaction.__table__.c.transaction_id)):
-                    out[(server, uid, tid.counter)] += 1
-    return out
 
 
 def test_writers_in_threads_and_a_process_during_moves_and_a_reshard(cluster: Cluster, tmp_path: Path) -> None:

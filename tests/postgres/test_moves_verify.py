@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from movehelp import Cluster, create_user, make_cluster, snapshot
+from support.moves import Cluster, create_user, make_cluster, snapshot
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import Connection
 
@@ -36,7 +36,7 @@ LINES = OrderLineItem.__table__
 
 
 def _line(gdid: GDID, order: int, item: int) -> GDID:
-    """The key create_user gives line ``item`` of order ``order`` (see movehelp.create_user)."""
+    """The key create_user gives line ``item`` of order ``order`` (see support.moves.create_user)."""
     return GDID(0, 3, gdid.counter * 100000 + order * 100 + item)
 
 

@@ -3,13 +3,13 @@
 The Store hands the engine an :class:`~mdb.ownership.OwnershipCheck` and needs no
 ``dialect.name`` branch: the engine's BEGIN calls the method of its own kind, which runs that
 kind's rendering of the check (:func:`~mdb.ownership.ownership_prelude`). Its own module because
-it borrows test_stale_routing's stamped clusters, whose ``pg_cluster`` fixture shadows conftest's.
+it borrows test_stale_routing's stamped clusters (tests/support/stale.py).
 """
 
 from __future__ import annotations
 
 import pytest
-from test_stale_routing import Cluster, pg_cluster, sqlite_cluster  # noqa: F401  (the fixtures)
+from support.stale import Cluster, stale_pg_cluster, stale_sqlite_cluster  # noqa: F401  (the fixtures)
 
 from mdb import Store
 from mdb.engines import set_prelude, take_result
@@ -27,7 +27,7 @@ def test_the_ownership_check_confirms_the_routed_shard_and_refuses_another(
     """:class:`~mdb.ownership.OwnershipCheck`, run by the engine's BEGIN, reads the stamp of the
     server it runs on: the shard the map routes to passes, another shard of the area is refused;
     on PostgreSQL it holds the briefcase's lock in the mode asked for (another session sees it)."""
-    cluster: Cluster = request.getfixturevalue("pg_cluster" if kind == "postgresql" else "sqlite_cluster")
+    cluster: Cluster = request.getfixturevalue("stale_pg_cluster" if kind == "postgresql" else "stale_sqlite_cluster")
     store = cluster.store()
     placement = store.router.locate("user", GDID(0, 0, 7))
     other = next(s for s, layout in store.router.layouts()

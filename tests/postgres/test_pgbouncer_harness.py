@@ -38,8 +38,8 @@ def test_the_fixture_shares_server_sessions_between_clients_per_transaction(
 def test_unavailable_pgbouncer_fails_in_ci_and_skips_elsewhere(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, ci: str, outcome: dict[str, int]
 ) -> None:
-    """A one-test suite with this conftest, on a machine where no pgbouncer binary can be found."""
-    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    """A one-test suite with the shared fixtures plugin as its conftest, on a machine where no pgbouncer binary can be found."""
+    pytester.makeconftest((Path(__file__).parents[1] / "support" / "plugin.py").read_text())
     pytester.makepyfile("def test_needs_pgbouncer(pgbouncer):\n    pass\n")
     monkeypatch.setenv("CI", ci)
     monkeypatch.setenv("MDB_PGBOUNCER", str(pytester.path / "no-such-pgbouncer"))

@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from pgbouncerhelp import pooled_servers, tools_store, write_pooled_map
+from support.pgbouncer import pooled_servers, tools_store, write_pooled_map
 from sqlalchemy import func, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
-from test_briefcase_pg import RoundTripCounter, _proxied, child_id
+from support.briefcase import eight_exclusive_writers_lose_nothing, RoundTripCounter, _proxied, child_id
 
 from mdb.demo.models import Order, User, UserBriefcase
 from mdb.errors import SchemaError, StaleRouteError
@@ -204,8 +204,6 @@ def test_the_pooled_check_costs_no_extra_round_trip(
 def test_exclusive_sessions_serialize_writers_through_the_pooler(pooled: tuple[Path, PgBouncer]) -> None:
     """The exclusive lock travels as its own check function (mdb_check_write_x) behind a pooler:
     the same 8 read-modify-write writers as on a direct connection lose nothing."""
-    from test_integrity import test_exclusive_sessions_lose_no_read_modify_write_update_under_8_writers as eight_writers
-
     path, _bouncer = pooled
     with Store.from_yaml(path, types=[UserBriefcase]) as store:
-        eight_writers(store)
+        eight_exclusive_writers_lose_nothing(store)

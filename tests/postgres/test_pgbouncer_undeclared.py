@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mapfiles import write_map
-from pgbouncerhelp import pooled_servers
+from support.mapfiles import write_map
+from support.pgbouncer import pooled_servers
 
 from mdb.demo.models import User, UserBriefcase
 from mdb.errors import MapError

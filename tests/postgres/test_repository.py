@@ -12,7 +12,7 @@ from mdb.demo.models import Address, UserBriefcase
 from mdb.demo.repositories import EmailIndex, LedgerRepository, LineItem, OrderRepository, UserRepository
 from mdb.errors import DuplicateKeyError
 from mdb.repository import Repository
-from test_central_index import make_map, open_store
+from support.central import make_map, open_store
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

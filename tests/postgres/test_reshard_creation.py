@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from movehelp import ROOT, Cluster, create_user, locations, make_cluster
+from support.moves import ROOT, Cluster, create_user, locations, make_cluster
 from sqlalchemy import select
 
 from mdb.demo.models import Transaction
@@ -36,7 +36,7 @@ CREATOR = r"""
 import sys, itertools
 sys.path.insert(0, "tests")
 from pathlib import Path
-from movehelp import add_transaction, create_user
+from support.moves import add_transaction, create_user
 from mdb.demo.models import UserBriefcase
 from mdb.errors import RetryableError
 from mdb.gdid import GDID

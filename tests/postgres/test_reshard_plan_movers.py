@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
-from movehelp import add_transaction, create_user, make_cluster
+from support.moves import add_transaction, create_user, make_cluster
 from sqlalchemy import event, func, insert, select
-from test_moves_documents_cli import Env
+from support.documents import Env
 
 from mdb.demo.models import User, UserBriefcase
 from mdb.errors import RoutingError

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
-from movehelp import make_cluster
+from support.moves import make_cluster
 from sqlalchemy.engine import make_url
 
 from mdb.gdid import GDID

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from mapfiles import map_dict
+from support.mapfiles import map_dict
 from sqlalchemy import create_engine, inspect, select, update
 from typer.testing import CliRunner
 
@@ -23,6 +23,7 @@ from mdb.urls import sqlalchemy_url
 from mdb.partition_map import load_map
 from mdb.router import Router
 from mdb.system_tables import shard_layout
+from support.schema import write_models_map
 
 MDB = Path(sys.executable).parent / "mdb"
 
@@ -34,15 +35,6 @@ runner = CliRunner()
 
 def with_password(url: str) -> str:
     return url.replace("postgresql+psycopg://postgres@", f"postgresql+psycopg://postgres:{SECRET}@", 1)
-
-
-def write_models_map(tmp_path: Path, servers: dict[str, str], **kwargs: Any) -> Path:
-    """A map (via tests/mapfiles.map_dict) that lists the demo models module under ``models:``."""
-    data = map_dict(servers, **kwargs)
-    data["models"] = ["mdb.demo.models"]
-    path = tmp_path / "map.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
-    return path
 
 
 def run(*args: str) -> Any:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from movehelp import add_transaction, create_user, make_cluster
+from support.moves import add_transaction, create_user, make_cluster
 from sqlalchemy import (
     BigInteger,
     Column,
@@ -30,7 +30,7 @@ from sqlalchemy import (
     text,
     update,
 )
-from test_schema_apply import write_models_map
+from support.schema import write_models_map
 from typer.testing import CliRunner
 
 from mdb.cli import app

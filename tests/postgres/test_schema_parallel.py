@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from mapfiles import write_map
+from support.mapfiles import write_map
 from sqlalchemy import create_engine, text
 from typer.testing import CliRunner
 

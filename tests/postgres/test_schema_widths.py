@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from movehelp import create_user, make_cluster, run_cli
+from support.moves import create_user, make_cluster, run_cli
 from sqlalchemy import text
 
 from mdb.demo.models import User, UserBriefcase

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
-from mapfiles import map_dict
+from support.mapfiles import map_dict
 from sqlalchemy import create_engine, func, inspect, select, text
 
 from mdb import Store

@@ -12,27 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mapfiles import write_map
+from support.mapfiles import write_map
 from sqlalchemy import func, select
-from typer.testing import CliRunner
 
 from mdb import GDID, ServerUnavailableError, Store
-from mdb.cli import app
 from mdb.demo.models import Order, User, UserBriefcase
+from support.failure import SECRET, schema_apply, with_password
 
-SECRET = "Sw0rdfish-shard-down-41"
-runner = CliRunner()
-
-
-def with_password(url: str) -> str:
-    return url.replace("postgresql+psycopg://postgres@", f"postgresql+psycopg://postgres:{SECRET}@", 1)
-
-
-def schema_apply(path: Path, *extra: str) -> Any:
-    result = runner.invoke(app, ["schema", "apply", str(path), "--models", "mdb.demo.models", *extra],
-                           env={"COLUMNS": "250"})
-    assert SECRET not in result.stdout and SECRET not in result.stderr
-    return result
 
 
 def test_a_stopped_server_fails_only_its_own_shard(

@@ -13,140 +13,43 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from mapfiles import write_map
-from sqlalchemy import delete, func, insert, select, text, update
+from sqlalchemy import select, text, update
 from sqlalchemy.engine import Connection
 
 from mdb.demo.models import Address, User, UserBriefcase
-from mdb.errors import BriefcaseMovingError, RetryableError, StaleRouteError
+from mdb.errors import BriefcaseMovingError, StaleRouteError
 from mdb.gdid import GDID
 from mdb.ownership import lock_key_sql, ownership_prelude
 from mdb.partition_map import load_map
 from mdb.relocations import set_relocation
-from mdb.retry import RoutedOpen, Step
-from mdb.router import Placement, Router, ShardLayout
-from mdb.schema import apply_schema, stamp_layout
-from mdb.store import Store
+from mdb.router import Router, ShardLayout
+from mdb.schema import stamp_layout
 from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
-
-NAMES = ["central", "u1", "u2", "u3", "u4", "u5", "x"]
-SHARDS = NAMES[1:]
-V1 = [("0:0:0", ["u1", "u2"])]
-V2 = [*V1, ("0:0:1000", ["u3", "u4", "u5"])]
+from support.pgbouncer import THROUGH_PGBOUNCER, Pooling
+from support.stale import Cluster, SHARDS, V2, _cluster, count_refreshes, count_waits, create_user, move_by_hand, stale_pg_cluster, restamp_for, rows_on_every_shard, stale_sqlite_cluster  # noqa: F401 (fixtures: stale_pg_cluster, stale_sqlite_cluster)
+from support.stale import copy_briefcase, delete_briefcase, set_state
 
 
-@dataclass
-class Cluster:
-    """Named databases, the map file they are published in, and Stores opened on it."""
 
-    urls: dict[str, str]
-    directory: Path
-    stores: list[Store]
-
-    def publish(self, version: int, partitions: list[tuple[str, list[str]]]) -> Path:
-        return write_map(self.directory, self.urls, central=["central"], partitions=partitions, version=version)
-
-    @property
-    def path(self) -> Path:
-        return self.directory / "map.yaml"
-
-    def store(self, **kwargs: Any) -> Store:
-        """A Store on the current map; its relocation cache is loaded now, so it can go stale."""
-        store = Store.from_yaml(self.path, types=[UserBriefcase], **kwargs)
-        store.router  # noqa: B018 - loads the relocation directory now
-        self.stores.append(store)
-        return store
+@pytest.fixture(params=["postgresql", "sqlite", "pgbouncer"])
+def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
+    """The suite's cluster on PostgreSQL, on SQLite, and on PostgreSQL through a transaction-mode PgBouncer."""
+    if request.param == "pgbouncer":
+        pooling = Pooling(request.getfixturevalue("pg_databases"), request.getfixturevalue("pgbouncer"))
+        yield from _cluster(pooling.databases(4) + pooling.databases(3), tmp_path, pooling.write_map)
+        return
+    yield request.getfixturevalue("stale_pg_cluster" if request.param == "postgresql" else "stale_sqlite_cluster")
 
 
-def _cluster(urls: list[str], tmp_path: Path) -> Iterator[Cluster]:
-    cluster = Cluster(dict(zip(NAMES, urls)), tmp_path, [])
-    cluster.publish(1, V1)
-    admin = Store.from_yaml(cluster.path, types=[UserBriefcase])
-    cluster.stores.append(admin)
-    reports = apply_schema(admin)  # u3..u5 and x are spares in version 1: tables, no stamps
-    assert all(r.ok for r in reports), [(r.server, r.error, r.problems) for r in reports]
-    try:
-        yield cluster
-    finally:
-        for store in cluster.stores:
-            store.close()
-
-
-@pytest.fixture
-def pg_cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Iterator[Cluster]:
-    # Seven databases over four PostgreSQL servers.
-    yield from _cluster(pg_databases(4) + pg_databases(3), tmp_path)
-
-
-@pytest.fixture
-def sqlite_cluster(tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path) -> Iterator[Cluster]:
-    yield from _cluster(tmp_sqlite_urls(len(NAMES)), tmp_path)
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-def cluster(request: pytest.FixtureRequest) -> Cluster:
-    return request.getfixturevalue("pg_cluster" if request.param == "postgresql" else "sqlite_cluster")  # type: ignore[no-any-return]
-
-
-def rows_on_every_shard(store: Store, gdid: GDID) -> dict[str, int]:
-    """server -> number of briefcase rows carrying ``gdid`` (all tables), read directly."""
-    out = {}
-    for server in SHARDS:
-        with store.transaction(server) as conn:
-            out[server] = sum(
-                conn.execute(select(func.count()).select_from(t).where(UserBriefcase.key_column(t) == gdid)).scalar_one()
-                for t in UserBriefcase.tables
-            )
-    return out
-
-
-def count_refreshes(store: Store, monkeypatch: pytest.MonkeyPatch, on_call: Callable[[int], None] | None = None) -> list[int]:
-    calls: list[int] = []
-    original = store.refresh
-
-    def refresh() -> None:
-        calls.append(1)
-        original()
-        if on_call is not None:
-            on_call(len(calls))
-
-    monkeypatch.setattr(store, "refresh", refresh)
-    return calls
-
-
-def count_waits(monkeypatch: pytest.MonkeyPatch, on_wait: Callable[[int], None]) -> list[float]:
-    """The delays of every wait a session open takes (mdb.retry.RoutedOpen.refused), in this process."""
-    delays: list[float] = []
-    original = RoutedOpen.refused
-
-    def refused(self: RoutedOpen, placement: Placement, exc: RetryableError) -> Step:
-        step = original(self, placement, exc)
-        if step.delay:
-            delays.append(step.delay)
-            on_wait(len(delays))
-        return step
-
-    monkeypatch.setattr(RoutedOpen, "refused", refused)
-    return delays
-
-
-def create_user(store: Store, gdid: GDID) -> str:
-    with store.briefcase(UserBriefcase, gdid) as session:
-        session.add(User(user_id=gdid, email=f"{gdid}@example.com", name="u"))
-        session.add(Address(address_id=GDID(0, 1, gdid.counter), line1="1 Main St", city="Springfield", country="US"))
-        return session.placement.server
-
-
-def test_the_sqlite_check_is_one_text_for_every_briefcase(sqlite_cluster: Cluster) -> None:
+def test_the_sqlite_check_is_one_text_for_every_briefcase(stale_sqlite_cluster: Cluster) -> None:
     """On SQLite the check's values are parameters, so sqlite3's statement cache parses the
     text once per connection (inlined, every briefcase was a new text: 24 µs instead of 9)."""
-    router = sqlite_cluster.store().router
+    router = stale_sqlite_cluster.store().router
     a, b = (router.locate("user", GDID(0, 0, n)) for n in (1, 2))
     for lock in (False, True):
         first, second = ownership_prelude("sqlite", a, lock), ownership_prelude("sqlite", b, lock)
@@ -155,18 +58,6 @@ def test_the_sqlite_check_is_one_text_for_every_briefcase(sqlite_cluster: Cluste
 
 
 # -- an older map ------------------------------------------------------------------------------
-
-
-def restamp_for(cluster: Cluster, version: int) -> None:
-    """Stamp every shard of the published map with its layout (what `mdb map apply` will do)."""
-    pmap = load_map(cluster.path)
-    admin = Store(pmap, types=[UserBriefcase])
-    try:
-        for server, layout in Router(pmap).layouts():
-            with admin.transaction(server) as conn:
-                assert stamp_layout(conn, layout, version, replace=True) is None
-    finally:
-        admin.close()
 
 
 def test_store_with_an_older_map_is_refused_and_retried_on_the_right_shard(
@@ -213,33 +104,6 @@ def test_shard_restamped_with_another_layout_refuses_until_the_retries_run_out(
 
 
 # -- a briefcase that moved --------------------------------------------------------------------
-
-
-def copy_briefcase(source: Connection, target: Connection, gdid: GDID) -> None:
-    for table in UserBriefcase.tables:  # parents first: the type lists the root, then children in FK order
-        rows = source.execute(select(table).where(UserBriefcase.key_column(table) == gdid)).mappings().all()
-        if rows:
-            target.execute(insert(table), [dict(r) for r in rows])
-
-
-def delete_briefcase(conn: Connection, gdid: GDID) -> None:
-    for table in reversed(UserBriefcase.tables):
-        conn.execute(delete(table).where(UserBriefcase.key_column(table) == gdid))
-
-
-def set_state(conn: Connection, gdid: GDID, state: str, peer: str | None = None) -> None:
-    conn.execute(delete(briefcase_state).where(briefcase_state.c.area == "user", briefcase_state.c.gdid == gdid))
-    conn.execute(insert(briefcase_state).values(area="user", gdid=gdid, state=state, peer=peer, move_id="test-move"))
-
-
-def move_by_hand(store: Store, gdid: GDID, source: str, target: str, target_state: str = STATE_RESIDENT) -> None:
-    with store.transaction(source) as src, store.transaction(target) as dst:
-        copy_briefcase(src, dst, gdid)
-        set_state(dst, gdid, target_state)
-    set_relocation(store, "user", gdid, target)
-    with store.transaction(source) as src:
-        delete_briefcase(src, gdid)
-        set_state(src, gdid, STATE_GONE, peer=target)
 
 
 def test_fence_and_relocation_send_a_stale_store_to_the_new_shard(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -334,8 +198,9 @@ def _waiting_advisory_locks(conn: Connection) -> int:
     ).scalar_one()
 
 
-def test_session_waits_for_a_moves_lock_then_follows_the_fence(pg_cluster: Cluster) -> None:
-    cluster = pg_cluster
+@THROUGH_PGBOUNCER
+def test_session_waits_for_a_moves_lock_then_follows_the_fence(stale_pg_cluster: Cluster) -> None:
+    cluster = stale_pg_cluster
     gdid = GDID(0, 0, 14)
     admin = cluster.store()
     stale = cluster.store()

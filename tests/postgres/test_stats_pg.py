@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
-from mapfiles import write_map
+from support.pgbouncer import THROUGH_PGBOUNCER, Direct, Pooling
 from sqlalchemy import delete, event, func, select
-from test_stats_support import (
+from support.stats import (
     BC_COUNTERS,
     BC_LOCK_TABLES,
     BC_LOG,
@@ -50,9 +50,10 @@ USERS = [GDID(0, 0, i) for i in range(1, 7)]
 
 
 @pytest.fixture
-def map_path(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Path:
-    c, u1, u2 = pg_databases(3)
-    path = write_map(tmp_path, {"c": c, "u1": u1, "u2": u2}, central=["c"], partitions=[("0:0:0", ["u1", "u2"])])
+def map_path(pg_route: Direct | Pooling, tmp_path: Path) -> Path:
+    """CENTRAL and two shards, reached directly or through PgBouncer (``pg_route``)."""
+    c, u1, u2 = pg_route.databases(3)
+    path = pg_route.write_map(tmp_path, {"c": c, "u1": u1, "u2": u2}, central=["c"], partitions=[("0:0:0", ["u1", "u2"])])
     with open_store(path) as store:
         assert all(r.ok for r in apply_schema(store))
         for g in USERS:
@@ -107,7 +108,7 @@ def _in_lockstep(threads: int, rounds: int, step: Callable[[int], Any]) -> list[
 # -- 1. sharded counters -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("k", [1, 16])
+@pytest.mark.parametrize(("pg_route", "k"), [("direct", 1), ("direct", 16), ("pgbouncer", 16)], indirect=["pg_route"])
 def test_counter_totals_exact_after_concurrent_increments(map_path: Path, store: Store, k: int) -> None:
     user = USERS[0]
     with central(store, "hot") as place:
@@ -138,6 +139,7 @@ def test_counter_totals_exact_after_concurrent_increments(map_path: Path, store:
 
 
 
+@THROUGH_PGBOUNCER
 def test_simultaneous_first_increments_of_a_new_counter_never_raise(store: Store) -> None:
     """Writers released together make the first increments of configured counters (K = 1: one slot).
 
@@ -217,6 +219,7 @@ def test_k_shrink_is_refused_on_postgres(store: Store) -> None:
 # -- 2. stats lock ---------------------------------------------------------------------------------
 
 
+@THROUGH_PGBOUNCER
 def test_each_calculation_applied_exactly_once_under_concurrent_redelivery(map_path: Path, store: Store) -> None:
     events = [(f"tx{i:03d}", "active", 10 + i, f"p{i % 3}") for i in range(24)]
     events += [(eid, "unbonded", amount, provider) for eid, _s, amount, provider in events[:8]]
@@ -247,6 +250,7 @@ def test_each_calculation_applied_exactly_once_under_concurrent_redelivery(map_p
 
 
 
+@THROUGH_PGBOUNCER
 def test_simultaneous_first_deliveries_never_raise(store: Store) -> None:
     """Threads released together deliver the same events: one applies each, none gets an error.
 
@@ -268,6 +272,7 @@ def test_simultaneous_first_deliveries_never_raise(store: Store) -> None:
 # -- 3. event log + snapshots ----------------------------------------------------------------------
 
 
+@THROUGH_PGBOUNCER
 def test_a_late_commit_is_not_skipped_by_a_snapshot(store: Store) -> None:
     user = USERS[0]
     with store.briefcase(StakerBriefcase, user) as late:
@@ -352,6 +357,7 @@ def test_snapshot_plus_tail_equals_full_replay_with_late_commits(store: Store, o
             conn.close()
 
 
+@THROUGH_PGBOUNCER
 def test_snapshot_jobs_run_concurrently_with_writers_and_each_other(map_path: Path, store: Store) -> None:
     users = USERS[:4]
     per_writer = 40
@@ -424,6 +430,7 @@ def _rows(store: Store, server: str, user: GDID) -> dict[str, int]:
     return out
 
 
+@THROUGH_PGBOUNCER
 def test_a_move_carries_log_snapshots_counters_and_locks_and_duplicates_stay_applied_once(map_path: Path, store: Store) -> None:
     user = USERS[0]
     source = store.router.locate("user", user).server

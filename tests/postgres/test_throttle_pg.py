@@ -2,7 +2,7 @@
 
 Replay on the replica is paused with pg_wal_replay_pause(), the primary writes, the replica's lag
 grows past --max-lag and Throttle.wait blocks; pg_wal_replay_resume() lets it return. Under CI=true
-these tests fail when PostgreSQL cannot start (tests/conftest.py), they never skip.
+these tests fail when PostgreSQL cannot start (tests/support/plugin.py), they never skip.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from mapfiles import write_map
+from support.mapfiles import write_map
 from mdb.errors import ServerUnavailableError
 from mdb.moves.throttle import Throttle, ThrottleSettings, replica_lag
 from mdb.store import Store

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from mapfiles import write_map
+from support.mapfiles import write_map
 
 from mdb import Store
 from mdb.mongo import DocumentBriefcaseType, MongoIndex, MongoStore

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from mapfiles import map_dict
+from support.mapfiles import map_dict
 from sqlalchemy import select
 
 from mdb.demo.models import Address, Order, OrderLineItem, Transaction, User, UserBriefcase
@@ -21,7 +21,7 @@ from mdb.moves.verify import _row_hash
 from mdb.schema import apply_schema
 from mdb.store import Store
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

@@ -12,15 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
-from mapfiles import PartitionList, map_dict
-from movehelp import Cluster
+from support.mapfiles import PartitionList, map_dict, write_map
+from support.moves import Cluster
 
 from mdb.schema import apply_schema
 from mdb.store import Store
 from mdb.testing.pgbouncer import PgBouncer
 
-__all__ = ["PooledCluster", "Pooling", "make_pooled_cluster", "pooled_servers", "tools_store", "write_pooled_map"]
+__all__ = ["THROUGH_PGBOUNCER", "Direct", "PooledCluster", "Pooling", "make_pooled_cluster", "pooled_servers", "tools_store", "write_pooled_map"]
 
 
 def pooled_servers(
@@ -43,7 +44,7 @@ def write_pooled_map(
     filename: str = "map.yaml",
     **kwargs: Any,
 ) -> Path:
-    """:func:`mapfiles.write_map`, every server marked ``pooler: transaction`` with its ``direct:`` URL."""
+    """:func:`support.mapfiles.write_map`, every server marked ``pooler: transaction`` with its ``direct:`` URL."""
     data = map_dict(pooled, central=central, partitions=partitions, version=version, **kwargs)
     return _write(Path(directory) / filename, _pooled(data, direct))
 
@@ -73,7 +74,7 @@ def tools_store(store_factory: Callable[[], Any]) -> Any:
 
 @dataclass
 class PooledCluster(Cluster):
-    """:class:`movehelp.Cluster` behind PgBouncer: ``urls`` are the pooled URLs; ``direct`` the
+    """:class:`support.moves.Cluster` behind PgBouncer: ``urls`` are the pooled URLs; ``direct`` the
     databases' own URLs, written as ``direct:`` when ``tools_direct`` (else the tools, too, go
     through PgBouncer)."""
 
@@ -94,7 +95,7 @@ def make_pooled_cluster(
     pgbouncer: Callable[..., PgBouncer], direct: Mapping[str, str], tmp_path: Path,
     partitions: Sequence[tuple[str, Sequence[str]]], *, tools_direct: bool = True, central: Sequence[str] = ("c",),
 ) -> PooledCluster:
-    """:func:`movehelp.make_cluster` behind one PgBouncer (pool of 3 per database)."""
+    """:func:`support.moves.make_cluster` behind one PgBouncer (pool of 3 per database)."""
     _, pooled = pooled_servers(pgbouncer, direct)
     cluster = PooledCluster(pooled, tmp_path / "map.yaml", list(central), dict(direct), tools_direct)
     cluster.write(partitions, 1)
@@ -104,11 +105,34 @@ def make_pooled_cluster(
     return cluster
 
 
+THROUGH_PGBOUNCER = pytest.mark.parametrize("pg_route", ["direct", "pgbouncer"], indirect=True)
+"""Runs a test twice, on direct connections and through one transaction-mode PgBouncer: the test's
+suite builds its databases and maps with the ``pg_route`` fixture (tests/support/plugin.py)."""
+
+
+class Direct:
+    """The direct route of ``pg_route``: fresh databases, maps written as they are."""
+
+    name = "direct"
+
+    def __init__(self, pg_databases: Callable[[int], list[str]]) -> None:
+        self._pg_databases = pg_databases
+
+    def databases(self, n: int) -> list[str]:
+        return self._pg_databases(n)
+
+    def write_map(self, directory: str | Path, servers: Mapping[str, str], **kwargs: Any) -> Path:
+        return write_map(directory, servers, **kwargs)
+
+
 class Pooling:
-    """Fresh databases behind one PgBouncer, and a drop-in for :func:`mapfiles.write_map` that
+    """Fresh databases behind one PgBouncer, and a drop-in for :func:`support.mapfiles.write_map` that
     writes any of them as ``primary:`` through PgBouncer (``pooler: transaction``) with the
     database's own URL as ``direct:``. Patched into an existing suite's module, it runs that
-    suite's own fixtures and tests through PgBouncer unchanged."""
+    suite's own fixtures and tests through PgBouncer unchanged (the ``pgbouncer`` route of
+    ``pg_route``)."""
+
+    name = "pgbouncer"
 
     def __init__(self, pg_databases: Callable[[int], list[str]], pgbouncer: Callable[..., PgBouncer]) -> None:
         self._pg_databases = pg_databases
@@ -134,4 +158,5 @@ class Pooling:
             direct = spec["primary"]
             if direct in self.pooled:
                 spec.update(primary=self.pooled[direct], pooler="transaction", direct=direct)
+        assert any(spec.get("pooler") == "transaction" for spec in data["servers"].values()), "no server of the map is behind PgBouncer"
         return _write(Path(directory) / filename, data)

@@ -1,6 +1,6 @@
 """GdidGenerator.try_next/try_take (never wait on the database) and AsyncGdids built on them.
 
-The reserver here is a counter in memory (the database side is tests/test_idgen_pg.py's): what
+The reserver here is a counter in memory (the database side is tests/postgres/test_idgen_pg.py's): what
 is tested is when a reservation happens and on which thread, which a database would only hide.
 """
 

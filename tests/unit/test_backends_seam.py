@@ -7,7 +7,7 @@ backends are held to one behaviour.
 from __future__ import annotations
 
 import pytest
-from mongohelp import MongoEnv
+from support.mongo import MongoEnv
 
 from mdb import GDID
 from mdb.backends import backend_of

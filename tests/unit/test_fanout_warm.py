@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from mapfiles import write_map
+from support.mapfiles import write_map
 
 from mdb import Store
 from mdb.demo.models import UserBriefcase

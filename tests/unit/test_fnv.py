@@ -13,7 +13,7 @@ import sys
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_router import ref_fnv1a_64 as spec_fnv1a_64  # the spec written out, independent of both implementations
+from support.fnv import ref_fnv1a_64 as spec_fnv1a_64  # the spec written out, independent of both implementations
 
 from mdb import fnv
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mapfiles import write_map
+from support.mapfiles import write_map
 from sqlalchemy import text
 from typer.testing import CliRunner
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mapfiles import write_map
+from support.mapfiles import write_map
 
 import mdb.partition_map as partition_map
 from mdb import Store

@@ -101,7 +101,7 @@ def test_a_backup_is_never_overwritten(tmp_path: Path, caplog: pytest.LogCapture
 @pytest.mark.parametrize("module", ["diff", "text", "history", "high_water"])
 def test_lower_map_modules_never_import_the_store_or_the_apply(module: str) -> None:
     """History and high water sit below the Store (it calls them on refresh); diff and text are core."""
-    source = (Path(__file__).parents[1] / "mdb" / "maps" / f"{module}.py").read_text(encoding="utf-8")
+    source = (Path(__file__).parents[2] / "mdb" / "maps" / f"{module}.py").read_text(encoding="utf-8")
     imported = {
         node.module for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom) and node.module
     } | {alias.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Import) for alias in node.names}

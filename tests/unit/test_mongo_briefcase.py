@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from mongohelp import MongoEnv, UserDocs
+from support.mongo import MongoEnv, UserDocs
 
 from mdb import GDID, CrossBriefcaseError, SchemaError, StaleRouteError
 from mdb.errors import BriefcaseMovingError

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from mongohelp import MongoEnv, UserDocs
+from support.mongo import MongoEnv, UserDocs
 
 from mdb import GDID, DuplicateKeyError, Store
 from mdb.central.indexes import CentralIndex, exact, strip_casefold

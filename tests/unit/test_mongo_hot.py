@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from mongohelp import MongoEnv, UserDocs
+from support.mongo import MongoEnv, UserDocs
 
 from mdb import GDID
 from mdb.errors import RetryableError, StatsError

@@ -1,4 +1,4 @@
-"""The in-process MongoDB fake keeps the promises the Mongo tests rely on (see tests/mongohelp.py)."""
+"""The in-process MongoDB fake keeps the promises the Mongo tests rely on (see tests/support/mongo.py)."""
 
 from __future__ import annotations
 

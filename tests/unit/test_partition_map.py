@@ -16,7 +16,7 @@ import mdb
 from mdb import GDID, MapError, PartitionMap, load_map, parse_map
 from mdb.partition_map import ServerSpec
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MAPS = REPO / "partition_maps"
 MARK = "#<"
 

@@ -15,7 +15,7 @@ from mdb.errors import BriefcaseMovingError, StaleRouteError
 from mdb.retry import MAX_FENCE_HOPS, LearnedRoutes, RoutedOpen, Step
 from mdb.testing import FakeClock as Clock
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "partition_maps" / "example.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "partition_maps" / "example.yaml"
 G = GDID.parse("0:0:2")  # user-1 by default (docs/design.md example)
 
 

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from mdb import GDID, MdbError, PartitionMap, Router, RoutingError, load_map, parse_map
 from mdb.router import fnv1a_64
+from support.fnv import ref_fnv1a_64
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "partition_maps" / "example.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "partition_maps" / "example.yaml"
 TWO60 = 2**60
 MAX_V = (2**32 - 1) * TWO60 + (TWO60 - 1)
 
@@ -28,15 +29,6 @@ def example() -> Router:
 
 def g(text: str) -> GDID:
     return GDID.parse(text)
-
-
-def ref_fnv1a_64(data: bytes) -> int:
-    """Independent FNV-1a 64 (the spec's constants written out)."""
-    h = 0xCBF29CE484222325
-    for b in data:
-        h ^= b
-        h = (h * 0x100000001B3) % 2**64
-    return h
 
 
 # -- the docs/design.md example, by hand ------------------------------------------------------------------------

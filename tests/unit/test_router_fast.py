@@ -15,7 +15,7 @@ from mdb import GDID, Router, RoutingError, load_map
 from mdb import router as router_module
 from mdb.router import CentralPlacement, Placement, fnv1a_64, fnv1a_64_many
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "partition_maps" / "example.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "partition_maps" / "example.yaml"
 
 
 @pytest.fixture(scope="module")

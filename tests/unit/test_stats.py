@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
-from mapfiles import write_map
+from support.mapfiles import write_map
 from sqlalchemy import func, select
-from test_stats_support import (
+from support.stats import (
     BC_COUNTERS,
     BC_LOCK,
     BC_LOG,

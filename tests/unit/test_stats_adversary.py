@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mapfiles import write_map
+from support.mapfiles import write_map
 from sqlalchemy import delete, insert, select
-from test_stats_support import (
+from support.stats import (
     BC_COUNTERS,
     BC_LOCK,
     BC_LOCK_TABLES,

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
 MODULES = sorted(p.stem for p in (TOOLS / "benchmarks").glob("*.py") if p.stem != "__init__")
 
 CHECK = """

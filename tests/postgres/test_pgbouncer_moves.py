@@ -1,11 +1,8 @@
-"""Moves and reshards behind a transaction-mode PgBouncer (issue 14): the same crash tests and
-writer tests as tests/test_moves_faults.py and tests/test_moves_online.py, through a pool of 3
-server connections per database.
-
-The SIGKILL suites run with no ``direct:`` URL, so every statement of the killed tool and of the
-resume goes through PgBouncer too: a tool killed inside a transaction leaves PgBouncer to roll
-back the server session it held. The writers test runs the tools on ``direct:`` URLs, as
-docs/operations.md prescribes (a move holds a lock that pooled sessions queue on).
+"""Writers during moves and a reshard behind a transaction-mode PgBouncer (issue 14): the writer
+test of tests/postgres/test_moves_online.py through a pool of 3 server connections per database.
+The tools run on ``direct:`` URLs, as docs/operations.md prescribes (a move holds a lock that
+pooled sessions queue on). The SIGKILL-at-every-step suites run through PgBouncer as the
+``pgbouncer`` case of tests/faults/test_moves_faults.py.
 """
 
 from __future__ import annotations
@@ -16,40 +13,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from movehelp import add_transaction, create_user, locations
-from pgbouncerhelp import PooledCluster, make_pooled_cluster
-from test_moves_faults import SERVERS as FAULT_SERVERS
-from test_moves_faults import USERS as FAULT_USERS
-from test_moves_faults import test_sigkill_at_every_move_step_then_resume as sigkill_every_move_step_then_resume
-from test_moves_faults import test_sigkill_at_every_reshard_step_then_resume as sigkill_every_reshard_step_then_resume
-from test_moves_online import SERVERS as ONLINE_SERVERS
-from test_moves_online import USERS as ONLINE_USERS
-from test_moves_online import _transactions
+from support.moves import add_transaction, create_user, locations
+from support.pgbouncer import PooledCluster, make_pooled_cluster
+from support.online import SERVERS as ONLINE_SERVERS
+from support.online import USERS as ONLINE_USERS
+from support.online import _transactions
 
 from mdb.errors import RetryableError
 from mdb.gdid import GDID
 from mdb.moves.move import move_briefcase
 from mdb.moves.reshard import reshard
 from mdb.testing.pgbouncer import PgBouncer
-
-
-@pytest.fixture
-def fault_cluster(pg_databases: Callable[[int], list[str]], pgbouncer: Callable[..., PgBouncer], tmp_path: Path) -> PooledCluster:
-    """test_moves_faults' cluster behind PgBouncer, tools included (no direct: URLs)."""
-    direct = dict(zip(["c", *FAULT_SERVERS], pg_databases(4), strict=True))
-    cluster = make_pooled_cluster(pgbouncer, direct, tmp_path, [("0:0:0", ["u1", "u2"])], tools_direct=False)
-    with cluster.store() as store:
-        for g in FAULT_USERS:
-            create_user(store, g)
-    return cluster
-
-
-def test_sigkill_at_every_reshard_step_then_resume_through_pgbouncer(fault_cluster: PooledCluster) -> None:
-    sigkill_every_reshard_step_then_resume(fault_cluster)
-
-
-def test_sigkill_at_every_move_step_then_resume_through_pgbouncer(fault_cluster: PooledCluster) -> None:
-    sigkill_every_move_step_then_resume(fault_cluster)
 
 
 @pytest.fixture
