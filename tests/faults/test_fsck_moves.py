@@ -33,6 +33,8 @@ from mdb.fleet.fsck import RESUME
 from mdb.moves.batch import BATCH_KIND
 from mdb.moves.journal import Journal
 
+pytestmark = pytest.mark.slow  # processes killed or paused at fault points: seconds to minutes per test (docs/testing.md)
+
 MDB = str(Path(sys.executable).parent / "mdb")  # the installed console script
 LISTS = [["u1", "u2", "x"]]
 """One pass per point, out to three shards: ~13 briefcases move, in two batches."""

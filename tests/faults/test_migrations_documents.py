@@ -25,6 +25,8 @@ import mdb.mongo.types as _document_types
 from mdb.mongo.types import DocumentBriefcaseType
 from mdb.schema import apply_schema
 
+pytestmark = pytest.mark.slow  # processes killed or paused at fault points: seconds to minutes per test (docs/testing.md)
+
 pytest.importorskip("mongomock_ng")
 
 SHARDS = ("m1", "m2", "m3")

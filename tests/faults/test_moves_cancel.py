@@ -24,6 +24,8 @@ from mdb.gdid import GDID
 from mdb.moves.freeze import frozen_by
 from mdb.moves.journal import Journal
 
+pytestmark = pytest.mark.slow  # processes killed or paused at fault points: seconds to minutes per test (docs/testing.md)
+
 SERVERS = ["u1", "u2", "x"]
 USERS = [GDID(0, 0, i) for i in range(1, 9)]
 RESHARD = ["reshard", "--partition", "0:0:0", "--shards", "u1,u2,x"]

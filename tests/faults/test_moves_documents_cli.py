@@ -20,6 +20,8 @@ from mdb.schema import apply_schema
 from support.documents import Env, forget_cli_docs  # noqa: F401 (fixtures: forget_cli_docs)
 from support.documents import SHARDS
 
+pytestmark = pytest.mark.slow  # processes killed or paused at fault points: seconds to minutes per test (docs/testing.md)
+
 pytest.importorskip("mongomock_ng")
 
 UID = GDID(0, 0, 4)  # v mod 3 = 1 -> m2

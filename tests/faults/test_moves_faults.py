@@ -28,6 +28,8 @@ from mdb.moves.freeze import frozen_by
 from mdb.moves.journal import Journal
 from mdb.store import Store
 
+pytestmark = pytest.mark.slow  # processes killed or paused at fault points: seconds to minutes per test (docs/testing.md)
+
 SERVERS = ["u1", "u2", "x"]
 USERS = [GDID(0, 0, i) for i in range(1, 7)]
 THROUGH_PGBOUNCER_TOO = pytest.mark.parametrize("cluster", ["direct", "pgbouncer"], indirect=True)

@@ -31,6 +31,8 @@ from mdb.moves.journal import Journal, move_leases
 from mdb.moves.lease import hold
 from support.reshard import _wait_stopped
 
+pytestmark = pytest.mark.slow  # processes killed or paused at fault points: seconds to minutes per test (docs/testing.md)
+
 FAST_LEASE = {"MDB_LEASE_STALE_SECONDS": "2", "MDB_LEASE_BEAT_SECONDS": "0.5"}
 HOLDS_A_TRANSACTION = {"batch.after_lock", "batch.after_source_cut", "batch.after_verify", "batch.before_commit_point"}
 """Points inside the batch's locked source transaction (which holds the lease's fence row shared)."""

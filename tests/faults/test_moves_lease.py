@@ -28,6 +28,8 @@ from mdb.gdid import GDID
 from mdb.moves.journal import Journal, move_leases
 from mdb.moves.lease import LEASE_STALE, hold, holder_of
 
+pytestmark = pytest.mark.slow  # processes killed or paused at fault points: seconds to minutes per test (docs/testing.md)
+
 SERVERS = ["u1", "u2", "x"]
 USERS = [GDID(0, 0, i) for i in range(1, 9)]
 

@@ -21,6 +21,8 @@ from mdb.gdid import GDID
 from mdb.moves.journal import Journal
 from mdb.partition_map import parse_map
 
+pytestmark = pytest.mark.slow  # processes killed or paused at fault points: seconds to minutes per test (docs/testing.md)
+
 SERVERS = ["u1", "u2", "x"]
 USERS = [GDID(0, 0, i) for i in range(1, 7)]
 

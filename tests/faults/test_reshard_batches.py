@@ -28,6 +28,8 @@ from mdb.moves.journal import Journal
 from mdb.moves.reshard import BatchSizer, reshard
 from support.reshard import BATCH_POINTS, SERVERS, USERS, Writers, _batches, _check_placement, _check_writes, cluster, writers  # noqa: F401 (fixtures: cluster, writers)
 
+pytestmark = pytest.mark.slow  # processes killed or paused at fault points: seconds to minutes per test (docs/testing.md)
+
 
 
 def test_sigkill_inside_a_batch_with_writers_then_resume(cluster: Cluster, writers: Writers) -> None:

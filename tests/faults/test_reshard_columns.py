@@ -11,6 +11,7 @@ for `mdb moves resume` once the mover runs the new models.
 
 from __future__ import annotations
 
+import pytest
 import os
 import signal
 import subprocess
@@ -23,6 +24,8 @@ from support.reshard import SERVERS, cluster  # noqa: F401 (fixtures: cluster)
 
 from mdb.gdid import GDID
 from mdb.moves.journal import Journal
+
+pytestmark = pytest.mark.slow  # processes killed or paused at fault points: seconds to minutes per test (docs/testing.md)
 
 OLD, NEW = ["u1", "u2"], ["u1", "u2", "x"]
 

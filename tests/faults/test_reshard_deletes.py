@@ -8,6 +8,7 @@ exactly one server, where a fresh Store routes it, with its rows unchanged.
 
 from __future__ import annotations
 
+import pytest
 import re
 import signal
 
@@ -22,6 +23,8 @@ from mdb.moves.batch import BATCH_KIND
 from mdb.moves.journal import Journal
 from mdb.moves.reshard import reshard
 from mdb.store import Store
+
+pytestmark = pytest.mark.slow  # processes killed or paused at fault points: seconds to minutes per test (docs/testing.md)
 
 
 def _delete(store: Store, gdids: list[GDID]) -> None:

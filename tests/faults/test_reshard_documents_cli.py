@@ -23,6 +23,8 @@ from mdb.moves.freeze import freeze_partition, frozen_by, unfreeze_partition
 from mdb.moves.journal import DONE, Journal
 from mdb.schema import apply_schema
 
+pytestmark = pytest.mark.slow  # processes killed or paused at fault points: seconds to minutes per test (docs/testing.md)
+
 pytest.importorskip("mongomock_ng")
 
 OLD = ("m1", "m2")

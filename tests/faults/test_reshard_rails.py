@@ -35,6 +35,8 @@ from mdb.moves.journal import Journal
 from mdb.store import Store
 from mdb.urls import sqlalchemy_url
 
+pytestmark = pytest.mark.slow  # processes killed or paused at fault points: seconds to minutes per test (docs/testing.md)
+
 SERVERS = ["u1", "u2", "x"]
 OLD = ["u1", "u2"]
 START = GDID.parse("0:0:0")

@@ -11,6 +11,7 @@ directory and only a bounded set of learned locations.
 
 from __future__ import annotations
 
+import pytest
 import shutil
 import signal
 import time
@@ -27,6 +28,8 @@ from mdb.moves.reshard import reshard
 from mdb.relocations import load_relocation_reach, load_relocations, set_relocations
 from mdb.router import Reach, reach_of
 from mdb.store import Store
+
+pytestmark = pytest.mark.slow  # processes killed or paused at fault points: seconds to minutes per test (docs/testing.md)
 
 
 def test_stale_and_current_routers_write_throughout_batched_reshards_and_see_no_error(

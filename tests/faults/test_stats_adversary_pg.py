@@ -34,6 +34,8 @@ from mdb.schema import apply_schema
 from mdb.hot import Counters, central
 from mdb.store import Store
 
+pytestmark = pytest.mark.slow  # processes killed or paused at fault points: seconds to minutes per test (docs/testing.md)
+
 USER = GDID(0, 0, 3)
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -178,7 +180,6 @@ def test_bad_names_are_refused_before_postgresql_sees_them(store: Store) -> None
             CENTRAL_COUNTERS.read(place, "tv\x00l")
 
 
-@pytest.mark.slow
 def test_exactly_once_and_exact_totals_with_killed_workers_redeliveries_and_k_raises(map_path: Path, store: Store) -> None:
     """Three processes deliver the same events (in different orders) through the stats lock
     into one counter; two are SIGKILLed mid-run, replacements deliver everything again late,

@@ -33,9 +33,21 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in {"true", "1", "yes"}
 
 
+POSTGRES_PARAMS = frozenset({"postgres", "postgresql", "pgbouncer", "postgres-to-sqlite"})
+"""Parameter values by which a suite's fixture asks for PostgreSQL with ``request.getfixturevalue``
+(a ``sqlite``/``postgres`` pair, the ``pgbouncer`` route): such a case needs PostgreSQL too."""
+
+
+def _needs_postgres(item: pytest.Item) -> bool:
+    if POSTGRES_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return True
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and any(isinstance(v, str) and v in POSTGRES_PARAMS for v in callspec.params.values())
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if POSTGRES_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        if _needs_postgres(item):
             item.add_marker(pytest.mark.postgres)
 
 

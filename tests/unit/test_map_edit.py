@@ -177,6 +177,7 @@ def edits(draw: st.DrawFn) -> tuple[PartitionMap, PartitionMap, int | None, list
     return old, new, hw, names
 
 
+@pytest.mark.slow  # 150 Hypothesis examples, each building two maps: ~34 s at load 13 on 2 cores
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(edits(), st.lists(VALUES, max_size=8), st.integers(0, 15))
 def test_accepted_edits_never_move_an_existing_gdid(
