@@ -35,7 +35,6 @@ from support.telemetry import Series
 
 
 
-_installed: Otel | None = None
 
 
 @pytest.mark.postgres

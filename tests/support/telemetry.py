@@ -60,6 +60,10 @@ class Otel:
         return self.spans.get_finished_spans()
 
 
+_installed: Otel | None = None
+"""The one SDK of this process (an OpenTelemetry provider can be set only once)."""
+
+
 @pytest.fixture(scope="module")
 def otel() -> Otel:
     """The SDK, installed once per process after mdb.telemetry created its (proxy) instruments."""
