@@ -171,7 +171,7 @@ class Fleet:
             engine.dispose()
 
     def cli(self, *args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-        tests = str(Path(__file__).resolve().parent)
+        tests = os.pathsep.join(str(p) for p in (Path(__file__).resolve().parent, Path(__file__).resolve().parents[1]))  # this module (--models) and tests/support
         full = {"MDB_TEST_KEEP_NOTES": "1", "PYTHONPATH": tests + os.pathsep + str(ROOT), "COLUMNS": "250", **(env or {})}
         done = run_cli(["migrate", *args, "--models", "test_migrations"], env=full)
         return done.returncode, done.stdout, done.stderr
@@ -491,7 +491,7 @@ def test_mdb_schema_apply_records_head_on_a_server_it_built_and_schema_check_acc
     with fleet.store() as store:
         assert migrate(store, fleet.root, servers=SHARDS).ok
     assert fleet.revision_of("s") is None
-    tests = str(Path(__file__).resolve().parent)
+    tests = os.pathsep.join(str(p) for p in (Path(__file__).resolve().parent, Path(__file__).resolve().parents[1]))  # this module (--models) and tests/support
     env = {"MDB_TEST_KEEP_NOTES": "1", "PYTHONPATH": tests + os.pathsep + str(ROOT), "COLUMNS": "250"}
     # JSON: the per-server reports. (Not the exit code: in the full suite the fixture's in-process
     # apply_schema also created the CENTRAL tables of indexes other test modules declared, which
@@ -524,7 +524,7 @@ def test_mdb_map_apply_records_head_on_a_server_it_adds(fleet: Fleet, pg_databas
     data["areas"]["notes"]["partitions"].append({"start": "1:0:0", "shards": ["n"]})
     new_map = fleet.map_path.with_name("map.v2.yaml")
     new_map.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
-    tests = str(Path(__file__).resolve().parent)
+    tests = os.pathsep.join(str(p) for p in (Path(__file__).resolve().parent, Path(__file__).resolve().parents[1]))  # this module (--models) and tests/support
     env = {"MDB_TEST_KEEP_NOTES": "1", "PYTHONPATH": tests + os.pathsep + str(ROOT), "COLUMNS": "250"}
     done = run_cli(["map", "apply", str(fleet.map_path), str(new_map), "--models", "test_migrations"], env=env)
     assert done.returncode == 0, (done.stdout, done.stderr)
