@@ -134,6 +134,7 @@ def test_the_check_rides_on_begin_and_refuses_a_restamped_shard(pg_store: Store)
     assert users_on_every_shard(pg_store) == {"u1": [], "u2": [GDID(0, 0, 5)], "u3": [], "u4": []}
 
 
+@pytest.mark.slow  # 53 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_a_thousand_concurrent_tasks_write_once_on_the_right_shard_and_leak_no_connection(pg_store: Store) -> None:
     n = 1000
     gdids = [GDID(0, 0, 100 + i) for i in range(n)]
@@ -168,6 +169,7 @@ def test_a_thousand_concurrent_tasks_write_once_on_the_right_shard_and_leak_no_c
         assert len(ids) == n // len(SHARDS)
 
 
+@pytest.mark.slow  # 43 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_no_briefcase_context_crosses_tasks(store: Store) -> None:
     """Many tasks interleave inside their sessions; each sees only its own briefcase, always."""
     gdids = [GDID(0, 0, 500 + i) for i in range(60)]

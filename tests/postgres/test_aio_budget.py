@@ -90,6 +90,7 @@ def live() -> Iterator[Live]:
     event.remove(Pool, "close", counter.closed)
 
 
+@pytest.mark.slow  # 23 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_concurrent_async_fan_outs_over_more_shards_than_the_cap_wait_for_the_budget(
     small_server: Callable[[int], PostgresServer], tmp_path: Path, live: Live
 ) -> None:
@@ -165,6 +166,7 @@ def test_a_full_budget_is_a_retryable_capacity_error_after_pool_timeout_and_the_
         store.close()
 
 
+@pytest.mark.slow  # 26 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_a_sync_waiter_makes_async_pools_close_idle_connections_on_their_loop(
     small_server: Callable[[int], PostgresServer], tmp_path: Path
 ) -> None:
@@ -199,6 +201,7 @@ def test_a_sync_waiter_makes_async_pools_close_idle_connections_on_their_loop(
         store.close()
 
 
+@pytest.mark.slow  # 23 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_idle_async_connections_are_closed_by_the_reaper_on_their_loop(
     small_server: Callable[[int], PostgresServer], tmp_path: Path
 ) -> None:
@@ -255,6 +258,7 @@ def test_an_async_capacity_refusal_is_retried_on_the_loop_until_a_slot_frees(
             conn.close()
 
 
+@pytest.mark.slow  # 26 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_idle_async_connections_of_an_ended_loop_leave_the_budget(
     small_server: Callable[[int], PostgresServer], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

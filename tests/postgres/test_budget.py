@@ -230,6 +230,7 @@ PROCESSES = 4
 PER_PROCESS = 8
 
 
+@pytest.mark.slow  # 174 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_four_processes_fan_out_over_64_shards_within_the_budget(small_server: Any, tmp_path: Path) -> None:
     """max_connections 40; 4 processes x 64 shards would need up to 4 x 64 idle connections
     (plus up to 16 busy per process) without a budget. With 8 per process, every fan-out

@@ -140,6 +140,7 @@ def fanout_rows(store: Store, spec: dict[str, Any]) -> list[tuple[Any, ...]]:
 
 # -- properties ----------------------------------------------------------------------------------
 
+@pytest.mark.slow  # 58 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_fan_out_equals_one_database(shards: tuple[Store, Engine]) -> None:
     store, reference = shards
     engines = [store.engine(s) for s in ("u1", "u2", "u3")] + [reference]
@@ -159,6 +160,7 @@ def test_fan_out_equals_one_database(shards: tuple[Store, Engine]) -> None:
     assert seen_shards == {"u1", "u2", "u3"}  # the examples really spread over the shards
 
 
+@pytest.mark.slow  # 25 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_aggregates_equal_one_database(shards: tuple[Store, Engine]) -> None:
     store, reference = shards
     engines = [store.engine(s) for s in ("u1", "u2", "u3")] + [reference]

@@ -59,6 +59,7 @@ def _fill(shards: list[str]) -> list[int]:
     return counters
 
 
+@pytest.mark.slow  # 36 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_a_cold_fan_out_over_more_shards_than_the_cap_completes_within_it(
     pg_server_factory: Callable[[], PostgresServer], tmp_path: Path
 ) -> None:
@@ -92,6 +93,7 @@ def test_a_cold_fan_out_over_more_shards_than_the_cap_completes_within_it(
     assert budget.peak_connections() <= CAP
 
 
+@pytest.mark.slow  # 45 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_a_down_server_is_reported_as_down_by_a_cold_fan_out(
     pg_server_factory: Callable[[], PostgresServer], tmp_path: Path
 ) -> None:

@@ -165,6 +165,7 @@ def test_aggregates_exact_or_refused_on_sqlite_shards(sqlite_shards: tuple[Store
     check_against_reference(*sqlite_shards)
 
 
+@pytest.mark.slow  # 30 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 @pytest.mark.postgres
 def test_aggregates_exact_or_refused_on_postgresql_shards(pg_shards: tuple[Store, Engine]) -> None:
     check_against_reference(*pg_shards)

@@ -58,6 +58,7 @@ def _draw(args: tuple[str, str, int]) -> bytes:
     return b"".join(bytes(g) for g in ids)
 
 
+@pytest.mark.slow  # 63 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_eight_processes_draw_unique_increasing_gdids(map_path: Path, store: Store) -> None:
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(PROCESSES) as pool:

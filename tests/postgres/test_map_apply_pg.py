@@ -258,6 +258,7 @@ def test_apply_reshard_restamps_and_drops_the_leaving_server(pg_system: System) 
     assert s["u1"]["user"][2:4] == (0, 3) and s["u2"] == {} and s["u3"]["user"][2:4] == (1, 3)
 
 
+@pytest.mark.slow  # 25 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 @THROUGH_PGBOUNCER
 def test_cli_diff_and_apply(pg_system: System) -> None:
     system = pg_system

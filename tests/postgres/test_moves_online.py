@@ -55,6 +55,7 @@ with Store.from_yaml(path, types=[UserBriefcase]) as store:
 """
 
 
+@pytest.mark.slow  # 49 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_writers_in_threads_and_a_process_during_moves_and_a_reshard(cluster: Cluster, tmp_path: Path) -> None:
     stop = threading.Event()
     acked: list[tuple[GDID, int]] = []
@@ -138,6 +139,7 @@ def test_a_stale_store_is_redirected_and_never_touches_the_old_location(cluster:
             assert conn.execute(select(func.count()).select_from(Transaction).where(Transaction.user_id == g)).scalar_one() == 1
 
 
+@pytest.mark.slow  # 204 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_cli_move_dry_run_where_status_and_move_back(cluster: Cluster) -> None:
     g = USERS[1]
     with cluster.store() as store:

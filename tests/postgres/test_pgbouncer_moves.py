@@ -36,6 +36,7 @@ def online_cluster(pg_databases: Callable[[int], list[str]], pgbouncer: Callable
     return cluster
 
 
+@pytest.mark.slow  # 23 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_writers_through_pgbouncer_during_moves_and_a_reshard_lose_and_double_nothing(online_cluster: PooledCluster) -> None:
     """Six writer threads (twice the pool) write through PgBouncer while the tools, on direct
     URLs, move briefcases and reshard their partition: every acknowledged write is there once,

@@ -46,6 +46,7 @@ def pooled(pg_databases: Callable[[int], list[str]], pgbouncer: Callable[..., Pg
     yield path, bouncer
 
 
+@pytest.mark.slow  # 44 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_8_threads_x_1000_sessions_through_a_pool_of_3_all_succeed(pooled: tuple[Path, PgBouncer]) -> None:
     path, bouncer = pooled
     with Store.from_yaml(path, types=[UserBriefcase]) as store:

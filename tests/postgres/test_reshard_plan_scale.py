@@ -7,6 +7,7 @@ briefcases is about the same, and below what holding the keys alone as a list ta
 
 from __future__ import annotations
 
+import pytest
 import tracemalloc
 from collections import Counter
 from collections.abc import Callable
@@ -45,6 +46,7 @@ def _dry_run_peak(cluster, n: int):  # type: ignore[no-untyped-def]
     return outcome.plan, peak - base
 
 
+@pytest.mark.slow  # 398 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_a_dry_run_of_200k_briefcases_is_exact_in_bounded_memory(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
     urls = dict(zip(["c", "a", "b", "x"], pg_databases(4)))
     cluster = make_cluster(urls, tmp_path, [("0:0:0", ["a", "b"])])

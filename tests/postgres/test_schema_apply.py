@@ -6,6 +6,7 @@ checked for leaks.
 
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import subprocess
@@ -133,6 +134,7 @@ def test_models_option_and_a_bad_module(tmp_path: Path, tmp_sqlite_urls: Any) ->
     assert bad.exit_code == 2 and "cannot import models module 'no_such_pkg.models'" in bad.stderr
 
 
+@pytest.mark.slow  # 22 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_the_console_script_imports_models_from_the_folder_it_runs_in(tmp_path: Path) -> None:
     """A map's ``models: [tourapp.models]`` is found in the current folder, as with ``python -m``
     (a console script does not put the current folder on the import path by itself)."""

@@ -151,6 +151,7 @@ def cli(*args: str) -> Any:
     return runner.invoke(app, ["schema", *args], env={"COLUMNS": "250"})
 
 
+@pytest.mark.slow  # 25 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_apply_and_check_report_a_column_the_database_lacks(urls: Callable[[int], list[str]], tmp_path: Path) -> None:
     """The issue's case: the model has a column the shard's table lacks. ``schema apply`` used to
     say ``all 3 shards ok`` (it only creates missing tables); now it and ``schema check`` list
@@ -221,6 +222,7 @@ def test_a_move_across_drift_is_refused_with_the_differences(
     engine.dispose()
 
 
+@pytest.mark.slow  # 78 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_the_cli_move_across_drift_is_one_error_line_not_a_traceback(tmp_path: Path) -> None:
     c, u1, u2 = (f"sqlite:///{tmp_path / n}.db" for n in ("c", "u1", "u2"))
     cluster = make_cluster({"c": c, "u1": u1, "u2": u2}, tmp_path, [("0:0:0", ["u1"])])

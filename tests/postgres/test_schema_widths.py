@@ -19,6 +19,7 @@ from mdb.moves.sql_steps import area_tables
 SERVERS = ["u1", "u2", "x"]
 
 
+@pytest.mark.slow  # 77 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_a_narrower_column_is_a_width_difference_and_refuses_the_move(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
     cluster = make_cluster(dict(zip(["c", *SERVERS], pg_databases(4))), tmp_path, [("0:0:0", ["u1", "u2"])])
     g = GDID(0, 0, 2)

@@ -112,6 +112,7 @@ def register(path: Path, count: int, prefix: str) -> dict[str, int]:
     return per_server
 
 
+@pytest.mark.slow  # 369 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_a_mistyped_database_url_is_refused_at_every_step_and_nothing_is_lost(fleet: Fleet) -> None:
     v1 = fleet.write("v1.yaml", 1)
     first = mdb("schema", "apply", str(v1), "--json", cwd=fleet.folder)
@@ -175,6 +176,7 @@ def test_a_mistyped_database_url_is_refused_at_every_step_and_nothing_is_lost(fl
     assert healthy.returncode == 0, healthy.stdout + healthy.stderr
 
 
+@pytest.mark.slow  # 119 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_a_changed_url_that_reaches_the_same_database_is_accepted(fleet: Fleet) -> None:
     v1 = fleet.write("v1.yaml", 1)
     assert mdb("schema", "apply", str(v1), cwd=fleet.folder).returncode == 0
@@ -193,6 +195,7 @@ def test_a_changed_url_that_reaches_the_same_database_is_accepted(fleet: Fleet) 
     assert "map version 2 applied" in applied.stdout
 
 
+@pytest.mark.slow  # 71 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_two_swapped_urls_are_both_refused(fleet: Fleet) -> None:
     v1 = fleet.write("v1.yaml", 1)
     assert mdb("schema", "apply", str(v1), cwd=fleet.folder).returncode == 0

@@ -108,6 +108,7 @@ def _in_lockstep(threads: int, rounds: int, step: Callable[[int], Any]) -> list[
 # -- 1. sharded counters -------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 59 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 @pytest.mark.parametrize(("pg_route", "k"), [("direct", 1), ("direct", 16), ("pgbouncer", 16)], indirect=["pg_route"])
 def test_counter_totals_exact_after_concurrent_increments(map_path: Path, store: Store, k: int) -> None:
     user = USERS[0]
@@ -139,6 +140,7 @@ def test_counter_totals_exact_after_concurrent_increments(map_path: Path, store:
 
 
 
+@pytest.mark.slow  # 31 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 @THROUGH_PGBOUNCER
 def test_simultaneous_first_increments_of_a_new_counter_never_raise(store: Store) -> None:
     """Writers released together make the first increments of configured counters (K = 1: one slot).
@@ -219,6 +221,7 @@ def test_k_shrink_is_refused_on_postgres(store: Store) -> None:
 # -- 2. stats lock ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 53 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 @THROUGH_PGBOUNCER
 def test_each_calculation_applied_exactly_once_under_concurrent_redelivery(map_path: Path, store: Store) -> None:
     events = [(f"tx{i:03d}", "active", 10 + i, f"p{i % 3}") for i in range(24)]
@@ -357,6 +360,7 @@ def test_snapshot_plus_tail_equals_full_replay_with_late_commits(store: Store, o
             conn.close()
 
 
+@pytest.mark.slow  # 39 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 @THROUGH_PGBOUNCER
 def test_snapshot_jobs_run_concurrently_with_writers_and_each_other(map_path: Path, store: Store) -> None:
     users = USERS[:4]
@@ -430,6 +434,7 @@ def _rows(store: Store, server: str, user: GDID) -> dict[str, int]:
     return out
 
 
+@pytest.mark.slow  # 20 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 @THROUGH_PGBOUNCER
 def test_a_move_carries_log_snapshots_counters_and_locks_and_duplicates_stay_applied_once(map_path: Path, store: Store) -> None:
     user = USERS[0]

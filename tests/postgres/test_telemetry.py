@@ -258,6 +258,7 @@ store.close()
 """
 
 
+@pytest.mark.slow  # 27 s measured at load ~13 on 2 cores (-n 3): docs/testing.md
 def test_without_an_sdk_the_session_is_not_wrapped_and_an_sdk_installed_later_counts(
     sqlite_store: tuple[Store, dict[str, str]], tmp_path: Path
 ) -> None:
