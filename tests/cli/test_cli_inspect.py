@@ -316,6 +316,7 @@ def test_console_script_broken_map_long_path(tmp_path: Path) -> None:
     assert f"{broken}:5:" in line and "shards list is empty" in line
 
 
+@pytest.mark.slow  # 28 s measured at load ~15 on 2 cores: docs/testing.md
 def test_console_script_missing_env_var_and_masking(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "MDB_PG_PASSWORD"}
     proc = subprocess.run([str(MDB), "map", "check", "partition_maps/production-postgres.yaml"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ def run(*args: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow  # 87 s measured at load ~15 on 2 cores: docs/testing.md
 def test_demo_runs_twice_on_the_same_folder(tmp_path: Path) -> None:
     folder = tmp_path / "demo"
     first = run("demo", "--dir", str(folder), "--users", "24")
@@ -40,6 +42,7 @@ def test_demo_runs_twice_on_the_same_folder(tmp_path: Path) -> None:
     assert "-> 0:0:" in out
 
 
+@pytest.mark.slow  # 25 s measured at load ~15 on 2 cores: docs/testing.md
 def test_demo_on_a_postgresql_map(pg_databases, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from typer.testing import CliRunner
 

@@ -12,6 +12,7 @@ crosses partitions.
 
 from __future__ import annotations
 
+import pytest
 import json
 import signal
 from collections.abc import Callable
@@ -52,6 +53,7 @@ def _own(report: FsckReport) -> list[Finding]:
     return [f for f in report.findings if not f.kind.startswith("central_")]
 
 
+@pytest.mark.slow  # 48 s measured at load ~15 on 2 cores: docs/testing.md
 def test_fsck_and_balance_see_a_differing_copy_on_a_spare(tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path) -> None:
     cluster = shrunk(tmp_sqlite_urls(5), tmp_path)
     g = USERS[0]
@@ -94,6 +96,7 @@ def test_a_duplicated_briefcase_is_counted_once(tmp_sqlite_urls: Callable[[int],
         assert sum(s.briefcases for s in report.servers) == len(USERS)
 
 
+@pytest.mark.slow  # 69 s measured at load ~15 on 2 cores: docs/testing.md
 def test_drain_moves_a_spares_briefcases_home_resumably(tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path) -> None:
     cluster = shrunk(tmp_sqlite_urls(5), tmp_path)
     moved = USERS[:3]
@@ -134,6 +137,7 @@ def test_drain_moves_a_spares_briefcases_home_resumably(tmp_sqlite_urls: Callabl
     assert run_cli(["drain", path, "u3", "--check"]).returncode == 0
 
 
+@pytest.mark.slow  # 33 s measured at load ~15 on 2 cores: docs/testing.md
 def test_rebalance_drops_a_plan_under_the_minimum_improvement_and_names_partition_crossings(
     tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path,
 ) -> None:

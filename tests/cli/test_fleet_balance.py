@@ -39,6 +39,7 @@ def _independent(cluster: Cluster) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+@pytest.mark.slow  # 36 s measured at load ~15 on 2 cores: docs/testing.md
 def test_balance_counts_agree_with_per_briefcase_measurement_and_show_the_skew(skewed: Cluster) -> None:
     expected = _independent(skewed)
     with skewed.store() as store:
@@ -51,6 +52,7 @@ def test_balance_counts_agree_with_per_briefcase_measurement_and_show_the_skew(s
     assert [srv for srv, _ in report.largest()] == ["u1"] * 3, "the largest briefcases are u1's 10-order ones"
 
 
+@pytest.mark.slow  # 92 s measured at load ~15 on 2 cores: docs/testing.md
 def test_balance_cli_json_and_table(skewed: Cluster) -> None:
     run = run_cli(["balance", str(skewed.path), "user", "--json", "--top", "2"])
     assert run.returncode == 0, run.stderr

@@ -60,6 +60,7 @@ def _owner(store: Store, g: GDID) -> str:
     return store.router.locate("user", g).server
 
 
+@pytest.mark.slow  # 54 s measured at load ~15 on 2 cores: docs/testing.md
 def test_a_clean_fleet_reports_clean(fleet: Cluster) -> None:
     with fleet.store() as store:
         report = fsck(store, "user")
@@ -71,6 +72,7 @@ def test_a_clean_fleet_reports_clean(fleet: Cluster) -> None:
     assert run.returncode == 0 and "clean" in run.stdout, (run.stdout, run.stderr)
 
 
+@pytest.mark.slow  # 45 s measured at load ~15 on 2 cores: docs/testing.md
 def test_fsck_finds_every_planted_defect_and_repairs_only_the_safe_ones(fleet: Cluster) -> None:
     wrong, leftover, killed, fenced = GDID(0, 0, 4), GDID(0, 0, 5), GDID(0, 0, 6), GDID(0, 0, 7)
     ghost = GDID(0, 0, 999)

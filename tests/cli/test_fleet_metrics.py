@@ -24,6 +24,7 @@ main()
 """
 
 
+@pytest.mark.slow  # 32 s measured at load ~15 on 2 cores: docs/testing.md
 def test_the_endpoint_serves_mdb_metrics_while_the_block_runs_and_closes_after() -> None:
     pytest.importorskip("opentelemetry.exporter.prometheus")
     run = _python(SERVE, str(_free_port()))
@@ -35,6 +36,7 @@ def test_the_endpoint_serves_mdb_metrics_while_the_block_runs_and_closes_after()
     assert lines[-1] == "CLOSED", "the endpoint ends with the command"
 
 
+@pytest.mark.slow  # 21 s measured at load ~15 on 2 cores: docs/testing.md
 def test_without_the_extra_the_command_stops_with_one_line_and_exit_2(tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path) -> None:
     cluster = build_skewed(tmp_sqlite_urls(5), tmp_path)
     run = _python(BLOCKED, "rebalance", str(cluster.path), "user", "--apply", "--metrics-port", str(_free_port()))
@@ -44,6 +46,7 @@ def test_without_the_extra_the_command_stops_with_one_line_and_exit_2(tmp_sqlite
     assert "moved" not in run.stdout, "nothing ran"
 
 
+@pytest.mark.slow  # 24 s measured at load ~15 on 2 cores: docs/testing.md
 def test_rebalance_apply_with_a_metrics_port_runs(tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path) -> None:
     pytest.importorskip("opentelemetry.exporter.prometheus")
     cluster = build_skewed(tmp_sqlite_urls(5), tmp_path)

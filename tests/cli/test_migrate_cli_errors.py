@@ -7,6 +7,7 @@ is one line naming the file and the line (it was a traceback).
 
 from __future__ import annotations
 
+import pytest
 from pathlib import Path
 
 import yaml
@@ -56,6 +57,7 @@ def _row(out: str, server: str) -> list[str]:
     return [cell.strip() for cell in rows[0].split("│")[1:-1]]
 
 
+@pytest.mark.slow  # 107 s measured at load ~15 on 2 cores: docs/testing.md
 def test_a_server_that_could_not_be_read_or_was_not_started_prints_unknown_not_base(tmp_path: Path) -> None:
     map_path, _root = _fleet(tmp_path)
     (tmp_path / "u2.db").write_bytes(b"this is not a database file" * 100)  # u2 cannot be read
@@ -77,6 +79,7 @@ def test_a_server_that_could_not_be_read_or_was_not_started_prints_unknown_not_b
     assert '"before": null' in ok.stdout and '"before_known": true' in ok.stdout  # read at base: known
 
 
+@pytest.mark.slow  # 53 s measured at load ~15 on 2 cores: docs/testing.md
 def test_a_revision_file_with_a_syntax_error_is_one_line_naming_the_file(tmp_path: Path) -> None:
     map_path, root = _fleet(tmp_path)
     broken = root / "user" / "versions" / "b2_broken.py"
@@ -90,6 +93,7 @@ def test_a_revision_file_with_a_syntax_error_is_one_line_naming_the_file(tmp_pat
         assert len(lines) == 1 and "b2_broken.py" in lines[0] and "line 11" in lines[0], done.stderr
 
 
+@pytest.mark.slow  # 41 s measured at load ~15 on 2 cores: docs/testing.md
 def test_a_revision_whose_sql_fails_names_the_revision_not_schema_apply(tmp_path: Path) -> None:
     """A revision's own bad SQL (a table it misspelled) was hinted "(run `mdb schema apply MAP`)": the cause is the revision."""
     map_path, root = _fleet(tmp_path)

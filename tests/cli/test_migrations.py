@@ -251,6 +251,7 @@ def test_autogenerate_writes_the_revision_the_models_need_and_touches_nothing_el
         assert all(s.state == "at head" for s in after.servers), [(s.server, s.differences) for s in after.servers]
 
 
+@pytest.mark.slow  # 26 s measured at load ~15 on 2 cores: docs/testing.md
 def test_sigkill_halfway_then_rerun_brings_every_server_to_head_exactly_once(fleet: Fleet) -> None:
     fleet.write_revision("a1_create", REV1)
     fleet.write_revision("b2_priority", REV2)
@@ -282,6 +283,7 @@ def test_sigkill_halfway_then_rerun_brings_every_server_to_head_exactly_once(fle
         assert list(fleet.columns_of(server)) == ["note_id", "body", "priority"]
 
 
+@pytest.mark.slow  # 24 s measured at load ~15 on 2 cores: docs/testing.md
 def test_a_revision_one_shards_data_violates_stops_the_rollout_naming_that_shard(fleet: Fleet) -> None:
     fleet.write_revision("a1_create", REV1)
     fleet.write_revision("b2_priority", REV2)
@@ -315,6 +317,7 @@ def test_a_revision_one_shards_data_violates_stops_the_rollout_naming_that_shard
     assert "stopped: notes on server u3 failed" in out and "ck_mig_notes_short" in out
 
 
+@pytest.mark.slow  # 28 s measured at load ~15 on 2 cores: docs/testing.md
 def test_a_column_added_by_hand_is_drift_and_a_move_across_revisions_is_refused(fleet: Fleet) -> None:
     fleet.write_revision("a1_create", REV1)
     with fleet.store() as store:
@@ -401,6 +404,7 @@ def test_a_migration_never_runs_on_a_server_a_move_is_copying_on(fleet: Fleet) -
     assert "a move is copying briefcases to or from it" in (run.failed[0].detail or "")
 
 
+@pytest.mark.slow  # 43 s measured at load ~15 on 2 cores: docs/testing.md
 def test_schema_apply_on_a_new_server_records_head_and_the_cli_writes_a_revision(fleet: Fleet) -> None:
     fleet.write_revision("a1_create", REV1)
     fleet.write_revision("b2_priority", REV2)
@@ -436,6 +440,7 @@ def test_a_revision_whose_code_raises_fails_its_server_and_stops_the_rollout(fle
     assert fleet.revision_of("u1") is None  # a1 ran in the same transaction: rolled back with b2
 
 
+@pytest.mark.slow  # 26 s measured at load ~15 on 2 cores: docs/testing.md
 def test_status_lists_each_replica_with_the_revision_it_replayed(
     pg_replica_pair: Any, pg_databases: Callable[[int], list[str]], tmp_path: Path
 ) -> None:
@@ -482,6 +487,7 @@ def test_up_to_an_older_revision_leaves_servers_past_it_alone_and_an_unknown_rev
         assert status["u4"].state == "failed" and "zz99" in (status["u4"].error or "")
 
 
+@pytest.mark.slow  # 49 s measured at load ~15 on 2 cores: docs/testing.md
 def test_mdb_schema_apply_records_head_on_a_server_it_built_and_schema_check_accepts_the_version_table(fleet: Fleet) -> None:
     """`mdb schema apply` (the CLI) on a fleet whose shards were migrated: the spare gets the notes table
     from the models and is recorded at head, so `mdb migrate up` has nothing to run there; the
@@ -510,6 +516,7 @@ def test_mdb_schema_apply_records_head_on_a_server_it_built_and_schema_check_acc
     assert all(checked[x]["ok"] for x in [*SHARDS, "s"]), checked
 
 
+@pytest.mark.slow  # 48 s measured at load ~15 on 2 cores: docs/testing.md
 def test_mdb_map_apply_records_head_on_a_server_it_adds(fleet: Fleet, pg_databases: Callable[[int], list[str]]) -> None:
     """A new map version gives the notes area a partition on a new server: `mdb map apply` builds its
     tables from the models and records the head there, so the fleet stays at one revision."""

@@ -35,6 +35,7 @@ def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster
     return cluster
 
 
+@pytest.mark.slow  # 165 s measured at load ~15 on 2 cores: docs/testing.md
 def test_reshard_keeps_the_old_map_file_and_its_counts_agree(cluster: Cluster) -> None:
     original = "# production map: the on-call runbook links here\n" + cluster.path.read_text(encoding="utf-8")
     cluster.path.write_text(original, encoding="utf-8")
@@ -61,6 +62,7 @@ def test_reshard_keeps_the_old_map_file_and_its_counts_agree(cluster: Cluster) -
     assert text.returncode == 0 and f"{n}/{n}" in text.stdout and entry["move_id"] in text.stdout, (text.stdout, text.stderr)
 
 
+@pytest.mark.slow  # 24 s measured at load ~15 on 2 cores: docs/testing.md
 def test_a_retried_move_is_counted_once(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first attempt of one move really aborts (--max-pause 0 on the real servers) and is
     retried; the reshard counts its finished moves only, so done = total = moves that finished.
@@ -91,6 +93,7 @@ def test_a_retried_move_is_counted_once(cluster: Cluster, monkeypatch: pytest.Mo
     assert (entry.briefcases_done, entry.briefcases_total, outcome.moved) == (len(finished),) * 3
 
 
+@pytest.mark.slow  # 33 s measured at load ~15 on 2 cores: docs/testing.md
 def test_a_move_to_where_the_briefcase_is_only_says_so(cluster: Cluster) -> None:
     g = USERS[0]
     with cluster.store() as store:
@@ -100,6 +103,7 @@ def test_a_move_to_where_the_briefcase_is_only_says_so(cluster: Cluster) -> None
     assert run.stdout.strip() == f"user/{g} already lives on {home}; nothing to do", run.stdout
 
 
+@pytest.mark.slow  # 61 s measured at load ~15 on 2 cores: docs/testing.md
 def test_a_move_aborted_by_max_pause_exits_4(cluster: Cluster) -> None:
     """Needs the exit-code mapping of mdb/cli/app.py main() (helper "maptruth": RetryableError -> 4)."""
     assert issubclass(MoveAbortedError, RetryableError)

@@ -93,6 +93,7 @@ def wait_scrape(port: int, proc: subprocess.Popen[str], ready: Callable[[dict[st
     raise AssertionError(f"the gauges never got there; last scrape: {last}")
 
 
+@pytest.mark.slow  # 250 s measured at load ~15 on 2 cores: docs/testing.md
 def test_serve_metrics_gauges_follow_a_reshard_and_the_dashboard_names_only_exported_metrics(
     pg_databases: Callable[[int], list[str]], tmp_path: Path
 ) -> None:
@@ -153,6 +154,7 @@ def test_serve_metrics_gauges_follow_a_reshard_and_the_dashboard_names_only_expo
     assert alerted and not alerted - exported, sorted(alerted - exported)
 
 
+@pytest.mark.slow  # 88 s measured at load ~15 on 2 cores: docs/testing.md
 def test_replica_lag_is_in_status_and_a_gauge(pg_databases: Callable[[int], list[str]], pg_replica_pair: Any, tmp_path: Path) -> None:
     """The lag a `--max-lag` reshard waits on, measured the same way, outlives the command: `mdb status` and a gauge."""
     pytest.importorskip("opentelemetry.exporter.prometheus")

@@ -154,6 +154,7 @@ def cluster(tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path) -> Clus
     return cluster
 
 
+@pytest.mark.slow  # 32 s measured at load ~15 on 2 cores: docs/testing.md
 @pytest.mark.parametrize(
     ("option", "value", "message"),
     [
@@ -191,6 +192,7 @@ def running_reshard(cluster: Cluster) -> Iterator[tuple[Cluster, JournalEntry]]:
             yield cluster, stored
 
 
+@pytest.mark.slow  # 33 s measured at load ~15 on 2 cores: docs/testing.md
 def test_status_json_and_table_show_the_windowed_rate_and_eta(running_reshard: tuple[Cluster, JournalEntry]) -> None:
     cluster, entry = running_reshard
     before = status_of(entry, datetime.now(timezone.utc))
@@ -232,6 +234,7 @@ def test_status_of_a_stalled_reshard_shows_rate_0_and_no_eta(cluster: Cluster) -
     assert (shown["briefcases_per_second"], shown["rows_per_second"], shown["eta_seconds"]) == (0.0, 0.0, None)
 
 
+@pytest.mark.slow  # 35 s measured at load ~15 on 2 cores: docs/testing.md
 def test_a_throttled_reshard_through_the_cli_journals_its_settings(cluster: Cluster) -> None:
     """reshard(..., throttle=ThrottleSettings) journals settings.to_params(), so a resume keeps them."""
     run = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", "u1,u2,x",
@@ -244,6 +247,7 @@ def test_a_throttled_reshard_through_the_cli_journals_its_settings(cluster: Clus
     assert ThrottleSettings.from_params(entry.params) == ThrottleSettings(200.0, 50000.0, 5.0)
 
 
+@pytest.mark.slow  # 34 s measured at load ~15 on 2 cores: docs/testing.md
 def test_a_reshard_journals_its_window_with_its_counts(cluster: Cluster) -> None:
     """Every counts update also journals RateWindow.to_params() (docs/moves.md): status reads the same window."""
     run = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", "u1,u2,x"])
