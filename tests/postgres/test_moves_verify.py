@@ -1,0 +1,255 @@
+"""Verification catches a bad copy, and the commit point deletes only what was verified.
+
+The copy is made wrong on purpose, on real servers: after the real copy has written the target
+rows (inside the target transaction that commits them), the test drops one, alters one or adds
+one that the source does not have. Verification queries both servers independently of the copy
+stream, so each must abort the move naming the key, leave the source untouched and
+authoritative, and leave nothing of the briefcase on the target. A write that slips past the
+briefcase's lock on the source between verification and the delete must abort the move too,
+instead of being deleted uncopied. A tampered pre-copy is repaired by the re-sync under the lock.
+Runs between two PostgreSQL servers (checksums in SQL), two SQLite files and PostgreSQL ->
+SQLite (checksums in Python).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.moves import Cluster, create_user, make_cluster, snapshot
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.engine import Connection
+
+from mdb.demo.models import OrderLineItem
+from mdb.gdid import GDID
+from mdb.errors import MoveAbortedError
+from mdb.moves import move_briefcase, sql_move as move_module, verify
+from mdb.moves.journal import ABORTED, Journal
+from mdb.system_tables import briefcase_state
+
+SERVERS = ["u1", "u2"]
+USER = GDID(0, 0, 7)
+LINES = OrderLineItem.__table__
+
+
+def _line(gdid: GDID, order: int, item: int) -> GDID:
+    """The key create_user gives line ``item`` of order ``order`` (see support.moves.create_user)."""
+    return GDID(0, 3, gdid.counter * 100000 + order * 100 + item)
+
+
+def _drop(conn: Connection) -> GDID:
+    key = _line(USER, 0, 1)
+    conn.execute(delete(LINES).where(LINES.c.user_id == USER, LINES.c.line_id == key))
+    return key
+
+
+def _alter(conn: Connection) -> GDID:
+    key = _line(USER, 1, 0)
+    conn.execute(update(LINES).where(LINES.c.user_id == USER, LINES.c.line_id == key).values(quantity=999))
+    return key
+
+
+def _extra(conn: Connection) -> GDID:
+    """A second copy of a row under a key the source does not have (the PK forbids a plain twin)."""
+    key = GDID(0, 3, 99)
+    row = conn.execute(select(LINES).where(LINES.c.user_id == USER, LINES.c.line_id == _line(USER, 0, 0))).mappings().one()
+    conn.execute(insert(LINES).values({**row, "line_id": key}))
+    return key
+
+
+TAMPER: dict[str, Callable[[Connection], GDID]] = {"dropped": _drop, "altered": _alter, "extra": _extra}
+
+
+def _cluster(request: pytest.FixtureRequest, tmp_path: Path, kind: str) -> Cluster:
+    if kind == "postgres":
+        urls = request.getfixturevalue("pg_databases")(3)
+    elif kind == "sqlite":
+        urls = request.getfixturevalue("tmp_sqlite_urls")(3)
+    else:
+        urls = [*request.getfixturevalue("pg_databases")(2), *request.getfixturevalue("tmp_sqlite_urls")(1)]
+    cluster = make_cluster(dict(zip(["c", *SERVERS], urls)), tmp_path, [("0:0:0", ["u1"])])
+    with cluster.store() as store:
+        create_user(store, USER, orders=2, lines=3)
+    return cluster
+
+
+@pytest.fixture(params=["postgres", "sqlite", "postgres-to-sqlite"])
+def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Cluster:
+    return _cluster(request, tmp_path, str(request.param))
+
+
+@pytest.fixture(params=["postgres", "postgres-to-sqlite"])
+def pg_source_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Cluster:
+    """A SQLite source is left out: its move holds the database's write lock, nothing slips past."""
+    return _cluster(request, tmp_path, str(request.param))
+
+
+def _briefcase_rows(conn: Connection) -> int:
+    return conn.execute(select(func.count()).select_from(LINES).where(LINES.c.user_id == USER)).scalar_one()
+
+
+def _assert_source_authoritative(cluster: Cluster, before: dict[str, Any]) -> None:
+    with cluster.store() as store:
+        assert snapshot(store, SERVERS) == before, "the source lost or gained rows, or the target kept some"
+        with store.transaction("u2") as conn:
+            assert _briefcase_rows(conn) == 0
+            assert conn.execute(select(func.count()).select_from(briefcase_state)).scalar_one() == 0
+        with store.transaction("u1") as conn:
+            assert conn.execute(select(func.count()).select_from(briefcase_state)).scalar_one() == 0, "a fence was left"
+        assert store.router.locate("user", USER).server == "u1"
+        entries = Journal(store).entries()
+        assert [e.status for e in entries] == [ABORTED]
+
+
+@pytest.fixture(params=["whole", "ranges"])
+def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """'ranges': every table of 2 rows or more is checksummed in key ranges on two connections
+    (normally only large ones are); the altered row is the first of the second range."""
+    if request.param == "ranges":
+        monkeypatch.setattr(verify, "SPLIT_ROWS", 2)
+    return str(request.param)
+
+
+@pytest.mark.parametrize("kind", sorted(TAMPER))
+def test_a_copy_that_dropped_altered_or_added_a_row_is_caught(cluster: Cluster, split: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_copy = move_module.copy_rows
+    tampered: list[GDID] = []
+
+    def bad_copy(src: Connection, dst: Connection, *args: Any, **kwargs: Any) -> dict[str, int]:
+        counts = real_copy(src, dst, *args, **kwargs)
+        tampered.append(TAMPER[kind](dst))  # same target transaction: commits with the copy
+        return counts
+
+    monkeypatch.setattr(move_module, "copy_rows", bad_copy)
+    with cluster.store() as store:
+        before = snapshot(store, SERVERS)
+        with pytest.raises(MoveAbortedError) as caught:
+            move_briefcase(store, "user", USER, "u2", precopy_rows=10**9)
+    assert tampered, "the copy did not run"
+    error = caught.value
+    assert any(m.startswith("order_line_items:") and str(tampered[0]) in m for m in error.mismatches), error.mismatches
+    bucket = {"dropped": "missing on target", "altered": "different", "extra": "extra on target"}[kind]
+    line = next(m for m in error.mismatches if m.startswith("order_line_items:"))
+    assert f"{bucket}: ['{USER},{tampered[0]}']" in line, line
+    _assert_source_authoritative(cluster, before)
+
+
+def test_a_write_past_the_lock_is_not_deleted_uncopied(pg_source_cluster: Cluster, split: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Something writes to the source without the briefcase lock after the checksums were taken
+    (the move deletes only after both sides' checksums exist): the commit point's delete would
+    remove a row that was never copied, so the move aborts."""
+    real_delete = move_module.delete_rows
+    rogue = GDID(0, 3, 77)
+
+    def delete_after_a_rogue_write(conn: Connection, *args: Any, **kwargs: Any) -> dict[str, int]:
+        with pg_source_cluster.store() as other, other.transaction("u1") as rogue_conn:  # no briefcase lock
+            row = rogue_conn.execute(select(LINES).where(LINES.c.user_id == USER).limit(1)).mappings().one()
+            rogue_conn.execute(insert(LINES).values({**row, "line_id": rogue}))
+        return real_delete(conn, *args, **kwargs)
+
+    monkeypatch.setattr(move_module, "delete_rows", delete_after_a_rogue_write)
+    with pg_source_cluster.store() as store:
+        with pytest.raises(MoveAbortedError) as caught:
+            move_briefcase(store, "user", USER, "u2", precopy_rows=10**9)
+        assert any("order_line_items: the commit point would delete" in m for m in caught.value.mismatches), caught.value.mismatches
+        with store.transaction("u1") as conn:
+            assert conn.execute(select(func.count()).select_from(LINES).where(LINES.c.line_id == rogue)).scalar_one() == 1
+            assert _briefcase_rows(conn) == 7
+        with store.transaction("u2") as conn:
+            assert _briefcase_rows(conn) == 0
+
+
+@pytest.mark.parametrize("blocks", ["whole", "blocks"])
+def test_a_tampered_precopy_is_repaired_under_the_lock(
+    cluster: Cluster, blocks: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The pre-copy runs outside the lock; whatever differs afterwards is re-synced and verified.
+
+    'blocks': the re-sync compares key ranges of 2 rows first (normally 5,000), so it fetches
+    rows only of the ranges that differ; either way exactly the 3 differing rows are redone.
+    """
+    if blocks == "blocks":
+        monkeypatch.setattr(move_module, "RESYNC_BLOCK", 2)
+    real_copy = move_module.copy_rows
+
+    def bad_precopy(src: Connection, dst: Connection, *args: Any, **kwargs: Any) -> dict[str, int]:
+        counts = real_copy(src, dst, *args, **kwargs)
+        for tamper in TAMPER.values():
+            tamper(dst)
+        return counts
+
+    monkeypatch.setattr(move_module, "copy_rows", bad_precopy)
+    caplog.set_level(logging.INFO, logger="mdb.moves")
+    with cluster.store() as store:
+        before = snapshot(store, SERVERS)
+        result = move_briefcase(store, "user", USER, "u2", precopy_rows=1)
+        assert result.precopied and result.status == "done"
+        assert snapshot(store, SERVERS) == before
+        with store.transaction("u2") as conn:
+            assert _briefcase_rows(conn) == 6
+        with store.transaction("u1") as conn:
+            assert _briefcase_rows(conn) == 0
+    assert any("re-synced 3 changed row(s)" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("blocks", ["whole", "blocks"])
+def test_writes_between_the_precopy_and_the_lock_are_resynced(
+    cluster: Cluster, blocks: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The application changes the source after the pre-copy (before the lock): an added, an
+    altered and a deleted row all arrive, and nothing else is redone."""
+    if blocks == "blocks":
+        monkeypatch.setattr(move_module, "RESYNC_BLOCK", 2)
+    real_fault_point = move_module.fault_point
+
+    def writes_after_the_precopy(name: str) -> None:
+        if name == "move.after_precopy":  # the pre-copy is committed, the lock not yet taken
+            with cluster.store() as app, app.transaction("u1") as conn:
+                for tamper in TAMPER.values():
+                    tamper(conn)
+        real_fault_point(name)
+
+    monkeypatch.setattr(move_module, "fault_point", writes_after_the_precopy)
+    caplog.set_level(logging.INFO, logger="mdb.moves")
+    with cluster.store() as store:
+        result = move_briefcase(store, "user", USER, "u2", precopy_rows=1)
+        assert result.precopied and result.status == "done"
+        with store.transaction("u2") as conn:
+            lines = {r.line_id: r.quantity for r in conn.execute(select(LINES).where(LINES.c.user_id == USER))}
+        with store.transaction("u1") as conn:
+            assert _briefcase_rows(conn) == 0
+    expected = {_line(USER, o, i): i + 1 for o in range(2) for i in range(3)}
+    del expected[_line(USER, 0, 1)]
+    expected[_line(USER, 1, 0)] = 999
+    expected[GDID(0, 3, 99)] = 1
+    assert lines == expected
+    assert any("re-synced 3 changed row(s)" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_a_statement_that_would_outlast_max_pause_is_cancelled_and_the_move_aborted(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--max-pause bounds the pause (PostgreSQL): every statement under the lock gets the time
+    left as its ``statement_timeout``. A target that takes 30 s over the copy (here a sleep in the
+    target transaction) is cancelled at the bound instead of being waited for, and the move is
+    aborted with the source authoritative."""
+    cluster = _cluster(request, tmp_path, "postgres")
+    real_copy = move_module.copy_rows
+    finished: list[bool] = []
+
+    def slow_target(src: Connection, dst: Connection, *args: Any, **kwargs: Any) -> dict[str, int]:
+        counts = real_copy(src, dst, *args, **kwargs)
+        dst.exec_driver_sql("SELECT pg_sleep(30)")
+        finished.append(True)
+        return counts
+
+    monkeypatch.setattr(move_module, "copy_rows", slow_target)
+    with cluster.store() as store:
+        before = snapshot(store, SERVERS)
+        with pytest.raises(MoveAbortedError, match=r"cancelled at --max-pause 0\.50s \(canceling statement due to statement timeout\)"):
+            move_briefcase(store, "user", USER, "u2", precopy_rows=10**9, max_pause=0.5)
+    assert finished == [], "the slow statement ran to its end instead of being cancelled at the bound"
+    _assert_source_authoritative(cluster, before)

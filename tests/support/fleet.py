@@ -1,0 +1,103 @@
+"""The fleet clusters and helpers shared by the fleet, metrics and ops-kit suites (tests/cli)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from support.moves import ROOT, Cluster, create_user, make_cluster, run_cli
+
+from mdb.gdid import GDID
+
+SHARDS = ["u1", "u2", "u3", "u4"]
+SKEWED_USERS = [GDID(0, 0, i) for i in range(1, 25)]
+"""The briefcases of :func:`build_skewed`."""
+STATUS_SERVERS = ["u1", "u2", "x"]  # x: spare (in no area's layout)
+STATUS_USERS = [GDID(0, 0, i) for i in range(1, 9)]
+"""The briefcases of :func:`build` (the ``mdb status`` fleet)."""
+HEALTHY, ATTENTION, BROKEN = 0, 5, 6
+
+
+def build_skewed(urls: list[str], tmp_path: Path) -> Cluster:
+    """4 shards; u1 holds 3x the bytes of each other shard (issue 17): its briefcases (counter % 4 == 0) have
+    10 orders, the others 3 (with the user row, 10 orders weigh 3x what 3 do)."""
+    cluster = make_cluster(dict(zip(["c", *SHARDS], urls)), tmp_path, [("0:0:0", SHARDS)])
+    with cluster.store() as store:
+        for g in SKEWED_USERS:
+            create_user(store, g, orders=10 if g.counter % 4 == 0 else 3, lines=3)
+    return cluster
+
+
+SERVE = """
+import sys, urllib.request
+from mdb import telemetry
+from mdb.cli.metrics import serve_metrics
+port = int(sys.argv[1])
+with serve_metrics(port, host="127.0.0.1"):
+    telemetry.move_done("user", None, 5, 0.1)
+    telemetry.stale_retry("user", "u1", RuntimeError())
+    print(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+try:
+    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+except OSError:
+    print("CLOSED")
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=60, cwd=str(ROOT))
+
+
+def build(urls: list[str], tmp_path: Path) -> Cluster:
+    cluster = make_cluster(dict(zip(["c", *STATUS_SERVERS], urls)), tmp_path, [("0:0:0", ["u1", "u2"])])
+    with cluster.store() as store:
+        for g in STATUS_USERS:
+            create_user(store, g, orders=1, lines=1)
+    return cluster
+
+
+def status(cluster: Cluster, *extra: str) -> tuple[int, dict[str, Any]]:
+    done = run_cli(["status", str(cluster.path), "--json", "--max-skew", "100", *extra])
+    assert done.returncode in (HEALTHY, ATTENTION, BROKEN), (done.returncode, done.stdout, done.stderr)
+    return done.returncode, json.loads(done.stdout)
+
+
+def start_reshard(cluster: Cluster, point: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MDB_FAULT_POINT": point, "MDB_FAULT_ACTION": "sleep:600"}
+    return subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", "reshard", str(cluster.path), "user",
+                             "--partition", "0:0:0", "--shards", "u1,u2,x"], cwd=str(ROOT), env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def kill(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+
+
+REVISION = '''"""a no-op revision: enough to put the fleet at two revisions"""
+revision = "a1"
+down_revision = None
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    pass
+
+
+def downgrade() -> None:
+    pass
+'''

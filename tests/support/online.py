@@ -1,0 +1,34 @@
+"""Shared by test_moves_online and the suites beside it (moved out of test_moves_online, which used to be imported by other test modules)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+import pytest
+from support.moves import Cluster, create_user, make_cluster
+from sqlalchemy import select
+from mdb.demo.models import Transaction
+from mdb.gdid import GDID
+
+SERVERS = ["u1", "u2", "x"]
+USERS = [GDID(0, 0, i) for i in range(1, 9)]
+
+
+@pytest.fixture
+def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster:
+    cluster = make_cluster(dict(zip(["c", *SERVERS], pg_databases(4))), tmp_path, [("0:0:0", ["u1", "u2"])])
+    with cluster.store() as store:
+        for g in USERS:
+            create_user(store, g, orders=1, lines=2)
+    return cluster
+
+
+def _transactions(cluster: Cluster) -> Counter[tuple[str, GDID, int]]:
+    out: Counter[tuple[str, GDID, int]] = Counter()
+    with cluster.store() as store:
+        for server in SERVERS:
+            with store.transaction(server) as conn:
+                for uid, tid in conn.execute(select(Transaction.__table__.c.user_id, Transaction.__table__.c.transaction_id)):
+                    out[(server, uid, tid.counter)] += 1
+    return out
