@@ -11,12 +11,15 @@ fan-out's wall time on many cores is bounded by this CPU (the GIL serializes it)
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
+import threading
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -24,6 +27,7 @@ from sqlalchemy import create_engine  # noqa: E402
 
 from benchmarks import BenchContext  # noqa: E402
 from benchmarks.scale import COUNT, TOP10, _fill, _loops, _write_map  # noqa: E402
+from mdb import fanout  # noqa: E402
 from mdb.demo.models import UserBriefcase  # noqa: E402
 from mdb.schema import apply_schema  # noqa: E402
 from mdb.store import Store  # noqa: E402
@@ -35,6 +39,31 @@ def _cpu_and_wall(fn: Callable[[], object], n: int) -> tuple[float, float]:
     for _ in range(n):
         fn()
     return (time.process_time() - cpu) / n, (time.perf_counter() - wall) / n
+
+
+def _calls(fn: Callable[[], object], n: int) -> float:
+    """Python and C function calls per ``fn()``, on every thread (the fan-out's workers too): deterministic
+    where CPU time is not (a thread's waits may add a few)."""
+    counter = itertools.count()
+    tick = counter.__next__
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" or event == "c_call":
+            tick()
+
+    with fanout._pools_lock:  # new worker threads, so that they start with the profile function
+        for pool in fanout._pools.values():
+            pool.shutdown()
+        fanout._pools.clear()
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        for _ in range(n):
+            fn()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    return (next(counter) - 1) / n
 
 
 def main() -> int:
@@ -63,6 +92,8 @@ def main() -> int:
                     return sequential(statement)
 
                 fanned(), looped()
+                print(f"fan-out {name}, S={args.shards}: Python calls per shard {_calls(fanned, 5) / args.shards:.0f} "
+                      f"vs sequential loop {_calls(looped, 5) / args.shards:.0f}")
                 f_cpu, f_wall, l_cpu, l_wall = [], [], [], []
                 for _ in range(args.rounds):
                     c, w = _cpu_and_wall(fanned, args.n)
