@@ -3,7 +3,9 @@
 Engines know nothing of GDIDs or areas; they only turn the map's server names into pooled
 connections. SQLite files get WAL and a busy timeout (so concurrent writers wait instead of
 failing), PostgreSQL URLs are forced onto psycopg 3. On both, mdb issues BEGIN itself (driver
-autocommit mode plus the dialect's ``do_begin``) so that a transaction can carry a prelude,
+autocommit mode plus ``do_begin`` of mdb's registered dialects, ``postgresql+mdb`` and
+``sqlite+mdb``, which the engines connect with whatever driver the map names: psycopg, sqlite3)
+so that a transaction can carry a prelude,
 the briefcase ownership check, without an extra round trip. The engine only knows WHEN to run
 a prelude (a typed hook: :class:`BeginPrelude`, handed over with :func:`set_prelude` and its
 rows read with :func:`take_result`); WHAT it runs, the check's SQL, lives in
@@ -32,7 +34,10 @@ from psycopg import generators as pg_generators
 from psycopg import pq
 from psycopg.adapt import Transformer
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.dialects import registry as dialect_registry
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
+from sqlalchemy.dialects.sqlite.pysqlite import SQLiteDialect_pysqlite
+from sqlalchemy.engine import URL, Connection, Dialect
 from sqlalchemy.util import LRUCache
 from sqlalchemy.pool import NullPool
 
@@ -42,9 +47,10 @@ from mdb.servers import ServerDirectory
 from mdb.urls import mask_url, sqlalchemy_url
 
 __all__ = [
-    "BEGIN_RESULT", "DEFAULT_ENGINE", "PRELUDE", "BeginPrelude", "EngineRegistry", "PreparedNames", "Rows",
-    "one_statement", "one_statement_prelude", "prelude_of", "prepared_names", "set_prelude", "simple_query", "sqlite_begin_read",
-    "sqlite_begin_write", "sqlite_setup", "take_result",
+    "BEGIN_RESULT", "DEFAULT_ENGINE", "MDB_DRIVER", "PRELUDE", "SQLITE_READ_BEGIN", "SQLITE_WRITE_BEGIN", "BeginPrelude",
+    "EngineRegistry", "MdbPGDialect", "MdbSQLiteDialect", "PreparedNames", "Rows", "mdb_url", "one_statement",
+    "one_statement_prelude", "prelude_of", "prepared_names", "set_prelude", "simple_query", "sqlite_begin", "sqlite_setup",
+    "take_result",
 ]
 
 log = logging.getLogger("mdb.engines")
@@ -93,6 +99,9 @@ class PreparedNames:
     """
 
     known: set[str] | None = field(default_factory=set)
+    loader: Any = None
+    """psycopg's loader of the check's row on this connection, made on first use: a new one per
+    session looked its column types up again (:func:`simple_query`)."""
 
 
 class BeginPrelude(Protocol):
@@ -173,7 +182,7 @@ def take_result(conn: Connection) -> Rows | None:
     return rows
 
 
-def simple_query(connection: psycopg.Connection[Any], sql: str) -> Rows | None:
+def simple_query(connection: psycopg.Connection[Any], sql: str, names: PreparedNames | None = None) -> Rows | None:
     """Send ``sql`` (statements separated by ``;``) in ONE simple-protocol message; the rows of the last result.
 
     Why not a cursor: this is the BEGIN of every briefcase session, and psycopg's cursor
@@ -184,6 +193,7 @@ def simple_query(connection: psycopg.Connection[Any], sql: str) -> Rows | None:
     used. An error result raises psycopg's error class for its SQLSTATE, as a cursor would.
     Works on anything with psycopg's ``pgconn``, ``wait(generator)``, ``adapters`` and
     ``connection`` (the async engines' greenlet facade offers them over an AsyncConnection).
+    ``names``: the connection's :class:`PreparedNames`, where the row loader is kept between calls.
     """
     pgconn = connection.pgconn
     pgconn.send_query(sql.encode())
@@ -194,7 +204,11 @@ def simple_query(connection: psycopg.Connection[Any], sql: str) -> Rows | None:
     last = results[-1] if results else None
     if last is None or last.status != pq.ExecStatus.TUPLES_OK:
         return None
-    loader = Transformer.from_context(connection)
+    loader = None if names is None else names.loader
+    if loader is None:
+        loader = Transformer.from_context(connection)
+        if names is not None:
+            names.loader = loader
     loader.set_pgresult(last)
     return loader.load_rows(0, last.ntuples, tuple)
 
@@ -217,27 +231,30 @@ def _prepared(fairy: Any) -> PreparedNames:
     return names
 
 
-def _pg_begin(fairy: Any) -> None:
-    # The engine runs in driver autocommit mode and every transaction starts here, so that a
-    # prelude (the briefcase ownership check) travels with BEGIN in ONE round trip.
+def _pg_begin(fairy: Any, pooled: bool) -> None:
+    """The BEGIN of mdb's PostgreSQL dialect: the prelude set on ``fairy`` (the pooled connection) with it.
+
+    The engine runs in driver autocommit mode and every transaction starts here, so that a
+    prelude (the briefcase ownership check) travels with BEGIN in ONE round trip. ``pooled``:
+    behind a transaction-pooling pooler each transaction may run on another server session, so
+    the prelude may rely on nothing prepared on one; still one round trip.
+    """
     prelude: BeginPrelude | None = fairy.info.pop(PRELUDE, None)
     if prelude is None:
         fairy.driver_connection.execute("BEGIN")
-        return
-    fairy.info[BEGIN_RESULT] = prelude.begin_postgresql(fairy.driver_connection, _prepared(fairy))
+    elif pooled:
+        fairy.info[BEGIN_RESULT] = prelude.begin_postgresql_pooled(fairy.driver_connection)
+    else:
+        fairy.info[BEGIN_RESULT] = prelude.begin_postgresql(fairy.driver_connection, _prepared(fairy))
 
 
-def _pg_begin_pooled(fairy: Any) -> None:
-    # Behind a transaction-pooling pooler each transaction may run on another server session,
-    # so the prelude may rely on nothing prepared on one; still one round trip.
-    prelude: BeginPrelude | None = fairy.info.pop(PRELUDE, None)
-    if prelude is None:
-        fairy.driver_connection.execute("BEGIN")
-        return
-    fairy.info[BEGIN_RESULT] = prelude.begin_postgresql_pooled(fairy.driver_connection)
+def sqlite_begin(fairy: Any, begin: str) -> None:
+    """The BEGIN of mdb's SQLite dialects (sync and aiosqlite): ``begin``, then the prelude set on ``fairy``.
 
-
-def _sqlite_begin(fairy: Any, begin: str) -> None:
+    ``begin`` is ``BEGIN IMMEDIATE`` for writers (SQLite's write lock taken up front, so two
+    writers queue on the busy timeout instead of deadlocking when both upgrade from a read
+    lock) and ``BEGIN`` for readers.
+    """
     prelude: BeginPrelude | None = fairy.info.pop(PRELUDE, None)
     # The DBAPI connection, not the driver's: for pysqlite they are one object, and for
     # aiosqlite (mdb.aio) it is SQLAlchemy's adapter, whose cursor has this same sync API.
@@ -251,28 +268,93 @@ def _sqlite_begin(fairy: Any, begin: str) -> None:
         cursor.close()
 
 
-def sqlite_begin_write(fairy: Any) -> None:
-    # BEGIN IMMEDIATE takes SQLite's write lock up front, so two writers queue on the busy
-    # timeout instead of deadlocking when both upgrade from a read lock.
-    _sqlite_begin(fairy, "BEGIN IMMEDIATE")
+SQLITE_WRITE_BEGIN = "BEGIN IMMEDIATE"
+SQLITE_READ_BEGIN = "BEGIN"
 
 
-def sqlite_begin_read(fairy: Any) -> None:
-    _sqlite_begin(fairy, "BEGIN")
+class MdbPGDialect(PGDialect_psycopg):
+    """psycopg 3 with mdb's BEGIN (``postgresql+mdb``): SQLAlchemy's extension point for a driver's behaviour.
 
+    Why a dialect and not a ``begin`` event listener: an engine with any connection event makes
+    every Connection build its own event dispatch and consult it around every statement; a
+    no-op ``begin`` listener alone cost the plain point read ~20 µs of CPU (measured).
 
-def _begin_with(engine: Engine, begin: Callable[[Any], None]) -> Engine:
-    """Make ``begin(pooled DBAPI connection)`` the engine's BEGIN.
-
-    Why the dialect and not a ``begin`` event listener: an engine with any connection event
-    makes every Connection build its own event dispatch and consult it around every
-    statement; a no-op ``begin`` listener alone cost the plain point read ~20 µs of CPU
-    (measured). The dialect instance belongs to this engine only.
+    Maps keep their ``postgresql+psycopg`` URLs; the engine factory connects with this dialect
+    (:func:`mdb_url`). ``mdb_pooled``: the URL reaches a transaction-pooling pooler (the prelude
+    sends nothing prepared). ``mdb_instance``, ``mdb_user``, ``mdb_budget``: what
+    :func:`_initialize_shared` shares the server's initialization by and caps the budget of;
+    None: SQLAlchemy's own ``initialize``. ``driver`` stays ``psycopg``: the driver is psycopg's.
     """
-    # Deliberate (see above): method-assign for replacing a method on the instance, assignment
-    # because mypy compares ``begin`` with the unbound do_begin(self, dbapi_connection).
-    engine.dialect.do_begin = begin  # type: ignore[method-assign, assignment]
-    return engine
+
+    supports_statement_cache = True
+
+    def __init__(self, mdb_pooled: bool = False, mdb_instance: str | None = None, mdb_user: str | None = None,
+                 mdb_budget: ConnectionBudget | None = None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.mdb_pooled = mdb_pooled
+        self.mdb_instance = mdb_instance
+        self.mdb_user = mdb_user
+        self.mdb_budget = mdb_budget
+        self.mdb_server_key: tuple[object, ...] | None = None
+        """What :func:`_pg_server_key` read on this dialect's first connection."""
+
+    def do_begin(self, dbapi_connection: Any) -> None:
+        _pg_begin(dbapi_connection, self.mdb_pooled)
+
+    def initialize(self, connection: Connection) -> None:
+        if self.mdb_instance is None:
+            super().initialize(connection)
+        else:
+            _initialize_shared(self, connection, super().initialize)
+
+    @classmethod
+    def get_async_dialect_cls(cls, url: URL) -> type[Dialect]:
+        # By registry name, not by import: the async dialects live a layer above (mdb.aio.engines).
+        dialect: type[Dialect] = dialect_registry.load("postgresql.mdb_async")
+        return dialect
+
+
+class MdbSQLiteDialect(SQLiteDialect_pysqlite):
+    """sqlite3 with mdb's BEGIN (``sqlite+mdb``); ``mdb_begin``: ``BEGIN`` (readers) or ``BEGIN IMMEDIATE`` (writers)."""
+
+    supports_statement_cache = True
+
+    def __init__(self, mdb_begin: str = SQLITE_WRITE_BEGIN, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.mdb_begin = mdb_begin
+
+    def do_begin(self, dbapi_connection: Any) -> None:
+        sqlite_begin(dbapi_connection, self.mdb_begin)
+
+    @classmethod
+    def get_async_dialect_cls(cls, url: URL) -> type[Dialect]:
+        # By registry name, not by import: the async dialects live a layer above (mdb.aio.engines).
+        dialect: type[Dialect] = dialect_registry.load("sqlite.mdb_aiosqlite")
+        return dialect
+
+
+MDB_DRIVER = "mdb"
+"""The driver name of mdb's dialects: ``postgresql+mdb``, ``sqlite+mdb`` (their async variants are
+picked by ``create_async_engine`` from the same URL)."""
+_MDB_DRIVERS = {"postgresql": "psycopg", "sqlite": "pysqlite"}
+"""backend -> the driver whose dialect mdb's dialect extends."""
+
+dialect_registry.register("postgresql.mdb", "mdb.engines", "MdbPGDialect")
+dialect_registry.register("sqlite.mdb", "mdb.engines", "MdbSQLiteDialect")
+dialect_registry.register("postgresql.mdb_async", "mdb.aio.engines", "MdbPGDialectAsync")
+dialect_registry.register("sqlite.mdb_aiosqlite", "mdb.aio.engines", "MdbSQLiteDialectAsync")
+
+
+def mdb_url(url: URL) -> URL:
+    """``url`` (a map's ``postgresql+psycopg`` or ``sqlite`` URL) on mdb's dialect of the same driver.
+
+    A URL on another driver is returned as it is (the map loader refuses those).
+    """
+    backend = url.get_backend_name()
+    driver = url.get_driver_name()
+    if _MDB_DRIVERS.get(backend) == driver:
+        return url.set(drivername=f"{backend}+{MDB_DRIVER}")
+    return url
 
 
 _INITIALIZED: dict[tuple[object, ...], dict[str, Any] | None] = {}
@@ -293,7 +375,7 @@ def _pg_server_key(dialect: Any, instance: str, dbapi_connection: Any) -> tuple[
 _COMPILED: LRUCache[Any, Any] = LRUCache(COMPILED_CACHE_SIZE)
 """The compiled-statement cache of every PostgreSQL engine (SQLAlchemy's ``compiled_cache``
 execution option). Its keys hold the dialect instance, so only engines that share a dialect
-(:func:`_share_dialect`) share entries; per engine, each of 128 shards compiled every
+(:func:`_adopt_template`) share entries; per engine, each of 128 shards compiled every
 statement again (the reflection queries of a schema apply: ~5 ms each)."""
 
 _DIALECTS: dict[tuple[str, str | None, bool], tuple[tuple[object, ...], Dialect]] = {}
@@ -310,77 +392,84 @@ _CAPACITY_SQL = (
 )
 
 
-def _share_dialect(pg: Engine, instance: str, user: str | None, pooled: bool,
-                   budget: ConnectionBudget | None = None) -> Engine:
-    """Initialize ``pg``'s dialect once per kind of server, and let engines of one instance share one.
+def _adopt_template(pg: Engine, instance: str, user: str | None, pooled: bool) -> Engine:
+    """Let ``pg`` execute with the initialized dialect of the first engine of its instance, if there is one.
 
     ``dialect.initialize`` runs on an engine's first connection and asks the server its
     version, default schema, isolation level, string escaping and whether hstore exists: 3-5
     queries, each the first of a fresh backend (~15 ms per shard database, measured: most of
     a cold fan-out at 128 shards). Every database of one instance answers the same for the
     same login, so what the first engine's initialize set (the attributes it changed) is
-    copied onto the next engines of that key (:func:`_pg_server_key`), and those engines
-    execute with the first one's dialect, whose statements are compiled already
-    (:data:`_COMPILED`). The key holds the server version: when an engine's server turns out
-    to differ from the first one's (an instance upgraded under a running process), it is
-    initialized afresh and goes back to its own dialect.
-
-    On the same first connection, per server key, it reads how many connections the server
-    accepts from non-superusers, which becomes ``budget``'s default cap for the instance
-    (not behind a transaction pooler, whose client limit is its own).
+    copied onto the next engines of that key (:func:`_pg_server_key`, in
+    :func:`_initialize_shared`), and those engines execute with the first one's dialect, whose
+    statements are compiled already (:data:`_COMPILED`: its keys hold the dialect instance).
+    The key holds the server version: when an engine's server turns out to differ from the
+    first one's (an instance upgraded under a running process), it is initialized afresh and
+    goes back to its own dialect.
 
     Never shared: a dialect that found hstore (its type OID is per database). A database
     whose ``ALTER DATABASE ... SET search_path`` or default isolation level differs from its
     instance's first database gets the first database's values (mdb sets neither).
     """
-    own = pg.dialect
-    original = own.initialize
-    slot = (instance, user, pooled)
     with _initialized_lock:
-        template = _DIALECTS.get(slot)
+        template = _DIALECTS.get((instance, user, pooled))
     if template is not None:
         _use_dialect(pg, template[1])
-
-    def initialize(connection: Connection) -> None:
-        key = _pg_server_key(own, instance, connection.connection.dbapi_connection)
-        with _initialized_lock:
-            known = key in _INITIALIZED
-            state = _INITIALIZED.get(key)
-        if state is not None:
-            vars(own).update(state)
-        else:
-            before = dict(vars(own))
-            original(connection)
-            if not known:
-                after = vars(own)
-                changed = {name: value for name, value in after.items() if name not in before or before[name] is not value}
-                shareable = not getattr(own, "_has_native_hstore", False)
-                with _initialized_lock:
-                    _INITIALIZED.setdefault(key, changed if shareable else None)
-                    if shareable:
-                        _DIALECTS.setdefault(slot, (key, own))
-        if template is not None and (template[0] != key or state is None):
-            _use_dialect(pg, own)  # another kind of server than the first of its instance
-        if budget is not None and not pooled:
-            with _initialized_lock:
-                capacity = _CAPACITY.get(key)
-            if capacity is None:
-                capacity = int(connection.exec_driver_sql(_CAPACITY_SQL).scalar_one())
-                with _initialized_lock:
-                    _CAPACITY[key] = capacity
-            # The default per-instance cap: what the server accepts (a smaller cap set in the map
-            # or on the Store wins). One process alone then waits for its own connections or
-            # closes idle ones instead of meeting "too many clients" (docs/operations.md).
-            budget.cap(instance, max(1, capacity))
-
-    # Deliberate, as in _begin_with: the engine's own dialect instance, one method replaced.
-    own.initialize = initialize  # type: ignore[method-assign]
     return pg
+
+
+def _initialize_shared(own: MdbPGDialect, connection: Connection, original: Callable[[Connection], None]) -> None:
+    """``own.initialize`` (:class:`MdbPGDialect`): SQLAlchemy's ``original`` once per server key, copied after.
+
+    On the same first connection, per server key, it reads how many connections the server
+    accepts from non-superusers, which becomes the dialect's budget's default cap for the
+    instance (not behind a transaction pooler, whose client limit is its own).
+    """
+    instance = own.mdb_instance or ""
+    key = _pg_server_key(own, instance, connection.connection.dbapi_connection)
+    own.mdb_server_key = key
+    with _initialized_lock:
+        known = key in _INITIALIZED
+        state = _INITIALIZED.get(key)
+    if state is not None:
+        vars(own).update(state)
+    else:
+        before = dict(vars(own))
+        original(connection)
+        if not known:
+            after = vars(own)
+            changed = {name: value for name, value in after.items() if name not in before or before[name] is not value}
+            shareable = not getattr(own, "_has_native_hstore", False)
+            with _initialized_lock:
+                _INITIALIZED.setdefault(key, changed if shareable else None)
+                if shareable:
+                    _DIALECTS.setdefault((instance, own.mdb_user, own.mdb_pooled), (key, own))
+    engine = connection.engine
+    template = engine.dialect
+    if template is not own and (getattr(template, "mdb_server_key", None) != key or state is None):
+        _use_dialect(engine, own)  # another kind of server than the first of its instance
+    budget = own.mdb_budget
+    if budget is not None and not own.mdb_pooled:
+        with _initialized_lock:
+            capacity = _CAPACITY.get(key)
+        if capacity is None:
+            capacity = int(connection.exec_driver_sql(_CAPACITY_SQL).scalar_one())
+            with _initialized_lock:
+                _CAPACITY[key] = capacity
+        # The default per-instance cap: what the server accepts (a smaller cap set in the map
+        # or on the Store wins). One process alone then waits for its own connections or
+        # closes idle ones instead of meeting "too many clients" (docs/operations.md).
+        budget.cap(instance, max(1, capacity))
 
 
 def _use_dialect(pg: Engine, dialect: Dialect) -> None:
     """Make ``pg`` execute with ``dialect`` (connections it opens later; its pool closes and
-    resets connections through it too). Both are psycopg dialects with the same BEGIN."""
+    resets connections through it too). Both are :class:`MdbPGDialect` with the same pooler setting
+    (the template's key holds it), so the same BEGIN.
+
+    The one place mdb sets an engine's dialect after creation: the compiled-statement cache is
+    keyed by the dialect instance, and SQLAlchemy has no supported way to hand ``create_engine``
+    an initialized dialect (docs/dev/0011-mdb-dialects.md)."""
     pg.dialect = dialect
     pg.pool._dialect = dialect
 
@@ -424,22 +513,24 @@ def _create(url: str, readonly: bool, engine: EngineSpec | None = None, pooled: 
         database = parsed.database
         if database and database != ":memory:" and not database.startswith("file:"):
             Path(database).parent.mkdir(parents=True, exist_ok=True)
+        begin = SQLITE_READ_BEGIN if readonly else SQLITE_WRITE_BEGIN
         if database in (None, "", ":memory:"):
-            sqlite = create_engine(parsed, poolclass=NullPool)
+            sqlite = create_engine(mdb_url(parsed), poolclass=NullPool, mdb_begin=begin)
         else:
-            sqlite = create_engine(parsed, **_pool_args(settings))
+            sqlite = create_engine(mdb_url(parsed), mdb_begin=begin, **_pool_args(settings))
         event.listen(sqlite, "connect", sqlite_setup)
-        return _begin_with(sqlite, sqlite_begin_read if readonly else sqlite_begin_write)
+        return sqlite
     if parsed.get_backend_name() == "postgresql":
         # A connect_timeout written in the URL is the more specific setting and stays.
         connect_args: dict[str, Any] = {} if "connect_timeout" in parsed.query else {"connect_timeout": settings.connect_timeout}
         if pooled:  # psycopg's automatic prepare (named statements of a server session) is off too
             connect_args["prepare_threshold"] = None
-        pg = create_engine(parsed, isolation_level="AUTOCOMMIT", connect_args=connect_args, poolclass=BudgetPool,
-                           execution_options={"compiled_cache": _COMPILED}, **_pool_args(settings))
-        _budgeted(pg, instance_of(parsed) or "", settings, budget)
-        _share_dialect(pg, instance_of(parsed) or "", parsed.username, pooled, budget)
-        return _begin_with(pg, _pg_begin_pooled if pooled else _pg_begin)
+        instance = instance_of(parsed) or ""
+        pg = create_engine(mdb_url(parsed), isolation_level="AUTOCOMMIT", connect_args=connect_args, poolclass=BudgetPool,
+                           execution_options={"compiled_cache": _COMPILED}, mdb_pooled=pooled, mdb_instance=instance,
+                           mdb_user=parsed.username, mdb_budget=budget, **_pool_args(settings))
+        _budgeted(pg, instance, settings, budget)
+        return _adopt_template(pg, instance, parsed.username, pooled)
     return create_engine(parsed)
 
 

@@ -97,7 +97,7 @@ def _begin_prepared(connection: psycopg.Connection[Any], prepared: PreparedNames
     if known is None or not known.issuperset(prepare):
         _pg_prepare(connection, prepared, prepare)
     try:
-        return simple_query(connection, sql)
+        return simple_query(connection, sql, prepared)
     except psycopg.errors.InvalidSqlStatementName:
         # Our statements were dropped behind our back. psycopg itself does it: a ROLLBACK
         # on a connection where it auto-prepared statements sends DEALLOCATE ALL. So do
@@ -105,7 +105,7 @@ def _begin_prepared(connection: psycopg.Connection[Any], prepared: PreparedNames
         simple_query(connection, "ROLLBACK")
         prepared.known = None
         _pg_prepare(connection, prepared, prepare)
-        return simple_query(connection, sql)
+        return simple_query(connection, sql, prepared)
 
 
 def _pg_prepare(connection: psycopg.Connection[Any], prepared: PreparedNames, prepare: Mapping[str, str]) -> None:
@@ -382,12 +382,10 @@ def check_ownership(rows: list[tuple[Any, ...]] | None, placement: Placement, ma
         raise RuntimeError("the ownership check returned no row; the BEGIN prelude did not run")
     start, end, index, count, state, peer, *rest = rows[0]
     frozen_by = rest[0] if rest else None
-    if state is None and frozen_by is None and not placement.relocated and start is not None:
-        # The common case (no state row, no freeze, routed by the map): only the stamp to compare,
-        # and no message built for an error that is not raised.
-        expected = (placement.partition_start, placement.partition_end, placement.shard_index, placement.shard_count)
-        if (_gdid(start), _gdid(end), int(index), int(count)) == expected:
-            return
+    if state is None and frozen_by is None and not placement.relocated and (start, end, index, count) == placement.stamp:
+        # The common case (no state row, no freeze, routed by the map, the stamp as routed): the
+        # row's bytes compared as they came (no GDIDs built), no message built for an error not raised.
+        return
     what = f"briefcase {placement.area}/{placement.gdid} on server {placement.server!r}"
     if state == STATE_GONE:
         raise StaleRouteError(f"{what}: fenced, it moved to server {peer!r}", moved_to=None if peer is None else str(peer))

@@ -63,6 +63,8 @@ class LearnedRoutes:
         self._lock = threading.Lock()
 
     def get(self, area: str, gdid: GDID) -> str | None:
+        if not self._entries:
+            return None  # the common case (nothing learned): every session asks, so no tuple and no lock
         key = (area, gdid)
         with self._lock:
             server = self._entries.get(key)

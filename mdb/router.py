@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import FrozenInstanceError, dataclass
+from dataclasses import FrozenInstanceError, dataclass, field
 from typing import ClassVar, TypeVar
 
 from mdb.errors import RoutingError
@@ -91,6 +91,14 @@ class _Shard:
     shard_count: int
     server: str
     layout: ShardLayout
+    stamp: tuple[bytes, bytes | None, int, int] = field(init=False, compare=False, repr=False)
+    """The layout as a shard stores its stamp (GDIDs as their 12 bytes): what the ownership check
+    compares the shard's row with, without turning the row's bytes into GDIDs per session."""
+
+    def __post_init__(self) -> None:
+        end = self.partition_end
+        object.__setattr__(self, "stamp", (bytes(self.partition_start), None if end is None else bytes(end),
+                                           self.shard_index, self.shard_count))
 
 
 class _Value:
@@ -167,6 +175,11 @@ class Placement(_Value):
     @property
     def shard_count(self) -> int:
         return self._at.shard_count
+
+    @property
+    def stamp(self) -> tuple[bytes, bytes | None, int, int]:
+        """Partition start, end (12 bytes each, None: open), shard index and count, as a shard's layout row holds them."""
+        return self._at.stamp
 
     @property
     def default_server(self) -> str:

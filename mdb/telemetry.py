@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractAsyncContextManager, AbstractContextManager, contextmanager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, contextmanager, nullcontext
 from functools import wraps
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -336,9 +336,23 @@ def gdid_block(scope: str) -> None:
 # -- fan-out -------------------------------------------------------------------------------------
 
 
+_UNOBSERVED: AbstractContextManager[None] = nullcontext()
+
+
+def fanout_shard(server: str) -> AbstractContextManager[None]:
+    """Time one shard's part of a fan-out read (outcome ok | error), and span it when traced.
+
+    Without an SDK it is a shared no-op context: the API's no-op span and histogram still
+    cost ~30 Python calls per shard, most of a warm fan-out's per-shard work beside the
+    statement itself (measured with tools/profile_fanout.py).
+    """
+    if not sdk_installed():
+        return _UNOBSERVED
+    return _observed_shard(server)
+
+
 @contextmanager
-def fanout_shard(server: str) -> Iterator[None]:
-    """Time one shard's part of a fan-out read (outcome ok | error), and span it when traced."""
+def _observed_shard(server: str) -> Iterator[None]:
     started = time.perf_counter()
     outcome = "error"
     with _tracer.start_as_current_span("mdb.fanout.shard", attributes={"mdb.server": server}):

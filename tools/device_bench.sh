@@ -32,6 +32,11 @@ for w in "${wanted[@]}"; do
     briefcase_async) MDB_BENCH_FRACTION=$fraction section briefcase_async 120 briefcase --async ;;
     scale) MDB_BENCH_FRACTION=$fraction MDB_BENCH_SCALE_SIZES=${MDB_BENCH_SCALE_SIZES:-128} section scale 150 scale ;;
     impact) section impact "${IMPACT_LIMIT:-240}" reshard_impact --n "${IMPACT_N:-100000}" --procs 4 ;;
+    profile)  # issue 34: Python calls and client CPU per routed read and per fan-out shard (not in the default list)
+        for args in "--backend pg" "--backend pg --write" "--backend sqlite"; do
+            timeout 120 "$py" tools/profile_session.py $args --top 0 2>&1 | head -1
+        done
+        timeout 180 "$py" tools/profile_fanout.py --shards 64 --rounds 3 --n 10 2>&1 | grep -E '^fan-out' ;;
     *) echo "unknown section $w" >&2 ;;
     esac
 done

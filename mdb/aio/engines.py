@@ -2,8 +2,9 @@
 
 One :class:`~sqlalchemy.ext.asyncio.AsyncEngine` per (URL, reader, pooler) as in
 :class:`mdb.engines.EngineRegistry`, whose URLs, ``direct:``/replica choice and engine settings
-are read, never copied. Like the sync engines, mdb issues BEGIN itself from the dialect's
-``do_begin`` (driver autocommit mode), so the ownership check travels with BEGIN in ONE round
+are read, never copied. Like the sync engines, mdb issues BEGIN itself from ``do_begin`` of
+its registered dialects (driver autocommit mode): ``create_async_engine`` on a ``postgresql+mdb``
+or ``sqlite+mdb`` URL picks :class:`MdbPGDialectAsync` or :class:`MdbSQLiteDialectAsync`, so the ownership check travels with BEGIN in ONE round
 trip: the SAME :class:`mdb.engines.BeginPrelude` (:class:`mdb.ownership.OwnershipCheck`) is
 handed over with :func:`mdb.engines.set_prelude` and its rows read with
 :func:`mdb.engines.take_result`.
@@ -29,12 +30,13 @@ import logging
 import time
 import types
 from collections import deque
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Coroutine, Generator
 from typing import Any, TypeVar, cast
 
 import psycopg
 from sqlalchemy import event
-from sqlalchemy.engine import Engine
+from sqlalchemy.dialects.postgresql.psycopg import PGDialectAsync_psycopg
+from sqlalchemy.dialects.sqlite.aiosqlite import SQLiteDialect_aiosqlite
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry, NullPool
 from sqlalchemy.pool.base import _AsyncConnDialect
@@ -49,19 +51,20 @@ from mdb.engines import (
     BEGIN_RESULT,
     DEFAULT_ENGINE,
     PRELUDE,
+    SQLITE_READ_BEGIN,
+    SQLITE_WRITE_BEGIN,
     BeginPrelude,
     EngineRegistry,
-    Rows,
+    mdb_url,
     prepared_names,
-    sqlite_begin_read,
-    sqlite_begin_write,
+    sqlite_begin,
     sqlite_setup,
 )
 from mdb.errors import CapacityError
 from mdb.partition_map import EngineSpec
 from mdb.urls import mask_url, sqlalchemy_url
 
-__all__ = ["AsyncBudgetPool", "AsyncEngines"]
+__all__ = ["AsyncBudgetPool", "AsyncEngines", "MdbPGDialectAsync", "MdbSQLiteDialectAsync"]
 
 log = logging.getLogger("mdb.aio.engines")
 
@@ -161,31 +164,47 @@ class _GreenletConnection:
         return _GreenletCursor(self._connection.cursor())
 
 
-def _pg_begin_through(fairy: Any, run: Callable[[BeginPrelude, psycopg.Connection[Any]], Rows | None]) -> None:
-    """The sync engine's PostgreSQL BEGIN, with the driver connection seen through the greenlet facade."""
+def _pg_begin(fairy: Any, pooled: bool) -> None:
+    """The sync engine's PostgreSQL BEGIN (:func:`mdb.engines.MdbPGDialect.do_begin`), with the driver
+    connection seen through the greenlet facade."""
     prelude: BeginPrelude | None = fairy.info.pop(PRELUDE, None)
     driver = fairy.driver_connection
     if prelude is None:
         await_(driver.execute("BEGIN"))
         return
     facade = cast(psycopg.Connection[Any], _GreenletConnection(driver))  # the API the prelude uses
-    fairy.info[BEGIN_RESULT] = run(prelude, facade)
+    if pooled:  # behind a transaction pooler: the check as a call of its PL/pgSQL function, nothing prepared
+        fairy.info[BEGIN_RESULT] = prelude.begin_postgresql_pooled(facade)
+    else:
+        fairy.info[BEGIN_RESULT] = prelude.begin_postgresql(facade, prepared_names(fairy))
 
 
-def _pg_begin(fairy: Any) -> None:
-    _pg_begin_through(fairy, lambda prelude, conn: prelude.begin_postgresql(conn, prepared_names(fairy)))
+class MdbPGDialectAsync(PGDialectAsync_psycopg):
+    """psycopg's AsyncConnection with mdb's BEGIN: what ``create_async_engine`` picks for ``postgresql+mdb``
+    (:meth:`mdb.engines.MdbPGDialect.get_async_dialect_cls`); ``mdb_pooled`` as there."""
+
+    supports_statement_cache = True
+
+    def __init__(self, mdb_pooled: bool = False, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.mdb_pooled = mdb_pooled
+
+    def do_begin(self, dbapi_connection: Any) -> None:
+        _pg_begin(dbapi_connection, self.mdb_pooled)
 
 
-def _pg_begin_pooled(fairy: Any) -> None:
-    # Behind a transaction pooler: the check as a call of its PL/pgSQL function, nothing prepared.
-    _pg_begin_through(fairy, lambda prelude, conn: prelude.begin_postgresql_pooled(conn))
+class MdbSQLiteDialectAsync(SQLiteDialect_aiosqlite):
+    """aiosqlite with mdb's BEGIN, for ``sqlite+mdb`` under ``create_async_engine``; ``mdb_begin`` as
+    :class:`mdb.engines.MdbSQLiteDialect`'s (SQLAlchemy's adapter offers the same sync cursor API)."""
 
+    supports_statement_cache = True
 
-def _begin_with(engine: AsyncEngine, begin: Callable[[Any], None]) -> AsyncEngine:
-    """Make ``begin`` the BEGIN of the engine's dialect (not an event: see mdb.engines._begin_with)."""
-    sync: Engine = engine.sync_engine
-    sync.dialect.do_begin = begin  # type: ignore[method-assign, assignment]
-    return engine
+    def __init__(self, mdb_begin: str = SQLITE_WRITE_BEGIN, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.mdb_begin = mdb_begin
+
+    def do_begin(self, dbapi_connection: Any) -> None:
+        sqlite_begin(dbapi_connection, self.mdb_begin)
 
 
 _POLL_FIRST = 0.002
@@ -333,23 +352,25 @@ def create_async(
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         database = parsed.database
-        async_url = parsed.set(drivername="sqlite+aiosqlite")
+        begin = SQLITE_READ_BEGIN if readonly else SQLITE_WRITE_BEGIN
+        # sqlite+mdb: create_async_engine picks its aiosqlite variant (MdbSQLiteDialectAsync).
         if database in (None, "", ":memory:"):
-            sqlite = create_async_engine(async_url, poolclass=NullPool)
+            sqlite = create_async_engine(mdb_url(parsed), poolclass=NullPool, mdb_begin=begin)
         else:
-            sqlite = create_async_engine(async_url, **pool_args)
+            sqlite = create_async_engine(mdb_url(parsed), mdb_begin=begin, **pool_args)
         event.listen(sqlite.sync_engine, "connect", sqlite_setup)
-        return _begin_with(sqlite, sqlite_begin_read if readonly else sqlite_begin_write)
+        return sqlite
     if backend == "postgresql":
         connect_args: dict[str, Any] = {} if "connect_timeout" in parsed.query else {"connect_timeout": spec.connect_timeout}
         if pooled:
             connect_args["prepare_threshold"] = None
-        # postgresql+psycopg: create_async_engine picks the dialect's async variant (psycopg.AsyncConnection).
+        # postgresql+mdb: create_async_engine picks its async variant (MdbPGDialectAsync, psycopg.AsyncConnection).
         pg = create_async_engine(
-            parsed, isolation_level="AUTOCOMMIT", connect_args=connect_args, poolclass=AsyncBudgetPool, **pool_args
+            mdb_url(parsed), isolation_level="AUTOCOMMIT", connect_args=connect_args, poolclass=AsyncBudgetPool,
+            mdb_pooled=pooled, **pool_args,
         )
         _budgeted(pg, instance_of(parsed) or "", spec, budget)
-        return _begin_with(pg, _pg_begin_pooled if pooled else _pg_begin)
+        return pg
     raise ValueError(f"no async driver for {backend!r} servers ({mask_url(url)})")
 
 

@@ -138,3 +138,48 @@ def test_postgres_pooled_engine_sends_the_unprepared_form(pg_url: str) -> None:
     finally:
         reg.dispose()
 
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(("url_of", "pooled", "call"), [
+    (lambda pg, tmp: pg, False, "postgresql"),
+    (lambda pg, tmp: pg, True, "postgresql_pooled"),
+    (lambda pg, tmp: f"sqlite:///{tmp / 'plain.db'}", False, "BEGIN IMMEDIATE"),
+])
+def test_the_begin_hook_is_a_registered_dialect_any_engine_can_name(
+        pg_url: str, tmp_path: Path, url_of: Any, pooled: bool, call: str) -> None:
+    """The prelude runs from the do_begin of mdb's registered dialect class (dev/0010), not from a
+    method patched onto one engine's dialect: an engine created by name outside the registry runs it too."""
+    from mdb.engines import MdbPGDialect, MdbSQLiteDialect, mdb_url
+    from mdb.urls import sqlalchemy_url
+
+    url = mdb_url(sqlalchemy_url(url_of(pg_url, tmp_path)))
+    kwargs: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "mdb_pooled": pooled} if url.get_backend_name() == "postgresql" else {}
+    engine = sa.create_engine(url, **kwargs)
+    try:
+        assert url.drivername.endswith("+mdb")
+        assert isinstance(engine.dialect, MdbPGDialect if url.get_backend_name() == "postgresql" else MdbSQLiteDialect)
+        assert "do_begin" not in vars(engine.dialect)  # a method of the class, not of this instance
+        prelude = Recording()
+        with engine.connect() as conn:
+            set_prelude(conn, prelude)
+            conn.begin()
+            assert prelude.calls == [call]
+            assert take_result(conn) == [(call if url.get_backend_name() == "postgresql" else "sqlite",)]
+            conn.rollback()
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_registry_engines_keep_the_maps_driver_but_connect_through_mdbs_dialects(pg_url: str, tmp_path: Path) -> None:
+    from mdb.engines import MdbPGDialect, MdbSQLiteDialect
+
+    reg = EngineRegistry({"pg": ServerSpec(primary=pg_url), "lite": ServerSpec(primary=f"sqlite:///{tmp_path / 'l.db'}")})
+    try:
+        pg, lite = reg.engine("pg"), reg.engine("lite", readonly=True)
+        assert isinstance(pg.dialect, MdbPGDialect) and pg.dialect.driver == "psycopg"
+        assert isinstance(lite.dialect, MdbSQLiteDialect) and lite.dialect.mdb_begin == "BEGIN"
+        assert reg.spec("pg").primary == pg_url  # the map's URL is not rewritten
+    finally:
+        reg.dispose()

@@ -1,0 +1,125 @@
+"""Where a routed session's client time goes: ``python tools/profile_session.py [--backend pg|sqlite] [--write] [--top N]``.
+
+Counts Python function calls per read (cProfile, deterministic: steady on a busy machine where
+wall time is not) and client CPU per read (``time.process_time``, this process only) for a
+routed briefcase point read and for a plain ``Session`` on the same engine, then prints the
+functions of the routed read with the most own time. Evidence for docs/briefcases.md ("Where
+the time goes").
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sqlalchemy import create_engine, select  # noqa: E402
+from sqlalchemy.orm import Session  # noqa: E402
+
+from benchmarks import BenchContext  # noqa: E402
+from benchmarks.briefcase import NOW, _store  # noqa: E402
+from mdb.demo.models import User, UserBriefcase  # noqa: E402
+from mdb.gdid import GDID  # noqa: E402
+
+
+def _calls(fn: Callable[[], object], n: int) -> tuple[float, cProfile.Profile]:
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(n):
+        fn()
+    profile.disable()
+    stats = pstats.Stats(profile)
+    return stats.total_calls / n, profile  # type: ignore[attr-defined]
+
+
+def _extra_calls(routed: cProfile.Profile, plain: cProfile.Profile, n: int) -> list[tuple[str, float]]:
+    """(function, calls per read in ``routed`` minus in ``plain``), largest difference first."""
+    def counts(profile: cProfile.Profile) -> dict[str, int]:
+        return {f"{Path(f).name}:{line}({name})": row[1] for (f, line, name), row in pstats.Stats(profile).stats.items()}  # type: ignore[attr-defined]
+
+    a, b = counts(routed), counts(plain)
+    diff = [(k, (a.get(k, 0) - b.get(k, 0)) / n) for k in a.keys() | b.keys()]
+    return sorted((d for d in diff if d[1]), key=lambda d: -abs(d[1]))
+
+
+def _cpu(routed: Callable[[], object], plain: Callable[[], object], n: int, rounds: int = 7) -> tuple[float, float]:
+    """Client CPU seconds per call of each, in alternating rounds; the least of each (a busy
+    machine only ever adds to a round's CPU: contention, cache misses)."""
+    a, b = [], []
+    for _ in range(rounds):
+        for fn, out in ((routed, a), (plain, b)):
+            start = time.process_time()
+            for _ in range(n):
+                fn()
+            out.append((time.process_time() - start) / n)
+    return min(a), min(b)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=("pg", "sqlite"), default="pg")
+    parser.add_argument("--write", action="store_true", help="a write session instead of a readonly one")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--n", type=int, default=2000)
+    args = parser.parse_args()
+    from sqlalchemy import insert
+
+    with tempfile.TemporaryDirectory(prefix="mdb-prof-") as tmp:
+        ctx = BenchContext(tmpdir=Path(tmp))
+        try:
+            if args.backend == "pg":
+                central, shard = ctx.pg_urls(2)
+            else:
+                central, shard = f"sqlite:///{tmp}/c.db", f"sqlite:///{tmp}/u1.db"
+            store = _store(Path(tmp) / "s", central, shard)
+            ids = [GDID(0, 0, i) for i in range(1, 101)]
+            with store.transaction("u1") as conn:
+                conn.execute(insert(User.__table__), [{"user_id": g, "email": f"{g}@x", "name": "u", "created_at": NOW} for g in ids])
+            plain = create_engine(shard)
+            readonly = not args.write
+            state = {"i": 0}
+
+            def gdid() -> GDID:
+                state["i"] += 1
+                return ids[state["i"] % len(ids)]
+
+            def routed() -> object:
+                g = gdid()
+                with store.briefcase(UserBriefcase, g, readonly=readonly) as session:
+                    return session.scalars(select(User).where(User.user_id == g)).one()
+
+            def direct() -> object:
+                g = gdid()
+                with Session(plain) as session:
+                    return session.scalars(select(User).where(User.user_id == g)).one()
+
+            for fn in (routed, direct):
+                for _ in range(300):
+                    fn()
+            routed_calls, profile = _calls(routed, args.n)
+            direct_calls, direct_profile = _calls(direct, args.n)
+            routed_cpu, direct_cpu = _cpu(routed, direct, args.n // 4)
+            kind = "write" if args.write else "readonly"
+            print(f"{args.backend} {kind}: python calls per read routed {routed_calls:.0f} vs plain {direct_calls:.0f}; "
+                  f"client CPU per read routed {routed_cpu * 1e6:.0f} us vs plain {direct_cpu * 1e6:.0f} us "
+                  f"(ratio {routed_cpu / direct_cpu:.2f})")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+            print("calls per read, routed minus plain, by function:")
+            for (where, count) in _extra_calls(profile, direct_profile, args.n)[: args.top]:
+                print(f"  {count:+6.1f}  {where}")
+            store.close()
+            plain.dispose()
+        finally:
+            ctx.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
