@@ -50,7 +50,7 @@ from sqlalchemy.engine import Connection
 from mdb import dberrors, telemetry
 from mdb.cluster import Cluster
 from mdb.dberrors import translated
-from mdb.errors import BatchAbortedError, MdbError, MigrationError, MoveAbortedError
+from mdb.errors import BatchAbortedError, MdbError, MigrationError, MoveAbortedError, WorkerStoppedError
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.migrations.revisions import SCHEMA_LOCK_KEY, current_revision, require_one_revision
@@ -301,6 +301,9 @@ class BatchMove:
             exc.move_id = self.move_id
             self._roll_back(str(exc))
             raise
+        except WorkerStoppedError:  # Ctrl-C or SIGTERM, seen by the gate between two steps: never left half-cut
+            self._roll_back("stopped before its commit point: the process was told to stop")
+            raise
         except BaseException as exc:
             if statement_cancelled(exc):  # a statement under the write lock ran past max_pause
                 self._roll_back(f"a statement under the write lock was cancelled at max pause {self.max_pause:.2f}s")
@@ -318,7 +321,7 @@ class BatchMove:
             for name, n in counts.items():
                 per_table[name] = per_table.get(name, 0) + n
         self.journal.pause(self.move_id, pause)  # the reshard's pause p99 in its history (mdb.moves.history)
-        with self.gate.step():
+        with self.gate.step(stoppable=False):  # past the commit point: a stop waits for it
             _finalize(self.cluster, self.journal, entry, per_table)
         for per_table in rows.values():
             telemetry.move_done(self.area, self.reshard_id, sum(per_table.values()), pause)

@@ -23,13 +23,22 @@ crossing the same servers cannot deadlock. ``CutoverGate()`` alone is one gate f
 (a lone batch, or callers that do not say their servers). Across worker processes the gate
 is not shared: the reshard's per-server limit (``--per-server``, :mod:`mdb.moves.jobs`) is
 what keeps other processes off a cutover's servers.
+
+**Stopping** (Ctrl-C or SIGTERM of the process, ``stopped`` given): a step or a cutover's turn
+that begins once the process was told to stop raises
+:class:`mdb.errors.WorkerStoppedError` instead, so a worker thread stops within one statement
+or one relay (the batch rolls back, :mod:`mdb.moves.batch`), not after its whole
+batch. A relay in progress ends with its table; a step after the commit point (``stoppable=False``: the
+finalize) still runs.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+from mdb.errors import WorkerStoppedError
 
 __all__ = ["CutoverGate"]
 
@@ -37,8 +46,10 @@ __all__ = ["CutoverGate"]
 class _Board:
     """The counters of every server, under one condition."""
 
-    def __init__(self) -> None:
+    def __init__(self, stopped: Callable[[], bool] | None = None) -> None:
         self.state = threading.Condition()
+        self.stopped = stopped
+        """The process was told to stop: waits end and new steps raise (see the module docstring)."""
         self.cutting: dict[str, int] = {}
         """Cutovers waiting for their turn or their locks, or holding them, per server."""
         self.holding: set[str] = set()
@@ -53,12 +64,26 @@ class _Board:
         for k in keys:
             counter[k] = counter.get(k, 0) + n
 
+    def check(self) -> None:
+        if self.stopped is not None and self.stopped():
+            raise WorkerStoppedError("this process was told to stop (Ctrl-C or SIGTERM): the batch stops before its next step")
+
+    def wait_for(self, ready: Callable[[], bool], stoppable: bool = True) -> None:
+        """Under ``state``: wait until ``ready()``; raise once the process is told to stop (looked at every 0.2 s)."""
+        while True:
+            if stoppable:
+                self.check()
+            if ready():
+                return
+            self.state.wait(0.2 if self.stopped is not None and stoppable else None)
+
 
 class CutoverGate:
     """Shared by the batches a reshard's workers run at once in one process (see the module docstring)."""
 
-    def __init__(self, _board: _Board | None = None, _keys: tuple[str, ...] = ("*",)) -> None:
-        self._board = _board or _Board()
+    def __init__(self, _board: _Board | None = None, _keys: tuple[str, ...] = ("*",), *,
+                 stopped: Callable[[], bool] | None = None) -> None:
+        self._board = _board or _Board(stopped)
         self._keys = _keys
 
     def pair(self, source: str, target: str) -> CutoverGate:
@@ -71,7 +96,12 @@ class CutoverGate:
         b, keys = self._board, self._keys
         with b.state:
             b.add(b.cutting, keys, 1)
-            b.state.wait_for(lambda: not any(b.steps.get(k) for k in keys) and not b.holding.intersection(keys))
+            try:
+                b.wait_for(lambda: not any(b.steps.get(k) for k in keys) and not b.holding.intersection(keys))
+            except BaseException:
+                b.add(b.cutting, keys, -1)
+                b.state.notify_all()
+                raise
             b.holding.update(keys)
         try:
             yield
@@ -82,11 +112,13 @@ class CutoverGate:
                 b.state.notify_all()
 
     @contextmanager
-    def step(self) -> Iterator[None]:
-        """Server work of a batch outside its cutover (a statement, a table's relay): starts while no cutover is on."""
+    def step(self, stoppable: bool = True) -> Iterator[None]:
+        """Server work of a batch outside its cutover (a statement, a table's relay): starts while no cutover is on.
+
+        ``stoppable=False``: work that must run even once the process is told to stop (past the commit point)."""
         b, keys = self._board, self._keys
         with b.state:
-            b.state.wait_for(lambda: b.no_cutting(keys))
+            b.wait_for(lambda: b.no_cutting(keys), stoppable)
             b.add(b.steps, keys, 1)
         try:
             yield
@@ -103,5 +135,5 @@ class CutoverGate:
                 return
             b.add(b.steps, keys, -1)
             b.state.notify_all()
-            b.state.wait_for(lambda: b.no_cutting(keys))
+            b.wait_for(lambda: b.no_cutting(keys), stoppable=False)  # mid-relay: the step ends with its statement
             b.add(b.steps, keys, 1)

@@ -56,7 +56,7 @@ from mdb.system_tables import central_metadata
 
 __all__ = [
     "ITEM_BRIEFCASES", "Item", "ItemResult", "WorkerRow", "claim", "enqueue", "finish_item", "item_servers", "item_state",
-    "done_since", "drop", "forget", "progress_item", "results_of", "job_items", "last_pass", "open_items", "release_item", "settle", "stop_items", "workers",
+    "done_since", "drop", "forget", "give_back", "progress_item", "results_of", "job_items", "last_pass", "open_items", "release_item", "settle", "stop_items", "workers",
 ]
 
 log = logging.getLogger("mdb.moves.jobs")
@@ -291,6 +291,18 @@ def release_item(fenced: Cluster, journal_server: str, item_id: str) -> None:
                      .values(status=DROPPED, updated_at=func.current_timestamp()))
 
 
+def give_back(fenced: Cluster, journal_server: str, item_id: str) -> None:
+    """A worker stopped inside the item (an error, Ctrl-C mid-batch): unclaimed at once, its status kept.
+
+    A batch of it may be left journaled as running: the next claimer (``attempts`` > 1) or the
+    job's next holder (:func:`settle`) resolves it first; :func:`stop_items` never drops an item
+    that was claimed once, so nothing it left is forgotten.
+    """
+    with fenced.transaction(journal_server) as conn:
+        conn.execute(update(job_items).where(job_items.c.item_id == item_id, job_items.c.status.in_([PENDING, STOPPING]))
+                     .values(worker=None, claimed_at=None, updated_at=func.current_timestamp()))
+
+
 def open_items(journal: Journal, job_id: str, pass_no: int | None = None) -> list[Item]:
     """The job's items not done or dropped (of one pass when given)."""
     _ensure(journal)
@@ -318,13 +330,15 @@ def last_pass(journal: Journal, job_id: str) -> int:
 
 
 def stop_items(journal: Journal, job_id: str) -> None:
-    """The job stops: its unclaimed items are dropped, the claimed ones asked to stop after their batch in hand."""
+    """The job stops: the items nobody ever claimed are dropped, the others asked to stop after their batch in hand
+    (or, claimed once and given back, left for :func:`settle` to resolve what their worker left)."""
     _ensure(journal)
     with journal.store.transaction(journal.server) as conn:
         if conn.dialect.name == "postgresql":
             conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": CLAIM_LOCK_KEY})
         mine = (job_items.c.job_id == job_id) & (job_items.c.status == PENDING)
-        conn.execute(update(job_items).where(mine, job_items.c.worker.is_(None)).values(status=DROPPED, updated_at=func.current_timestamp()))
+        conn.execute(update(job_items).where(mine, job_items.c.worker.is_(None), job_items.c.attempts == 0)
+                     .values(status=DROPPED, updated_at=func.current_timestamp()))
         conn.execute(update(job_items).where(mine).values(status=STOPPING, updated_at=func.current_timestamp()))
 
 

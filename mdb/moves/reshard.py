@@ -591,7 +591,8 @@ class Workers:
         self.stopping = stopping or threading.Event()
         self.parent = parent
         """The stop flag of the process (``mdb worker``'s SIGTERM) when this is one job's run inside it."""
-        self.gates = CutoverGate()
+        self.gates = CutoverGate(stopped=self.stopped)
+        """A stop (Ctrl-C, SIGTERM) is seen there between two steps of a batch: the batch rolls back (:mod:`mdb.moves.gate`)."""
         self._held = ExitStack()
         self._held_key: tuple[str, int] | None = None
         self._hashed: dict[str, frozenset[str]] = {}
@@ -685,14 +686,17 @@ def settle_item(store: Cluster, item: Item) -> None:
         pass  # claimed and taken meanwhile by a live worker: settle waits for it
 
 
-def work_item(workers: Workers, item: Item) -> bool:
+def work_item(workers: Workers, item: Item, after_batch: Callable[[], None] | None = None) -> bool:
     """Move the briefcases of a claimed item under its own lease; True when it is done.
 
     Every write goes through the item's fenced cluster (epoch claimed on CENTRAL, its source and
     its target at the take): a worker that lost the lease cannot write anywhere. Taken over from
     an earlier claimer (``attempts`` > 1), what that one left is resolved first and only the
     rest is moved. Between batches the worker checks its stop flag, the item's state (its job
-    stopped: dropped) and its lease; stopping gives the item back (claimable again).
+    stopped: dropped) and its lease; stopping gives the item back (claimable again). Stopped
+    inside a batch (an error, Ctrl-C in the calling thread, a stop seen by the gate) the item is
+    given back too, for whoever claims it next to resolve what the batch left.
+    ``after_batch``: called after each batch's commit (the job's holder records its counts there).
     """
     store, journal = workers.store, workers.journal
     if workers.fresh_for(item.job_id):
@@ -754,21 +758,30 @@ def work_item(workers: Workers, item: Item) -> bool:
             result.add(batch, moved.rows_per_table)
 
         per_briefcase = item.rows_planned // max(1, len(item.gdids))
-        while remaining:
-            if workers.stopped() or jobs.item_state(journal, item.item_id) != jobs.PENDING:
-                jobs.release_item(fenced, journal.server, item.item_id)
-                return False
-            lease.check()
-            n = sizer.next()
-            batch, remaining = remaining[:n], remaining[n:]
-            if pace is not None:
-                pace(len(batch), len(batch) * per_briefcase)
+        try:
+            while remaining:
+                if workers.stopped() or jobs.item_state(journal, item.item_id) != jobs.PENDING:
+                    jobs.release_item(fenced, journal.server, item.item_id)
+                    return False
+                lease.check()
+                n = sizer.next()
+                batch, remaining = remaining[:n], remaining[n:]
+                if pace is not None:
+                    pace(len(batch), len(batch) * per_briefcase)
+                try:
+                    cut_over(batch)
+                except DBAPIError as exc:
+                    raise _named(store, [item.source, item.target], exc) from exc
+                jobs.progress_item(fenced, journal.server, item.item_id, result)  # the job's counts follow each batch
+                if after_batch is not None:
+                    after_batch()
+                workers.moved(job.move_id)
+        except BaseException:
             try:
-                cut_over(batch)
-            except DBAPIError as exc:
-                raise _named(store, [item.source, item.target], exc) from exc
-            jobs.progress_item(fenced, journal.server, item.item_id, result)  # the job's counts follow each batch
-            workers.moved(job.move_id)
+                jobs.give_back(fenced, journal.server, item.item_id)
+            except Exception as again:  # lease lost, CENTRAL gone: the item's claim lapses with its lease (CLAIM_SETTLE)
+                log.warning("%s of reshard %s: could not give the item back: %s", item.item_id, item.job_id, again)
+            raise
         jobs.finish_item(fenced, journal.server, item.item_id, result)
         return True
 
@@ -776,8 +789,13 @@ def work_item(workers: Workers, item: Item) -> bool:
 def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
     """Queue ``moves`` as this pass's work items; work on them here (``run.parallel`` threads) until every item is done.
 
-    Workers elsewhere (``mdb worker``) claim items of the pass too. This (the job holder's)
-    thread records the counts as items finish, and stops the pass's items when it is told to stop.
+    Workers elsewhere (``mdb worker``) claim items of the pass too. With ``parallel`` 1 the
+    items are worked in the calling thread, as the moves were before jobs: Ctrl-C and SIGTERM
+    (raised in the main thread only) interrupt it wherever it is. With more, the calling thread
+    records the counts as items progress and waits interruptibly; told to stop, it sets the
+    workers' stop flag, which they see between two steps of a batch (:mod:`mdb.moves.gate`),
+    and waits for them (a second Ctrl-C stops waiting). Either way the pass's items are then
+    stopped: given back or left for the next holder to settle, resumable.
     """
     assert run.workers is not None
     workers, entry, counts = run.workers, run.entry, run.counts
@@ -787,22 +805,6 @@ def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
     jobs.enqueue(run.journal, entry.move_id, pass_no, moves)  # fenced by the job's lease: a stale holder queues nothing
     over = threading.Event()
     errors: list[BaseException] = []
-
-    def local() -> None:
-        try:
-            while not over.is_set() and not workers.stopped():
-                item = jobs.claim(journal, [entry.move_id])
-                if item is None:
-                    over.wait(0.1)
-                    continue
-                work_item(workers, item)
-        except BaseException as exc:
-            errors.append(exc)
-            over.set()
-
-    threads = [threading.Thread(target=local, name=f"mdb-worker-{i}", daemon=True) for i in range(run.parallel)]  # 0: workers elsewhere do it
-    for t in threads:
-        t.start()
     seen: dict[str, ItemResult] = {}
 
     def collect() -> bool:
@@ -821,25 +823,55 @@ def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
             _record(run.journal, entry, counts, run.progress)
         return fresh
 
+    def look() -> None:
+        """Between two batches or items, in the calling thread: counts recorded, a cancel or a stop noticed."""
+        collect()
+        check_stop(entry.move_id)
+        if workers.stopped():
+            raise ReshardStoppedError(f"reshard {entry.move_id} stopped by an interrupt; its work items are given back")
+
+    def local() -> None:
+        try:
+            while not over.is_set() and not workers.stopped():
+                item = jobs.claim(journal, [entry.move_id])
+                if item is None:
+                    over.wait(0.1)
+                    continue
+                work_item(workers, item)
+        except BaseException as exc:
+            errors.append(exc)
+            over.set()
+
+    threads = [] if run.parallel == 1 else [  # 0: workers elsewhere do it
+        threading.Thread(target=local, name=f"mdb-worker-{i}", daemon=True) for i in range(run.parallel)]
+    for t in threads:
+        t.start()
     try:
         while True:
-            collect()
+            look()
             if errors:
                 raise errors[0]
-            check_stop(entry.move_id)
-            if workers.stopped():
-                raise ReshardStoppedError(f"reshard {entry.move_id} stopped by an interrupt; its work items are given back")
+            if run.parallel == 1:
+                item = jobs.claim(journal, [entry.move_id])
+                if item is not None:
+                    work_item(workers, item, after_batch=look)
+                    continue
             if not jobs.open_items(journal, entry.move_id, pass_no):
                 if collect():
                     continue  # finished between the two reads: recorded now
                 break
-            over.wait(0.1)
+            over.wait(0.1)  # items in other workers' hands (or claimable again soon)
     except BaseException:
         run.stopping.set()
         over.set()
-        for t in threads:
-            t.join()
-        workers.let_go()
+        try:
+            for t in threads:
+                while t.is_alive():  # each stops before its batch's next step
+                    t.join(0.1)
+        except BaseException:  # a second Ctrl-C: stop waiting; their leases lapse with this process
+            log.warning("reshard %s: stopped without waiting for its worker threads", entry.move_id)
+        else:
+            workers.let_go()
         try:
             jobs.stop_items(journal, entry.move_id)
         except Exception as again:  # the holder's error is what is raised; the next holder settles the items
