@@ -426,7 +426,7 @@ WORKER_STOP_WAIT = 120.0
 def worker_cmd(map_path: MapArg) -> None:
     """Work on every reshard job in CENTRAL until stopped: claim work items, drive jobs whose driver is gone.
 
-    SIGTERM or Ctrl-C: the batch in hand is finished and its item given back (exit 130/143).
+    SIGTERM or Ctrl-C: the batch in hand stops before its next step (rolled back) and its item is given back (exit 130/143).
     Run it on as many hosts as you like; `mdb moves status` lists the workers and their items.
     """
     from mdb.moves.worker import run_worker
@@ -455,7 +455,7 @@ def worker_cmd(map_path: MapArg) -> None:
             while thread.is_alive():
                 thread.join(0.5)
         except KeyboardInterrupt:
-            say("stopping: finishing the batch in hand")
+            say("stopping: the batch in hand stops before its next step")
             stopping.set()
             thread.join()
             raise

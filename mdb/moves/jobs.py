@@ -292,15 +292,16 @@ def release_item(fenced: Cluster, journal_server: str, item_id: str) -> None:
 
 
 def give_back(fenced: Cluster, journal_server: str, item_id: str) -> None:
-    """A worker stopped inside the item (an error, Ctrl-C mid-batch): unclaimed at once, its status kept.
+    """A worker stopped inside the item (an error, Ctrl-C mid-batch): its claim lapses at once, the claimer kept.
 
-    A batch of it may be left journaled as running: the next claimer (``attempts`` > 1) or the
-    job's next holder (:func:`settle`) resolves it first; :func:`stop_items` never drops an item
-    that was claimed once, so nothing it left is forgotten.
+    A batch of it may be left journaled as running: the item counts as claimed by a gone worker
+    (its lease released, no claim time), so the next claimer (``attempts`` > 1) or the job's next
+    holder (:func:`settle`) resolves what it left first, without the :data:`CLAIM_SETTLE` wait;
+    and :func:`stop_items` asks it to stop instead of dropping it, so nothing it left is forgotten.
     """
     with fenced.transaction(journal_server) as conn:
         conn.execute(update(job_items).where(job_items.c.item_id == item_id, job_items.c.status.in_([PENDING, STOPPING]))
-                     .values(worker=None, claimed_at=None, updated_at=func.current_timestamp()))
+                     .values(claimed_at=None, updated_at=func.current_timestamp()))
 
 
 def open_items(journal: Journal, job_id: str, pass_no: int | None = None) -> list[Item]:
@@ -330,15 +331,14 @@ def last_pass(journal: Journal, job_id: str) -> int:
 
 
 def stop_items(journal: Journal, job_id: str) -> None:
-    """The job stops: the items nobody ever claimed are dropped, the others asked to stop after their batch in hand
-    (or, claimed once and given back, left for :func:`settle` to resolve what their worker left)."""
+    """The job stops: its unclaimed items are dropped, the claimed ones asked to stop after their batch in hand
+    (or, given back mid-batch, left for :func:`settle` to resolve what their worker left)."""
     _ensure(journal)
     with journal.store.transaction(journal.server) as conn:
         if conn.dialect.name == "postgresql":
             conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": CLAIM_LOCK_KEY})
         mine = (job_items.c.job_id == job_id) & (job_items.c.status == PENDING)
-        conn.execute(update(job_items).where(mine, job_items.c.worker.is_(None), job_items.c.attempts == 0)
-                     .values(status=DROPPED, updated_at=func.current_timestamp()))
+        conn.execute(update(job_items).where(mine, job_items.c.worker.is_(None)).values(status=DROPPED, updated_at=func.current_timestamp()))
         conn.execute(update(job_items).where(mine).values(status=STOPPING, updated_at=func.current_timestamp()))
 
 

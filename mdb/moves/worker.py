@@ -3,9 +3,10 @@
 Each round it first adopts any reshard whose driver is gone (its lease free: a dead pid on this
 host, a stale beat from another) and drives that job's phases itself, as ``mdb moves resume``
 would; otherwise it claims the next work item of any running job (:mod:`mdb.moves.jobs`) and
-moves it. Stopping (SIGTERM, Ctrl-C) sets a flag: the batch in hand is finished (or rolled
-back, never left half-cut) and its item given back, a job being driven stops between two
-steps with its lease released, and the next worker picks both up.
+moves it. Stopping (SIGTERM, Ctrl-C) sets a flag: the batch in hand stops before its next
+step (rolled back, never left half-cut; finalized past its commit point) and its item is
+given back, a job being driven stops between two steps with its lease released, and the next
+worker picks both up.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from sqlalchemy.exc import DBAPIError
 
 from mdb.cluster import Cluster
-from mdb.errors import MdbError, MoveLeaseHeldError
+from mdb.errors import MdbError, MoveLeaseHeldError, ReshardStoppedError
 from mdb.moves import jobs
 from mdb.moves.cancel import CANCEL_STEP
 from mdb.moves.journal import RUNNING, Journal
@@ -95,6 +96,8 @@ def _loop(store: Cluster, stopping: threading.Event, workers: Workers, on_event:
                 on_event(f"{item.item_id} of reshard {item.job_id}: {len(item.gdids)} briefcase(s) {item.source} -> {item.target}")
             work_item(workers, item)
         except (MdbError, DBAPIError, OSError) as exc:
+            if isinstance(exc, ReshardStoppedError) and stopping.is_set():
+                break  # told to stop: its batch rolled back, its item given back
             log.error("worker: %s", exc)
             if errors is not None:
                 errors.append(exc)

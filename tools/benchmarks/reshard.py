@@ -317,13 +317,14 @@ def _pause_p99(store: Store, reshard_id: str) -> tuple[float, int]:
 
 
 def run_workers(ctx: BenchContext, workers: list[int], old: int = 4, new: int = 8, per_server: int = DEFAULT_PER_SERVER) -> list[Result]:
-    """``mdb reshard --parallel 0`` (the job's phases only) with W ``mdb worker`` processes, for each W, ``old`` -> ``new`` shards.
+    """``mdb reshard --parallel 0`` (the job's phases only) with W ``mdb worker`` processes, for each W, ``old`` -> ``new`` shards;
+    W = 0 is today's default instead, ``mdb reshard`` alone at ``--parallel 1`` (the same-run comparison the 2-core figure needs).
 
     Fresh databases for every W (same servers), filled with n briefcases of 100 rows. Baseline of
     the same run: one raw COPY stream per source server at once, each in its own process
     (aggregate rows/s of the sources), measured before each W on its own fresh data.
     """
-    n = ctx.iterations(10_000, 1_200)
+    n = ctx.n or ctx.iterations(10_000, 1_200)  # --n: a small N for a loaded 2-core machine
     results: list[Result] = []
     for w in workers:
         path, urls, users, olds, news = _workers_cluster(ctx, f"reshard-workers-{w}", n, old, new)
@@ -338,12 +339,13 @@ def run_workers(ctx: BenchContext, workers: list[int], old: int = 4, new: int = 
         pairs = [(urls[olds[i]], targets[i], [g for g in users if g.sharding_value % old == i][:sample]) for i in range(old)]
         raw_rows = _aggregate_raw_copy(pairs)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        # W = 0: today's default, `mdb reshard` alone (--parallel 1, its items worked in its own thread), no worker.
         procs = [subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", "worker", str(path)], env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(w)]
         try:
             with Store.from_yaml(path, types=[UserBriefcase]) as store:
                 start = time.perf_counter()
-                outcome = reshard(store, "user", GDID(0, 0, 0), news, parallel=0, map_path=path, per_server=per_server)
+                outcome = reshard(store, "user", GDID(0, 0, 0), news, parallel=1 if w == 0 else 0, map_path=path, per_server=per_server)
                 elapsed = time.perf_counter() - start
                 p99, batches = _pause_p99(store, outcome.reshard_id or "")
         finally:
@@ -351,7 +353,8 @@ def run_workers(ctx: BenchContext, workers: list[int], old: int = 4, new: int = 
                 proc.send_signal(signal.SIGTERM)
             for proc in procs:
                 proc.communicate(timeout=300)
-        name = f"mdb reshard --workers {w} ({old} -> {new} shards, --per-server {per_server})"
+        name = (f"mdb reshard (default: --parallel 1, no worker) ({old} -> {new} shards)" if w == 0
+                else f"mdb reshard --workers {w} ({old} -> {new} shards, --per-server {per_server})")
         note = (f"{outcome.moved} of {n} briefcases ({outcome.rows_moved} rows) in {elapsed:.1f}s, {batches} batches; "
                 f"pause p99 {p99 * 1000:.1f} ms (per batch)")
         results.append(Result(SECTION, name, outcome.rows_moved / elapsed, "rows/s",
