@@ -30,6 +30,7 @@ from sqlalchemy import create_engine, text
 
 from mdb.demo.models import User, UserBriefcase
 from mdb.gdid import GDID
+from mdb.moves.batch import BATCH_KIND
 from mdb.moves.freeze import frozen_by
 from mdb.moves.journal import Journal
 from mdb.store import Store
@@ -225,7 +226,7 @@ def test_ctrl_c_stops_parallel_batched_workers_before_their_next_step_and_rolls_
     args = ["reshard", str(cluster.path), "user", *RESHARD, "--parallel", "2"]
     with cluster.store() as probe, _reaped(_popen(args, env)) as proc:
         journal = Journal(probe)
-        _wait_for(proc, "a batch to be in flight", lambda: any(e.kind == "batch" for e in journal.entries(unfinished=True)))
+        _wait_for(proc, "a batch to be in flight", lambda: any(e.kind == BATCH_KIND for e in journal.entries(unfinished=True)))
         _, err, took = _stop(proc, signal.SIGINT)
         unfinished = journal.entries(unfinished=True)
     print(f"--parallel 2, batched: exited {took:.2f} s after SIGINT")

@@ -871,7 +871,12 @@ def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
         except BaseException:  # a second Ctrl-C: stop waiting; their leases lapse with this process
             log.warning("reshard %s: stopped without waiting for its worker threads", entry.move_id)
         else:
-            workers.let_go()
+            try:
+                workers.let_go()
+            except (MdbError, DBAPIError) as again:
+                # Letting the held schemas go on a server that just died fails too; that driver error must not
+                # replace the one naming the server (exit 3, issue 29). The server ended those sessions anyway.
+                log.warning("reshard %s: could not let the held schemas go: %s", entry.move_id, describe(again) if isinstance(again, DBAPIError) else again)
         try:
             jobs.stop_items(journal, entry.move_id)
         except Exception as again:  # the holder's error is what is raised; the next holder settles the items
