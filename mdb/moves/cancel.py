@@ -220,11 +220,17 @@ def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move
     journal.step(entry.move_id, CANCEL_STEP, params=entry.params)
     out = CancelOutcome(entry.move_id, "reshard")
     # Workers' items first (mdb.moves.jobs): live workers stop after their batch in hand, what dead ones left is resolved.
+    interrupted = {m.move_id for m in journal.moves_of(entry.move_id) if m.status == RUNNING}
     jobs.settle(journal, entry.move_id, lambda item: settle_item(store, item))
     moves = journal.moves_of(entry.move_id)
     for move in moves:  # interrupted moves first, as resume resolves them
         if move.status == RUNNING:
             if resolve_move(store, journal, move).action == "finalized":
+                out.finalized += 1
+            else:
+                out.rolled_back += 1
+        elif move.move_id in interrupted:  # resolved by the settle of its work item: counted all the same
+            if move.status == DONE:
                 out.finalized += 1
             else:
                 out.rolled_back += 1
