@@ -181,6 +181,10 @@ class BriefcaseGoneError(MdbError):
     """The briefcase to move has no root row on its source: the application deleted it; there is nothing to move."""
 
 
+class WorkerStoppedError(ReshardStoppedError):
+    """This process was told to stop (Ctrl-C, SIGTERM): a worker stopped its batch at a step boundary, rolled back."""
+
+
 class LeaseLostError(ReshardStoppedError):
     """A driver's lease was taken over (it was paused past it): a server refused its write by the lease's epoch."""
 

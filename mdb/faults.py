@@ -94,7 +94,10 @@ def fault_point(name: str) -> None:
     action = os.environ.get("MDB_FAULT_ACTION", "kill")
     if action == "stop":
         if seen == skip:  # once: after SIGCONT the process goes on past this point and any later pass
-            os.kill(os.getpid(), signal.SIGSTOP)
+            # Sent to this thread, not the process: a process-directed SIGSTOP is taken by whichever
+            # thread the kernel picks (the main one), and this one ran on for a moment first (into
+            # a connect whose timeout then expired during the stop: a point passed in a worker thread).
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
         return
     if action.startswith("sleep:"):
         time.sleep(float(action.removeprefix("sleep:")))

@@ -52,11 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sections", nargs="*", metavar="SECTION", help=f"sections to run (default: all of {', '.join(sections)})")
     parser.add_argument("--quick", action="store_true", help="fewer iterations: a smoke run, not a measurement")
-    parser.add_argument("--n", type=int, help="size for the sections that take one (reshard_impact: briefcases, default 10000)")
+    parser.add_argument("--n", type=int, help="size for the sections that take one (reshard_impact: briefcases, default 10000; reshard --workers: briefcases, default 10000, 1200 with --quick)")
     parser.add_argument("--procs", type=int, help="application processes for the sections that start them (reshard_impact: default 4)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.add_argument("--async", dest="aio", action="store_true",
                         help="the asyncio variant of each section that has one (briefcase -> briefcase_async)")
+    parser.add_argument("--workers", metavar="N[,N...]", help="reshard: run `mdb worker` processes, e.g. 1,2,4,8 (issue 32's benchmark); 0: today's default, `mdb reshard` alone at --parallel 1")
+    parser.add_argument("--shards", metavar="OLD:NEW", default="4:8", help="reshard --workers: shard counts (default 4:8)")
+    parser.add_argument("--per-server", type=int, default=None, help="reshard --workers: work items in flight per server")
     args = parser.parse_args(argv)
     if args.aio:
         args.sections = [f"{s}_async" if f"{s}_async" in sections else s for s in args.sections or ["briefcase"]]
@@ -68,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="mdb-bench-") as tmp:
         ctx = BenchContext(tmpdir=Path(tmp), quick=args.quick, n=args.n, procs=args.procs)
+        if args.workers:
+            old, _, new = args.shards.partition(":")
+            ctx.options = {"workers": [int(w) for w in args.workers.split(",")], "shards": (int(old), int(new)),
+                           "per_server": args.per_server}
         try:
             for name in args.sections or sections:
                 console.print(f"[bold]section {name}[/bold] ...")

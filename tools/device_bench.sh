@@ -23,10 +23,11 @@ section() {  # NAME SECONDS ARGS...: one bench.py run, bounded
 }
 
 wanted=("$@")
-[ ${#wanted[@]} -gt 0 ] || wanted=(reshard briefcase briefcase_async scale impact)
+[ ${#wanted[@]} -gt 0 ] || wanted=(workers reshard briefcase briefcase_async scale impact)
 fraction=${MDB_BENCH_FRACTION:-0.3}  # the per-request sections' rounds, shortened to fit the lent time
 for w in "${wanted[@]}"; do
     case $w in
+    workers) section workers 300 reshard --workers "${WORKERS:-1,2,4,8}" --shards 4:8 ;;
     reshard) section reshard 240 reshard ;;
     briefcase) MDB_BENCH_FRACTION=$fraction section briefcase 120 briefcase ;;
     briefcase_async) MDB_BENCH_FRACTION=$fraction section briefcase_async 120 briefcase --async ;;

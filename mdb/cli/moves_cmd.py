@@ -6,7 +6,13 @@ known, and talks to the live system; errors mdb raises on purpose end as one ``e
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Annotated, Any
 
@@ -27,6 +33,9 @@ from mdb.moves.freeze import DEFAULT_FREEZE_LOCK_WAIT
 from mdb.moves.move import DEFAULT_MAX_PAUSE, move_briefcase
 from mdb.moves.reshard import DEFAULT_BATCH_PAUSE, ReshardCounts
 from mdb.moves.resume import FAILED, HELD, resume_all
+from mdb.moves.jobs import DEFAULT_PER_SERVER, WorkerRow, workers as job_workers
+from mdb.moves.journal import Journal
+from mdb.moves.lease import me
 from mdb.moves.status import MoveStatus, RateEta, RateWindow, move_status, where
 from mdb.moves.throttle import DEFAULT_REPLICA_TIMEOUT, RATE_SYNTAX, ThrottleSettings
 from mdb.store import Store
@@ -176,12 +185,15 @@ def status_cmd(
         try:
             while True:
                 running, finished = move_status(store, recent=limit)
+                busy = job_workers(Journal(store))
                 if as_json:
-                    emit_json({"in_flight": [s.to_json() for s in running], "recent": [s.to_json() for s in finished]})
+                    emit_json({"in_flight": [s.to_json() for s in running], "recent": [s.to_json() for s in finished],
+                               "workers": [w.to_json() for w in busy]})
                     return
                 if watch is not None:
                     console.clear()
                 _print_status(running, finished)
+                _print_workers(busy)
                 if watch is None:
                     return
                 time.sleep(watch)
@@ -189,6 +201,21 @@ def status_cmd(
             if watch is None:
                 raise
             raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def _print_workers(busy: list[WorkerRow]) -> None:
+    """The work items of reshard jobs in flight and who drives each (``mdb worker`` processes, ``mdb reshard`` itself)."""
+    if not busy:
+        return
+    table = Table(title="workers")
+    for column in ("worker", "host", "last beat", "reshard", "item", "from -> to", "briefcases"):
+        table.add_column(column)
+    for w in busy:
+        h = w.holder
+        who = "-" if h is None else f"pid {h.pid}" + ("" if h.alive else " (gone)")
+        table.add_row(escape(who), escape("-" if h is None else h.host), "-" if h is None else f"{h.beat_age:.0f}s ago",
+                      escape(w.job_id), escape(w.item_id), escape(f"{w.source} -> {w.target}"), str(w.briefcases))
+    console.print(table)
 
 
 def _per_second(rate: float | None) -> str:
@@ -294,7 +321,7 @@ def reshard_cmd(
     partition: Annotated[str, typer.Option("--partition", metavar="START", help="absolute start GDID of the partition")],
     shards: Annotated[str, typer.Option("--shards", metavar="A,B,C", help="the partition's new shard list")],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
-    parallel: Annotated[int, typer.Option("--parallel", min=1, max=64, help="Batches in flight at once: one's copy overlaps another's cutover (docs/moves.md).")] = 1,
+    parallel: Annotated[int, typer.Option("--parallel", min=0, max=64, help="Batches this process moves at once (one's copy overlaps another's cutover, docs/moves.md); 0: only drive the job's phases, `mdb worker`s move.")] = 1,
     max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Per briefcase: abort a cutover that would block its writes longer.", min=0.0)] = DEFAULT_MAX_PAUSE,
     batch_pause: Annotated[float, typer.Option("--batch-pause", metavar="SECONDS", min=0.0,
                                                help="Write pause a batch of briefcases aims at (batches grow or shrink to keep it); 0: one briefcase at a time.")] = DEFAULT_BATCH_PAUSE,
@@ -302,10 +329,16 @@ def reshard_cmd(
     max_lag: Annotated[str | None, typer.Option("--max-lag", metavar="SECONDS", help="Pause while a replica (in the map) of a server the reshard writes lags more, e.g. 5 or 500ms.")] = None,
     replica_timeout: Annotated[float, typer.Option("--replica-timeout", metavar="SECONDS", help="With --max-lag: how long an unreachable replica is waited for before the reshard stops (resumable).")] = DEFAULT_REPLICA_TIMEOUT,
     freeze_wait: Annotated[float, typer.Option("--freeze-wait", metavar="SECONDS", min=0.001, help="How long the freeze waits for the partition's open write sessions; past it the reshard stops unfrozen (exit 4) naming them.")] = DEFAULT_FREEZE_LOCK_WAIT,
+    workers: Annotated[int, typer.Option("--workers", min=0, max=64, help="Also start N `mdb worker` processes here for this reshard (stopped when it ends); workers on other hosts join by running `mdb worker MAP`.")] = 0,
+    per_server: Annotated[int, typer.Option("--per-server", min=1, max=64, help="Work items in flight at once on one server, over every worker of every host.")] = DEFAULT_PER_SERVER,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
     metrics_port: MetricsPortOpt = None,
 ) -> None:
-    """Move every briefcase of a partition whose shard changes under SHARDS, then write the new map."""
+    """Move every briefcase of a partition whose shard changes under SHARDS, then write the new map.
+
+    The reshard is a job in CENTRAL: this command enqueues it and works on it (``--parallel``
+    threads); any ``mdb worker MAP`` works on it too, and takes it over if this process dies.
+    """
     from mdb.moves.reshard import parallel_for, reshard
 
     new_shards = [s.strip() for s in shards.split(",") if s.strip()]
@@ -319,17 +352,23 @@ def reshard_cmd(
         parallel, sqlite = parallel_for(store, area, _gdid(partition), new_shards, parallel)
         if sqlite:
             warn(f"--parallel runs as 1: SQLite lets one writer at a time into a file ({', '.join(sqlite)} are SQLite)")
+            if workers:
+                fail(f"--workers: SQLite lets one writer at a time into a file ({', '.join(sqlite)} are SQLite); run without it")
+        if (workers or parallel == 0) and not dry_run and store.engines.is_sqlite(Journal(store).server):
+            fail("--workers and --parallel 0 need a PostgreSQL CENTRAL (a SQLite CENTRAL runs one worker: this command's own)")
         try:
-            if dry_run or as_json:
-                outcome = reshard(store, area, _gdid(partition), new_shards, dry_run=dry_run, parallel=parallel, max_pause=max_pause,
-                                  map_path=map_path, batch_pause=batch_pause, throttle=settings, freeze_wait=freeze_wait)
-            else:
-                if settings.limited:
-                    console.print(f"throttle: {settings.describe()}", markup=False)
-                with _RichReshardProgress() as progress:
-                    outcome = reshard(store, area, _gdid(partition), new_shards, parallel=parallel, max_pause=max_pause,
-                                      map_path=map_path, progress=progress, batch_pause=batch_pause, throttle=settings,
-                                      freeze_wait=freeze_wait)
+            with _local_workers(map_path, 0 if dry_run else workers):
+                if dry_run or as_json:
+                    outcome = reshard(store, area, _gdid(partition), new_shards, dry_run=dry_run, parallel=parallel, max_pause=max_pause,
+                                      map_path=map_path, batch_pause=batch_pause, throttle=settings, freeze_wait=freeze_wait,
+                                      per_server=per_server)
+                else:
+                    if settings.limited:
+                        console.print(f"throttle: {settings.describe()}", markup=False)
+                    with _RichReshardProgress() as progress:
+                        outcome = reshard(store, area, _gdid(partition), new_shards, parallel=parallel, max_pause=max_pause,
+                                          map_path=map_path, progress=progress, batch_pause=batch_pause, throttle=settings,
+                                          freeze_wait=freeze_wait, per_server=per_server)
         except KeyboardInterrupt:
             _say_how_to_resume(store, area, map_path)
             raise
@@ -357,13 +396,79 @@ def reshard_cmd(
                       f"the previous file is at {outcome.map_backup}", markup=False, soft_wrap=True)  # a path to copy: unbroken
 
 
+@contextmanager
+def _local_workers(map_path: str, n: int) -> Iterator[None]:
+    """``n`` ``mdb worker`` processes on this machine for the block; each is stopped (SIGTERM) and waited for after it."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for _ in range(n):
+            procs.append(subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", "worker", map_path],
+                                          stdout=subprocess.DEVNULL))
+        yield
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(WORKER_STOP_WAIT)
+            except subprocess.TimeoutExpired:
+                warn(f"worker pid {proc.pid} did not stop within {WORKER_STOP_WAIT:.0f}s of SIGTERM; killed (its batch is resolved by the next worker)")
+                proc.kill()
+                proc.wait()
+
+
+WORKER_STOP_WAIT = 120.0
+"""Seconds a local worker gets to finish its batch in hand after SIGTERM."""
+
+
+@app.command("worker")
+def worker_cmd(map_path: MapArg) -> None:
+    """Work on every reshard job in CENTRAL until stopped: claim work items, drive jobs whose driver is gone.
+
+    SIGTERM or Ctrl-C: the batch in hand stops before its next step (rolled back) and its item is given back (exit 130/143).
+    Run it on as many hosts as you like; `mdb moves status` lists the workers and their items.
+    """
+    from mdb.moves.worker import run_worker
+
+    with open_store(map_path, tool=True) as store:
+        if store.engines.is_sqlite(Journal(store).server):
+            fail("mdb worker needs a PostgreSQL CENTRAL: a SQLite CENTRAL runs one worker, `mdb reshard` itself")
+        stopping = threading.Event()
+        errors: list[BaseException] = []
+
+        def say(line: str) -> None:
+            console.print(f"{datetime.now(timezone.utc):%H:%M:%S} {line}", markup=False, soft_wrap=True)
+
+        crashed: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                run_worker(store, stopping, on_event=say, errors=errors)
+            except BaseException as exc:  # raised again in the main thread: the worker exits with its error
+                crashed.append(exc)
+
+        thread = threading.Thread(target=work, name="mdb-worker")
+        say(f"worker started: {me()}")
+        thread.start()
+        try:
+            while thread.is_alive():
+                thread.join(0.5)
+        except KeyboardInterrupt:
+            say("stopping: the batch in hand stops before its next step")
+            stopping.set()
+            thread.join()
+            raise
+        if crashed:
+            raise crashed[0]
+
+
 def _say_how_to_resume(store: Store, area: str, map_path: str) -> None:
     """After Ctrl-C, one stderr line naming the interrupted reshard and how to go on.
 
     A reshard refuses to start while its area has an unfinished one, so the area's unfinished
     reshard is this one; none means it was stopped before its journal row, with nothing to resume.
     """
-    from mdb.moves.journal import Journal
 
     for entry in Journal(store).entries(unfinished=True):
         if entry.kind == "reshard" and entry.area == area:
@@ -375,7 +480,6 @@ def _say_how_to_resume(store: Store, area: str, map_path: str) -> None:
 
 def _journal_after_interrupt(store: Store, what: str) -> Any:
     """The journal, for the one line said after Ctrl-C; None (and a line saying so) when CENTRAL cannot be read now."""
-    from mdb.moves.journal import Journal
 
     try:
         journal = Journal(store)

@@ -50,7 +50,7 @@ from sqlalchemy.engine import Connection
 from mdb import dberrors, telemetry
 from mdb.cluster import Cluster
 from mdb.dberrors import translated
-from mdb.errors import BatchAbortedError, MdbError, MigrationError, MoveAbortedError
+from mdb.errors import BatchAbortedError, MdbError, MigrationError, MoveAbortedError, WorkerStoppedError
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.migrations.revisions import SCHEMA_LOCK_KEY, current_revision, require_one_revision
@@ -123,7 +123,8 @@ def _locked_batch(cluster: Cluster, server: str, area: str, gdids: Sequence[GDID
 
 
 @contextmanager
-def hold_schemas(cluster: Cluster, area: str, servers: Sequence[str], tables: Sequence[AreaTable]) -> Iterator[frozenset[str]]:
+def hold_schemas(cluster: Cluster, area: str, servers: Sequence[str], tables: Sequence[AreaTable],
+                 revisions: dict[str, str | None] | None = None) -> Iterator[frozenset[str]]:
     """Keep migrations off ``servers`` while batches run, check they are at one revision of ``area``,
     and yield the tables every one of them can sum by row hash (:func:`mdb.moves.verify.hashable_tables`).
 
@@ -132,10 +133,12 @@ def hold_schemas(cluster: Cluster, area: str, servers: Sequence[str], tables: Se
     reshard holds the lock shared at session level on one connection per PostgreSQL server for
     the whole pass (released when the block ends, or by the server when this process dies),
     so the revisions compared once here, and the column types the checksum was chosen by,
-    cannot change under any batch of the pass.
+    cannot change under any batch of the pass. ``revisions``: those of servers already held
+    (a worker holding more servers as it claims items of the pass), compared with these and
+    updated with them.
     """
     with ExitStack() as held:
-        revisions: dict[str, str | None] = {}
+        revisions = {} if revisions is None else revisions
         hashed: frozenset[str] | None = None
         for server in dict.fromkeys(servers):
             conn = held.enter_context(cluster.connect(server))
@@ -231,7 +234,7 @@ class BatchMove:
         self, cluster: Cluster, journal: Journal, area: str, gdids: Sequence[GDID], source: str, target: str, *,
         reshard_id: str | None, tables: list[AreaTable] | None = None, max_pause: float = DEFAULT_MAX_PAUSE,
         lock_wait: float = DEFAULT_LOCK_WAIT, hashed: frozenset[str] = frozenset(), gate: CutoverGate | None = None,
-        move_back: bool = False,
+        move_back: bool = False, item: str | None = None,
     ) -> None:
         if not gdids:
             raise MdbError("a batch needs at least one briefcase")
@@ -251,6 +254,8 @@ class BatchMove:
         self.gate = gate or CutoverGate()
         """Shared by the batches a pass runs at once (:mod:`mdb.moves.gate`); alone, it never waits."""
         self.move_back = move_back
+        self.item = item
+        """The reshard job's work item this batch belongs to (:mod:`mdb.moves.jobs`): its lease covers the batch."""
         """A cancel's move-back (journaled in its params: the cancel counts what it brought back by it)."""
         self.method: verify.Method = "sql"
         """How both sides sum rows; decided by the servers' kinds when the pre-copy connects to both."""
@@ -281,7 +286,7 @@ class BatchMove:
             move_id=self.move_id, kind=BATCH_KIND, area=self.area, step="lock", status=RUNNING, gdid=self.gdids[0],
             source=self.source, target=self.target, reshard_id=self.reshard_id,
             params={"gdids": [str(g) for g in self.gdids], "max_pause": self.max_pause, "previous_target_states": previous,
-                    **({"move_back": True} if self.move_back else {})},
+                    **({"move_back": True} if self.move_back else {}), **({"item": self.item} if self.item else {})},
             briefcases_total=len(self.gdids),
         )
         self.journal.start(entry)
@@ -295,6 +300,9 @@ class BatchMove:
         except BatchAbortedError as exc:
             exc.move_id = self.move_id
             self._roll_back(str(exc))
+            raise
+        except WorkerStoppedError:  # Ctrl-C or SIGTERM, seen by the gate between two steps: never left half-cut
+            self._roll_back("stopped before its commit point: the process was told to stop")
             raise
         except BaseException as exc:
             if statement_cancelled(exc):  # a statement under the write lock ran past max_pause
@@ -313,7 +321,7 @@ class BatchMove:
             for name, n in counts.items():
                 per_table[name] = per_table.get(name, 0) + n
         self.journal.pause(self.move_id, pause)  # the reshard's pause p99 in its history (mdb.moves.history)
-        with self.gate.step():
+        with self.gate.step(stoppable=False):  # past the commit point: a stop waits for it
             _finalize(self.cluster, self.journal, entry, per_table)
         for per_table in rows.values():
             telemetry.move_done(self.area, self.reshard_id, sum(per_table.values()), pause)

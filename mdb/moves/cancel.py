@@ -32,7 +32,8 @@ from mdb.moves.freeze import unfreeze_partition
 from mdb.moves.journal import CANCELLED, DONE, FINISHED, RUNNING, Journal, JournalEntry
 from mdb.moves.lease import Lease, fenced_servers, hold, me, request_stop
 from mdb.moves.move import DEFAULT_MAX_PAUSE, move_briefcase, move_kinds, resolve_move
-from mdb.moves.reshard import DEFAULT_BATCH_PAUSE, BatchSizer
+from mdb.moves import jobs
+from mdb.moves.reshard import DEFAULT_BATCH_PAUSE, BatchSizer, settle_item
 from mdb.moves.sql_steps import area_tables
 from mdb.urls import SQL
 
@@ -218,10 +219,18 @@ def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move
     entry.params.update({"cancel": "move-back" if move_back else "leave", "cancelled_at_step": interrupted_at})
     journal.step(entry.move_id, CANCEL_STEP, params=entry.params)
     out = CancelOutcome(entry.move_id, "reshard")
+    # Workers' items first (mdb.moves.jobs): live workers stop after their batch in hand, what dead ones left is resolved.
+    interrupted = {m.move_id for m in journal.moves_of(entry.move_id) if m.status == RUNNING}
+    jobs.settle(journal, entry.move_id, lambda item: settle_item(store, item))
     moves = journal.moves_of(entry.move_id)
     for move in moves:  # interrupted moves first, as resume resolves them
         if move.status == RUNNING:
             if resolve_move(store, journal, move).action == "finalized":
+                out.finalized += 1
+            else:
+                out.rolled_back += 1
+        elif move.move_id in interrupted:  # resolved by the settle of its work item: counted all the same
+            if move.status == DONE:
                 out.finalized += 1
             else:
                 out.rolled_back += 1
@@ -245,6 +254,7 @@ def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move
     out.detail = (f"cancelled at step {interrupted_at!r}: {out.rolled_back} interrupted move(s) rolled back, "
                   f"{len(forward)} finished ({verb}); the map is unchanged")
     journal.finish(entry.move_id, CANCELLED, out.detail)
+    jobs.forget(journal, entry.move_id)
     store.refresh()
     return out
 

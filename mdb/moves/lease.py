@@ -48,7 +48,8 @@ from mdb.moves import fencing
 from mdb.moves.journal import Journal, JournalEntry, move_leases
 
 __all__ = [
-    "LEASE_BEAT", "LEASE_STALE", "Holder", "Lease", "check_stop", "describe", "describe_liveness", "fenced_servers", "hold", "holder_of",
+    "LEASE_BEAT", "LEASE_STALE", "Holder", "Lease", "check_stop", "describe", "describe_liveness", "ensure_table", "fenced_servers", "hold", "holder_of",
+    "holders_in",
     "lease_owner_id", "liveness", "me", "request_stop",
 ]
 
@@ -150,6 +151,24 @@ def _lease_row(journal: Journal, move_id: str) -> tuple[Holder | None, int | Non
     return Holder(move_id, row["pid"], row["host"], row["token"], row["since"], row["beat_at"], max(age, 0.0)), int(row["epoch"])
 
 
+def holders_in(conn: Any, move_ids: Iterable[str]) -> dict[str, Holder]:
+    """In the caller's CENTRAL transaction: who holds each of ``move_ids``' leases (those nobody holds are absent)."""
+    ids = list(dict.fromkeys(move_ids))
+    out: dict[str, Holder] = {}
+    for i in range(0, len(ids), 500):
+        rows = conn.execute(select(move_leases, func.current_timestamp().label("now")).where(
+            move_leases.c.move_id.in_(ids[i:i + 500]), move_leases.c.pid.isnot(None))).mappings()
+        for row in rows:
+            age = (_utc(row["now"]) - _utc(row["beat_at"])).total_seconds()
+            out[row["move_id"]] = Holder(row["move_id"], row["pid"], row["host"], row["token"], row["since"], row["beat_at"], max(age, 0.0))
+    return out
+
+
+def ensure_table(journal: Journal) -> None:
+    """``mdb_move_leases`` exists on the journal's CENTRAL (created by an older mdb without it: made here)."""
+    _ensure_table(journal)
+
+
 def holder_of(journal: Journal, move_id: str) -> Holder | None:
     """Who holds ``move_id``'s lease now (None: nobody)."""
     return _lease_row(journal, move_id)[0]
@@ -172,7 +191,11 @@ def fenced_servers(cluster: Cluster, journal: Journal, entry: JournalEntry) -> l
 
 
 def lease_owner_id(entry: JournalEntry) -> str:
-    """The journal entry whose lease covers ``entry``: a reshard's moves are driven under the reshard's."""
+    """The lease that covers ``entry``: a reshard's moves are driven under the reshard's, except those of a
+    work item of a reshard job (``params['item']``, :mod:`mdb.moves.jobs`), driven under the item's by whichever worker claimed it."""
+    item = entry.params.get("item")
+    if isinstance(item, str) and entry.kind != "reshard":
+        return item
     return entry.reshard_id if entry.kind != "reshard" and entry.reshard_id is not None else entry.move_id
 
 
@@ -203,6 +226,8 @@ class Lease:
         with self.journal.store.transaction(self.journal.server) as conn:
             mine = (move_leases.c.move_id == self.move_id) & (move_leases.c.token == self.token)
             if not conn.execute(update(move_leases).where(mine).values(beat_at=func.current_timestamp())).rowcount:
+                if self._done.is_set():  # released meanwhile by this process (a beat racing the release): not lost
+                    return
                 self.lost = True
                 log.error("the lease of %s was taken over by another process; stopping at the next check", self.move_id)
                 return

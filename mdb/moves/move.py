@@ -137,6 +137,8 @@ class MoveOptions:
     source: str | None = None
     """A reshard passes the source it found the briefcase on; precheck confirms it."""
     reverse_of: str | None = None
+    item: str | None = None
+    """The work item of a reshard job this move belongs to (:mod:`mdb.moves.jobs`): its lease covers the move."""
 
 
 def check_max_pause(max_pause: float) -> None:
@@ -394,6 +396,7 @@ def move_briefcase(
     refresh: bool = True,
     source: str | None = None,
     reverse_of: str | None = None,
+    item: str | None = None,
 ) -> MoveResult:
     """Move one briefcase (every table or collection of every type of ``area``) to ``target``, online.
 
@@ -410,7 +413,7 @@ def move_briefcase(
     source = source or store.router.locate(area, gdid).server
     options = MoveOptions(
         max_pause=max_pause, lock_wait=lock_wait, dry_run=dry_run, reshard_id=reshard_id, precopy_rows=precopy_rows,
-        on_table=on_table, on_sizes=on_sizes, refresh=refresh, source=source, reverse_of=reverse_of,
+        on_table=on_table, on_sizes=on_sizes, refresh=refresh, source=source, reverse_of=reverse_of, item=item,
     )
     cls = move_class(store.map.kind_of(source))
     return cls(store, area, gdid, target, options, journal).run()

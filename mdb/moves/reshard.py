@@ -48,7 +48,8 @@ from sqlalchemy.exc import DBAPIError
 
 from mdb.dberrors import describe, translate
 from mdb.errors import (
-    BatchAbortedError, BriefcaseGoneError, MdbError, MoveAbortedError, ReshardStoppedError, RoutingError, ServerUnavailableError,
+    BatchAbortedError, BriefcaseGoneError, MdbError, MoveAbortedError, MoveLeaseHeldError, ReshardStoppedError, RoutingError,
+    ServerUnavailableError,
 )
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
@@ -57,13 +58,17 @@ from mdb.maps.history import applied_maps, newest_applied
 from mdb.maps.text import new_map_text, rewrite_map_file
 from mdb.moves.freeze import DEFAULT_FREEZE_LOCK_WAIT, freeze_partition, unfreeze_partition
 from mdb.moves.journal import ABORTED, DONE, RUNNING, Journal, JournalEntry, new_move_id
+from mdb.moves import jobs
+from mdb.moves.fencing import unchecked
+from mdb.moves.jobs import Item, ItemResult
 from mdb.moves.lease import check_stop, describe_liveness, fenced_servers, hold
 from mdb.moves.status import RateWindow
 from mdb.moves.throttle import Throttle, ThrottleSettings
 from mdb.moves.plan import PartitionScan, PlannedMove, ReshardPlan, plan_reshard, scan_for
 from mdb.moves.batch import BatchMove, hold_schemas
 from mdb.moves.gate import CutoverGate
-from mdb.moves.move import DEFAULT_MAX_PAUSE, GONE, MoveResult, check_max_pause, move_briefcase
+from mdb.moves.move import DEFAULT_MAX_PAUSE, GONE, MoveResult, check_max_pause, move_briefcase, resolve_move
+from mdb.moves.copy import AreaTable
 from mdb.moves.sql_steps import area_tables
 from mdb.partition_map import PartitionMap, parse_map
 from mdb.relocations import set_relocations
@@ -162,6 +167,18 @@ class ReshardCounts:
         for name, n in rows.items():
             self.tables_done[name] = self.tables_done.get(name, 0) + n
 
+    def moved_result(self, result: ItemResult) -> None:
+        """A work item finished (:mod:`mdb.moves.jobs`): its briefcases are no longer pending; its rows are done."""
+        for gdid in [*result.moved, *result.gone]:
+            planned = self.pending.pop(gdid, None)
+            if planned is not None:
+                for name, n in planned.rows.items():
+                    self.pending_tables[name] -= n
+        self.briefcases_done += len(result.moved)
+        self.rows_done += sum(result.tables.values())
+        for name, n in result.tables.items():
+            self.tables_done[name] = self.tables_done.get(name, 0) + n
+
     @property
     def briefcases_total(self) -> int:
         return self.briefcases_done + len(self.pending)
@@ -257,8 +274,11 @@ def reshard(
     batch_pause: float = DEFAULT_BATCH_PAUSE,
     throttle: ThrottleSettings | None = None,
     freeze_wait: float = DEFAULT_FREEZE_LOCK_WAIT,
+    per_server: int = jobs.DEFAULT_PER_SERVER,
 ) -> ReshardOutcome:
     """Re-shard partition ``start`` of ``area`` onto ``new_shards``; see the module docstring.
+
+    ``per_server``: work items in flight at once on one server, over every worker (:mod:`mdb.moves.jobs`).
 
     ``batch_pause``: the write pause (seconds) a batch of briefcases aims at; batches grow or
     shrink to keep it (:class:`BatchSizer`), and never exceed ``max_pause``. 0: one at a time.
@@ -267,6 +287,8 @@ def reshard(
     (journaled); past it the reshard stops unfrozen with a retryable error naming who held on.
     """
     check_max_pause(max_pause)
+    if per_server < 1:
+        raise MdbError(f"--per-server must be at least 1, got {per_server!r}")
     if not freeze_wait > 0:
         raise MdbError(f"freeze wait must be more than 0 seconds, got {freeze_wait!r}")
     if not 0 <= batch_pause <= max_pause:
@@ -294,7 +316,7 @@ def reshard(
     journal.start(JournalEntry(
         move_id=reshard_id, kind="reshard", area=area, step="plan", status=RUNNING,
         params={"partition_start": str(start), "old_shards": old, "new_shards": list(new_shards), "parallel": parallel,
-                "max_pause": max_pause, "batch_pause": batch_pause, "freeze_wait": freeze_wait,
+                "max_pause": max_pause, "batch_pause": batch_pause, "freeze_wait": freeze_wait, "per_server": per_server,
                 "map_path": None if map_path is None else str(Path(map_path).resolve()),
                 **(throttle or ThrottleSettings()).to_params()},
         tables={name: [rows, 0] for name, rows in plan.rows_per_table().items()},
@@ -368,6 +390,10 @@ class _Run:
     """Called with (briefcases, rows) before each batch is cut over; may wait (throttling)."""
     stopping: threading.Event = field(default_factory=threading.Event)
     """Set when the driving thread was interrupted (Ctrl-C, SIGTERM): every worker stops after its batch."""
+    pass_no: int = 0
+    """The last pass queued as work items (:mod:`mdb.moves.jobs`)."""
+    workers: Workers | None = None
+    """This process's workers, when the moves are queued as a job's items (SQL batched cutovers)."""
 
 
 def _move_one(store: Cluster, journal: Journal, entry: JournalEntry, m: PlannedMove, max_pause: float) -> MoveResult:
@@ -482,6 +508,9 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
     store, journal, entry, counts, sizer, max_pause = run.store, run.journal, run.entry, run.counts, run.sizer, run.max_pause
     lock = threading.Lock()
     batched = bool(moves) and sizer.target > 0 and store.map.kind_of(moves[0].source) == SQL
+    if batched and run.workers is not None:
+        _move_queued(run, moves)
+        return
     feeder = _Feeder(moves, sizer, batched)
     tables = area_tables(store, entry.area) if batched else None
     gate = CutoverGate()  # one worker's copy never stretches another's write pause
@@ -546,6 +575,319 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
         if isinstance(exc.__context__, MdbError):
             raise exc.__context__ from None
         raise _named(store, servers, exc) from exc
+
+
+class Workers:
+    """This process's share of the reshard jobs' work (:mod:`mdb.moves.jobs`): what its worker threads share.
+
+    The per-server cutover gates (a cutover here waits only for steps on its own two servers),
+    a batch sizer and a throttle per job, and the stop flag (Ctrl-C, SIGTERM): a worker that
+    sees it finishes the batch in hand and gives its item back.
+    """
+
+    def __init__(self, store: Cluster, stopping: threading.Event | None = None, parent: threading.Event | None = None) -> None:
+        self.store = unchecked(store)
+        self.journal = Journal(self.store)
+        self.stopping = stopping or threading.Event()
+        self.parent = parent
+        """The stop flag of the process (``mdb worker``'s SIGTERM) when this is one job's run inside it."""
+        self.gates = CutoverGate(stopped=self.stopped)
+        """A stop (Ctrl-C, SIGTERM) is seen there between two steps of a batch: the batch rolls back (:mod:`mdb.moves.gate`)."""
+        self._held = ExitStack()
+        self._held_key: tuple[str, int] | None = None
+        self._hashed: dict[str, frozenset[str]] = {}
+        self._revisions: dict[str, str | None] = {}
+        self._last_job: str | None = None
+        self._moved: set[str] = set()
+        self._sizers: dict[str, BatchSizer] = {}
+        self._paces: dict[str, Callable[[int, int], None] | None] = {}
+        self._lock = threading.Lock()
+
+    def schemas(self, job: JournalEntry, pass_no: int, servers: list[str], tables: list[AreaTable]) -> frozenset[str]:
+        """The area's schemas held on ``servers`` for the pass (:func:`hold_schemas`), the tables both sum by row hash.
+
+        Held for every item of one pass that this process works on, not per item: checking a
+        server's tables costs more than a batch. Let go when the pass changes (:meth:`let_go`).
+        """
+        with self._lock:
+            key = (job.move_id, pass_no)
+            if self._held_key != key:
+                self._held.close()
+                self._held, self._held_key, self._hashed, self._revisions = ExitStack(), key, {}, {}
+            missing = [s for s in dict.fromkeys(servers) if s not in self._hashed]
+            if missing:
+                hashed = self._held.enter_context(hold_schemas(self.store, job.area, missing, tables, self._revisions))
+                for server in missing:
+                    self._hashed[server] = hashed
+            return frozenset.intersection(*(self._hashed[s] for s in servers))
+
+    def let_go(self) -> None:
+        """Release the held schemas (the pass ended, or this worker is idle): migrations may run."""
+        with self._lock:
+            self._held.close()
+            self._held, self._held_key, self._hashed, self._revisions = ExitStack(), None, {}, {}
+
+    def moved(self, job_id: str) -> None:
+        """A batch or move of ``job_id`` committed here: the first one in this process is the crash point
+        ``reshard.after_first_move`` (where the batch was moved, as when one process moved them all)."""
+        with self._lock:
+            first = job_id not in self._moved
+            self._moved.add(job_id)
+        if first:
+            fault_point("reshard.after_first_move")
+
+    def fresh_for(self, job_id: str) -> bool:
+        """True the first time this process works on ``job_id`` since it worked on another one."""
+        with self._lock:
+            new, self._last_job = self._last_job != job_id, job_id
+            return new
+
+    def stopped(self) -> bool:
+        return self.stopping.is_set() or (self.parent is not None and self.parent.is_set())
+
+    def sizer(self, job: JournalEntry) -> BatchSizer:
+        with self._lock:
+            if job.move_id not in self._sizers:
+                self._sizers[job.move_id] = BatchSizer(float(job.params.get("batch_pause", DEFAULT_BATCH_PAUSE)))
+            return self._sizers[job.move_id]
+
+    def pace(self, job: JournalEntry) -> Callable[[int, int], None] | None:
+        with self._lock:
+            if job.move_id not in self._paces:
+                self._paces[job.move_id] = _pace(self.store, job, list(job.params["old_shards"]), list(job.params["new_shards"]),
+                                                 None, self.stopping)
+            return self._paces[job.move_id]
+
+
+def _resolve_item(fenced: Cluster, journal: Journal, item: Item) -> ItemResult:
+    """Under the item's lease: finish or roll back what its earlier claimers left; what the item has moved so far."""
+    mine = [e for e in journal.moves_of(item.job_id) if e.params.get("item") == item.item_id]
+    for e in mine:
+        if e.status == RUNNING:
+            outcome = resolve_move(fenced, Journal(fenced), e)
+            log.warning("%s of reshard %s: its earlier worker left %s %s: %s", item.item_id, item.job_id, e.kind, e.move_id, outcome.action)
+    result = ItemResult()
+    for e in journal.moves_of(item.job_id):
+        if e.params.get("item") == item.item_id and e.status == DONE:
+            result.add(e.briefcases, {name: done for name, (_, done) in e.tables.items()})
+    return result
+
+
+def settle_item(store: Cluster, item: Item) -> None:
+    """An item nobody drives any more: take its lease, resolve what it left, drop it (:func:`mdb.moves.jobs.settle`)."""
+    store = unchecked(store)
+    journal = Journal(store)
+    try:
+        with hold(journal, item.item_id) as lease:
+            fenced = lease.fenced(store, jobs.item_servers(store, journal, item))
+            _resolve_item(fenced, journal, item)
+            jobs.drop(fenced, journal.server, item.item_id)
+    except MoveLeaseHeldError:
+        pass  # claimed and taken meanwhile by a live worker: settle waits for it
+
+
+def work_item(workers: Workers, item: Item, after_batch: Callable[[], None] | None = None) -> bool:
+    """Move the briefcases of a claimed item under its own lease; True when it is done.
+
+    Every write goes through the item's fenced cluster (epoch claimed on CENTRAL, its source and
+    its target at the take): a worker that lost the lease cannot write anywhere. Taken over from
+    an earlier claimer (``attempts`` > 1), what that one left is resolved first and only the
+    rest is moved. Between batches the worker checks its stop flag, the item's state (its job
+    stopped: dropped) and its lease; stopping gives the item back (claimable again). Stopped
+    inside a batch (an error, Ctrl-C in the calling thread, a stop seen by the gate) the item is
+    given back too, for whoever claims it next to resolve what the batch left.
+    ``after_batch``: called after each batch's commit (the job's holder records its counts there).
+    """
+    store, journal = workers.store, workers.journal
+    if workers.fresh_for(item.job_id):
+        store.refresh()  # a long-running worker on a new job: the map may have a newer version since its last one
+    with ExitStack() as stack:
+        try:
+            lease = stack.enter_context(hold(journal, item.item_id))
+        except MoveLeaseHeldError:
+            return False  # another worker won the take
+        fenced = lease.fenced(store, jobs.item_servers(store, journal, item))
+        fj = Journal(fenced)
+        job = journal.get(item.job_id)
+        if job is None or job.status != RUNNING:
+            jobs.drop(fenced, journal.server, item.item_id)
+            return False
+        result = _resolve_item(fenced, journal, item) if item.attempts > 1 else ItemResult()
+        settled = set(result.moved)
+        remaining = [g for g in item.gdids if g not in settled]
+        max_pause = float(job.params.get("max_pause", DEFAULT_MAX_PAUSE))
+        sizer, pace = workers.sizer(job), workers.pace(job)
+        tables = area_tables(store, job.area)
+        gate = workers.gates.pair(item.source, item.target)
+        hashed = workers.schemas(job, item.pass_no, [item.source, item.target], tables)
+
+        def single(g: GDID) -> None:
+            m = PlannedMove(g, item.source, item.target, {})
+            last: Exception | None = None
+            for _ in range(MOVE_ATTEMPTS):
+                try:
+                    moved = move_briefcase(fenced, job.area, g, item.target, source=item.source, max_pause=max_pause,
+                                           reshard_id=job.move_id, journal=fj, refresh=False, item=item.item_id)
+                    result.add([g], _moved_rows(moved) or {})
+                    return
+                except BriefcaseGoneError:
+                    log.info("reshard %s: briefcase %s/%s was deleted since it was planned; nothing to move", job.move_id, job.area, g)
+                    result.gone.append(g)
+                    return
+                except MoveAbortedError as exc:
+                    last = exc
+            raise MdbError(f"reshard {job.move_id}: briefcase {job.area}/{m.gdid} could not be moved: {last}")
+
+        def cut_over(batch: list[GDID]) -> None:
+            try:
+                moved = BatchMove(fenced, fj, job.area, batch, item.source, item.target, reshard_id=job.move_id, tables=tables,
+                                  max_pause=max_pause, hashed=hashed, gate=gate, item=item.item_id).run()
+            except BatchAbortedError as exc:
+                log.info("reshard %s: %s", job.move_id, exc)
+                sizer.aborted()
+                alone = [g for g in batch if g in set(exc.refused)] if len(batch) > 1 else batch
+                rest = [g for g in batch if g not in alone]
+                for g in alone:
+                    single(g)
+                half = (len(rest) + 1) // 2
+                for part in (rest[:half], rest[half:]):
+                    if part:
+                        cut_over(part)
+                return
+            sizer.observed(len(batch), moved.pause_seconds)
+            result.add(batch, moved.rows_per_table)
+
+        per_briefcase = item.rows_planned // max(1, len(item.gdids))
+        try:
+            while remaining:
+                if workers.stopped() or jobs.item_state(journal, item.item_id) != jobs.PENDING:
+                    jobs.release_item(fenced, journal.server, item.item_id)
+                    return False
+                lease.check()
+                n = sizer.next()
+                batch, remaining = remaining[:n], remaining[n:]
+                if pace is not None:
+                    pace(len(batch), len(batch) * per_briefcase)
+                try:
+                    cut_over(batch)
+                except DBAPIError as exc:
+                    raise _named(store, [item.source, item.target], exc) from exc
+                jobs.progress_item(fenced, journal.server, item.item_id, result)  # the job's counts follow each batch
+                if after_batch is not None:
+                    after_batch()
+                workers.moved(job.move_id)
+        except BaseException:
+            try:
+                jobs.give_back(fenced, journal.server, item.item_id)
+            except Exception as again:  # lease lost, CENTRAL gone: the item's claim lapses with its lease (CLAIM_SETTLE)
+                log.warning("%s of reshard %s: could not give the item back: %s", item.item_id, item.job_id, again)
+            raise
+        jobs.finish_item(fenced, journal.server, item.item_id, result)
+        return True
+
+
+def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
+    """Queue ``moves`` as this pass's work items; work on them here (``run.parallel`` threads) until every item is done.
+
+    Workers elsewhere (``mdb worker``) claim items of the pass too. With ``parallel`` 1 the
+    items are worked in the calling thread, as the moves were before jobs: Ctrl-C and SIGTERM
+    (raised in the main thread only) interrupt it wherever it is. With more, the calling thread
+    records the counts as items progress and waits interruptibly; told to stop, it sets the
+    workers' stop flag, which they see between two steps of a batch (:mod:`mdb.moves.gate`),
+    and waits for them (a second Ctrl-C stops waiting). Either way the pass's items are then
+    stopped: given back or left for the next holder to settle, resumable.
+    """
+    assert run.workers is not None
+    workers, entry, counts = run.workers, run.entry, run.counts
+    journal = workers.journal
+    run.pass_no += 1
+    pass_no = run.pass_no
+    jobs.enqueue(run.journal, entry.move_id, pass_no, moves)  # fenced by the job's lease: a stale holder queues nothing
+    over = threading.Event()
+    errors: list[BaseException] = []
+    seen: dict[str, ItemResult] = {}
+
+    def collect() -> bool:
+        """Fold what the items moved since the last look into the counts (and the journal); True if anything."""
+        fresh = False
+        for item_id, result in jobs.results_of(journal, entry.move_id, pass_no).items():
+            before = seen.get(item_id, ItemResult())
+            had = set(before.moved) | set(before.gone)
+            delta = ItemResult([g for g in result.moved if g not in had], [g for g in result.gone if g not in had],
+                               {name: n - before.tables.get(name, 0) for name, n in result.tables.items()})
+            if delta.moved or delta.gone:
+                counts.moved_result(delta)
+                seen[item_id] = result
+                fresh = True
+        if fresh:
+            _record(run.journal, entry, counts, run.progress)
+        return fresh
+
+    def look() -> None:
+        """Between two batches or items, in the calling thread: counts recorded, a cancel or a stop noticed."""
+        collect()
+        check_stop(entry.move_id)
+        if workers.stopped():
+            raise ReshardStoppedError(f"reshard {entry.move_id} stopped by an interrupt; its work items are given back")
+
+    def local() -> None:
+        try:
+            while not over.is_set() and not workers.stopped():
+                item = jobs.claim(journal, [entry.move_id])
+                if item is None:
+                    over.wait(0.1)
+                    continue
+                work_item(workers, item)
+        except BaseException as exc:
+            errors.append(exc)
+            over.set()
+
+    threads = [] if run.parallel == 1 else [  # 0: workers elsewhere do it
+        threading.Thread(target=local, name=f"mdb-worker-{i}", daemon=True) for i in range(run.parallel)]
+    for t in threads:
+        t.start()
+    try:
+        while True:
+            look()
+            if errors:
+                raise errors[0]
+            if run.parallel == 1:
+                item = jobs.claim(journal, [entry.move_id])
+                if item is not None:
+                    work_item(workers, item, after_batch=look)
+                    continue
+            if not jobs.open_items(journal, entry.move_id, pass_no):
+                if collect():
+                    continue  # finished between the two reads: recorded now
+                break
+            over.wait(0.1)  # items in other workers' hands (or claimable again soon)
+    except BaseException:
+        run.stopping.set()
+        over.set()
+        try:
+            for t in threads:
+                while t.is_alive():  # each stops before its batch's next step
+                    t.join(0.1)
+        except BaseException:  # a second Ctrl-C: stop waiting; their leases lapse with this process
+            log.warning("reshard %s: stopped without waiting for its worker threads", entry.move_id)
+        else:
+            try:
+                workers.let_go()
+            except (MdbError, DBAPIError) as again:
+                # Letting the held schemas go on a server that just died fails too; that driver error must not
+                # replace the one naming the server (exit 3, issue 29). The server ended those sessions anyway.
+                log.warning("reshard %s: could not let the held schemas go: %s", entry.move_id, describe(again) if isinstance(again, DBAPIError) else again)
+        try:
+            jobs.stop_items(journal, entry.move_id)
+        except Exception as again:  # the holder's error is what is raised; the next holder settles the items
+            log.warning("reshard %s: could not stop its work items: %s", entry.move_id, again)
+        raise
+    over.set()
+    for t in threads:
+        t.join()
+    workers.let_go()
+    if errors:
+        raise errors[0]
 
 
 def _run_workers(run: _Run, store: Cluster, area: str, servers: list[str], tables: Any, work: Callable[[], None],
@@ -639,12 +981,17 @@ def continue_reshard(
     progress: ReshardProgress | None = None,
     first_plan: ReshardPlan | None = None,
     pace: Callable[[int, int], None] | None = None,
+    stopping: threading.Event | None = None,
 ) -> ReshardOutcome:
     """Run (or resume) a journaled reshard from its recorded step to the end.
 
     Steps: plan, prechecks, moves (online sweeps), freeze, final_moves, map_apply, unfreeze,
     cleanup. Resumed anywhere from ``freeze`` to ``map_apply`` it freezes again (idempotent),
     sweeps, applies the map unless it already is, and unfreezes: it always finishes forward.
+
+    SQL batched moves are queued as the job's work items (:mod:`mdb.moves.jobs`), worked on by
+    ``parallel`` threads here and by any ``mdb worker``; first the items earlier holders left
+    are settled. ``stopping``: the process's own stop flag (an ``mdb worker`` driving the job).
     """
     params = entry.params
     area, start = entry.area, GDID.parse(params["partition_start"])
@@ -657,13 +1004,22 @@ def continue_reshard(
     plan = first_plan
     report = plan
     store.refresh()
+    workers = None
+    if entry.step not in ("unfreeze", "cleanup"):
+        # What earlier holders' workers left is settled first: the counts below include what it finishes.
+        workers = Workers(store, None, stopping)
+        jobs.settle(workers.journal, entry.move_id, lambda item: settle_item(store, item))
     counts = ReshardCounts.from_journal(journal, entry.move_id)
     # A reshard journaled by an older mdb has no batch_pause: it resumes one briefcase at a time, as it began.
-    stopping = threading.Event()
+    own_stop = threading.Event()
     if pace is None:
-        pace = _pace(store, entry, old_shards, new_shards, progress, stopping)
+        pace = _pace(store, entry, old_shards, new_shards, progress, own_stop)
     run = _Run(store, journal, entry, scan, parallel, max_pause, progress, counts,
-               BatchSizer(float(params.get("batch_pause", 0.0))), pace, stopping)
+               BatchSizer(float(params.get("batch_pause", 0.0))), pace, own_stop)
+    if workers is not None:
+        workers.stopping = own_stop
+        run.workers = workers
+        run.pass_no = jobs.last_pass(workers.journal, entry.move_id)
     if entry.step in ("plan", "prechecks", "moves"):
         if plan is None:
             plan = plan_reshard(store, scan, area, start, new_shards)
@@ -708,6 +1064,7 @@ def continue_reshard(
             progress.phase("cleanup")
         _cleanup(store, area, start)
     journal.finish(entry.move_id, DONE, **counts.journal_values())
+    jobs.forget(journal, entry.move_id)
     store.refresh()
     return ReshardOutcome(entry.move_id, report, params.get("map_version"), counts.briefcases_done, counts.rows_done,
                           params.get("map_backup"))

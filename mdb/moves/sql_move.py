@@ -264,7 +264,8 @@ class SqlMove(Move):
         return JournalEntry(
             move_id=self.move_id, kind=self.journal_kind, area=self.area, step="precheck", status=RUNNING, gdid=self.gdid,
             source=self.source, target=self.target, reshard_id=self.options.reshard_id,
-            params={"max_pause": self.options.max_pause, "reverse_of": self.options.reverse_of},
+            params={"max_pause": self.options.max_pause, "reverse_of": self.options.reverse_of,
+                    **({"item": self.options.item} if self.options.item else {})},
             tables={name: [rows, 0] for name, (rows, _) in self.sizes.items()}, briefcases_total=1,
             rows_total=sum(r for r, _ in self.sizes.values()),
         )
@@ -291,6 +292,7 @@ class SqlMove(Move):
         previous = self.previous
         self.params = {
             "max_pause": self.options.max_pause, "reverse_of": self.options.reverse_of,
+            **({"item": self.options.item} if self.options.item else {}),
             "previous_target_state": None if previous is None else {
                 "state": previous["state"], "peer": previous["peer"], "move_id": previous["move_id"]},
         }

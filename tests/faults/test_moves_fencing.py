@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from support.moves import ROOT, Cluster, locations, make_cluster, run_cli, snapshot
+from support.moves import FAST_LEASE, ROOT, Cluster, locations, make_cluster, run_cli, snapshot
 from sqlalchemy import select, text
 from support.reshard import BATCH_POINTS, SERVERS, Writers, _check_placement, _check_writes, cluster, writers  # noqa: F401 (fixtures: cluster, writers)
 
@@ -33,7 +33,6 @@ from support.reshard import _wait_stopped
 
 pytestmark = pytest.mark.slow  # processes killed or paused at fault points: seconds to minutes per test (docs/testing.md)
 
-FAST_LEASE = {"MDB_LEASE_STALE_SECONDS": "2", "MDB_LEASE_BEAT_SECONDS": "0.5"}
 HOLDS_A_TRANSACTION = {"batch.after_lock", "batch.after_source_cut", "batch.after_verify", "batch.before_commit_point"}
 """Points inside the batch's locked source transaction (which holds the lease's fence row shared)."""
 

@@ -30,6 +30,7 @@ from sqlalchemy import create_engine, text
 
 from mdb.demo.models import User, UserBriefcase
 from mdb.gdid import GDID
+from mdb.moves.batch import BATCH_KIND
 from mdb.moves.freeze import frozen_by
 from mdb.moves.journal import Journal
 from mdb.store import Store
@@ -213,6 +214,28 @@ def test_an_interrupt_stops_the_reshard_after_the_batches_in_hand(parallel: int,
     assert proc.returncode == (130 if sig == signal.SIGINT else 143), err
     assert entry.briefcases_total == 24 and entry.briefcases_done < 24, "it went on moving after the signal"
     assert f"reshard {entry.move_id} interrupted at step moves: run `mdb moves resume" in err and "Traceback" not in err, err
+    _resume_finishes(cluster)
+
+
+def test_ctrl_c_stops_parallel_batched_workers_before_their_next_step_and_rolls_their_batches_back(
+    pg_databases: Callable[[int], list[str]], tmp_path: Path,
+) -> None:
+    """Issue 32: the job's items are worked by threads; Ctrl-C reaches the main thread only. The workers
+    see the stop before their batch's next step (here its cutover), roll the batch back, and the command
+    ends with 130 at once, not after the batches in hand; nothing is left half-cut, resume finishes."""
+    cluster = _cluster(pg_databases(4), tmp_path, users=36)
+    env = {"MDB_FAULT_POINT": "batch.after_precopy", "MDB_FAULT_ACTION": "sleep:1.5"}  # every batch waits before its cutover
+    args = ["reshard", str(cluster.path), "user", *RESHARD, "--parallel", "2"]
+    with cluster.store() as probe, _reaped(_popen(args, env)) as proc:
+        journal = Journal(probe)
+        _wait_for(proc, "a batch to be in flight", lambda: any(e.kind == BATCH_KIND for e in journal.entries(unfinished=True)))
+        _, err, took = _stop(proc, signal.SIGINT)
+        unfinished = journal.entries(unfinished=True)
+    print(f"--parallel 2, batched: exited {took:.2f} s after SIGINT")
+    assert proc.returncode == 130, err
+    (entry,) = [e for e in unfinished if e.kind == "reshard"]
+    assert f"reshard {entry.move_id} interrupted at step moves: run `mdb moves resume" in err and "Traceback" not in err, err
+    assert [e.move_id for e in unfinished if e.kind != "reshard"] == [], "a batch was left half-cut"
     _resume_finishes(cluster)
 
 

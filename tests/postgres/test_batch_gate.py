@@ -134,6 +134,38 @@ def test_cutovers_take_turns_and_copies_wait_for_the_last() -> None:
     assert events == ["first cutover", "first committed", "second cutover", "second committed", "copy step"]
 
 
+def test_a_cutover_holds_back_only_its_own_servers() -> None:
+    """Per server (issue 32): a copy between c and d goes on during a cutover between a and b; one touching b waits."""
+    gates = CutoverGate()
+    events: list[str] = []
+    cut_in, release = threading.Event(), threading.Event()
+
+    def cutover() -> None:
+        with gates.pair("a", "b").cutting():
+            cut_in.set()
+            release.wait(10)
+            events.append("a-b committed")
+
+    def unrelated() -> None:
+        cut_in.wait(10)
+        with gates.pair("c", "d").step():
+            events.append("c-d copy")
+        with gates.pair("d", "c").cutting():
+            events.append("d-c cutover")
+        release.set()
+
+    def same_server() -> None:
+        cut_in.wait(10)
+        while not release.is_set():
+            time.sleep(0.01)
+        with gates.pair("b", "c").step():
+            events.append("b-c copy")
+
+    _run(cutover, unrelated, same_server)
+    assert events[:2] == ["c-d copy", "d-c cutover"]
+    assert events.index("a-b committed") < events.index("b-c copy")
+
+
 def test_a_batch_copy_is_paced_between_blocks_of_rows(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
     """Between two PostgreSQL servers each table is one step of the gate, and the relay passes its turn before every block."""
     cluster = make_cluster(dict(zip(["c", "u1", "u2"], pg_databases(3))), tmp_path, [("0:0:0", ["u1"])])

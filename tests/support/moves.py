@@ -22,6 +22,8 @@ from mdb.schema import apply_schema
 from mdb.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
+FAST_LEASE = {"MDB_LEASE_STALE_SECONDS": "2", "MDB_LEASE_BEAT_SECONDS": "0.5"}
+"""A lease a paused driver loses within seconds (the takeover tests' hosts)."""
 
 
 @dataclass

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from mdb.testing.postgres import PostgresServer
@@ -55,6 +55,8 @@ class BenchContext:
 
     tmpdir: Path
     quick: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+    """Section options from the command line (``--workers``, ``--shards``, ``--per-server``: the reshard section)."""
     n: int | None = None
     """``--n``: the size a section that takes one uses instead of its default (briefcases, rows)."""
     procs: int | None = None

@@ -14,6 +14,10 @@ are dropped once measured: the servers are shared by every measurement). Measure
   the servers and the pipe can do at all (rows/s);
 - **the plan of many briefcases**: ``mdb reshard --dry-run`` over 1,000,000 root-only briefcases,
   wall time and peak Python memory, next to reading every key into a list;
+- with ``--workers 1,2,...`` (issue 32) instead: ``mdb reshard --parallel 0`` driving the job and
+  W ``mdb worker`` processes moving it, ``--shards 4:8`` (default) on fresh data for each W, next
+  to the aggregate raw COPY of the same run: one raw COPY stream per source server at once, each
+  in a process of its own (:func:`run_workers`); ``--quick`` is the small-N mode;
 - **mdb reshard** with batched cutovers at ``--parallel`` 1, 2 and 4 (2 -> 3, 3 -> 2, 2 -> 3 again,
   each moving about two thirds of the briefcases), and one at a time (``--batch-pause 0``, the
   cutover of earlier versions) on a smaller set. The write pause of a briefcase is the time its
@@ -22,15 +26,21 @@ are dropped once measured: the servers are shared by every measurement). Measure
 
 from __future__ import annotations
 
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import time
 import tracemalloc
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import psycopg
+from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
 from benchmarks import BenchContext, Result
@@ -38,6 +48,9 @@ from benchmarks.moves import _map
 from mdb.demo.models import UserBriefcase
 from mdb.gdid import GDID
 from mdb.moves import batch as batch_module
+from mdb.moves.history import history_table
+from mdb.moves.jobs import DEFAULT_PER_SERVER
+from mdb.moves.journal import Journal
 from mdb.moves.reshard import reshard
 from mdb.schema import apply_schema
 from mdb.store import Store
@@ -257,7 +270,107 @@ def _plan_of_many(ctx: BenchContext) -> list[Result]:
     ]
 
 
+def _raw_stream(args: tuple[str, str, list[bytes]]) -> int:
+    """One raw COPY stream (every table, one commit) in a process of its own: rows copied."""
+    src_url, dst_url, keys = args
+    sample = [GDID.from_bytes(k) for k in keys]
+    _raw_pipe(src_url, dst_url, sample)
+    return len(sample) * 100
+
+
+def _touch(url: str) -> None:
+    with psycopg.connect(_dsn(url)) as conn:
+        conn.execute("SELECT 1")
+
+
+def _aggregate_raw_copy(pairs: list[tuple[str, str, list[GDID]]]) -> float:
+    """Rows/s of one raw COPY stream per source server, all at once, each in its own process: what the servers can stream."""
+    with ProcessPoolExecutor(max_workers=len(pairs)) as pool:
+        list(pool.map(_touch, [s for s, _, _ in pairs]))  # the processes started and connected once before the clock
+        start = time.perf_counter()
+        rows = sum(pool.map(_raw_stream, [(s, d, [bytes(g) for g in sample]) for s, d, sample in pairs]))
+        return rows / (time.perf_counter() - start)
+
+
+def _workers_cluster(ctx: BenchContext, name: str, n: int, old: int, new: int) -> tuple[Path, dict[str, str], list[GDID], list[str], list[str]]:
+    """CENTRAL plus ``new`` servers; n briefcases filled on the first ``old`` by default routing."""
+    olds = [f"s{i}" for i in range(old)]
+    news = olds + [f"t{i}" for i in range(new - old)]
+    urls = dict(zip(["c", *news], ctx.pg_urls(1 + len(news))))
+    path = _map(ctx.tmpdir / name, urls, olds)
+    users = [GDID(0, 0, i) for i in range(10, 10 + n)]
+    with Store.from_yaml(path, types=[UserBriefcase]) as store:
+        assert all(r.ok for r in apply_schema(store))
+    with ThreadPoolExecutor(max_workers=old) as pool:
+        list(pool.map(lambda i: _fill(urls[olds[i]], [g for g in users if g.sharding_value % old == i]), range(old)))
+    return path, urls, users, olds, news
+
+
+def _pause_p99(store: Store, reshard_id: str) -> tuple[float, int]:
+    """(p99 write pause in seconds, batches) of a finished reshard, from its history row (every batch's lock time,
+    journaled by whichever worker moved it; the samples themselves go when the job finishes)."""
+    journal = Journal(store)
+    with store.transaction(journal.server) as conn:
+        p99, n = conn.execute(select(history_table.c.pause_p99_seconds, history_table.c.pauses)
+                              .where(history_table.c.job_id == reshard_id)).one()
+    return float(p99 or 0.0), int(n)
+
+
+def run_workers(ctx: BenchContext, workers: list[int], old: int = 4, new: int = 8, per_server: int = DEFAULT_PER_SERVER) -> list[Result]:
+    """``mdb reshard --parallel 0`` (the job's phases only) with W ``mdb worker`` processes, for each W, ``old`` -> ``new`` shards;
+    W = 0 is today's default instead, ``mdb reshard`` alone at ``--parallel 1`` (the same-run comparison the 2-core figure needs).
+
+    Fresh databases for every W (same servers), filled with n briefcases of 100 rows. Baseline of
+    the same run: one raw COPY stream per source server at once, each in its own process
+    (aggregate rows/s of the sources), measured before each W on its own fresh data.
+    """
+    n = ctx.n or ctx.iterations(10_000, 1_200)  # --n: a small N for a loaded 2-core machine
+    results: list[Result] = []
+    for w in workers:
+        path, urls, users, olds, news = _workers_cluster(ctx, f"reshard-workers-{w}", n, old, new)
+        sample = ctx.iterations(1_000, 200)
+        # Empty databases with the schema on the new servers (the reshard's targets), one per stream.
+        fresh = ctx.pg_urls(1 + len(news))
+        targets = [fresh[1 + old + i % max(1, new - old)] for i in range(old)]
+        for i, url in enumerate(dict.fromkeys(targets)):
+            scratch = _map(ctx.tmpdir / f"raw-{w}-{i}", {"c": url, "a": url}, ["a"])
+            with Store.from_yaml(scratch, types=[UserBriefcase]) as store:
+                assert all(r.ok for r in apply_schema(store))
+        pairs = [(urls[olds[i]], targets[i], [g for g in users if g.sharding_value % old == i][:sample]) for i in range(old)]
+        raw_rows = _aggregate_raw_copy(pairs)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        # W = 0: today's default, `mdb reshard` alone (--parallel 1, its items worked in its own thread), no worker.
+        procs = [subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", "worker", str(path)], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(w)]
+        try:
+            with Store.from_yaml(path, types=[UserBriefcase]) as store:
+                start = time.perf_counter()
+                outcome = reshard(store, "user", GDID(0, 0, 0), news, parallel=1 if w == 0 else 0, map_path=path, per_server=per_server)
+                elapsed = time.perf_counter() - start
+                p99, batches = _pause_p99(store, outcome.reshard_id or "")
+        finally:
+            for proc in procs:
+                proc.send_signal(signal.SIGTERM)
+            for proc in procs:
+                proc.communicate(timeout=300)
+        name = (f"mdb reshard (default: --parallel 1, no worker) ({old} -> {new} shards)" if w == 0
+                else f"mdb reshard --workers {w} ({old} -> {new} shards, --per-server {per_server})")
+        note = (f"{outcome.moved} of {n} briefcases ({outcome.rows_moved} rows) in {elapsed:.1f}s, {batches} batches; "
+                f"pause p99 {p99 * 1000:.1f} ms (per batch)")
+        results.append(Result(SECTION, name, outcome.rows_moved / elapsed, "rows/s",
+                              f"raw COPY, one stream per source ({old}) at once", raw_rows, note=note))
+        results.append(Result(SECTION, name, outcome.moved / elapsed, "briefcases/s",
+                              "aim: 0.5x the raw COPY streams (issue 32)", raw_rows / 100 / 2))
+        results.append(Result(SECTION, f"{name}: write pause p99", p99 * 1000, "ms", "aim (issue 15)", 50.0,
+                              note="per batch: its lock time"))
+    return results
+
+
 def run(ctx: BenchContext) -> list[Result]:
+    if ctx.options.get("workers"):
+        old, new = ctx.options.get("shards", (4, 8))
+        return run_workers(ctx, list(ctx.options["workers"]), int(old), int(new),
+                           per_server=int(ctx.options.get("per_server") or DEFAULT_PER_SERVER))
     results: list[Result] = _plan_of_many(ctx)
     n = ctx.iterations(10_000, 1_000)
     path, urls, users = _cluster(ctx, "reshard-batched", n)
