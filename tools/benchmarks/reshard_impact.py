@@ -17,6 +17,11 @@ p50/p99/max of every operation, p99 before the reshard next to p99 during it; it
 reshard started and its growth until the end. Latencies go into a fixed log-bucket histogram
 (about 1% resolution, the max exact), so the figures cost the process no memory that grows.
 Afterwards every briefcase is on exactly one server (N rows over a, b and x, no key twice).
+Then a timeline: the reshard's steps and every operation of 100 ms or more (wall clock, which
+processes, reads or writes, what their Stores absorbed meanwhile), so a stall can be set
+against the step it happened in. ``--settled``: only briefcases that stay on their shard, so
+the reshard moves nothing and is its freeze, final sweep and map apply alone (the end of a
+reshard of N briefcases, in seconds).
 
 Sizes: ``--n`` (default 10,000; ``--quick``: 2,000) and ``--procs`` (0: the mover alone, for
 its rate). Its own time is the fill, 3 + 2 s (``--quick``; else 10 + 3 s) around the reshard, and
