@@ -201,13 +201,19 @@ def partition_lock_key_sql(area: str, partition_start: GDID) -> str:
     return f"hashtextextended('{_partition_lock_key(area, partition_start)}', 0)"
 
 
-def _check_sql(area: str, gdid: str, frozen_peer: str | None, freeze_gdid: str, no_freeze: str = "NULL") -> str:
+def _check_sql(area: str, gdid: str, frozen_peer: str | None, freeze_gdid: str, cast: str = "") -> str:
     """The check query; the arguments are SQL (literals, ``$n`` parameters or variables).
 
-    ``frozen_peer`` is None for read sessions: they ignore the freeze marker (``no_freeze`` is
-    the column they return instead).
+    ``frozen_peer`` is None for read sessions: they are never refused for a freeze, but read
+    whether the area is frozen on the server (any partition: one reshard per area at a time),
+    so that a stamp newer than their map while a reshard applies its map is a wait, not a stale
+    route (``cast``: of that column, for a PL/pgSQL result type).
     """
-    frozen, freeze_join = no_freeze, ""
+    frozen = (
+        f"(SELECT f.move_id FROM mdb_briefcase_state AS f WHERE f.area = {area} AND f.gdid = {freeze_gdid} "
+        f"AND f.state = '{STATE_FROZEN}' LIMIT 1){cast}"
+    )
+    freeze_join = ""
     if frozen_peer is not None:
         frozen = "f.move_id"
         freeze_join = (
@@ -273,7 +279,7 @@ def _pg_write_function(lock: str) -> tuple[str, str]:
 PG_FUNCTIONS: dict[str, tuple[str, str]] = {
     "mdb_check_read": (
         "p_area text, p_gdid bytea",
-        "BEGIN RETURN QUERY " + _check_sql("p_area", "p_gdid", None, _PG_FREEZE, "NULL::varchar") + "; END",
+        "BEGIN RETURN QUERY " + _check_sql("p_area", "p_gdid", None, _PG_FREEZE, "::varchar") + "; END",
     ),
     "mdb_check_write": _pg_write_function("mdb_ownership_lock"),
     "mdb_check_write_x": _pg_write_function("mdb_ownership_lock_x"),
@@ -410,15 +416,20 @@ def _gdid(value: Any) -> GDID | None:
     return None if value is None else GDID.from_bytes(value)
 
 
-def check_ownership(rows: list[tuple[Any, ...]] | None, placement: Placement, map_version: int) -> None:
-    """Raise a retryable error unless the shard confirms it holds the briefcase as routed."""
+def check_ownership(rows: list[tuple[Any, ...]] | None, placement: Placement, map_version: int, *, write: bool = True) -> None:
+    """Raise a retryable error unless the shard confirms it holds the briefcase as routed.
+
+    ``write``: a write session, which a reshard's freeze turns away unless the briefcase stays
+    on this shard under the new layout; a read session is never turned away by a freeze.
+    """
     if not rows:
         raise RuntimeError("the ownership check returned no row; the BEGIN prelude did not run")
     start, end, index, count, state, peer, *rest = rows[0]
-    frozen_by = rest[0] if rest else None
-    applying = False  # a reshard's freeze lets this briefcase be written here: its map apply may re-stamp the shard
-    if frozen_by is not None and not frozen_for(str(frozen_by), placement.gdid):
-        frozen_by, applying = None, True  # it stays on this shard under the new layout: the freeze lets it be written
+    mark = rest[0] if rest else None
+    # A reshard holds the partition (area, for reads) frozen here: its map apply may re-stamp the
+    # shard before the new map is published, so a stamp that differs is a wait, not a stale route.
+    applying = mark is not None
+    frozen_by = mark if write and mark is not None and frozen_for(str(mark), placement.gdid) else None
     if state is None and frozen_by is None and not placement.relocated and start is not None:
         # The common case (no state row, no freeze, routed by the map): only the stamp to compare,
         # and no message built for an error that is not raised.
@@ -450,7 +461,7 @@ def check_ownership(rows: list[tuple[Any, ...]] | None, placement: Placement, ma
         # published (or the process read the new map first). Re-read the map and retry until both
         # agree, a bounded wait (move_wait_seconds), never the few immediate stale retries.
         raise BriefcaseMovingError(
-            f"{what}: reshard {freeze_holder(str(rest[0]))} is applying partition {placement.partition_start}'s new map; the "
+            f"{what}: reshard {freeze_holder(str(mark))} is applying partition {placement.partition_start}'s new map; the "
             f"server's stamp and map version {map_version} differ until that map is published and read",
             refresh=True,
         )

@@ -406,11 +406,16 @@ def test_a_reshards_freeze_pauses_only_the_briefcases_still_to_move(cluster: Clu
     with pytest.raises(BriefcaseMovingError, match="frozen for writes by reshard reshard-test$"):
         create_user(app, moves)
     assert rows_on_every_shard(admin, moves) == {s: 0 for s in SHARDS}
+    with app.briefcase(UserBriefcase, moves, readonly=True) as s:  # still to move: readable while frozen
+        assert s.placement.server == "u1" and s.scalar(select(User.name)) is None
 
     with admin.transaction("u1") as conn:  # the map apply's re-stamp, before it publishes the map
         assert stamp_layout(conn, ShardLayout("user", GDID.ZERO, None, 0, 3), 2, replace=True) is None
     with pytest.raises(BriefcaseMovingError, match="reshard reshard-test is applying partition 0:0:0's new map"):
         create_user(app, GDID(0, 0, 12))  # u1 under both lists: waits, never a StaleRouteError
+    with pytest.raises(BriefcaseMovingError, match="reshard reshard-test is applying partition 0:0:0's new map"):
+        with app.briefcase(UserBriefcase, stays, readonly=True) as s:  # a reader too (never refused for the freeze itself)
+            s.scalar(select(User.name))
 
     patient = cluster.store(move_wait_seconds=30, max_stale_retries=1)
     refreshes = count_refreshes(patient, monkeypatch, lambda n: n == 3 and cluster.publish(2, [("0:0:0", ["u1", "u2", "x"])]))
