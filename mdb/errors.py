@@ -133,7 +133,15 @@ class StaleRouteError(RetryableError):
 
 
 class BriefcaseMovingError(RetryableError):
-    """The briefcase is in the middle of a move; retry after a short wait."""
+    """The briefcase is in the middle of a move; retry after a short wait.
+
+    ``refresh``: the retry re-reads the map first (a reshard's map apply is under way on the
+    shard: it is stamped with a layout the process's map does not have yet, or no longer).
+    """
+
+    def __init__(self, message: str, refresh: bool = False) -> None:
+        super().__init__(message)
+        self.refresh = refresh
 
 
 class MoveAbortedError(RetryableError):

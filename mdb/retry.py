@@ -14,8 +14,9 @@ learned from fences, never the relocation directory. Three kinds of refusal, thr
   hand-made relocations (a hot tenant) included: fences stay on the servers a briefcase left.
 - a briefcase in the middle of a move (``BriefcaseMovingError``: the target still holds an
   ``incoming`` copy because the mover is between its commit point and its finalize, or a
-  reshard froze the partition): wait with exponential backoff, up to ``move_wait_seconds``,
-  then raise that (retryable) error.
+  reshard froze the partition, or its map apply has re-stamped the shard before the map is
+  published): wait with exponential backoff, up to ``move_wait_seconds``, then raise that
+  (retryable) error; in the map apply's case re-read the map before each try.
 - any other stale route (a re-stamped layout after a map apply, a learned location that no
   longer holds a ``resident`` record): forget what was learned, re-read the map (cheap: the
   relocation directory is not read), try again; at most ``max_stale_retries`` times.
@@ -147,7 +148,7 @@ class RoutedOpen:
             if delay is None:
                 raise exc
             self.waits += 1
-            return Step(delay=delay)
+            return Step(delay=delay, refresh=exc.refresh)
         if self._stale_left <= 0:
             raise exc
         self._stale_left -= 1

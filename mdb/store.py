@@ -340,7 +340,7 @@ class Store:
                 try:
                     set_prelude(conn, prelude)
                     conn = self._begin(conn, server, readonly, prelude)
-                    check_ownership(take_result(conn), placement, router.version)
+                    check_ownership(take_result(conn), placement, router.version, write=not readonly)
                 except BaseException:
                     conn.close()
                     raise

@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer iterations: a smoke run, not a measurement")
     parser.add_argument("--n", type=int, help="size for the sections that take one (reshard_impact: briefcases, default 10000; reshard --workers: briefcases, default 10000, 1200 with --quick)")
     parser.add_argument("--procs", type=int, help="application processes for the sections that start them (reshard_impact: default 4)")
+    parser.add_argument("--settled", action="store_true",
+                        help="reshard_impact: only briefcases that stay, so the reshard is its freeze, final sweep and map apply alone")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.add_argument("--async", dest="aio", action="store_true",
                         help="the asyncio variant of each section that has one (briefcase -> briefcase_async)")
@@ -75,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             old, _, new = args.shards.partition(":")
             ctx.options = {"workers": [int(w) for w in args.workers.split(",")], "shards": (int(old), int(new)),
                            "per_server": args.per_server}
+        if args.settled:
+            ctx.options["settled"] = True
         try:
             for name in args.sections or sections:
                 console.print(f"[bold]section {name}[/bold] ...")

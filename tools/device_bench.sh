@@ -23,7 +23,7 @@ section() {  # NAME SECONDS ARGS...: one bench.py run, bounded
 }
 
 wanted=("$@")
-[ ${#wanted[@]} -gt 0 ] || wanted=(workers reshard briefcase briefcase_async scale impact)
+[ ${#wanted[@]} -gt 0 ] || wanted=(workers reshard briefcase briefcase_async scale impact refresh_scale)
 fraction=${MDB_BENCH_FRACTION:-0.3}  # the per-request sections' rounds, shortened to fit the lent time
 for w in "${wanted[@]}"; do
     case $w in
@@ -32,7 +32,12 @@ for w in "${wanted[@]}"; do
     briefcase) MDB_BENCH_FRACTION=$fraction section briefcase 120 briefcase ;;
     briefcase_async) MDB_BENCH_FRACTION=$fraction section briefcase_async 120 briefcase --async ;;
     scale) MDB_BENCH_FRACTION=$fraction MDB_BENCH_SCALE_SIZES=${MDB_BENCH_SCALE_SIZES:-128} section scale 150 scale ;;
-    impact) section impact "${IMPACT_LIMIT:-240}" reshard_impact --n "${IMPACT_N:-100000}" --procs 4 ;;
+    impact)  # issue 31: 10k and 100k (IMPACT_N: others, e.g. "10000 100000 1000000"), then the end of a 100k reshard alone
+        for n in ${IMPACT_N:-10000 100000}; do
+            section "impact-$n" "${IMPACT_LIMIT:-240}" reshard_impact --n "$n" --procs 4
+        done
+        section impact-settled 120 reshard_impact --n 100000 --procs 4 --settled --quick ;;
+    refresh_scale) section refresh_scale 300 refresh_scale ;;
     profile)  # issue 34: Python calls and client CPU per routed read and per fan-out shard (not in the default list)
         for args in "--backend pg" "--backend pg --write" "--backend sqlite"; do
             timeout 120 "$py" tools/profile_session.py $args --top 0 2>&1 | head -1

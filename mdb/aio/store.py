@@ -357,7 +357,7 @@ class AsyncStore:
     ) -> tuple[AsyncBriefcaseSession, AsyncConnection, FairGate]:
         async def attempt(router: Router, placement: Placement) -> tuple[AsyncBriefcaseSession, AsyncConnection, FairGate]:
             def check(conn: Connection) -> None:
-                check_ownership(take_result(conn), placement, router.version)
+                check_ownership(take_result(conn), placement, router.version, write=not readonly)
 
             prelude = OwnershipCheck(placement, lock=not readonly, exclusive=exclusive)
             conn, gate = await self._begun(placement.server, readonly, prelude, check)

@@ -55,6 +55,7 @@ from mdb.mongo.shard_state import GUARD, STATE, guard_ids, set_guard, state_id
 from mdb.moves import verify
 from mdb.moves.copy import AreaTable, delete_rows, measure
 from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, area_tables, locked_source
+from mdb.ownership import freeze_holder
 from mdb.system_tables import STATE_FROZEN, STATE_GONE, STATE_INCOMING, briefcase_state
 
 __all__ = ["Finding", "FsckReport", "fsck"]
@@ -197,7 +198,7 @@ def _central(store: Any, indexes: list[type[CentralIndex]]) -> list[Finding]:
 def _odd_state(store: Any, area: str, server: str, state: BriefcaseStateRow, unfinished: InFlight) -> bool:
     """A state row the routing and the journal do not explain (a fence on a server moved away from is normal)."""
     if state.state == STATE_FROZEN:
-        return state.move_id not in unfinished.reshards
+        return freeze_holder(state.move_id or "") not in unfinished.reshards
     if state.state == STATE_INCOMING:
         return state.move_id not in unfinished.moves
     here = store.router.locate(area, state.gdid).server == server
@@ -208,7 +209,7 @@ def _state_finding(store: Any, area: str, server: str, state: BriefcaseStateRow,
     """What an odd state row is, and whether removing it is provably safe (a fence whose peer holds nothing)."""
     gdid, peer = state.gdid, state.peer
     if state.state == STATE_FROZEN:
-        return Finding("stale_freeze", server, None, f"freeze marker of partition {peer} by {state.move_id!r}, which the journal "
+        return Finding("stale_freeze", server, None, f"freeze marker of partition {peer} by {freeze_holder(state.move_id or '')!r}, which the journal "
                        "does not list as an unfinished reshard: writes of that partition wait; remove it by hand once sure no reshard runs"), False
     if state.state == STATE_INCOMING:
         return Finding("stale_incoming", server, gdid, f"'incoming' row of move {state.move_id!r}, which the journal "

@@ -38,6 +38,7 @@ from mdb.moves.throttle import replica_lag, replicas_of
 from mdb.moves.history import HistoryRow, history
 from mdb.moves.journal import Journal
 from mdb.moves.status import MoveStatus, move_status
+from mdb.ownership import freeze_holder
 from mdb.system_tables import STATE_FROZEN
 
 __all__ = ["BROKEN", "ATTENTION", "HEALTHY", "FleetReport", "Problem", "fleet_report"]
@@ -204,8 +205,9 @@ def _frozen(store: Cluster, report: FleetReport, running_reshards: set[str]) -> 
                                                "check the server"))
                 continue
             for s in states:
-                report.frozen.append(Frozen(area, str(s.peer), server, s.move_id,
-                                            None if s.changed_at is None else _utc(s.changed_at), s.move_id in running_reshards))
+                holder = None if s.move_id is None else freeze_holder(s.move_id)
+                report.frozen.append(Frozen(area, str(s.peer), server, holder,
+                                            None if s.changed_at is None else _utc(s.changed_at), holder in running_reshards))
 
 
 def _migrations(store: Cluster, report: FleetReport, root: Path | None) -> None:

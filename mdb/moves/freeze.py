@@ -21,7 +21,7 @@ reshard) unfreezes the servers frozen before it, so a failed freeze never leaves
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
@@ -32,7 +32,7 @@ from mdb.dberrors import describe, is_lock_timeout
 from mdb.errors import LockTimeoutError, MdbError
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
-from mdb.ownership import partition_lock_key_sql
+from mdb.ownership import freeze_holder, freeze_mark, partition_lock_key_sql
 
 __all__ = ["freeze_partition", "frozen_by", "unfreeze_partition"]
 
@@ -42,16 +42,21 @@ FAULT_POINTS = register("reshard.during_freeze")
 
 
 def freeze_partition(
-    store: Cluster, area: str, start: GDID, servers: Iterable[str], reshard_id: str, *, lock_wait: float = DEFAULT_FREEZE_LOCK_WAIT
+    store: Cluster, area: str, start: GDID, servers: Iterable[str], reshard_id: str, *, lock_wait: float = DEFAULT_FREEZE_LOCK_WAIT,
+    new_shards: Sequence[str] | None = None,
 ) -> None:
     """Stop writes of partition ``start`` on ``servers``, waiting for the writers already in; idempotent.
 
+    ``new_shards``: the partition's new shard list; each marker then lets through the writes of
+    the briefcases that stay on its server under it (:func:`mdb.ownership.freeze_mark`), so only
+    writes of briefcases still to move wait. Without it every write of the partition waits.
     Servers are frozen one after another; on an error the ones before stay frozen (the caller
     unfreezes them all). A lock wait past ``lock_wait`` is a :class:`LockTimeoutError`.
     """
     for n, server in enumerate(servers):
+        mark = freeze_mark(reshard_id, new_shards, server)
         try:
-            backend_of(store.map, server).freeze_partition(store, server, area, start, reshard_id, lock_wait=lock_wait)
+            backend_of(store.map, server).freeze_partition(store, server, area, start, mark, lock_wait=lock_wait)
         except DBAPIError as exc:
             if not is_lock_timeout(exc):
                 raise
@@ -108,4 +113,5 @@ def unfreeze_partition(store: Cluster, area: str, start: GDID, servers: Iterable
 
 def frozen_by(store: Cluster, area: str, start: GDID, server: str) -> str | None:
     """The reshard id whose freeze of partition ``start`` is on ``server``, if any."""
-    return backend_of(store.map, server).frozen_by(store, server, area, start)
+    mark = backend_of(store.map, server).frozen_by(store, server, area, start)
+    return None if mark is None else freeze_holder(mark)

@@ -1119,8 +1119,9 @@ def _frozen_phase(run: _Run, old_shards: list[str], map_path: str | None) -> Non
     try:
         # Inside the try: a freeze that fails (or is interrupted) on the second old shard has
         # frozen the first; the handler unfreezes them all (issue 29 item 2).
+        # Only writes of briefcases that still have to move wait: those that stay go on (issue 31).
         freeze_partition(store, area, start, old_shards, entry.move_id,
-                         lock_wait=float(entry.params.get("freeze_wait", DEFAULT_FREEZE_LOCK_WAIT)))
+                         lock_wait=float(entry.params.get("freeze_wait", DEFAULT_FREEZE_LOCK_WAIT)), new_shards=new_shards)
         fault_point("reshard.after_freeze")
         if entry.step in ("freeze", "final_moves"):
             journal.step(entry.move_id, "final_moves")

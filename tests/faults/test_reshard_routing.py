@@ -142,7 +142,7 @@ def test_a_hot_tenant_moved_off_the_layout_is_folded_by_a_later_reshard_and_rout
     """docs/moves.md: a reshard plans every briefcase of the partition where it lives, relocation
     targets included, and puts each on its shard under the new list; the hot tenant's own
     relocation is then cleared like the reshard's. Before that, `mdb move` to a chosen server
-    is routed by a process that never reads the directory."""
+    is routed by a process that never reads the directory; after it, moved apart again, too."""
     frozen = tmp_path / "frozen-map.yaml"
     shutil.copy(cluster.path, frozen)
     stale = Cluster(cluster.urls, frozen, cluster.central).store()
@@ -160,6 +160,15 @@ def test_a_hot_tenant_moved_off_the_layout_is_folded_by_a_later_reshard_and_rout
     for store in (stale, Cluster(cluster.urls, frozen, cluster.central).store()):
         with store.briefcase(UserBriefcase, hot, readonly=True) as s:
             assert s.placement.server == home and s.scalar(select(func.count()).select_from(Order)) == 1
+        assert not store.router.directory_loaded
+    # docs/moves.md: "to keep it apart, `mdb move` it again after the reshard" - and every process follows
+    again = run_cli(["move", str(cluster.path), "user", str(hot), "--to", "x"])
+    assert again.returncode == 0, again.stderr
+    with cluster.store() as fresh:
+        assert fresh.router.locate("user", hot).server == "x" and locations(fresh, SERVERS)[hot] == ["x"]
+    for store in (stale, Cluster(cluster.urls, frozen, cluster.central).store()):
+        with store.briefcase(UserBriefcase, hot) as s:  # a write, from a map two versions old
+            assert s.placement.server == "x" and s.scalar(select(func.count()).select_from(Order)) == 1
         assert not store.router.directory_loaded
         store.close()
 

@@ -24,6 +24,7 @@ from sqlalchemy.engine import Connection
 from mdb.demo.models import Address, User, UserBriefcase
 from mdb.errors import BriefcaseMovingError, StaleRouteError
 from mdb.gdid import GDID
+from mdb.moves.freeze import freeze_partition, frozen_by, unfreeze_partition
 from mdb.ownership import lock_key_sql, ownership_prelude
 from mdb.partition_map import load_map
 from mdb.relocations import set_relocation
@@ -249,3 +250,42 @@ def test_session_waits_for_a_moves_lock_then_follows_the_fence(stale_pg_cluster:
         raise outcome[0]
     assert outcome == ["x"]
     assert rows_on_every_shard(admin, gdid) == {s: (3 if s == "x" else 0) for s in SHARDS}
+
+
+# -- a reshard's freeze and map apply (issue 31) -------------------------------------------------
+
+
+def test_a_reshards_freeze_pauses_only_the_briefcases_still_to_move(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The freeze marker of 0:0:0 on [u1, u2] -> [u1, u2, x]: writes of briefcases that stay on
+    their shard under the new list go on (creating one included), writes of those whose shard
+    changes wait (bounded), and the holder reads back as the reshard id. Then u1 is re-stamped
+    for the new list while frozen (what the map apply does before it publishes the map): a
+    writer with the old map waits and re-reads the map until the new one is there, instead of
+    running out of stale retries (before: every writer of the partition waited for the whole
+    final sweep and map apply, 0.6 s at 100k briefcases in every process of reshard_impact)."""
+    admin = cluster.store()
+    freeze_partition(admin, "user", GDID.ZERO, ["u1", "u2"], "reshard-test", new_shards=["u1", "u2", "x"])
+    assert [frozen_by(admin, "user", GDID.ZERO, s) for s in ("u1", "u2")] == ["reshard-test", "reshard-test"]
+    stays, moves = GDID(0, 0, 6), GDID(0, 0, 8)  # 6: u1 under both lists; 8: u1 now, x under the new list
+    app = cluster.store(move_wait_seconds=0.2, max_stale_retries=1)
+    assert create_user(app, stays) == "u1"
+    with pytest.raises(BriefcaseMovingError, match="frozen for writes by reshard reshard-test$"):
+        create_user(app, moves)
+    assert rows_on_every_shard(admin, moves) == {s: 0 for s in SHARDS}
+    with app.briefcase(UserBriefcase, moves, readonly=True) as s:  # still to move: readable while frozen
+        assert s.placement.server == "u1" and s.scalar(select(User.name)) is None
+
+    with admin.transaction("u1") as conn:  # the map apply's re-stamp, before it publishes the map
+        assert stamp_layout(conn, ShardLayout("user", GDID.ZERO, None, 0, 3), 2, replace=True) is None
+    with pytest.raises(BriefcaseMovingError, match="reshard reshard-test is applying partition 0:0:0's new map"):
+        create_user(app, GDID(0, 0, 12))  # u1 under both lists: waits, never a StaleRouteError
+    with pytest.raises(BriefcaseMovingError, match="reshard reshard-test is applying partition 0:0:0's new map"):
+        with app.briefcase(UserBriefcase, stays, readonly=True) as s:  # a reader too (never refused for the freeze itself)
+            s.scalar(select(User.name))
+
+    patient = cluster.store(move_wait_seconds=30, max_stale_retries=1)
+    refreshes = count_refreshes(patient, monkeypatch, lambda n: n == 3 and cluster.publish(2, [("0:0:0", ["u1", "u2", "x"])]))
+    assert create_user(patient, GDID(0, 0, 12)) == "u1"
+    assert len(refreshes) >= 3  # each wait re-read the map, past max_stale_retries; the third found the new one
+    assert rows_on_every_shard(admin, GDID(0, 0, 12))["u1"] == 2
+    assert unfreeze_partition(admin, "user", GDID.ZERO, ["u1", "u2"]) == 2

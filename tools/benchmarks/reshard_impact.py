@@ -17,6 +17,11 @@ p50/p99/max of every operation, p99 before the reshard next to p99 during it; it
 reshard started and its growth until the end. Latencies go into a fixed log-bucket histogram
 (about 1% resolution, the max exact), so the figures cost the process no memory that grows.
 Afterwards every briefcase is on exactly one server (N rows over a, b and x, no key twice).
+Then a timeline: the reshard's steps and every operation of 100 ms or more (wall clock, which
+processes, reads or writes, what their Stores absorbed meanwhile), so a stall can be set
+against the step it happened in. ``--settled``: only briefcases that stay on their shard, so
+the reshard moves nothing and is its freeze, final sweep and map apply alone (the end of a
+reshard of N briefcases, in seconds).
 
 Sizes: ``--n`` (default 10,000; ``--quick``: 2,000) and ``--procs`` (0: the mover alone, for
 its rate). Its own time is the fill, 3 + 2 s (``--quick``; else 10 + 3 s) around the reshard, and
@@ -58,7 +63,22 @@ from mdb.store import Store
 SECTION = "reshard_impact"
 TOOLS = Path(__file__).resolve().parent.parent
 FIRST = 10  # the first briefcase's counter (GDID 0:0:10)
+
+
+def counter(k: int, settled: bool) -> int:
+    """The counter of the k-th briefcase: FIRST + k; ``settled``: the k-th with v mod 6 in {0, 1}.
+
+    Those already sit on their shard under both [a, b] and [a, b, x] (v mod 2 == v mod 3), so a
+    settled reshard moves nothing and is its freeze, final sweep and map apply alone: the end of
+    a reshard of N briefcases, isolated, in seconds on any machine.
+    """
+    return 12 + 6 * (k // 2) + k % 2 if settled else FIRST + k
+
 READS_PER_WRITE = 4
+SLOW = 0.1
+"""An operation at least this slow is logged with its wall-clock time, kind and what its Store
+absorbed meanwhile, so the timeline can set it against the reshard's phases."""
+SLOW_KEPT = 400
 RATE = 200
 """Operations a second each application process aims at (paced, not a closed loop): an application
 serves requests, it does not take every core it can get; on 2 cores a closed loop of two processes
@@ -161,10 +181,11 @@ def worker(config_path: str) -> None:
     errors: Counter[str] = Counter()
     messages: dict[str, str] = {}
     reads = writes = 0
+    slow: list[tuple[float, float, str, str]] = []  # (wall start, seconds, read/write, absorbed meanwhile)
     n = config["n"]
     with Store.from_yaml(config["map"], types=[UserBriefcase]) as store:
         def op(i: int) -> bool:
-            g = GDID(0, 0, FIRST + rng.randrange(n))
+            g = GDID(0, 0, counter(rng.randrange(n), config["settled"]))
             if i % (READS_PER_WRITE + 1):
                 with store.briefcase(UserBriefcase, g, readonly=True) as s:
                     if s.scalar(select(User.name).where(User.user_id == g)) is None:
@@ -199,6 +220,7 @@ def worker(config_path: str) -> None:
                     phase = "after"
             i += 1
             start = time.perf_counter()
+            wall, seen = time.time(), absorbed.copy()
             try:
                 was_read = op(i)
             except Exception as exc:  # counted and reported by type: what would reach a user
@@ -206,7 +228,11 @@ def worker(config_path: str) -> None:
                 errors[name] += 1
                 messages.setdefault(name, str(exc).splitlines()[0][:200])
                 continue
-            phases[phase].add(time.perf_counter() - start)
+            took = time.perf_counter() - start
+            phases[phase].add(took)
+            if took >= SLOW and len(slow) < SLOW_KEPT:
+                meanwhile = absorbed - seen
+                slow.append((wall, took, "read" if was_read else "write", " ".join(f"{k}={v}" for k, v in sorted(meanwhile.items()))))
             if was_read:
                 reads += 1
             else:
@@ -217,7 +243,7 @@ def worker(config_path: str) -> None:
             "absorbed": dict(absorbed), "refreshes": store.refreshes, "refresh_seconds": store.refresh_seconds,
             "directory_loads": directory_loads, "directory_loaded": store.router.directory_loaded,
             "learned": len(store.routes), "rss_ready": rss_ready, "rss_start": rss_start, "rss_end": rss_end,
-            "rss_peak": rss_peak, "phases": {name: lat.to_json() for name, lat in phases.items()},
+            "rss_peak": rss_peak, "slow": slow, "phases": {name: lat.to_json() for name, lat in phases.items()},
         }
     (run / f"figures-{config['index']}.json").write_text(json.dumps(figures))
 
@@ -225,12 +251,13 @@ def worker(config_path: str) -> None:
 # -- the driver ------------------------------------------------------------------------------
 
 
-def _fill(urls: dict[str, str], n: int) -> None:
+def _fill(urls: dict[str, str], n: int, settled: bool) -> None:
     """N users rows on a and b by default routing (v mod 2), with COPY; settled before anything runs."""
     for i, server in enumerate(["a", "b"]):
         with psycopg.connect(_dsn(urls[server])) as conn:
             with conn.cursor().copy("COPY users (user_id, email, name, created_at) FROM STDIN") as copy:
-                for c in range(FIRST, FIRST + n):
+                for k in range(n):
+                    c = counter(k, settled)
                     g = GDID(0, 0, c)
                     if g.sharding_value % 2 == i:
                         copy.write_row((bytes(g), f"user{c}@example.com", f"user {c}", AT))
@@ -261,6 +288,55 @@ def _wait_for(paths: list[Path], procs: list[subprocess.Popen[str]], timeout: fl
         time.sleep(0.05)
 
 
+class _Steps:
+    """The reshard's progress as a step log: (wall-clock time, phase), for the timeline."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[float, str]] = []
+
+    def phase(self, name: str) -> None:
+        self.log.append((time.time(), name))
+
+    def counts(self, counts: Any, last: Any) -> None:
+        pass
+
+    def waiting(self, reason: str, seconds: float) -> None:
+        pass
+
+
+def _timeline(console: Console, steps: list[tuple[float, str]], figures: list[dict[str, Any]]) -> None:
+    """The reshard's steps and the application's slow operations on one clock (ms from the reshard's start).
+
+    Slow operations (>= SLOW) that start within 50 ms of each other form one line: how many, in
+    how many processes, reads/writes, the longest, and what their Stores absorbed meanwhile.
+    """
+    if not steps:
+        return
+    t0 = steps[0][0]
+    events: list[tuple[float, str]] = [(t - t0, f"reshard: {name}") for t, name in steps]
+    ops = sorted((w - t0, took, kind, f["index"], seen) for f in figures for w, took, kind, seen in f.get("slow", []))
+    group: list[tuple[float, float, str, int, str]] = []
+
+    def flush() -> None:
+        if group:
+            kinds = Counter(kind for _, _, kind, _, _ in group)
+            seen = Counter(s for *_, s in group if s)
+            events.append((group[0][0], f"  {len(group)} slow op(s) in {len({g[3] for g in group})} process(es) "
+                           f"({' '.join(f'{k}={v}' for k, v in sorted(kinds.items()))}), longest "
+                           f"{max(g[1] for g in group) * 1000:.0f} ms; absorbed: "
+                           f"{'; '.join(f'{k} x{v}' for k, v in seen.most_common(3)) or 'nothing'}"))
+            group.clear()
+
+    for op in ops:
+        if group and op[0] - group[-1][0] > 0.05:
+            flush()
+        group.append(op)
+    flush()
+    console.print(f"  timeline (ms from the reshard's start; operations >= {SLOW * 1000:.0f} ms):")
+    for at, what in sorted(events, key=lambda e: e[0]):
+        console.print(f"  {at * 1000:9.0f}  {what}")
+
+
 def _mb(b: float) -> str:
     return f"{b / 1e6:.1f}"
 
@@ -280,7 +356,8 @@ def run(ctx: BenchContext) -> list[Result]:
     with Store.from_yaml(path, types=[UserBriefcase]) as store:
         assert all(r.ok for r in apply_schema(store))
     started = time.perf_counter()
-    _fill(urls, n)
+    settled = bool(ctx.options.get("settled"))
+    _fill(urls, n, settled)
     console.print(f"  {n:,} briefcases on a and b in {time.perf_counter() - started:.1f}s; {procs} application processes")
 
     run_dir = ctx.tmpdir / f"reshard-impact-{n}-run"
@@ -289,7 +366,8 @@ def run(ctx: BenchContext) -> list[Result]:
     workers = []
     for index in range(procs):
         config = run_dir / f"config-{index}.json"
-        config.write_text(json.dumps({"index": index, "seed": 31 + index, "n": n, "map": str(path), "run_dir": str(run_dir)}))
+        config.write_text(json.dumps({"index": index, "seed": 31 + index, "n": n, "settled": settled, "map": str(path),
+                                      "run_dir": str(run_dir)}))
         workers.append(subprocess.Popen(
             [sys.executable, "-c", "import sys; from benchmarks.reshard_impact import worker; worker(sys.argv[1])", str(config)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -299,8 +377,11 @@ def run(ctx: BenchContext) -> list[Result]:
         time.sleep(before_s)
         (run_dir / "started").touch()
         start = time.perf_counter()
+        steps = _Steps()
+        steps.phase("start")
         with Store.from_yaml(path, types=[UserBriefcase]) as store:
-            outcome = reshard(store, "user", GDID(0, 0, 0), ["a", "b", "x"], parallel=2, map_path=path)
+            outcome = reshard(store, "user", GDID(0, 0, 0), ["a", "b", "x"], parallel=2, map_path=path, progress=steps)
+        steps.phase("returned")
         elapsed = time.perf_counter() - start
         (run_dir / "ended").touch()
         time.sleep(after_s)
@@ -350,6 +431,7 @@ def run(ctx: BenchContext) -> list[Result]:
         )
     if figures:
         console.print(table)
+        _timeline(console, steps.log, figures)
     for f in figures:
         for name, message in f["messages"].items():
             console.print(f"  process {f['index']}: {name}: {message}")
