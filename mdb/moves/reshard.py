@@ -806,10 +806,12 @@ def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
     over = threading.Event()
     errors: list[BaseException] = []
     seen: dict[str, ItemResult] = {}
+    planned = {m.gdid: m for m in moves}
 
     def collect() -> bool:
         """Fold what the items moved since the last look into the counts (and the journal); True if anything."""
         fresh = False
+        last: PlannedMove | None = None
         for item_id, result in jobs.results_of(journal, entry.move_id, pass_no).items():
             before = seen.get(item_id, ItemResult())
             had = set(before.moved) | set(before.gone)
@@ -819,8 +821,9 @@ def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
                 counts.moved_result(delta)
                 seen[item_id] = result
                 fresh = True
+                last = planned.get(delta.moved[-1]) if delta.moved else last
         if fresh:
-            _record(run.journal, entry, counts, run.progress)
+            _record(run.journal, entry, counts, run.progress, last)  # the progress shows a move just done
         return fresh
 
     def look() -> None:
