@@ -475,105 +475,68 @@ class BatchSizer:
 
 
 class _Feeder:
-    """Hands out the next batch to whichever worker is free: one (source, target) pair per batch, pairs in turn."""
+    """Hands out the next move to whichever worker is free: (source, target) pairs in turn."""
 
-    def __init__(self, moves: list[PlannedMove], sizer: BatchSizer, batched: bool) -> None:
+    def __init__(self, moves: list[PlannedMove]) -> None:
         groups: dict[tuple[str, str], list[PlannedMove]] = {}
         for m in moves:
             groups.setdefault((m.source, m.target), []).append(m)
         self._groups = [g[::-1] for g in groups.values()]  # popped from the end, in plan order
-        self._sizer = sizer
-        self._batched = batched
         self._turn = 0
         self._lock = threading.Lock()
         self.stopped = False
 
-    def next(self) -> list[PlannedMove]:
+    def next(self) -> PlannedMove | None:
         with self._lock:
             self._groups = [g for g in self._groups if g]
             if self.stopped or not self._groups:
-                return []
+                return None
             self._turn = (self._turn + 1) % len(self._groups)
-            group = self._groups[self._turn]
-            n = self._sizer.next() if self._batched else 1
-            return [group.pop() for _ in range(min(n, len(group)))]
+            return self._groups[self._turn].pop()
 
 
 def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
-    """Move ``moves``: in batches where the servers' kind has a batched cutover, else one at a time.
+    """Move ``moves``: as work items in batches where the servers' kind has a batched cutover
+    (:func:`_move_queued`), else one at a time.
 
-    ``parallel`` workers each take the next batch; a batch that cannot be taken whole is split
-    (:func:`_cut_over`). Counts are recorded per batch, after its commit point.
+    One at a time is the document kinds' way, and a reshard journaled by an older mdb without
+    a batch pause; ``parallel`` threads each take the next move. Counts are recorded per move.
     """
     store, journal, entry, counts, sizer, max_pause = run.store, run.journal, run.entry, run.counts, run.sizer, run.max_pause
-    lock = threading.Lock()
-    batched = bool(moves) and sizer.target > 0 and store.map.kind_of(moves[0].source) == SQL
-    if batched and run.workers is not None:
+    if moves and sizer.target > 0 and store.map.kind_of(moves[0].source) == SQL:
+        if run.workers is None:
+            raise RuntimeError(f"reshard {entry.move_id}: batched moves without work items (no Workers at step {entry.step!r})")
         _move_queued(run, moves)
         return
-    feeder = _Feeder(moves, sizer, batched)
-    tables = area_tables(store, entry.area) if batched else None
-    gate = CutoverGate()  # one worker's copy never stretches another's write pause
-    hashed: list[frozenset[str]] = [frozenset()]
-    """The held schemas' hashed tables (set once they are held, before any worker starts)."""
-    servers = sorted({m.source for m in moves} | {m.target for m in moves})
-
-    def finished(done: list[tuple[PlannedMove, dict[str, int] | None]]) -> None:
-        with lock:
-            first = counts.briefcases_done == 0
-            for m, rows in done:
-                counts.moved(m, rows)
-            _record(journal, entry, counts, run.progress, done[-1][0])
-            if first and counts.briefcases_done:
-                fault_point("reshard.after_first_move")
-
-    def cut_over(batch: list[PlannedMove]) -> None:
-        if len(batch) == 1 and not batched:
-            finished([(batch[0], _moved_rows(_move_one(store, journal, entry, batch[0], max_pause)))])
-            return
-        try:
-            moved = BatchMove(store, journal, entry.area, [m.gdid for m in batch], batch[0].source, batch[0].target,
-                              reshard_id=entry.move_id, tables=tables, max_pause=max_pause, hashed=hashed[0], gate=gate).run()
-        except BatchAbortedError as exc:
-            # Rolled back, the source holds them all. Briefcases it named go one at a time (the single
-            # move's checks say what is wrong with them); the rest as two smaller batches.
-            log.info("reshard %s: %s", entry.move_id, exc)
-            sizer.aborted()
-            alone = [m for m in batch if m.gdid in set(exc.refused)] if len(batch) > 1 else batch
-            rest = [m for m in batch if m not in alone]
-            for m in alone:
-                finished([(m, _moved_rows(_move_one(store, journal, entry, m, max_pause)))])
-            half = (len(rest) + 1) // 2
-            for part in (rest[:half], rest[half:]):
-                if part:
-                    cut_over(part)
-            return
-        sizer.observed(len(batch), moved.pause_seconds)
-        finished([(m, moved.rows[m.gdid]) for m in batch])
+    lock = threading.Lock()
+    feeder = _Feeder(moves)
 
     def work() -> None:
         try:
-            while batch := feeder.next():
-                check_stop(entry.move_id)  # `mdb moves cancel` from another process: stop between two batches
+            while m := feeder.next():
+                check_stop(entry.move_id)  # `mdb moves cancel` from another process: stop between two moves
                 if run.stopping.is_set():
                     return
                 if run.pace is not None:
-                    run.pace(len(batch), sum(m.total_rows for m in batch))
+                    run.pace(1, m.total_rows)
                 try:
-                    cut_over(batch)
+                    rows = _moved_rows(_move_one(store, journal, entry, m, max_pause))
                 except DBAPIError as exc:
-                    raise _named(store, [batch[0].source, batch[0].target], exc) from exc
+                    raise _named(store, [m.source, m.target], exc) from exc
+                with lock:
+                    first = counts.briefcases_done == 0
+                    counts.moved(m, rows)
+                    _record(journal, entry, counts, run.progress, m)
+                    if first and counts.briefcases_done:
+                        fault_point("reshard.after_first_move")
         except BaseException:
-            feeder.stopped = True  # the other workers finish their batch and stop
+            feeder.stopped = True  # the other workers finish their move and stop
             raise
 
+    servers = sorted({m.source for m in moves} | {m.target for m in moves})
     try:
-        _run_workers(run, store, entry.area, servers, tables, work, hashed)
+        _run_workers(run, work)
     except DBAPIError as exc:
-        # Letting the held schemas go on a server that just died fails too, and that driver error
-        # would replace the error naming the server (exit 2, "database error", issue 29).
-        if isinstance(exc.__context__, MdbError):
-            raise exc.__context__ from None
         raise _named(store, servers, exc) from exc
 
 
@@ -893,25 +856,21 @@ def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
         raise errors[0]
 
 
-def _run_workers(run: _Run, store: Cluster, area: str, servers: list[str], tables: Any, work: Callable[[], None],
-                 hashed: list[frozenset[str]]) -> None:
-    """``work`` in ``run.parallel`` threads (the calling thread when 1), the area's schemas held meanwhile."""
-    with ExitStack() as held:
-        if tables is not None:
-            hashed[0] = held.enter_context(hold_schemas(store, area, servers, tables))
-        if run.parallel <= 1:
-            work()
-            return
-        with ThreadPoolExecutor(max_workers=run.parallel, thread_name_prefix="mdb-reshard") as pool:
-            try:
-                for future in [pool.submit(work) for _ in range(run.parallel)]:
-                    future.result()
-            except BaseException:
-                # Ctrl-C and SIGTERM reach this (main) thread only: tell the workers, which finish the
-                # batch in hand (its commit point is journaled, resume picks up after it) and take no
-                # other; the pool's exit waits for them (issue 29 item 4: they used to move everything).
-                run.stopping.set()
-                raise
+def _run_workers(run: _Run, work: Callable[[], None]) -> None:
+    """``work`` in ``run.parallel`` threads (the calling thread when 1)."""
+    if run.parallel <= 1:
+        work()
+        return
+    with ThreadPoolExecutor(max_workers=run.parallel, thread_name_prefix="mdb-reshard") as pool:
+        try:
+            for future in [pool.submit(work) for _ in range(run.parallel)]:
+                future.result()
+        except BaseException:
+            # Ctrl-C and SIGTERM reach this (main) thread only: tell the workers, which finish the
+            # move in hand (its commit point is journaled, resume picks up after it) and take no
+            # other; the pool's exit waits for them (issue 29 item 4: they used to move everything).
+            run.stopping.set()
+            raise
 
 
 def _named(store: Cluster, servers: list[str], exc: DBAPIError) -> Exception:
