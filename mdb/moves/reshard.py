@@ -499,8 +499,8 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
     """Move ``moves``: as work items in batches where the servers' kind has a batched cutover
     (:func:`_move_queued`), else one at a time.
 
-    One at a time is the document kinds' way, and a reshard journaled by an older mdb without
-    a batch pause; ``parallel`` threads each take the next move. Counts are recorded per move.
+    One at a time is the document kinds' way, `--batch-pause 0`'s, and a reshard journaled by
+    an older mdb without a batch pause; ``parallel`` threads each take the next move. Counts are recorded per move.
     """
     store, journal, entry, counts, sizer, max_pause = run.store, run.journal, run.entry, run.counts, run.sizer, run.max_pause
     if moves and sizer.target > 0 and store.map.kind_of(moves[0].source) == SQL:
