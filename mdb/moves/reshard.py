@@ -769,13 +769,14 @@ def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
     over = threading.Event()
     errors: list[BaseException] = []
     seen: dict[str, ItemResult] = {}
+    known: dict[str, str] = {}  # the result texts already folded in (jobs.results_of parses only what changed)
     planned = {m.gdid: m for m in moves}
 
     def collect() -> bool:
         """Fold what the items moved since the last look into the counts (and the journal); True if anything."""
         fresh = False
         last: PlannedMove | None = None
-        for item_id, result in jobs.results_of(journal, entry.move_id, pass_no).items():
+        for item_id, result in jobs.results_of(journal, entry.move_id, pass_no, known).items():
             before = seen.get(item_id, ItemResult())
             had = set(before.moved) | set(before.gone)
             delta = ItemResult([g for g in result.moved if g not in had], [g for g in result.gone if g not in had],
@@ -822,7 +823,7 @@ def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
                 if item is not None:
                     work_item(workers, item, after_batch=look)
                     continue
-            if not jobs.open_items(journal, entry.move_id, pass_no):
+            if not jobs.count_open(journal, entry.move_id, pass_no):
                 if collect():
                     continue  # finished between the two reads: recorded now
                 break
