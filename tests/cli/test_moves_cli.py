@@ -10,29 +10,18 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from support.moves import Cluster, create_user, make_cluster, run_cli
+from support.moves import Cluster, run_cli
+from support.online import SERVERS, USERS, cluster  # noqa: F401 (fixture: cluster)
 
 from mdb.errors import MoveAbortedError, RetryableError
 from mdb.gdid import GDID
 from mdb.moves.journal import Journal
 
-SERVERS = ["u1", "u2", "x"]
-USERS = [GDID(0, 0, i) for i in range(1, 9)]
-
-
-@pytest.fixture
-def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster:
-    cluster = make_cluster(dict(zip(["c", *SERVERS], pg_databases(4))), tmp_path, [("0:0:0", ["u1", "u2"])])
-    with cluster.store() as store:
-        for g in USERS:
-            create_user(store, g, orders=1, lines=2)
-    return cluster
 
 
 @pytest.mark.slow  # 165 s measured at load ~15 on 2 cores: docs/testing.md
