@@ -378,5 +378,7 @@ def main() -> None:
         sys.exit(EXIT_REFUSED)
     except Abort:
         _error_line("aborted")
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED)
+    except KeyboardInterrupt:  # a signal while typer was still building the command, outside click's own handler
+        sys.exit(EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED)
     sys.exit(code if isinstance(code, int) else EXIT_OK)

@@ -10,6 +10,7 @@ PostgreSQL port for "server unavailable".
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -162,6 +163,24 @@ def test_a_server_that_is_down_exits_3(tmp_path: Path, monkeypatch: pytest.Monke
 )
 def test_exit_code_of_each_error_kind(exc: Exception, code: int) -> None:
     assert exit_code(exc) == code  # type: ignore[arg-type]
+
+
+SIGTERM_WHILE_STARTING = """
+import os, signal, typer.main
+from mdb.cli import main
+build = typer.main.get_command
+def build_then_signalled(app):
+    os.kill(os.getpid(), signal.SIGTERM)  # arrives while typer is still building the command, before click's handler
+    return build(app)
+typer.main.get_command = build_then_signalled
+main()
+"""
+
+
+def test_sigterm_while_the_command_is_still_being_built_exits_143_without_a_traceback() -> None:
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_WHILE_STARTING, "--version"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_version_and_usage(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

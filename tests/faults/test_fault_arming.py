@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from support.mapfiles import write_map
 
-from mdb import faults
+from mdb import Registry, faults
 from mdb.cli.app import open_store
 from mdb.testing.mongo import FAKE_DIR_ENV, FakeMongo
 
@@ -45,5 +45,5 @@ def test_the_cli_takes_the_file_backed_mongodb_fake_only_when_armed(
         monkeypatch.delenv(faults.TESTING_ENV)
     monkeypatch.setenv(FAKE_DIR_ENV, str(tmp_path / "fake"))
     monkeypatch.delenv("MDB_TEST_MONGO_URI", raising=False)
-    with open_store(str(path), types=[]) as store:
+    with open_store(str(path), types=[], registry=Registry()) as store:  # no document types another test imported
         assert isinstance(store.mongo.clients.factory, FakeMongo) is armed
