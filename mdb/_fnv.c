@@ -3,7 +3,7 @@
  * Why native code: in Python every key byte costs a big-int XOR, multiply and mask (~2 us for a
  * 25-byte e-mail), which kept routing a CENTRAL key the router has not seen at ~0.3 M/s. Here it
  * is ~40 ns. mdb/fnv.py holds the Python reference and falls back to it when this module was not
- * built (no compiler at install time); tests/test_fnv.py checks both give the same hash for any
+ * built (no compiler at install time); tests/unit/test_fnv.py checks both give the same hash for any
  * bytes. Keep the two in step: the hash decides where data lives.
  */
 #define PY_SSIZE_T_CLEAN

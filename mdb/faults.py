@@ -5,7 +5,7 @@ SQL moves, reshards, resume, cancel, document moves and CENTRAL's atomic creatio
 two protocols can never share (and so confuse) a point. Tests reach a point two ways:
 
 * ``MDB_FAULT_POINT=move.after_copy_commit`` in the environment of a process the test harness
-  armed (``MDB_TESTING=1``, set by :func:`mdb.testing.arm` from tests/conftest.py and inherited
+  armed (``MDB_TESTING=1``, set by :func:`mdb.testing.arm` from tests/support/plugin.py and inherited
   by the processes tests start) makes that process kill itself with SIGKILL the moment it
   reaches that point: no cleanup, no ``finally``, exactly what a power cut or an OOM kill does.
   ``MDB_FAULT_SKIP=N`` lets the point pass N times first (to crash in the middle of a reshard).
@@ -13,8 +13,8 @@ two protocols can never share (and so confuse) a point. Tests reach a point two 
   mid-way, its heartbeat running: the lease tests), and ``MDB_FAULT_ACTION=stop`` makes the
   process SIGSTOP itself there, once: paused exactly at that step, with its transactions and
   locks held, until the test sends SIGCONT (a driver paused past its lease:
-  tests/test_moves_fencing.py; repair tools against a move caught mid-way:
-  tests/test_fsck_moves.py).
+  tests/faults/test_moves_fencing.py; repair tools against a move caught mid-way:
+  tests/faults/test_fsck_moves.py).
 * :data:`hook`, a callable given each point's name as the process passes it, for in-process
   tests (a test raises from it to stand in for a crash, or changes data at the exact step).
 

@@ -3,7 +3,7 @@
 The hash decides on which CENTRAL shard a key lives, so every process must compute the same
 value whichever implementation it runs. ``mdb._fnv`` (mdb/_fnv.c) is built by ``pip install``
 where a C compiler is present and hashes a key in ~40 ns; without it the pure-Python functions
-below (~2 us for a 25-byte key) are used, with the same results (tests/test_fnv.py checks the
+below (~2 us for a 25-byte key) are used, with the same results (tests/unit/test_fnv.py checks the
 two against each other and the spec's vectors). ``NATIVE`` says which one this process runs;
 ``tools/bench.py route`` reports it.
 """

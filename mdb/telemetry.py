@@ -4,7 +4,7 @@ mdb depends on the OpenTelemetry *API* only. Instruments come from the API's glo
 under the name ``mdb``; until the application installs an SDK those are proxies whose
 ``add``/``record`` is one attribute test, so telemetry costs next to nothing by default. An
 SDK installed later (``metrics.set_meter_provider``) is picked up by the same proxies: nothing
-here has to be re-created (tests/test_telemetry.py checks that).
+here has to be re-created (tests/postgres/test_telemetry.py checks that).
 
 Labels are low-cardinality on purpose: area, server, outcome, reason, step, kind, index and
 sequence scope, all names from the map or the code. Never a GDID, a key or a move id: a label

@@ -33,7 +33,7 @@ class FakeClock:
 def arm() -> None:
     """Switch the environment's test hooks on for this process and every process it starts.
 
-    Sets ``MDB_TESTING=1`` (tests/conftest.py calls it once): from then on ``MDB_FAULT_POINT``
+    Sets ``MDB_TESTING=1`` (tests/support/plugin.py calls it once): from then on ``MDB_FAULT_POINT``
     and ``MDB_MONGO_FAKE_DIR`` in a process's environment take effect; without it mdb ignores them.
     """
     os.environ[TESTING_ENV] = "1"
