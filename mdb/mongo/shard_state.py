@@ -40,22 +40,20 @@ def state_id(area: str, gdid: GDID) -> str:
     return f"{area}:{gdid.hex}"
 
 
-def ownership_rows(db: Any, placement: Placement, session: Any = None, *, write: bool = False) -> list[tuple[Any, ...]]:
+def ownership_rows(db: Any, placement: Placement, session: Any = None) -> list[tuple[Any, ...]]:
     """The one row :func:`mdb.ownership.check_ownership` reads, from this shard's documents.
 
-    A write context (``write``) also reads its partition's freeze marker (in the same query as
-    the briefcase's state): while a reshard has the partition frozen here, the check raises the
-    retryable ``BriefcaseMovingError`` and the context waits and retries, as a SQL session does.
-    Readers ignore it: a read cannot strand a briefcase.
+    The briefcase's state and its partition's freeze marker come in one query. A write context
+    meets the freeze (while a reshard has the partition frozen here, the check raises the
+    retryable ``BriefcaseMovingError`` and the context waits, as a SQL session does); every
+    context, readers too, uses it to tell a reshard's map apply (the shard re-stamped before the
+    new map is published: a bounded wait and a map re-read) from a stale route (ADR 0012).
     """
     layout = db[LAYOUT].find_one({"_id": placement.area}, session=session) or {}
     own = state_id(placement.area, placement.gdid)
-    if write:
-        marker = freeze_id(placement.area, placement.partition_start)
-        found = {d["_id"]: d for d in db[STATE].find({"_id": {"$in": [own, marker]}}, session=session)}
-        state, frozen = found.get(own, {}), found.get(marker)
-    else:
-        state, frozen = db[STATE].find_one({"_id": own}, session=session) or {}, None
+    marker = freeze_id(placement.area, placement.partition_start)
+    found = {d["_id"]: d for d in db[STATE].find({"_id": {"$in": [own, marker]}}, session=session)}
+    state, frozen = found.get(own, {}), found.get(marker)
     return [
         (
             layout.get("partition_start"),

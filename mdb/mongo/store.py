@@ -197,7 +197,7 @@ class MongoStore:
                 txn = session if transactional else None
                 if not readonly:  # readers may read the source during a move: it is authoritative until the fence
                     check_guard(db, placement, txn)
-                check_ownership(ownership_rows(db, placement, txn, write=not readonly), placement, router.version, write=not readonly)
+                check_ownership(ownership_rows(db, placement, txn), placement, router.version, write=not readonly)
             except RetryableError:
                 session.end_session()
                 raise

@@ -8,8 +8,11 @@ import pytest
 from support.mongo import MongoEnv, UserDocs
 
 from mdb import GDID, CrossBriefcaseError, SchemaError, StaleRouteError
+from mdb.router import ShardLayout
 from mdb.errors import BriefcaseMovingError
 from mdb.mongo import DocumentBriefcaseType, MongoIndex
+from mdb.backends.mongo import stamp_layout
+from mdb.moves.freeze import freeze_partition, unfreeze_partition
 from mdb.mongo.shard_state import GUARD, LAYOUT, STATE, set_guard, state_id
 from mdb.system_tables import STATE_GONE, STATE_INCOMING
 
@@ -181,6 +184,37 @@ def test_incoming_and_guard_make_sessions_wait(mongo_env: MongoEnv) -> None:
     db[STATE].insert_one({"_id": state_id("docs", uid), "area": "docs", "gdid": bytes(uid), "state": STATE_INCOMING, "peer": None})
     with pytest.raises(BriefcaseMovingError, match="not finished"):
         with store.documents(UserDocs, uid, readonly=True):
+            pass
+
+
+def test_a_reshards_freeze_and_map_apply_on_mongodb_are_waits_for_readers_and_writers(mongo_env: MongoEnv) -> None:
+    """The document side of ADR 0012: partition 0:0:0 of [m1, m2] frozen for [m1, m2, m3] lets
+    writes of briefcases that stay on their shard go on and makes the others wait; once m1 is
+    re-stamped for the new list (the map apply, before it publishes the map), a reader and a
+    writer with the old map both wait and re-read the map (``refresh``), never a StaleRouteError."""
+    stays, moves = gdid(6), gdid(8)  # 6: m1 under 2 and 3 shards; 8: m1 now, m3 under the new list
+    app = mongo_env.store(2)
+    app.move_wait_seconds = 0.05
+    for uid in (stays, moves):
+        add_user(app, uid, f"{uid.counter}@x")
+    freeze_partition(app, "docs", GDID.ZERO, ["m1", "m2"], "reshard-test", new_shards=["m1", "m2", "m3"])
+    with app.documents(UserDocs, stays) as bc:
+        bc["orders"].insert_one({"_id": GDID(0, 1, 1), "number": 1, "total": 1})
+    with pytest.raises(BriefcaseMovingError, match="frozen for writes by reshard reshard-test$"):
+        with app.documents(UserDocs, moves):
+            pass
+    with app.documents(UserDocs, moves, readonly=True) as bc:  # still to move: readable while frozen
+        assert bc.root.find_one()["email"] == "8@x"
+
+    assert stamp_layout(app.mongo.database("m1"), ShardLayout("docs", GDID.ZERO, None, 0, 3), 2, replace=True) is None
+    for readonly in (True, False):
+        with pytest.raises(BriefcaseMovingError, match="reshard reshard-test is applying partition 0:0:0's new map") as caught:
+            with app.documents(UserDocs, stays, readonly=readonly):
+                pass
+        assert caught.value.refresh
+    unfreeze_partition(app, "docs", GDID.ZERO, ["m1", "m2"])
+    with pytest.raises(StaleRouteError, match="stamped"):  # no reshard holds it: a stamp that differs is a stale route
+        with app.documents(UserDocs, stays, readonly=True):
             pass
 
 
