@@ -26,7 +26,7 @@ from mdb.registry import Registry
 from mdb.router import Router
 
 if TYPE_CHECKING:
-    from mdb.engines import EngineRegistry
+    from mdb.engines import BeginPrelude, EngineRegistry
     from mdb.session import BriefcaseSession
 
 __all__ = ["Cluster"]
@@ -79,7 +79,7 @@ class Cluster(Protocol):
         """A pooled connection to a SQL server, driver errors turned into mdb errors."""
         ...
 
-    def transaction(self, server: str, readonly: bool = False) -> AbstractContextManager[Connection]:
+    def transaction(self, server: str, readonly: bool = False, prelude: BeginPrelude | None = None) -> AbstractContextManager[Connection]:
         """A connection in one transaction on ``server``: commit on success, rollback on error."""
         ...
 

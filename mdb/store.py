@@ -182,12 +182,18 @@ class Store:
             return self.engines.engine(server, readonly).connect()
 
     @contextmanager
-    def transaction(self, server: str, readonly: bool = False) -> Iterator[Connection]:
-        """A Core connection in one transaction on ``server`` (commit on success)."""
+    def transaction(self, server: str, readonly: bool = False, prelude: BeginPrelude | None = None) -> Iterator[Connection]:
+        """A Core connection in one transaction on ``server`` (commit on success).
+
+        ``prelude``: statements sent with BEGIN in its round trip (:class:`mdb.engines.BeginPrelude`;
+        their rows: :func:`mdb.engines.take_result`), as a mover's fence check is.
+        """
         conn = self.connect(server, readonly)
+        if prelude is not None:
+            set_prelude(conn, prelude)
         try:
             with translated(server):
-                conn = self._begin(conn, server, readonly)
+                conn = self._begin(conn, server, readonly, prelude)
                 try:
                     yield conn
                     conn.commit()

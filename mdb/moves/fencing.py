@@ -14,7 +14,9 @@ it has seen for that lease in ``mdb_lease_fences``:
 * **check** (first statement of every transaction a driver opens through a
   :class:`FencedCluster`): read the epoch ``FOR SHARE`` and go on only if it is the driver's own;
   a higher one raises :class:`mdb.errors.LeaseLostError` and the transaction rolls back. A server
-  first touched after the take is claimed there and then, in the same transaction.
+  first touched after the take is claimed there and then, in the same transaction. The read
+  travels with BEGIN in one round trip (:class:`FenceCheck`, a BEGIN prelude like the
+  ownership check): a batch opens five or so fenced transactions, each one round trip fewer.
 
 Shared row locks do not conflict with each other, so the parallel batches of one reshard do
 not queue on the fence row; only a takeover waits. SQLite has one writer at a time, so a
@@ -36,6 +38,7 @@ from sqlalchemy.engine import Connection
 
 from mdb.briefcase import BriefcaseType
 from mdb.cluster import Cluster
+from mdb.engines import BeginPrelude, Rows, simple_query, take_result
 from mdb.errors import LeaseLostError
 from mdb.gdid import GDID
 from mdb.partition_map import PartitionMap
@@ -93,6 +96,40 @@ def check(conn: Connection, server: str, lease_id: str, epoch: int) -> None:
     ).scalar_one_or_none()
     if seen != epoch:
         _raise_or_take(conn, server, lease_id, epoch, seen)
+
+
+def _judge(conn: Connection, server: str, lease_id: str, epoch: int, rows: Rows) -> None:
+    seen = int(rows[0][0]) if rows else None
+    if seen != epoch:
+        _raise_or_take(conn, server, lease_id, epoch, seen)
+
+
+class FenceCheck:
+    """The fence check's read as a :class:`mdb.engines.BeginPrelude`: sent with BEGIN, in its round trip.
+
+    The same statement as :func:`check` (the epoch row ``FOR SHARE``), in the same transaction;
+    :meth:`FencedCluster.transaction` judges the row BEGIN returned.
+    """
+
+    __slots__ = ("lease_id",)
+
+    def __init__(self, lease_id: str) -> None:
+        self.lease_id = lease_id
+
+    def _pg(self, connection: Any) -> Rows | None:
+        quoted = "'" + self.lease_id.replace("'", "''") + "'"  # standard_conforming_strings (on since PostgreSQL 9.1)
+        return simple_query(connection, f"BEGIN; SELECT epoch FROM {lease_fences.name} WHERE lease_id = {quoted} FOR SHARE")
+
+    def begin_postgresql(self, connection: Any, prepared: Any) -> Rows | None:
+        return self._pg(connection)
+
+    def begin_postgresql_pooled(self, connection: Any) -> Rows | None:
+        return self._pg(connection)
+
+    def begin_sqlite(self, cursor: Any, begin: str) -> Rows | None:
+        cursor.execute(begin)  # one writer at a time: no row lock to take
+        cursor.execute(f"SELECT epoch FROM {lease_fences.name} WHERE lease_id = ?", (self.lease_id,))
+        return list(cursor.fetchall())
 
 
 CLAIM_GRACE: Final = 2.0
@@ -214,12 +251,19 @@ class FencedCluster:
         return self.inner.connect(server, readonly)
 
     @contextmanager
-    def transaction(self, server: str, readonly: bool = False) -> Iterator[Connection]:
-        if not readonly and self.inner.map.kind_of(server) == SQL:
+    def transaction(self, server: str, readonly: bool = False, prelude: BeginPrelude | None = None) -> Iterator[Connection]:
+        if prelude is not None:
+            raise TypeError("a fenced transaction sends its own BEGIN prelude (the fence check); it takes no other")
+        fenced = not readonly and self.inner.map.kind_of(server) == SQL
+        if fenced:
             _ensure_table(self.inner, server)
-        with self.inner.transaction(server, readonly) as conn:
-            if not readonly:
-                self.check(conn, server)
+        with self.inner.transaction(server, readonly, prelude=FenceCheck(self.lease_id) if fenced else None) as conn:
+            if fenced:
+                rows = take_result(conn)
+                if rows is None:  # no prelude ran with this BEGIN (an engine without mdb's BEGIN): the statement
+                    check(conn, server, self.lease_id, self.epoch)
+                else:
+                    _judge(conn, server, self.lease_id, self.epoch, rows)
             yield conn
 
     def begin(self, server: str, readonly: bool = False) -> Connection:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from support.moves import FAST_LEASE, ROOT, Cluster, locations, make_cluster, run_cli, snapshot
-from sqlalchemy import select, text
+from sqlalchemy import event, select, text
 from support.reshard import BATCH_POINTS, SERVERS, Writers, _check_placement, _check_writes, cluster, writers  # noqa: F401 (fixtures: cluster, writers)
 
 from mdb.errors import LeaseLostError
@@ -118,8 +118,18 @@ def test_a_newer_epoch_refuses_the_older_drivers_writes_on_every_server(backend:
             finally:
                 conn.rollback()
                 conn.close()
-            with new.transaction("u1") as conn:
-                conn.execute(text("SELECT 1"))
+            sent: list[str] = []
+
+            def record(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+                sent.append(statement)
+
+            event.listen(store.engine("u1"), "before_cursor_execute", record)
+            try:
+                with new.transaction("u1") as conn:  # the check's read travels with BEGIN (FenceCheck): no statement of its own
+                    conn.execute(text("SELECT 1"))
+            finally:
+                event.remove(store.engine("u1"), "before_cursor_execute", record)
+            assert sent == ["SELECT 1"]
 
 
 def test_a_claim_waits_for_the_old_drivers_checked_transaction_and_refuses_it_afterwards(
