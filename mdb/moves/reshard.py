@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 from collections.abc import Callable, Sequence
 
 from mdb.backends import backend_of
@@ -64,6 +64,7 @@ from mdb.moves.jobs import Item, ItemResult
 from mdb.moves.lease import check_stop, describe_liveness, fenced_servers, hold
 from mdb.moves.status import RateWindow
 from mdb.moves.throttle import Throttle, ThrottleSettings
+from mdb.moves.reshard_state import FROZEN_STEPS, PARAMS_VERSION, ReshardParams, ReshardStep
 from mdb.moves.plan import PartitionScan, PlannedMove, ReshardPlan, plan_reshard, scan_for
 from mdb.moves.batch import BatchMove, hold_schemas
 from mdb.moves.gate import CutoverGate
@@ -310,14 +311,15 @@ def reshard(
     plan = plan_reshard(store, scan, area, start, new_shards, keep_moves=not dry_run)  # a dry run: totals only
     parallel, _ = parallel_for(store, area, start, new_shards, parallel)
     if dry_run:
-        _prechecks(store, plan, scan, map_path, dry_run=True)
+        _check_plan(store, plan, scan, map_path, dry_run=True)
         return ReshardOutcome(None, plan, None, 0)
     reshard_id = new_move_id("reshard")
     journal.start(JournalEntry(
         move_id=reshard_id, kind="reshard", area=area, step="plan", status=RUNNING,
-        params={"partition_start": str(start), "old_shards": old, "new_shards": list(new_shards), "parallel": parallel,
-                "max_pause": max_pause, "batch_pause": batch_pause, "freeze_wait": freeze_wait, "per_server": per_server,
-                "map_path": None if map_path is None else str(Path(map_path).resolve()),
+        params={**ReshardParams(params_version=PARAMS_VERSION, partition_start=start, old_shards=list(old), new_shards=list(new_shards),
+                                parallel=parallel, max_pause=max_pause, batch_pause=batch_pause, freeze_wait=freeze_wait,
+                                per_server=per_server, map_path=None if map_path is None else str(Path(map_path).resolve()),
+                                ).to_params(),
                 **(throttle or ThrottleSettings()).to_params()},
         tables={name: [rows, 0] for name, rows in plan.rows_per_table().items()},
         briefcases_total=len(plan.moves), rows_total=plan.total_rows,
@@ -352,7 +354,7 @@ def _next_version(store: Cluster) -> int:
     return max([store.map.version, *versions]) + 1
 
 
-def _prechecks(store: Cluster, plan: ReshardPlan, scan: PartitionScan, map_path: str | Path | None, *, dry_run: bool) -> tuple[PartitionMap, str]:
+def _check_plan(store: Cluster, plan: ReshardPlan, scan: PartitionScan, map_path: str | Path | None, *, dry_run: bool) -> tuple[PartitionMap, str]:
     """Every target's schema and the new map (through apply_map's dry run), before anything moves."""
     pairs = plan.pairs()
     targets = [*plan.new_shards, *(target for _, target in pairs)]
@@ -948,89 +950,214 @@ def continue_reshard(
 ) -> ReshardOutcome:
     """Run (or resume) a journaled reshard from its recorded step to the end.
 
-    Steps: plan, prechecks, moves (online sweeps), freeze, final_moves, map_apply, unfreeze,
-    cleanup. Resumed anywhere from ``freeze`` to ``map_apply`` it freezes again (idempotent),
-    sweeps, applies the map unless it already is, and unfreezes: it always finishes forward.
+    A state machine over :class:`~mdb.moves.reshard_state.ReshardStep`: each step's function
+    (:data:`_STEPS`) runs and names the next step, which :func:`_enter` journals before it runs,
+    so a resume runs the recorded step again. Resumed anywhere from ``freeze`` to ``map_apply``
+    it freezes again (idempotent), sweeps, applies the map unless it already is, and unfreezes:
+    it always finishes forward. A step of :data:`FROZEN_STEPS` runs with the partition frozen
+    (the driver freezes first), and an error in one unfreezes it.
 
     SQL batched moves are queued as the job's work items (:mod:`mdb.moves.jobs`), worked on by
     ``parallel`` threads here and by any ``mdb worker``; first the items earlier holders left
     are settled. ``stopping``: the process's own stop flag (an ``mdb worker`` driving the job).
     """
-    params = entry.params
-    area, start = entry.area, GDID.parse(params["partition_start"])
-    new_shards: list[str] = list(params["new_shards"])
-    old_shards: list[str] = list(params["old_shards"])
-    map_path = journaled_map_path(entry, store.map_path)
-    max_pause = float(params.get("max_pause", DEFAULT_MAX_PAUSE))
-    parallel, _ = parallel_for(store, area, start, new_shards, int(params.get("parallel", 1)))  # journaled by an older mdb
-    scan = scan_for(store, area, old_shards[0])
-    plan = first_plan
-    report = plan
+    params = ReshardParams.of(entry.move_id, entry.params)
+    step = ReshardStep(entry.step)
+    area, start = entry.area, params.partition_start
+    parallel, _ = parallel_for(store, area, start, params.new_shards, params.parallel)
+    scan = scan_for(store, area, params.old_shards[0])
     store.refresh()
     workers = None
-    if entry.step not in ("unfreeze", "cleanup"):
+    if step not in (ReshardStep.UNFREEZE, ReshardStep.CLEANUP):
         # What earlier holders' workers left is settled first: the counts below include what it finishes.
         workers = Workers(store, None, stopping)
         jobs.settle(workers.journal, entry.move_id, lambda item: settle_item(store, item))
     counts = ReshardCounts.from_journal(journal, entry.move_id)
-    # A reshard journaled by an older mdb has no batch_pause: it resumes one briefcase at a time, as it began.
     own_stop = threading.Event()
     if pace is None:
-        pace = _pace(store, entry, old_shards, new_shards, progress, own_stop)
-    run = _Run(store, journal, entry, scan, parallel, max_pause, progress, counts,
-               BatchSizer(float(params.get("batch_pause", 0.0))), pace, own_stop)
+        pace = _pace(store, entry, params.old_shards, params.new_shards, progress, own_stop)
+    run = _Run(store, journal, entry, scan, parallel, params.max_pause, progress, counts, BatchSizer(params.batch_pause),
+               pace, own_stop)
     if workers is not None:
         workers.stopping = own_stop
         run.workers = workers
         run.pass_no = jobs.last_pass(workers.journal, entry.move_id)
-    if entry.step in ("plan", "prechecks", "moves"):
-        if plan is None:
-            plan = plan_reshard(store, scan, area, start, new_shards)
-        report = plan
-        counts.plan(plan)
-        fault_point("reshard.after_plan")
-        if progress is not None:
-            progress.phase("prechecks")
-        if entry.step != "moves":
-            journal.step(entry.move_id, "prechecks", **counts.journal_values())
-            planned = plan
-            _refused_leaves_nothing(journal, entry, lambda: _prechecks(store, planned, scan, map_path, dry_run=True))
-        else:  # resumed after moves began: a refusal now must stay resumable (the moved briefcases are relocations)
-            journal.update(entry.move_id, **counts.journal_values())
-            _prechecks(store, plan, scan, map_path, dry_run=True)
-        fault_point("reshard.after_prechecks")
-        journal.step(entry.move_id, "moves")
-        if progress is not None:
-            progress.phase("moves")
-            progress.counts(counts, None)
-        # Online sweeps: the application keeps writing; briefcases created meanwhile are picked
-        # up by the next pass. Whatever is left after MAX_SWEEPS is moved under the freeze.
-        plan = _sweep(run, plan, MAX_SWEEPS)
-        fault_point("reshard.after_moves")
-        check_stop(entry.move_id)
-        entry.step = "freeze"
-        journal.step(entry.move_id, "freeze")
-    if entry.step in ("freeze", "final_moves", "map_apply"):
-        _frozen_phase(run, old_shards, map_path)
-        entry.step = "unfreeze"
-    if entry.step == "unfreeze":
-        if progress is not None:
-            progress.phase("unfreeze")
-        unfreeze_partition(store, area, start, old_shards)
-        fault_point("reshard.after_unfreeze")
-        entry.step = "cleanup"
-        journal.step(entry.move_id, "cleanup")
-    if report is None:
-        report = ReshardPlan(area, start, None, old_shards, new_shards)
-    if entry.step == "cleanup":
-        if progress is not None:
-            progress.phase("cleanup")
-        _cleanup(store, area, start)
+    state = _Driving(run, params, journaled_map_path(entry, store.map_path), step, first_plan)
+    current: ReshardStep | None = step
+    while current is not None:
+        try:
+            if current in FROZEN_STEPS and not state.frozen:
+                _freeze(state)  # the first frozen step freezes; one a resume starts at freezes again (idempotent)
+            current = _STEPS[current](state)
+            if current is not None:
+                _enter(state, current)
+        except BaseException as exc:
+            if state.frozen:  # an error or Ctrl-C with the partition frozen: let the application write again, then report
+                _unfreeze_after(state, exc)
+            raise
     journal.finish(entry.move_id, DONE, **counts.journal_values())
     jobs.forget(journal, entry.move_id)
     store.refresh()
-    return ReshardOutcome(entry.move_id, report, params.get("map_version"), counts.briefcases_done, counts.rows_done,
-                          params.get("map_backup"))
+    report = state.report or ReshardPlan(area, start, None, params.old_shards, params.new_shards)
+    return ReshardOutcome(entry.move_id, report, params.map_version, counts.briefcases_done, counts.rows_done,
+                          params.map_backup)
+
+
+@dataclass
+class _Driving:
+    """What the steps of one run of a reshard share (its start, or a resume)."""
+
+    run: _Run
+    params: ReshardParams
+    map_path: str | None
+    resumed_at: ReshardStep
+    plan: ReshardPlan | None = None
+    """The latest plan (the first, then what each sweep left)."""
+    report: ReshardPlan | None = None
+    """The first plan of this run: what the outcome reports."""
+    frozen: bool = False
+    """The partition was frozen by this run (an error in a frozen step unfreezes it)."""
+
+    def phase(self, name: str) -> None:
+        if self.run.progress is not None:
+            self.run.progress.phase(name)
+
+
+def _enter(state: _Driving, step: ReshardStep) -> None:
+    """Journal ``step`` (with the params and counts) before it runs: the one place a reshard's step is written."""
+    entry = state.run.entry
+    entry.params.update(state.params.to_params())
+    state.run.journal.step(entry.move_id, step, params=entry.params, **state.run.counts.journal_values())
+    entry.step = step
+
+
+def _plan(state: _Driving) -> ReshardStep:
+    if state.plan is None:
+        state.plan = plan_reshard(state.run.store, state.run.scan, state.run.entry.area, state.params.partition_start,
+                                  state.params.new_shards)
+    state.report = state.report or state.plan
+    state.run.counts.plan(state.plan)
+    fault_point("reshard.after_plan")
+    return ReshardStep.PRECHECKS
+
+
+def _prechecks(state: _Driving) -> ReshardStep:
+    """Every target's schema and the new map in dry run; a refusal now aborts the reshard (nothing moved)."""
+    state.phase("prechecks")
+    plan = state.plan
+    if plan is None:  # resumed at this step: plan again (what the plan step would have done)
+        _plan(state)
+        plan = state.plan
+        assert plan is not None
+    run = state.run
+    _refused_leaves_nothing(run.journal, run.entry, lambda: _check_plan(run.store, plan, run.scan, state.map_path, dry_run=True))
+    fault_point("reshard.after_prechecks")
+    return ReshardStep.MOVES
+
+
+def _moves(state: _Driving) -> ReshardStep:
+    """Online sweeps: the application keeps writing; briefcases created meanwhile are picked up by
+    the next pass. Whatever is left after MAX_SWEEPS is moved under the freeze."""
+    run = state.run
+    if state.resumed_at == ReshardStep.MOVES:
+        # Resumed after moves began: plan again; a refusal now must stay resumable (the moved briefcases are relocations).
+        state.phase("prechecks")
+        _plan(state)
+        assert state.plan is not None
+        run.journal.update(run.entry.move_id, **run.counts.journal_values())
+        _check_plan(run.store, state.plan, run.scan, state.map_path, dry_run=True)
+        fault_point("reshard.after_prechecks")
+    assert state.plan is not None
+    state.phase("moves")
+    if run.progress is not None:
+        run.progress.counts(run.counts, None)
+    state.plan = _sweep(run, state.plan, MAX_SWEEPS)
+    fault_point("reshard.after_moves")
+    check_stop(run.entry.move_id)
+    return ReshardStep.FREEZE
+
+
+def _freeze(state: _Driving) -> None:
+    """Freeze the partition on its old shards (idempotent): only writes of briefcases that still
+    have to move wait, those that stay go on (issue 31). ``frozen`` first: a freeze that fails
+    (or is interrupted) on the second old shard has frozen the first, and all are unfrozen."""
+    state.phase("freeze")
+    state.frozen = True
+    run, params = state.run, state.params
+    freeze_partition(run.store, run.entry.area, params.partition_start, params.old_shards, run.entry.move_id,
+                     lock_wait=params.freeze_wait, new_shards=params.new_shards)
+    fault_point("reshard.after_freeze")
+
+
+def _freeze_step(state: _Driving) -> ReshardStep:
+    return ReshardStep.FINAL_MOVES  # the driver froze the partition before this step (it is in FROZEN_STEPS)
+
+
+def _final_moves(state: _Driving) -> ReshardStep:
+    """With the freeze in place no briefcase of the partition can be created or written on an old
+    shard, so one sweep finds every straggler and the next one must find none."""
+    run, params = state.run, state.params
+    state.phase("final moves")
+    run.store.refresh()
+    plan = plan_reshard(run.store, run.scan, run.entry.area, params.partition_start, params.new_shards)
+    run.counts.plan(plan)
+    _record(run.journal, run.entry, run.counts, run.progress)
+    state.plan = plan = _sweep(run, plan, 1)
+    if plan.moves:
+        raise MdbError(
+            f"reshard {run.entry.move_id}: {len(plan.moves)} briefcase(s) of the frozen partition appeared after the "
+            f"final sweep (e.g. {plan.moves[0].gdid} on {plan.moves[0].source!r}): something writes without the "
+            "ownership check; nothing was applied"
+        )
+    fault_point("reshard.after_final_moves")
+    check_stop(run.entry.move_id)  # the last moment a cancel can keep the old map
+    return ReshardStep.MAP_APPLY
+
+
+def _map_apply(state: _Driving) -> ReshardStep:
+    state.phase("map apply")
+    state.params.map_version = _apply_new_map(state)
+    return ReshardStep.UNFREEZE
+
+
+def _unfreeze(state: _Driving) -> ReshardStep:
+    state.phase("unfreeze")
+    run = state.run
+    state.frozen = False  # an error unfreezing is raised as it is (the journal stays at unfreeze: resume does it)
+    unfreeze_partition(run.store, run.entry.area, state.params.partition_start, state.params.old_shards)
+    fault_point("reshard.after_unfreeze")
+    return ReshardStep.CLEANUP
+
+
+def _cleanup_step(state: _Driving) -> None:
+    state.phase("cleanup")
+    _cleanup(state.run.store, state.run.entry.area, state.params.partition_start)
+
+
+_STEPS: Final[dict[ReshardStep, Callable[[_Driving], ReshardStep | None]]] = {
+    ReshardStep.PLAN: _plan,
+    ReshardStep.PRECHECKS: _prechecks,
+    ReshardStep.MOVES: _moves,
+    ReshardStep.FREEZE: _freeze_step,
+    ReshardStep.FINAL_MOVES: _final_moves,
+    ReshardStep.MAP_APPLY: _map_apply,
+    ReshardStep.UNFREEZE: _unfreeze,
+    ReshardStep.CLEANUP: _cleanup_step,
+}
+"""Each step's function; it returns the step to journal and run next (None: the reshard is done)."""
+
+
+def _unfreeze_after(state: _Driving, exc: BaseException) -> None:
+    """After an error in a frozen step: unfreeze (the old map is still authoritative, or the new
+    map is fully in place); the journal stays at the step, so resume freezes again."""
+    run = state.run
+    try:
+        unfreeze_partition(run.store, run.entry.area, state.params.partition_start, state.params.old_shards)
+    except Exception as again:
+        raise MdbError(
+            f"reshard {run.entry.move_id} failed ({exc!r}) and unfreezing partition {state.params.partition_start} also "
+            f"failed ({again}): writes of that partition wait until `mdb moves resume MAP` finishes the reshard"
+        ) from exc
 
 
 def _refused_leaves_nothing(journal: Journal, entry: JournalEntry, prechecks: Callable[[], object]) -> None:
@@ -1067,79 +1194,27 @@ def _pace(store: Cluster, entry: JournalEntry, old_shards: list[str], new_shards
     return Throttle(store, settings, list(dict.fromkeys([*old_shards, *new_shards])), on_wait=on_wait).wait
 
 
-def _frozen_phase(run: _Run, old_shards: list[str], map_path: str | None) -> None:
-    """Freeze the partition on its old shards, move the stragglers, apply the new map.
-
-    With the freeze in place no briefcase of the partition can be created or written on an old
-    shard, so one sweep finds every straggler and the next one must find none. On an error
-    the partition is unfrozen (the old map is still authoritative, or the new map is fully in
-    place) and the error raised; the journal stays at its step, so resume freezes again.
-    """
-    store, journal, entry, scan, progress, counts = run.store, run.journal, run.entry, run.scan, run.progress, run.counts
-    area, start, new_shards = entry.area, GDID.parse(entry.params["partition_start"]), list(entry.params["new_shards"])
-    if progress is not None:
-        progress.phase("freeze")
-    try:
-        # Inside the try: a freeze that fails (or is interrupted) on the second old shard has
-        # frozen the first; the handler unfreezes them all (issue 29 item 2).
-        # Only writes of briefcases that still have to move wait: those that stay go on (issue 31).
-        freeze_partition(store, area, start, old_shards, entry.move_id,
-                         lock_wait=float(entry.params.get("freeze_wait", DEFAULT_FREEZE_LOCK_WAIT)), new_shards=new_shards)
-        fault_point("reshard.after_freeze")
-        if entry.step in ("freeze", "final_moves"):
-            journal.step(entry.move_id, "final_moves")
-            entry.step = "final_moves"
-            if progress is not None:
-                progress.phase("final moves")
-            store.refresh()
-            plan = plan_reshard(store, scan, area, start, new_shards)
-            counts.plan(plan)
-            _record(journal, entry, counts, progress)
-            plan = _sweep(run, plan, 1)
-            if plan.moves:
-                raise MdbError(
-                    f"reshard {entry.move_id}: {len(plan.moves)} briefcase(s) of the frozen partition appeared after the "
-                    f"final sweep (e.g. {plan.moves[0].gdid} on {plan.moves[0].source!r}): something writes without the "
-                    "ownership check; nothing was applied"
-                )
-            fault_point("reshard.after_final_moves")
-            check_stop(entry.move_id)  # the last moment a cancel can keep the old map
-            entry.step = "map_apply"
-            journal.step(entry.move_id, "map_apply")
-        if progress is not None:
-            progress.phase("map apply")
-        version = _apply_new_map(store, journal, entry, map_path)
-        entry.params["map_version"] = version
-        journal.step(entry.move_id, "unfreeze", params=entry.params)
-    except BaseException as exc:  # an error or Ctrl-C: let the application write again, then report
-        try:
-            unfreeze_partition(store, area, start, old_shards)
-        except Exception as again:
-            raise MdbError(
-                f"reshard {entry.move_id} failed ({exc!r}) and unfreezing partition {start} also failed ({again}): "
-                "writes of that partition wait until `mdb moves resume MAP` finishes the reshard"
-            ) from exc
-        raise
-
-
-def _apply_new_map(store: Cluster, journal: Journal, entry: JournalEntry, map_path: str | None) -> int:
+def _apply_new_map(state: _Driving) -> int:
     """Apply the journaled new map (once), then write it to the map file; idempotent."""
-    params = entry.params
-    area, start, new_shards = entry.area, GDID.parse(params["partition_start"]), list(params["new_shards"])
-    text = params.get("new_map_yaml")
+    run, params = state.run, state.params
+    entry, store, map_path = run.entry, run.store, state.map_path
+    text = params.new_map_yaml
     if text is None:
-        text = new_map_text(_store_map_text(store, map_path), area, start, new_shards, _next_version(store))
-        params["new_map_yaml"] = text
-        journal.update(entry.move_id, params=params)
+        text = new_map_text(_store_map_text(store, map_path), entry.area, params.partition_start, params.new_shards,
+                            _next_version(store))
+        params.new_map_yaml = text
+        entry.params.update(params.to_params())
+        run.journal.update(entry.move_id, params=entry.params)
     new_map = parse_map(text, "<new map>")
     fault_point("reshard.before_map_apply")
     if new_map.version not in {v for v, _ in applied_maps(store)}:
-        apply_map(store, new_map, yaml_text=text, allow_reshard_of=(area, start))
+        apply_map(store, new_map, yaml_text=text, allow_reshard_of=(entry.area, params.partition_start))
     fault_point("reshard.after_map_apply")
     if map_path is not None:
         def journal_backup(backup: Path) -> None:
-            params["map_backup"] = str(backup)
-            journal.update(entry.move_id, params=params)
+            params.map_backup = str(backup)
+            entry.params.update(params.to_params())
+            run.journal.update(entry.move_id, params=entry.params)
 
         rewrite_map_file(Path(map_path), text, new_map.version, tag=entry.move_id, on_backup=journal_backup)
     fault_point("reshard.after_map_file")
