@@ -25,7 +25,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import psycopg
 from sqlalchemy import text
@@ -64,6 +64,20 @@ def freeze_mark(reshard_id: str, new_shards: Iterable[str] | None, server: str) 
         return reshard_id
     shards = list(new_shards)
     return f"{reshard_id}{_STAYS}{len(shards)}:{shards.index(server) if server in shards else -1}"
+
+
+APPLYING_PREFIX: Final = "map-apply-"
+"""The holder prefix of a plain map apply's markers (:func:`applying_mark`)."""
+
+
+def applying_mark(version: int) -> str:
+    """The marker ``mdb map apply`` puts on each shard whose stamp it changes, until it has published the map.
+
+    Slot 0 of 1: it turns no write session away (every ``v mod 1`` is 0), but like a reshard's
+    freeze marker it tells a session that meets a stamp other than its map's that a map is
+    being applied: a bounded wait with a map re-read, not a StaleRouteError (issue 31).
+    """
+    return f"{APPLYING_PREFIX}v{version}{_STAYS}1:0"
 
 
 def freeze_holder(mark: str) -> str:
@@ -460,7 +474,7 @@ def check_ownership(rows: list[tuple[Any, ...]] | None, placement: Placement, ma
         # published (or the process read the new map first). Re-read the map and retry until both
         # agree, a bounded wait (move_wait_seconds), never the few immediate stale retries.
         raise BriefcaseMovingError(
-            f"{what}: reshard {freeze_holder(str(mark))} is applying partition {placement.partition_start}'s new map; the "
+            f"{what}: {freeze_holder(str(mark))} is applying partition {placement.partition_start}'s new map; the "
             f"server's stamp and map version {map_version} differ until that map is published and read",
             refresh=True,
         )

@@ -321,6 +321,15 @@ class Backend(ABC):
         """Remove the freeze marker of partition ``start`` on ``server``; the number of markers removed."""
 
     @abstractmethod
+    def mark_applying(self, cluster: Servers, server: str, area: str, start: GDID, mark: str) -> bool:
+        """Put a map apply's marker (:func:`mdb.ownership.applying_mark`) on partition ``start`` of ``area``
+        unless a marker is there already (a reshard's freeze); True when this wrote it."""
+
+    @abstractmethod
+    def clear_applying(self, cluster: Servers, server: str) -> int:
+        """Remove every map apply's marker on ``server`` (each area); how many."""
+
+    @abstractmethod
     def frozen_by(self, cluster: Servers, server: str, area: str, start: GDID) -> str | None:
         """The reshard id whose freeze of partition ``start`` is on ``server``, if any."""
 

@@ -10,6 +10,7 @@ pymongo itself is never imported here, so the registry can load this module with
 from __future__ import annotations
 
 import heapq
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar, Final
 
@@ -26,6 +27,7 @@ from mdb.backends.base import (
 )
 from mdb.errors import MapEditError, MdbError
 from mdb.gdid import GDID
+from mdb.ownership import APPLYING_PREFIX
 from mdb.router import Reach, ShardLayout
 from mdb.system_tables import STATE_FROZEN, STATE_RESIDENT, briefcase_state
 from mdb.urls import MONGO
@@ -231,6 +233,20 @@ class MongoBackend(Backend):
 
     def unfreeze_partition(self, cluster: Servers, server: str, area: str, start: GDID) -> int:
         found = documents_of(cluster).database(server)[STATE].delete_one({"_id": freeze_id(area, start), "state": STATE_FROZEN})
+        return int(found.deleted_count)
+
+    def mark_applying(self, cluster: Servers, server: str, area: str, start: GDID, mark: str) -> bool:
+        found = documents_of(cluster).database(server)[STATE].update_one(
+            {"_id": freeze_id(area, start)},
+            {"$setOnInsert": {"area": area, "state": STATE_FROZEN, "peer": str(start), "move_id": mark}},
+            upsert=True,
+        )
+        return found.upserted_id is not None
+
+    def clear_applying(self, cluster: Servers, server: str) -> int:
+        found = documents_of(cluster).database(server)[STATE].delete_many(
+            {"state": STATE_FROZEN, "move_id": {"$regex": f"^{re.escape(APPLYING_PREFIX)}"}}
+        )
         return int(found.deleted_count)
 
     def frozen_by(self, cluster: Servers, server: str, area: str, start: GDID) -> str | None:

@@ -21,7 +21,7 @@ from sqlalchemy.types import SchemaType, TypeDecorator
 from mdb.backends.base import AreaData, AreaScan, Backend, SchemaOutcome, Servers, ServerSchema
 from mdb.errors import MapEditError, MdbError
 from mdb.gdid import GDID
-from mdb.ownership import FREEZE_GDID, install_pg_functions, partition_lock_key_sql
+from mdb.ownership import APPLYING_PREFIX, FREEZE_GDID, install_pg_functions, partition_lock_key_sql
 from mdb.router import Reach, ShardLayout
 from mdb.schema_diff import compare_tables
 from mdb.sqltypes import GDIDType
@@ -263,6 +263,21 @@ class SqlBackend(Backend):
     def unfreeze_partition(self, cluster: Servers, server: str, area: str, start: GDID) -> int:
         with cluster.transaction(server) as conn:
             return int(conn.execute(delete(briefcase_state).where(_freeze_marker(area, start))).rowcount)
+
+    def mark_applying(self, cluster: Servers, server: str, area: str, start: GDID, mark: str) -> bool:
+        with cluster.transaction(server) as conn:
+            held = briefcase_state.c.area == area, briefcase_state.c.gdid == FREEZE_GDID
+            if conn.execute(select(briefcase_state.c.move_id).where(*held)).first() is not None:
+                return False
+            conn.execute(insert(briefcase_state).values(area=area, gdid=FREEZE_GDID, state=STATE_FROZEN, peer=str(start), move_id=mark))
+            return True
+
+    def clear_applying(self, cluster: Servers, server: str) -> int:
+        with cluster.transaction(server) as conn:
+            return int(conn.execute(delete(briefcase_state).where(
+                briefcase_state.c.gdid == FREEZE_GDID, briefcase_state.c.state == STATE_FROZEN,
+                briefcase_state.c.move_id.startswith(APPLYING_PREFIX, autoescape=True),
+            )).rowcount)
 
     def frozen_by(self, cluster: Servers, server: str, area: str, start: GDID) -> str | None:
         with cluster.transaction(server) as conn:

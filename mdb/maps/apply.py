@@ -36,6 +36,7 @@ from mdb.gdid import GDID
 from mdb.maps.diff import MapDiff, diff_maps
 from mdb.maps.diff import MapChange
 from mdb.maps.high_water import high_water_marks, stored_high_water
+from mdb.ownership import applying_mark
 from mdb.maps.history import AppliedMap, maps_server, maps_table, newest_applied
 from mdb.maps.identity import IdentityFinding, adopt, record_identities, recorded_identities, survey
 from mdb.maps.text import recordable_yaml
@@ -233,8 +234,11 @@ def apply_map(
        by default under the old map, so this is invisible until the map is published.
     4. Stamps that change are rewritten, one shard at a time, each under a lock that waits
        for the shard's in-flight sessions and re-checks that no stored GDID falls outside the
-       new range (GDIDs written since the marks were read). After this an old process meets
-       the new stamp, raises StaleRouteError and refreshes; it cannot write to the wrong shard.
+       new range (GDIDs written since the marks were read). Each such shard first gets the
+       apply's marker (:func:`mdb.ownership.applying_mark`, not in a reshard's own apply, whose
+       freeze markers do this): an old process that meets the new stamp waits and re-reads the
+       map until step 6 instead of failing with StaleRouteError; it cannot write to the wrong
+       shard either way. The markers are removed after step 6.
     5. Stamps of servers that leave an area (a reshard) are deleted the same way.
     6. The map text is recorded in CENTRAL; refreshing Stores adopt it (retrying processes
        that met a new stamp in steps 4-5 succeed from here on).
@@ -308,7 +312,13 @@ def apply_map(
                 f"{backend_of(new_map, unchecked[0][0]).kind} server {unchecked[0][0]!r}, which only SQL shards support; nothing was written"
             )
         undo: list[tuple[str, str, ShardLayout | None]] = []
+        # A plain apply marks the shards whose stamp changes until the map is published: a session
+        # with the old map that meets a new stamp meanwhile waits and re-reads the map instead of
+        # failing with StaleRouteError (a reshard's own apply has its freeze markers for that).
+        marked = sorted({server for server, *_ in plan_change}) if allow_reshard_of is None else []
         try:
+            for server, area, current, _ in plan_change if marked else []:
+                backend_of(new_map, server).mark_applying(target, server, area, current.partition_start, applying_mark(new_map.version))
             # 3. new stamps: nobody routes here yet
             for server, area, layout in plan_add:
                 problem = backend_of(new_map, server).stamp_layout(target, server, layout, new_map.version, replace=True)
@@ -331,7 +341,7 @@ def apply_map(
                 action: Literal["changed", "removed"] = "changed" if new_layout is not None else "removed"
                 report.stamps.append(StampChange(server, area, action, _fmt_layout(current), _fmt_layout(new_layout)))
         except Exception as exc:
-            problems = _undo(target, undo, old_map.version, lock_timeout)
+            problems = _undo(target, undo, old_map.version, lock_timeout) + _clear_marks(target, marked)
             detail = str(exc) if isinstance(exc, MdbError) else f"{type(exc).__name__}: {dberrors.describe(exc)}"
             restored = "every stamp written so far was restored" if not problems else (
                 "restoring stamps FAILED on: " + "; ".join(problems) + " (run the apply again to finish)"
@@ -348,10 +358,25 @@ def apply_map(
             create_tables(conn, [maps_table])
             conn.execute(insert(maps_table).values(version=new_map.version, yaml=text))
         report.recorded_on = server
+        left = _clear_marks(target, marked)
+        if left:
+            raise MapEditError(f"map version {new_map.version} is applied and published, but removing its markers failed on "
+                               f"{'; '.join(left)}: they turn no session away, and the next apply that changes a stamp there removes them")
     finally:
         target.close()
     cluster.refresh()
     return report
+
+
+def _clear_marks(target: Cluster, servers: list[str]) -> list[str]:
+    """Remove the apply's markers (:func:`mdb.ownership.applying_mark`) from ``servers``; the problems, one per server."""
+    problems = []
+    for server in servers:
+        try:
+            backend_of(target.map, server).clear_applying(target, server)
+        except Exception as exc:  # reported to the operator in the MapEditError, never dropped
+            problems.append(f"server {server!r}: {exc}")
+    return problems
 
 
 def _undo(target: Cluster, undo: list[tuple[str, str, ShardLayout | None]], version: int, lock_timeout: float) -> list[str]:

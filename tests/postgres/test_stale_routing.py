@@ -26,7 +26,10 @@ from mdb.errors import BriefcaseMovingError, StaleRouteError
 from mdb.gdid import GDID
 from mdb.moves.freeze import freeze_partition, frozen_by, unfreeze_partition
 from mdb.ownership import lock_key_sql, ownership_prelude
-from mdb.partition_map import load_map
+from mdb.maps import apply as apply_module
+from mdb.maps.apply import apply_map
+from mdb.maps.history import maps_server
+from mdb.partition_map import PartitionMap, load_map
 from mdb.relocations import set_relocation
 from mdb.router import Router, ShardLayout
 from mdb.schema import stamp_layout
@@ -277,9 +280,9 @@ def test_a_reshards_freeze_pauses_only_the_briefcases_still_to_move(cluster: Clu
 
     with admin.transaction("u1") as conn:  # the map apply's re-stamp, before it publishes the map
         assert stamp_layout(conn, ShardLayout("user", GDID.ZERO, None, 0, 3), 2, replace=True) is None
-    with pytest.raises(BriefcaseMovingError, match="reshard reshard-test is applying partition 0:0:0's new map"):
+    with pytest.raises(BriefcaseMovingError, match="reshard-test is applying partition 0:0:0's new map"):
         create_user(app, GDID(0, 0, 12))  # u1 under both lists: waits, never a StaleRouteError
-    with pytest.raises(BriefcaseMovingError, match="reshard reshard-test is applying partition 0:0:0's new map"):
+    with pytest.raises(BriefcaseMovingError, match="reshard-test is applying partition 0:0:0's new map"):
         with app.briefcase(UserBriefcase, stays, readonly=True) as s:  # a reader too (never refused for the freeze itself)
             s.scalar(select(User.name))
 
@@ -289,3 +292,35 @@ def test_a_reshards_freeze_pauses_only_the_briefcases_still_to_move(cluster: Clu
     assert len(refreshes) >= 3  # each wait re-read the map, past max_stale_retries; the third found the new one
     assert rows_on_every_shard(admin, GDID(0, 0, 12))["u1"] == 2
     assert unfreeze_partition(admin, "user", GDID.ZERO, ["u1", "u2"]) == 2
+
+
+def test_a_plain_map_apply_is_a_wait_for_old_map_sessions_never_a_stale_route(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    """`mdb map apply` of V2 (a partition after 0:0:0) re-stamps u1 and u2 (0:0:0 gets an end) before
+    it publishes the map. A reader or writer with V1 that meets a new stamp meanwhile waits and
+    re-reads the map (the apply's marker, ADR 0012), where it used to get StaleRouteError once its
+    stale retries ran out; once the map is published it is routed by V2, and no marker is left."""
+    admin = cluster.store()
+    app = cluster.store(move_wait_seconds=0.2, max_stale_retries=1)
+    assert create_user(app, GDID(0, 0, 4)) == "u1"
+    (tmp_path / "next").mkdir()
+    v2 = cluster.write(tmp_path / "next", cluster.urls, central=["central"], partitions=V2, version=2)
+    caught: list[BriefcaseMovingError] = []
+
+    def before_publishing(pmap: PartitionMap) -> str:  # every stamp rewritten, the map not recorded yet
+        assert [frozen_by(admin, "user", GDID.ZERO, s) for s in ("u1", "u2")] == ["map-apply-v2"] * 2  # the holder (frozen_by strips the slot)
+        with pytest.raises(BriefcaseMovingError, match="map-apply-v2 is applying partition 0:0:0's new map") as write:
+            create_user(app, GDID(0, 0, 6))
+        with pytest.raises(BriefcaseMovingError, match="map-apply-v2 is applying partition 0:0:0's new map") as read:
+            with app.briefcase(UserBriefcase, GDID(0, 0, 4), readonly=True) as s:
+                s.scalar(select(User.name))
+        caught.extend([write.value, read.value])
+        return maps_server(pmap)
+
+    monkeypatch.setattr(apply_module, "maps_server", before_publishing)
+    apply_map(admin, load_map(v2), yaml_text=v2.read_text())
+    assert [e.refresh for e in caught] == [True, True]
+    assert [frozen_by(admin, "user", GDID.ZERO, s) for s in ("u1", "u2")] == [None, None]
+    assert create_user(app, GDID(0, 0, 6)) == "u1"  # the stamp differs, no marker: a stale route, refreshed to V2
+    assert app.router.version == 2

@@ -13,8 +13,10 @@ from mdb import GDID
 from mdb.backends import backend_of
 from mdb.backends.mongo import MongoBackend
 from mdb.backends.sql import SqlBackend
+from mdb.ownership import applying_mark
 from mdb.relocations import load_relocation_reach, load_relocations, set_relocation, set_relocations
 from mdb.router import Reach, ShardLayout, reach_of
+from mdb.system_tables import briefcase_state
 
 
 @pytest.mark.parametrize("central_on_mongo", [0, 2], ids=["sql-central", "mongo-central"])
@@ -73,3 +75,21 @@ def test_a_layout_stamp_is_refused_when_it_differs_unless_replaced(mongo_env: Mo
     assert problem is not None and "mdb map apply" in problem and "'probe'" in problem
     assert backend.stamp_layout(store, server, moved, 6, replace=True) is None
     assert backend.stamp_layout(store, server, moved, 7, replace=False) is None  # now stamped as replaced
+
+
+@pytest.mark.parametrize("server", ["c", "m1"], ids=["sql", "mongo"])
+def test_a_map_applys_marker_never_replaces_a_reshards_freeze_and_is_cleared_alone(mongo_env: MongoEnv, server: str) -> None:
+    store = mongo_env.store(2)
+    if server == "c":  # a SQL server with shard tables (CENTRAL here has none of its own)
+        with store.transaction(server) as conn:
+            briefcase_state.create(conn, checkfirst=True)
+    backend = backend_of(store.map, server)
+    mark = applying_mark(3)
+    assert backend.mark_applying(store, server, "probe", GDID.ZERO, mark)
+    assert not backend.mark_applying(store, server, "probe", GDID.ZERO, mark)  # already marked
+    assert backend.frozen_by(store, server, "probe", GDID.ZERO) == mark
+    backend.freeze_partition(store, server, "held", GDID.ZERO, "reshard-x@2:0", lock_wait=5)
+    assert not backend.mark_applying(store, server, "held", GDID.ZERO, mark)  # a reshard's freeze stays as it is
+    assert backend.clear_applying(store, server) == 1
+    assert backend.frozen_by(store, server, "probe", GDID.ZERO) is None
+    assert backend.frozen_by(store, server, "held", GDID.ZERO) == "reshard-x@2:0"

@@ -208,7 +208,7 @@ def test_a_reshards_freeze_and_map_apply_on_mongodb_are_waits_for_readers_and_wr
 
     assert stamp_layout(app.mongo.database("m1"), ShardLayout("docs", GDID.ZERO, None, 0, 3), 2, replace=True) is None
     for readonly in (True, False):
-        with pytest.raises(BriefcaseMovingError, match="reshard reshard-test is applying partition 0:0:0's new map") as caught:
+        with pytest.raises(BriefcaseMovingError, match="reshard-test is applying partition 0:0:0's new map") as caught:
             with app.documents(UserDocs, stays, readonly=readonly):
                 pass
         assert caught.value.refresh
