@@ -25,6 +25,8 @@ shard are never held in memory). Findings:
   briefcase and the fence's peer holds no row of it; otherwise reported.
 - ``stale_incoming`` / ``stale_freeze``: an ``incoming`` row or freeze marker no unfinished
   move or reshard explains. Reported; an ``incoming`` row goes with its leftover copy.
+- ``stale_apply_marker``: the marker of a ``mdb map apply`` that stopped before it published
+  its map (:func:`mdb.ownership.applying_mark`). It turns no session away; repaired (removed).
 - ``orphan_relocation``: a relocation directory entry (CENTRAL) sending a briefcase to a server
   that holds no row of it (checked during the same scan). Reported only.
 - ``central_<kind>``: CENTRAL index entries out of step (:func:`mdb.central.reconcile.check`,
@@ -55,7 +57,7 @@ from mdb.mongo.shard_state import GUARD, STATE, guard_ids, set_guard, state_id
 from mdb.moves import verify
 from mdb.moves.copy import AreaTable, delete_rows, measure
 from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, area_tables, locked_source
-from mdb.ownership import freeze_holder
+from mdb.ownership import APPLYING_PREFIX, freeze_holder
 from mdb.system_tables import STATE_FROZEN, STATE_GONE, STATE_INCOMING, briefcase_state
 
 __all__ = ["Finding", "FsckReport", "fsck"]
@@ -208,6 +210,9 @@ def _odd_state(store: Any, area: str, server: str, state: BriefcaseStateRow, unf
 def _state_finding(store: Any, area: str, server: str, state: BriefcaseStateRow, data: AreaData, unfinished: InFlight) -> tuple[Finding, bool]:
     """What an odd state row is, and whether removing it is provably safe (a fence whose peer holds nothing)."""
     gdid, peer = state.gdid, state.peer
+    if state.state == STATE_FROZEN and (state.move_id or "").startswith(APPLYING_PREFIX):
+        return Finding("stale_apply_marker", server, None, f"marker of map apply {freeze_holder(state.move_id or '')!r}, an apply "
+                       "that stopped before it published its map: it turns no session away"), True
     if state.state == STATE_FROZEN:
         return Finding("stale_freeze", server, None, f"freeze marker of partition {peer} by {freeze_holder(state.move_id or '')!r}, which the journal "
                        "does not list as an unfinished reshard: writes of that partition wait; remove it by hand once sure no reshard runs"), False
@@ -356,7 +361,10 @@ def fsck(store: Any, area: str, *, repair: bool = False) -> FsckReport:
             report.findings.append(_examine(store, area, server, gdid, copies, unfinished, repair))
         for state in states:
             finding, safe = _state_finding(store, area, server, state, data, unfinished)
-            if safe and repair:
+            if safe and repair and finding.kind == "stale_apply_marker":
+                removed = backend_of(store.map, server).clear_applying(store, server)
+                finding = Finding(finding.kind, server, None, f"{finding.detail}; removed ({removed} marker(s))", "repaired")
+            elif safe and repair:
                 finding = (_repair_fence(store, area, server, state.gdid, tables, finding) if sql
                            else _repair_document_fence(store, area, server, state, data, finding))
             report.findings.append(finding)

@@ -38,7 +38,7 @@ from mdb.moves.throttle import replica_lag, replicas_of
 from mdb.moves.history import HistoryRow, history
 from mdb.moves.journal import Journal
 from mdb.moves.status import MoveStatus, move_status
-from mdb.ownership import freeze_holder
+from mdb.ownership import APPLYING_PREFIX, freeze_holder
 from mdb.system_tables import STATE_FROZEN
 
 __all__ = ["BROKEN", "ATTENTION", "HEALTHY", "FleetReport", "Problem", "fleet_report"]
@@ -281,7 +281,11 @@ def fleet_report(store: Cluster, map_path: str, file_version: int, *, migrations
                                     f"mdb moves resume {map_path} (or mdb moves cancel {map_path} {e.move_id})"))
     _frozen(store, report, running_reshards)
     for f in report.frozen:
-        if not f.driven:
+        if f.reshard_id is not None and f.reshard_id.startswith(APPLYING_PREFIX):
+            problems.append(Problem(ATTENTION, f"partition {f.partition} of area {f.area!r} on {f.server!r} holds the marker of "
+                                    f"{f.reshard_id}, a map apply that stopped before it published its map (it turns no session "
+                                    "away)", f"mdb fsck {map_path} --repair"))
+        elif not f.driven:
             problems.append(Problem(BROKEN, f"partition {f.partition} of area {f.area!r} is frozen on {f.server!r} by {f.reshard_id}, "
                                     "which is not running: its writes wait and fail", f"mdb moves resume {map_path}"))
     try:

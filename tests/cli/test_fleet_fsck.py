@@ -15,16 +15,19 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.fleet import ATTENTION, status
 from support.moves import Cluster, create_user, locations, make_cluster, run_cli, snapshot
 from sqlalchemy import insert, select, update
 
-from mdb.demo.models import User
+from mdb.backends import backend_of
+from mdb.demo.models import User, UserBriefcase
 from mdb.demo.repositories import EmailIndex
 from mdb.fleet.fsck import RESUME, FsckReport, fsck
 from mdb.gdid import GDID
 from mdb.moves.copy import copy_rows
 from mdb.moves.move import area_tables, move_briefcase
-from mdb.ownership import FREEZE_GDID
+from mdb.moves.freeze import frozen_by
+from mdb.ownership import FREEZE_GDID, applying_mark
 from mdb.relocations import set_relocation
 from mdb.store import Store
 from mdb.system_tables import STATE_FROZEN, STATE_GONE, briefcase_state
@@ -145,3 +148,23 @@ def test_a_relocation_entry_pointing_at_no_briefcase_is_reported_and_nothing_is_
             ("central_dangling", "c", str(g), "run `mdb central repair MAP`"),  # its email entry, routed through the directory
         }
         assert snapshot(store, SHARDS) == before
+
+
+def test_the_marker_of_a_map_apply_that_stopped_before_publishing_is_attention_and_repaired(
+    tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path,
+) -> None:
+    """It turns no session away (unlike a reshard's freeze without its reshard: broken), so `mdb status`
+    names it for attention and `mdb fsck --repair` removes it."""
+    cluster = build(tmp_sqlite_urls(5), tmp_path)
+    with cluster.store() as store:
+        assert backend_of(store.map, "u1").mark_applying(store, "u1", "user", GDID.ZERO, applying_mark(7))
+        with store.briefcase(UserBriefcase, GDID(0, 0, 4)) as session:  # u1's writers are not held by it
+            session.execute(update(User).values(name="written"))
+    code, out = status(cluster)
+    assert code == ATTENTION, out["problems"]
+    (problem,) = [p for p in out["problems"] if "map-apply-v7" in p["what"]]
+    assert problem["level"] == "attention" and problem["fix"] == f"mdb fsck {cluster.path} --repair"
+    with cluster.store() as store:
+        assert _found(fsck(store, "user")) == {("stale_apply_marker", "u1", None, "reported")}
+        assert _found(fsck(store, "user", repair=True)) == {("stale_apply_marker", "u1", None, "repaired")}
+        assert frozen_by(store, "user", GDID.ZERO, "u1") is None and _found(fsck(store, "user")) == set()
