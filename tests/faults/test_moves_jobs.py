@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from support.fleet import SHARDS, build_skewed
 from support.moves import Cluster, locations, run_cli, snapshot
-from support.reshard import SERVERS, USERS, cluster  # noqa: F401
-from support.workers import no_process_left, stop, worker  # noqa: F401
+from support.reshard import SERVERS, USERS, _batches, cluster  # noqa: F401
+from support.workers import no_process_left, spawn, stop, worker  # noqa: F401
 
 from mdb.gdid import GDID
 from mdb.moves.freeze import frozen_by
@@ -113,6 +113,31 @@ def test_a_rebalance_killed_mid_job_is_finished_by_workers_or_stopped_by_cancel(
         with skewed.store() as store:
             (entry,) = [e for e in Journal(store).entries() if e.kind == "rebalance"]
             assert entry.status == "cancelled", entry
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_of_a_rebalance_gives_its_items_back_and_resume_finishes_it(
+    pg_databases: Callable[[int], list[str]], tmp_path: Path,
+) -> None:
+    skewed = build_skewed(pg_databases(1) + pg_databases(4), tmp_path)
+    rows, _ = _state(skewed, SHARDS)
+    slow = {**SMALL_ITEMS, "MDB_FAULT_POINT": "batch.after_precopy", "MDB_FAULT_ACTION": "sleep:2"}  # every batch: time to stop it in one
+    proc = spawn(["rebalance", str(skewed.path), "user", "--apply"], slow)
+    deadline = time.monotonic() + 120
+    while not any(status == "done" for status, _ in _batches(skewed)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, (proc.returncode, out, err)
+    assert "interrupted (its work items given back)" in err and "Traceback" not in err, err
+    job = _job(skewed, "rebalance")
+    assert job["driver"].startswith("interrupted") and 0 < job["briefcases_done"] < job["briefcases_total"], job
+    shown = run_cli(["moves", "status", str(skewed.path), "--json"])
+    assert all(w["holder"] is None for w in json.loads(shown.stdout)["workers"]), "an item is still held by the stopped command"
+    resumed = run_cli(["moves", "resume", str(skewed.path)], env=SMALL_ITEMS)
+    assert resumed.returncode == 0 and "rebalance completed" in resumed.stdout, (resumed.stdout, resumed.stderr)
+    _check(skewed, SHARDS, rows)
 
 
 @pytest.mark.timeout(600)
