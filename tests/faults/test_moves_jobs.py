@@ -116,6 +116,21 @@ def test_a_rebalance_killed_mid_job_is_finished_by_workers_or_stopped_by_cancel(
 
 
 @pytest.mark.timeout(600)
+def test_a_worker_on_another_host_claims_a_running_rebalances_items(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
+    skewed = build_skewed(pg_databases(1) + pg_databases(4), tmp_path)
+    rows, _ = _state(skewed, SHARDS)
+    slow = {**SMALL_ITEMS, "MDB_FAULT_POINT": "batch.after_precopy", "MDB_FAULT_ACTION": "sleep:2"}  # items stay in flight a while
+    helper = worker(skewed, {**slow, "MDB_HOST_NAME": "host-b"})
+    applied = run_cli(["rebalance", str(skewed.path), "user", "--apply"], env=slow, timeout=300)
+    assert applied.returncode == 0, (applied.stdout, applied.stderr)
+    ((rc, said),) = stop([helper])
+    assert rc in (0, 130, 143), (rc, said)
+    job_id = applied.stdout.split("(job ")[1].split(")")[0]
+    assert f" of job {job_id}: " in said, said  # the worker claimed at least one item of the command's job
+    _check(skewed, SHARDS, rows)
+
+
+@pytest.mark.timeout(600)
 def test_sigterm_of_a_rebalance_gives_its_items_back_and_resume_finishes_it(
     pg_databases: Callable[[int], list[str]], tmp_path: Path,
 ) -> None:
