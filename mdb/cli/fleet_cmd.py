@@ -1,7 +1,9 @@
 """``mdb balance``, ``mdb fsck``, ``mdb rebalance`` and ``mdb drain``: the fleet as a whole (docs/fleet.md).
 
 Every command opens the Store with :func:`mdb.cli.app.open_store` and reads the live servers;
-``fsck`` exits 1 when it finds problems (decisions.md).
+``fsck`` exits 1 when it finds problems (decisions.md). ``rebalance --apply`` and ``drain``
+run their moves as a job in CENTRAL (:mod:`mdb.moves.movejob`): this process works on it, any
+``mdb worker MAP`` too, and an interrupted one is finished by a worker or ``mdb moves resume``.
 """
 
 from __future__ import annotations
@@ -12,18 +14,26 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, fail, open_store
+from mdb.cli.app import EXIT_NOT_FOUND, app, console, emit_json, fail, open_store, warn
 from mdb.cli.options import JsonOpt, MapArg
 from mdb.cli.metrics import MetricsPortOpt, serve_metrics
 from mdb.fleet.balance import MEASURES, AreaBalance, Measure, balance
 from mdb.fleet.drain import DrainCheck, DrainMove, check_drain, drain, drain_refusal
 from mdb.fleet.fsck import FsckReport, fsck
-from mdb.fleet.rebalance import MIN_IMPROVEMENT, PlannedMove, RebalancePlan, apply_plan, plan_rebalance
-from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult
+from mdb.fleet.rebalance import MIN_IMPROVEMENT, RebalancePlan, apply_plan, plan_rebalance
+from mdb.moves.jobs import DEFAULT_PER_SERVER
+from mdb.moves.journal import Journal
+from mdb.moves.move import DEFAULT_MAX_PAUSE
+from mdb.moves.plan import PlannedMove as PlannedMove
+from mdb.moves.reshard import DEFAULT_BATCH_PAUSE, ReshardCounts
 from mdb.store import Store
 
 __all__: list[str] = []
 
+BatchPauseOpt = Annotated[float, typer.Option(
+    "--batch-pause", metavar="SECONDS", min=0.0,
+    help="Write pause a batch of briefcases aims at (batches grow or shrink to keep it); 0: one briefcase at a time.")]
+PerServerOpt = Annotated[int, typer.Option("--per-server", min=1, max=64, help="Work items in flight at once on one server, over every worker of every host.")]
 AreaOpt = Annotated[str | None, typer.Argument(metavar="[AREA]", help="one area (default: every partitioned area)", show_default=False)]
 BAR_WIDTH = 30
 
@@ -152,15 +162,46 @@ def _print_plan(plan: RebalancePlan) -> None:
     console.print(f"max skew by {plan.by}: {plan.max_skew(plan.before):.1%} -> {plan.max_skew(plan.after):.1%} (planned)")
 
 
+class _MovesPrinter:
+    """A rebalance's or drain's job shown as lines: one per batch or move that finished (``[done/total] moved ...``)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.done = 0
+
+    def phase(self, name: str) -> None:
+        pass
+
+    def counts(self, counts: ReshardCounts, last: PlannedMove | None) -> None:
+        if self.quiet or last is None or counts.briefcases_done == self.done:
+            return
+        self.done = counts.briefcases_done
+        console.print(f"[{counts.briefcases_done}/{counts.briefcases_total}] moved {last.gdid} {last.source} -> {last.target} "
+                      f"({counts.rows_done} rows so far)", markup=False)
+
+    def waiting(self, reason: str, seconds: float) -> None:
+        pass
+
+
+def _say_job_interrupted(store: Store, kind: str, areas: list[str], map_path: str) -> None:
+    """After Ctrl-C or SIGTERM: one stderr line per interrupted job of ``kind`` and how it goes on."""
+    for entry in Journal(store).entries(unfinished=True):
+        if entry.kind == kind and entry.area in areas:
+            warn(f"{kind} {entry.move_id} of area {entry.area!r} interrupted (its work items given back): any `mdb worker {map_path}` "
+                 f"finishes it, or run `mdb moves resume {map_path}` (`mdb moves cancel {map_path} {entry.move_id}` stops it)")
+
+
 @app.command("rebalance")
 def rebalance_cmd(
     map_path: MapArg,
     area: Annotated[str, typer.Argument(help="area to even out")],
     plan_only: Annotated[bool, typer.Option("--plan", help="Print the plan; move nothing.")] = False,
-    apply: Annotated[bool, typer.Option("--apply", help="Plan, then run the moves one at a time through the move machinery.")] = False,
+    apply: Annotated[bool, typer.Option("--apply", help="Plan, then run the moves as a job in CENTRAL (this process and any `mdb worker` move them).")] = False,
     by: Annotated[str, typer.Option("--by", metavar="bytes|rows|briefcases", help="The measure to even out.")] = "bytes",
     max_moves: Annotated[int, typer.Option("--max-moves", metavar="N", help="At most N moves.", min=1)] = 100,
     max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Each move's bound on its write pause.", min=0.0)] = DEFAULT_MAX_PAUSE,
+    batch_pause: BatchPauseOpt = DEFAULT_BATCH_PAUSE,
+    per_server: PerServerOpt = DEFAULT_PER_SERVER,
     min_improvement: Annotated[float, typer.Option(
         "--min-improvement", metavar="POINTS",
         help="Plan nothing unless the moves lower the largest skew by at least this many percentage points.", min=0.0,
@@ -184,15 +225,17 @@ def rebalance_cmd(
                 emit_json(plan.to_json())
             return
 
-        def done(m: PlannedMove, result: MoveResult) -> None:
-            if not as_json:
-                console.print(f"moved {m.gdid} {escape(m.source)} -> {escape(m.target)} ({result.rows} rows, pause {result.pause_seconds * 1000:.0f} ms)")
-
-        results = apply_plan(store, plan, max_pause=max_pause, on_move=done)
+        try:
+            outcome = apply_plan(store, plan, max_pause=max_pause, batch_pause=batch_pause, per_server=per_server,
+                                 progress=_MovesPrinter(as_json))
+        except KeyboardInterrupt:
+            _say_job_interrupted(store, "rebalance", [area], map_path)
+            raise
     if as_json:
-        emit_json({**plan.to_json(), "applied": [r.to_json() for r in results]})
+        emit_json({**plan.to_json(), "applied": outcome.to_json()})
     else:
-        console.print(f"applied {len(results)} move(s); `mdb balance MAP {escape(area)}` shows the result")
+        job = "" if outcome.job_id is None else f" (job {outcome.job_id})"
+        console.print(f"applied {outcome.moved} move(s){job}; `mdb balance MAP {escape(area)}` shows the result")
 
 
 def _print_drain_check(check: DrainCheck) -> None:
@@ -216,11 +259,13 @@ def drain_cmd(
     server: Annotated[str, typer.Argument(help="the server to empty (in no partition's shard list)")],
     check: Annotated[bool, typer.Option("--check", help="Only say, per area, whether the server still holds data.")] = False,
     max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Each move's bound on its write pause.", min=0.0)] = DEFAULT_MAX_PAUSE,
+    batch_pause: BatchPauseOpt = DEFAULT_BATCH_PAUSE,
+    per_server: PerServerOpt = DEFAULT_PER_SERVER,
     as_json: JsonOpt = False,
     metrics_port: MetricsPortOpt = None,
 ) -> None:
-    """Move every briefcase routed to SERVER home (--check: does it still hold data, per area); exit 1 while data remains."""
-    moved: list[MoveResult] = []
+    """Move every briefcase routed to SERVER home, as a job per area (--check: does it still hold data); exit 1 while data remains."""
+    jobs_run: list[dict[str, object]] = []
     with serve_metrics(metrics_port), open_store(map_path) as store:
         if check:
             result = check_drain(store, server)
@@ -230,23 +275,22 @@ def drain_cmd(
             refusal = drain_refusal(store, server)
             if refusal is not None:
                 fail(f"drain refused: {refusal}")
-            total = 0
+            areas: list[str] = []
 
             def planned(moves: list[DrainMove]) -> None:
-                nonlocal total
-                total = len(moves)
+                areas.extend(dict.fromkeys(m.area for m in moves))
                 if not as_json:
-                    console.print(f"draining {escape(server)}: {total} briefcase(s) to move home")
+                    console.print(f"draining {escape(server)}: {len(moves)} briefcase(s) to move home")
 
-            def done(m: DrainMove, r: MoveResult) -> None:
-                if not as_json:
-                    console.print(f"[{len(moved) + 1}/{total}] moved {m.area}/{m.gdid} -> {escape(m.target)} "
-                                  f"({r.rows} rows, pause {r.pause_seconds * 1000:.0f} ms)", markup=False)
-                moved.append(r)
-
-            result, _ = drain(store, server, max_pause=max_pause, on_plan=planned, on_move=done)
+            try:
+                result, outcomes = drain(store, server, max_pause=max_pause, batch_pause=batch_pause, per_server=per_server,
+                                         on_plan=planned, progress=lambda area: _MovesPrinter(as_json))
+            except KeyboardInterrupt:
+                _say_job_interrupted(store, "drain", areas, map_path)
+                raise
+            jobs_run = [o.to_json() for o in outcomes]
     if as_json:
-        emit_json({**result.to_json(), "moved": [r.to_json() for r in moved]})
+        emit_json({**result.to_json(), "jobs": jobs_run})
     else:
         _print_drain_check(result)
     if result.holds_data:

@@ -204,11 +204,11 @@ def status_cmd(
 
 
 def _print_workers(busy: list[WorkerRow]) -> None:
-    """The work items of reshard jobs in flight and who drives each (``mdb worker`` processes, ``mdb reshard`` itself)."""
+    """The work items of jobs in flight and who drives each (``mdb worker`` processes, the job's own command)."""
     if not busy:
         return
     table = Table(title="workers")
-    for column in ("worker", "host", "last beat", "reshard", "item", "from -> to", "briefcases"):
+    for column in ("worker", "host", "last beat", "job", "item", "from -> to", "briefcases"):
         table.add_column(column)
     for w in busy:
         h = w.holder
@@ -244,11 +244,15 @@ def _print_status(running: list[MoveStatus], finished: list[MoveStatus]) -> None
         for s in items:
             e = s.entry
             batch = len(e.briefcases)
-            if e.gdid is None:
+            if e.gdid is None and "partition_start" not in e.params:  # a rebalance's or drain's job: its planned moves
+                subject = f"{e.area}: {len(e.params.get('moves', []))} planned moves"
+            elif e.gdid is None:
                 subject = f"{e.area} partition {e.params.get('partition_start')}"
             else:  # a batch names its briefcases in params: how many, from the first
                 subject = f"{e.area}/{e.gdid}" if batch <= 1 else f"{e.area}: {batch} briefcases from {min(e.briefcases)}"
-            route = f"{e.source} -> {e.target}" if e.gdid is not None else f"{','.join(e.params.get('old_shards', []))} -> {','.join(e.params.get('new_shards', []))}"
+            route = f"{e.source} -> {e.target}" if e.gdid is not None else (
+                f"{','.join(e.params.get('old_shards', []))} -> {','.join(e.params.get('new_shards', []))}" if "old_shards" in e.params
+                else ",".join(e.params.get("servers", [])))
             rows = f"{e.rows_done}/{e.rows_total}" if e.rows_total else str(e.rows_done)  # a batch plans no row total
             table.add_row(
                 escape(e.move_id), e.kind, escape(subject), escape(route), escape(e.step),
@@ -424,7 +428,7 @@ WORKER_STOP_WAIT = 120.0
 
 @app.command("worker")
 def worker_cmd(map_path: MapArg) -> None:
-    """Work on every reshard job in CENTRAL until stopped: claim work items, drive jobs whose driver is gone.
+    """Work on every job in CENTRAL (reshard, rebalance, drain, a cancel's move-back) until stopped: claim work items, drive jobs whose driver is gone.
 
     SIGTERM or Ctrl-C: the batch in hand stops before its next step (rolled back) and its item is given back (exit 130/143).
     Run it on as many hosts as you like; `mdb moves status` lists the workers and their items.

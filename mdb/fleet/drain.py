@@ -6,10 +6,11 @@ partition uses any more (a spare, one a reshard took out of the layout, a reloca
 - :func:`check_drain` answers, per area, whether the server still holds data (briefcases,
   rows; those routed to it as relocations, and those routed elsewhere: stray copies).
 - :func:`drain` moves every briefcase routed to it (a relocation) home, to the server its
-  partition's layout sends it to, one at a time through the move machinery
-  (:func:`mdb.moves.move.move_briefcase`: journal, lock, copy, verify, fence, relocation
-  cleared), so each move is resumable (``mdb moves resume``) and a drain run again carries on
-  with what is left.
+  partition's layout sends it to, as a job per area in CENTRAL (kind ``drain``,
+  :mod:`mdb.moves.movejob`): work items per (source, target) pair moved in batched cutovers
+  (journal, lock, copy, verify, fence, relocations cleared) by this process and any ``mdb
+  worker``; an interrupted drain is finished by ``mdb moves resume`` or a worker, and a drain
+  run again carries on with what is left.
 - A server still in a partition's shard list (or a CENTRAL shard) is refused, with the reason:
   the layout keeps routing new and existing briefcases to it, so no drain could leave it
   empty. Reshard it out of the shard list first (``mdb reshard``), then drain.
@@ -29,7 +30,11 @@ from mdb.errors import MdbError, RoutingError
 from mdb.fleet.inflight import in_flight
 from mdb.fleet.scan import area_data, holds_area, scan_of
 from mdb.gdid import GDID
-from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult, move_briefcase
+from mdb.moves import jobs
+from mdb.moves.move import DEFAULT_MAX_PAUSE
+from mdb.moves.movejob import JobOutcome, start_job
+from mdb.moves.plan import PlannedMove
+from mdb.moves.reshard import DEFAULT_BATCH_PAUSE, ReshardProgress
 
 __all__ = ["AreaHoldings", "DrainCheck", "DrainMove", "check_drain", "drain", "drain_refusal"]
 
@@ -120,16 +125,16 @@ def check_drain(store: Cluster, server: str) -> DrainCheck:
 
 
 def drain(
-    store: Cluster, server: str, *, max_pause: float = DEFAULT_MAX_PAUSE,
-    on_plan: Callable[[list[DrainMove]], None] | None = None,
-    on_move: Callable[[DrainMove, MoveResult], None] | None = None,
-) -> tuple[DrainCheck, list[MoveResult]]:
-    """Move every briefcase routed to ``server`` home, one move at a time; returns the check after and the moves.
+    store: Cluster, server: str, *, max_pause: float = DEFAULT_MAX_PAUSE, batch_pause: float = DEFAULT_BATCH_PAUSE,
+    per_server: int = jobs.DEFAULT_PER_SERVER, on_plan: Callable[[list[DrainMove]], None] | None = None,
+    progress: Callable[[str], ReshardProgress | None] | None = None,
+) -> tuple[DrainCheck, list[JobOutcome]]:
+    """Move every briefcase routed to ``server`` home, as one ``drain`` job per area; the check after and the jobs.
 
     Refused (:class:`~mdb.errors.MdbError`) for a server still in a layout, and while a running
-    or interrupted move names a briefcase on it (``mdb moves resume`` first). Stops at the
-    first move that fails (it propagates); the moves before it are done, and running drain
-    again carries on.
+    or interrupted move or job names a briefcase on it or its area (``mdb moves resume`` first).
+    Stops at the first job that fails (it propagates, the job stays resumable); the areas
+    before it are drained, and running drain again carries on. ``progress``: area -> its job's display.
     """
     refusal = drain_refusal(store, server)
     if refusal is not None:
@@ -144,10 +149,9 @@ def drain(
         plan += [DrainMove(held.area, g, store.router.default_placement(held.area, g).server) for g in held.routed]
     if on_plan is not None:
         on_plan(plan)
-    results: list[MoveResult] = []
-    for m in plan:
-        result = move_briefcase(store, m.area, m.gdid, m.target, max_pause=max_pause)
-        results.append(result)
-        if on_move is not None:
-            on_move(m, result)
-    return check_drain(store, server), results
+    outcomes: list[JobOutcome] = []
+    for area in dict.fromkeys(m.area for m in plan):
+        moves = [PlannedMove(m.gdid, server, m.target, {}) for m in plan if m.area == area]
+        outcomes.append(start_job(store, "drain", area, moves, max_pause=max_pause, batch_pause=batch_pause,
+                                  per_server=per_server, progress=None if progress is None else progress(area)))
+    return check_drain(store, server), outcomes

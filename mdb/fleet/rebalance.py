@@ -7,9 +7,10 @@ measure (a bounded heap: memory does not grow with the shard). Then, greedily, u
 ``max_moves`` times: from the most loaded server to the least loaded one, move the candidate
 whose size is closest to what would bring one of them to the mean, among those smaller than
 the gap between them (each such move lowers the spread; none left: the plan ends). Moves land
-as ordinary relocations. Applying runs each planned move through
-:func:`mdb.moves.move.move_briefcase` one at a time, with its ``max_pause`` bound (the move
-machinery's throttle on how long a briefcase's writes may pause).
+as ordinary relocations. Applying journals the plan as a job in CENTRAL (kind ``rebalance``,
+:mod:`mdb.moves.movejob`): its moves are queued as work items per (source, target) pair and
+moved in batched cutovers by this process and any ``mdb worker``, through the reshard's item
+code; an interrupted rebalance is finished by ``mdb moves resume`` or a worker.
 
 A plan must pay for itself: when all its moves together lower the area's largest skew by less
 than ``min_improvement`` (default :data:`MIN_IMPROVEMENT`, 5 percentage points) it is dropped
@@ -24,7 +25,6 @@ even it out; the plan then says how far it got.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,11 @@ from mdb.cluster import Cluster
 from mdb.fleet.balance import Measure, area_servers, skew_of
 from mdb.fleet.scan import BriefcaseSize, area_data, scan_of
 from mdb.gdid import GDID
-from mdb.moves.move import DEFAULT_MAX_PAUSE, MoveResult, move_briefcase
+from mdb.moves import jobs
+from mdb.moves import plan as move_plan
+from mdb.moves.move import DEFAULT_MAX_PAUSE
+from mdb.moves.movejob import JobOutcome, start_job
+from mdb.moves.reshard import DEFAULT_BATCH_PAUSE, ReshardProgress
 
 __all__ = ["MIN_IMPROVEMENT", "PlannedMove", "RebalancePlan", "apply_plan", "plan_rebalance"]
 
@@ -170,17 +174,13 @@ def _collapse(moves: list[PlannedMove]) -> list[PlannedMove]:
 
 
 def apply_plan(
-    store: Cluster, plan: RebalancePlan, *, max_pause: float = DEFAULT_MAX_PAUSE,
-    on_move: Callable[[PlannedMove, MoveResult], None] | None = None,
-) -> list[MoveResult]:
-    """Run the plan's moves one at a time through the move machinery; stops at the first error (it propagates).
+    store: Cluster, plan: RebalancePlan, *, max_pause: float = DEFAULT_MAX_PAUSE, batch_pause: float = DEFAULT_BATCH_PAUSE,
+    per_server: int = jobs.DEFAULT_PER_SERVER, progress: ReshardProgress | None = None,
+) -> JobOutcome:
+    """Run the plan's moves as a ``rebalance`` job (:mod:`mdb.moves.movejob`); an error propagates, the job stays resumable.
 
-    Document briefcases move like SQL ones (:func:`~mdb.moves.move.move_briefcase` picks the kind).
+    Document briefcases move one at a time through the same job (:func:`~mdb.moves.move.move_briefcase` picks the kind).
     """
-    results = []
-    for m in plan.moves:
-        result = move_briefcase(store, plan.area, m.gdid, m.target, max_pause=max_pause)
-        results.append(result)
-        if on_move is not None:
-            on_move(m, result)
-    return results
+    moves = [move_plan.PlannedMove(m.gdid, m.source, m.target, {}) for m in plan.moves]
+    return start_job(store, "rebalance", plan.area, moves, max_pause=max_pause, batch_pause=batch_pause, per_server=per_server,
+                     progress=progress)

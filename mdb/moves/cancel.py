@@ -19,34 +19,30 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Final
 
 from mdb.cluster import Cluster
-from mdb.errors import BatchAbortedError, BriefcaseGoneError, CancelError, MoveLeaseHeldError
+from mdb.errors import CancelError, MoveLeaseHeldError
 from mdb.gdid import GDID
-from mdb.faults import fault_point, register
-from mdb.moves.batch import BatchMove, hold_schemas
 from mdb.moves.freeze import unfreeze_partition
-from mdb.moves.journal import CANCELLED, DONE, FINISHED, RUNNING, Journal, JournalEntry
+from mdb.moves.journal import CANCEL_STEP, CANCELLED, DONE, FINISHED, MOVES_JOB_KINDS, RUNNING, Journal, JournalEntry
 from mdb.moves.lease import Lease, fenced_servers, hold, me, request_stop
 from mdb.moves.move import DEFAULT_MAX_PAUSE, move_briefcase, move_kinds, resolve_move
 from mdb.moves import jobs
-from mdb.moves.reshard import DEFAULT_BATCH_PAUSE, BatchSizer, settle_item
-from mdb.moves.sql_steps import area_tables
-from mdb.urls import SQL
+from mdb.moves.plan import PlannedMove
+from mdb.moves.reshard import DEFAULT_BATCH_PAUSE, FIRST_MOVE_BACK, BatchSizer, JobRun, ReshardCounts, Workers, move_all, settle_item
 
 __all__ = ["CANCEL_STEP", "CANCELLABLE_STEPS", "CancelOutcome", "cancel", "finish_cancel"]
 
 log = logging.getLogger("mdb.moves.cancel")
 
-CANCEL_STEP: Final = "cancel"
 CANCELLABLE_STEPS: Final = frozenset({"plan", "prechecks", "moves", "freeze", "final_moves", CANCEL_STEP})
 """Reshard steps before ``map_apply``: the old map is still the only one applied."""
 STOP_POLL: Final = 0.5
 
-FAULT_POINTS = register("cancel.after_first_move_back")
+FAULT_POINTS = (FIRST_MOVE_BACK,)
+"""Registered in :mod:`mdb.moves.reshard`, where the item code that moves briefcases back passes it."""
 
 
 @dataclass
@@ -159,71 +155,29 @@ def _is_move_back(move: JournalEntry) -> bool:
 
 
 def _move_back(store: Cluster, journal: Journal, entry: JournalEntry, pending: list[tuple[JournalEntry, GDID]],
-               max_pause: float, out: CancelOutcome) -> None:
-    """Move ``pending`` (forward move, briefcase) back to their sources: in batches where the servers' kind
-    has a batched cutover, sized like a reshard's (:class:`mdb.moves.reshard.BatchSizer`), else one at a time.
+               max_pause: float) -> None:
+    """Move ``pending`` (forward move, briefcase) back to their sources as a pass of the reshard's job (issue 32).
 
-    A batch that cannot be taken whole goes one briefcase at a time (the single move's checks say
-    why), and a briefcase the application deleted since it moved is counted, not moved.
+    The same path as the reshard's own moves (:func:`mdb.moves.reshard.move_all`): work items per
+    (source, target) pair moved in batched cutovers here and by any ``mdb worker``, where the
+    servers' kind has one, else one at a time here. The job is at step ``cancel``, which makes
+    every move of it a move back (journaled as such: :func:`_is_move_back`). A briefcase the
+    application deleted since it moved is not moved (the caller counts it from the journal).
     """
-    routes: dict[tuple[str, str], list[tuple[GDID, str]]] = {}  # (from, to) -> (briefcase, forward move id)
-    for move, gdid in pending:
-        assert move.source is not None and move.target is not None
-        routes.setdefault((move.target, move.source), []).append((gdid, move.move_id))
-    batched = bool(routes) and all(store.map.kind_of(src) == SQL for src, _ in routes)
-    tables = area_tables(store, entry.area) if batched else None
-    sizer = BatchSizer(DEFAULT_BATCH_PAUSE)
-
-    def one(gdid: GDID, forward_id: str, source: str, target: str) -> None:
-        try:
-            move_briefcase(store, entry.area, gdid, target, source=source, max_pause=max_pause,
-                           reshard_id=entry.move_id, journal=journal, reverse_of=forward_id)
-        except BriefcaseGoneError:  # deleted by the application since it moved: nothing to bring back
-            out.gone += 1
-            return
-        out.moved_back += 1
-
-    first = True
-    with ExitStack() as held:
-        servers = sorted({s for route in routes for s in route})
-        hashed = held.enter_context(hold_schemas(store, entry.area, servers, tables)) if tables is not None else frozenset()
-        for (source, target), items in routes.items():
-            while items:
-                take = sizer.next() if tables is not None else 1
-                chunk, items = items[:take], items[take:]
-                if tables is None or len(chunk) == 1:
-                    one(*chunk[0], source, target)
-                else:
-                    try:
-                        moved = BatchMove(store, journal, entry.area, [g for g, _ in chunk], source, target,
-                                          reshard_id=entry.move_id, tables=tables, max_pause=max_pause, hashed=hashed,
-                                          move_back=True).run()
-                    except BatchAbortedError as exc:  # rolled back: the source holds them all; one at a time
-                        log.info("cancel %s: %s", entry.move_id, exc)
-                        sizer.aborted()
-                        for gdid, forward_id in chunk:
-                            one(gdid, forward_id, source, target)
-                    else:
-                        sizer.observed(len(chunk), moved.pause_seconds)
-                        out.moved_back += len(chunk)
-                if first and out.moved_back:
-                    first = False
-                    fault_point("cancel.after_first_move_back")
+    workers = Workers(store)
+    run = JobRun(store, journal, entry, None, 1, max_pause, None, ReshardCounts(), BatchSizer(DEFAULT_BATCH_PAUSE))
+    run.counts.pending = {g: PlannedMove(g, move.target or "", move.source or "", {}) for move, g in pending}
+    run.workers = workers
+    run.pass_no = jobs.last_pass(workers.journal, entry.move_id)
+    move_all(run, list(run.counts.pending.values()))
 
 
-def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move_back: bool | None = None) -> CancelOutcome:
-    """Cancel a reshard whose lease the caller holds; re-run safely after a crash (resume calls it at step ``cancel``)."""
-    if move_back is None:
-        move_back = entry.params.get("cancel") == "move-back"
-    interrupted_at = entry.params.get("cancelled_at_step", entry.step)
-    entry.params.update({"cancel": "move-back" if move_back else "leave", "cancelled_at_step": interrupted_at})
-    journal.step(entry.move_id, CANCEL_STEP, params=entry.params)
-    out = CancelOutcome(entry.move_id, "reshard")
-    # Workers' items first (mdb.moves.jobs): live workers stop after their batch in hand, what dead ones left is resolved.
+def _resolve_left(store: Cluster, journal: Journal, entry: JournalEntry, out: CancelOutcome) -> None:
+    """What the job's drivers and workers left: live workers stop after their batch in hand, interrupted moves are
+    finished (commit point passed) or rolled back, each counted in ``out``."""
     interrupted = {m.move_id for m in journal.moves_of(entry.move_id) if m.status == RUNNING}
     jobs.settle(journal, entry.move_id, lambda item: settle_item(store, item))
-    moves = journal.moves_of(entry.move_id)
-    for move in moves:  # interrupted moves first, as resume resolves them
+    for move in journal.moves_of(entry.move_id):  # interrupted moves first, as resume resolves them
         if move.status == RUNNING:
             if resolve_move(store, journal, move).action == "finalized":
                 out.finalized += 1
@@ -234,6 +188,44 @@ def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move
                 out.finalized += 1
             else:
                 out.rolled_back += 1
+
+
+def _stop_job(store: Cluster, journal: Journal, entry: JournalEntry) -> CancelOutcome:
+    """Cancel a rebalance's or drain's job (:mod:`mdb.moves.movejob`): it stops; its finished moves stay.
+
+    Neither changes a map, so there is no old state to restore: every finished move is a valid
+    placement (a relocation, or one cleared), and the next rebalance or drain plans from it.
+    """
+    interrupted_at = entry.params.get("cancelled_at_step", entry.step)
+    entry.params.update({"cancel": "stop", "cancelled_at_step": interrupted_at})
+    journal.step(entry.move_id, CANCEL_STEP, params=entry.params)
+    entry.step = CANCEL_STEP
+    out = CancelOutcome(entry.move_id, entry.kind)
+    _resolve_left(store, journal, entry, out)
+    out.left = len({g for m in journal.moves_of(entry.move_id) if m.status == DONE and not _is_move_back(m) for g in m.briefcases})
+    out.detail = (f"stopped at step {interrupted_at!r}: {out.rolled_back} interrupted move(s) rolled back, {out.left} briefcase(s) "
+                  f"moved stay where they are (a {entry.kind} changes no map; run it again for the rest)")
+    journal.finish(entry.move_id, CANCELLED, out.detail)
+    jobs.forget(journal, entry.move_id)
+    store.refresh()
+    return out
+
+
+def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move_back: bool | None = None) -> CancelOutcome:
+    """Cancel a job whose lease the caller holds; re-run safely after a crash (resume calls it at step ``cancel``).
+
+    A reshard is undone (see the module docstring); a rebalance or a drain stops (:func:`_stop_job`)."""
+    if entry.kind in MOVES_JOB_KINDS:
+        return _stop_job(store, journal, entry)
+    if move_back is None:
+        move_back = entry.params.get("cancel") == "move-back"
+    interrupted_at = entry.params.get("cancelled_at_step", entry.step)
+    entry.params.update({"cancel": "move-back" if move_back else "leave", "cancelled_at_step": interrupted_at})
+    journal.step(entry.move_id, CANCEL_STEP, params=entry.params)
+    entry.step = CANCEL_STEP  # what makes the job's moves from here moves back (mdb.moves.reshard.moving_back)
+    out = CancelOutcome(entry.move_id, "reshard")
+    # Workers' items first (mdb.moves.jobs): live workers stop after their batch in hand, what dead ones left is resolved.
+    _resolve_left(store, journal, entry, out)
     start = GDID.parse(entry.params["partition_start"])
     unfreeze_partition(store, entry.area, start, entry.params["old_shards"])
     store.refresh()
@@ -245,7 +237,12 @@ def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move
     out.moved_back += sum(1 for _, g in forward if g in undone)
     pending = [(m, g) for m, g in forward if g not in undone]
     if move_back:
-        _move_back(store, journal, entry, pending, max_pause, out)
+        if pending:
+            _move_back(store, journal, entry, pending, max_pause)
+            store.refresh()
+            back = {g for m in journal.moves_of(entry.move_id) if m.status == DONE and _is_move_back(m) for g in m.briefcases}
+            out.moved_back += sum(1 for _, g in pending if g in back)
+            out.gone += sum(1 for _, g in pending if g not in back)  # not moved back, no error: the application deleted it
     else:
         out.left += len(pending)
     verb = f"{out.moved_back} moved back" if move_back else f"{out.left} left on their new shards as relocations"

@@ -1,5 +1,8 @@
 """A reshard as a job in CENTRAL: its briefcases queued as work items that any worker claims (issue 32).
 
+The same queue carries the other jobs (a rebalance, a drain: :mod:`mdb.moves.movejob`; a
+cancel's move-back, a pass of the reshard's own job); what follows says "reshard" for any of them.
+
 A reshard used to live in one process (the operator's terminal) and move every batch itself.
 Now each pass of its sweeps writes its planned moves to CENTRAL table ``mdb_job_items``, one row
 per *work item*: up to :data:`ITEM_BRIEFCASES` briefcases of one (source, target) pair. Any

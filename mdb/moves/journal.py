@@ -27,8 +27,11 @@ from mdb.sqltypes import GDIDType
 from mdb.system_tables import central_metadata
 
 __all__ = [
+    "CANCEL_STEP",
     "FINISHED",
+    "JOB_KINDS",
     "JOURNAL_KEY",
+    "MOVES_JOB_KINDS",
     "Journal",
     "JournalEntry",
     "move_leases",
@@ -44,6 +47,13 @@ ABORTED: Final = "aborted"
 ROLLED_BACK: Final = "rolled back"
 CANCELLED: Final = "cancelled"
 FINISHED: Final = frozenset({DONE, ABORTED, ROLLED_BACK, CANCELLED})
+
+MOVES_JOB_KINDS: Final = ("rebalance", "drain")
+"""Jobs of a fixed list of planned moves (:mod:`mdb.moves.movejob`): their moves are journaled under them."""
+JOB_KINDS: Final = ("reshard", *MOVES_JOB_KINDS)
+"""Entries that are jobs in CENTRAL (:mod:`mdb.moves.jobs`): driven under a lease by their command, a worker or resume."""
+CANCEL_STEP: Final = "cancel"
+"""The step a job records before a cancel undoes or stops anything (an interrupted cancel is finished by resume)."""
 
 moves_table = Table(
     "mdb_moves",

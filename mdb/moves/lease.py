@@ -45,7 +45,7 @@ from sqlalchemy import func, insert, inspect, select, text, update
 from mdb.cluster import Cluster
 from mdb.errors import DuplicateRowError, LeaseLostError, MdbError, MoveLeaseHeldError, ReshardStoppedError
 from mdb.moves import fencing
-from mdb.moves.journal import Journal, JournalEntry, move_leases
+from mdb.moves.journal import JOB_KINDS, Journal, JournalEntry, move_leases
 
 __all__ = [
     "LEASE_BEAT", "LEASE_STALE", "Holder", "Lease", "check_stop", "describe", "describe_liveness", "ensure_table", "fenced_servers", "hold", "holder_of",
@@ -178,11 +178,11 @@ def fenced_servers(cluster: Cluster, journal: Journal, entry: JournalEntry) -> l
     """Every server a driver of ``entry`` may have written to: its claims go there at every take.
 
     CENTRAL's servers (journal, relocations), the entry's source and target, and for a reshard
-    its old and new shards and the servers of every move journaled under it.
+    its old and new shards (another job: its ``servers``) and the servers of every move journaled under it.
     """
     servers = [*cluster.router.central_servers(), journal.server]
-    if entry.kind == "reshard":
-        servers += [*entry.params.get("old_shards", []), *entry.params.get("new_shards", [])]
+    if entry.kind in JOB_KINDS:
+        servers += [*entry.params.get("old_shards", []), *entry.params.get("new_shards", []), *entry.params.get("servers", [])]
         for move in journal.moves_of(entry.move_id):
             servers += [s for s in (move.source, move.target) if s is not None]
     servers += [s for s in (entry.source, entry.target) if s is not None]
@@ -347,7 +347,7 @@ def liveness(journal: Journal, entry: JournalEntry) -> tuple[str, Holder | None]
 
 def describe_liveness(journal: Journal, entry: JournalEntry) -> str:
     """What ``mdb moves status`` and refusals say about an unfinished entry's process."""
-    if entry.gdid is None and entry.kind != "reshard":  # neither a briefcase move (any kind) nor a reshard
+    if entry.gdid is None and entry.kind not in JOB_KINDS:  # neither a briefcase move (any kind) nor a job
         return f"{entry.kind} at step {entry.step!r} (its driver is not recorded)"
     return describe(*liveness(journal, entry))
 

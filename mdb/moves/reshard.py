@@ -57,7 +57,7 @@ from mdb.maps.apply import apply_map
 from mdb.maps.history import applied_maps, newest_applied
 from mdb.maps.text import new_map_text, rewrite_map_file
 from mdb.moves.freeze import DEFAULT_FREEZE_LOCK_WAIT, freeze_partition, unfreeze_partition
-from mdb.moves.journal import ABORTED, DONE, RUNNING, Journal, JournalEntry, new_move_id
+from mdb.moves.journal import ABORTED, CANCEL_STEP, DONE, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves import jobs
 from mdb.moves.fencing import unchecked
 from mdb.moves.jobs import Item, ItemResult
@@ -75,7 +75,8 @@ from mdb.partition_map import PartitionMap, parse_map
 from mdb.relocations import set_relocations
 from mdb.urls import SQL
 
-__all__ = ["ReshardCounts", "ReshardOutcome", "ReshardProgress", "continue_reshard", "reshard"]
+__all__ = ["JobRun", "ReshardCounts", "ReshardOutcome", "ReshardProgress", "Workers", "continue_reshard", "move_all", "moving_back",
+           "reshard", "settle_item", "work_item"]
 
 log = logging.getLogger("mdb.moves.reshard")
 
@@ -96,6 +97,8 @@ FAULT_POINTS = register(
     "reshard.after_resident_cleanup",
 )
 """The reshard's crash points (the freeze's own is in mdb.moves.freeze)."""
+FIRST_MOVE_BACK: Final = register("cancel.after_first_move_back")[0]
+"""A cancel's first briefcase moved back (registered here: the item code that moves it back passes it, in any worker)."""
 
 MOVE_ATTEMPTS = 3
 MAX_SWEEPS = 5
@@ -376,13 +379,14 @@ def _record(journal: Journal, entry: JournalEntry, counts: ReshardCounts, progre
 
 
 @dataclass
-class _Run:
-    """One run of a reshard (its start, or a resume): what every phase of it needs."""
+class JobRun:
+    """One run of a job (a reshard's start or resume, a rebalance, a drain, a cancel's move-back): what its passes need."""
 
     store: Cluster
     journal: Journal
     entry: JournalEntry
-    scan: PartitionScan
+    scan: PartitionScan | None
+    """The partition's scan (a reshard's re-plans); None for a job of a fixed list of moves."""
     parallel: int
     max_pause: float
     progress: ReshardProgress | None
@@ -398,19 +402,33 @@ class _Run:
     """This process's workers, when the moves are queued as a job's items (SQL batched cutovers)."""
 
 
-def _move_one(store: Cluster, journal: Journal, entry: JournalEntry, m: PlannedMove, max_pause: float) -> MoveResult:
-    """One briefcase by the single-move protocol, tried MOVE_ATTEMPTS times (an abort leaves the source intact)."""
+def moving_back(job: JournalEntry) -> bool:
+    """The job is a reshard being cancelled: its moves now bring briefcases back (journaled as such, :mod:`mdb.moves.cancel`)."""
+    return job.kind == "reshard" and job.step == CANCEL_STEP
+
+
+def _forward_moves(journal: Journal, job: JournalEntry) -> dict[GDID, str]:
+    """briefcase -> the job's finished forward move of it: what a move back names as ``reverse_of``."""
+    return {g: m.move_id for m in journal.moves_of(job.move_id)
+            if m.status == DONE and not (m.params.get("reverse_of") or m.params.get("move_back")) for g in m.briefcases}
+
+
+def _move_one(store: Cluster, journal: Journal, entry: JournalEntry, m: PlannedMove, max_pause: float,
+              item: str | None = None, reverse_of: str | None = None) -> MoveResult:
+    """One briefcase by the single-move protocol, tried MOVE_ATTEMPTS times (an abort leaves the source intact).
+
+    Journaled under the job (``reshard_id``), and under a work item's lease when ``item`` is given."""
     last: Exception | None = None
     for _ in range(MOVE_ATTEMPTS):
         try:
             return move_briefcase(store, entry.area, m.gdid, m.target, source=m.source, max_pause=max_pause,
-                                  reshard_id=entry.move_id, journal=journal, refresh=False)
+                                  reshard_id=entry.move_id, journal=journal, refresh=False, item=item, reverse_of=reverse_of)
         except BriefcaseGoneError:  # deleted by the application since the plan: nothing left to move
-            log.info("reshard %s: briefcase %s/%s was deleted since it was planned; nothing to move", entry.move_id, entry.area, m.gdid)
+            log.info("%s %s: briefcase %s/%s was deleted since it was planned; nothing to move", entry.kind, entry.move_id, entry.area, m.gdid)
             return MoveResult(None, entry.area, m.gdid, m.source, m.target, GONE)
         except MoveAbortedError as exc:  # e.g. --max-pause: the source is intact, try again
             last = exc
-    raise MdbError(f"reshard {entry.move_id}: briefcase {entry.area}/{m.gdid} could not be moved: {last}")
+    raise MdbError(f"{entry.kind} {entry.move_id}: briefcase {entry.area}/{m.gdid} could not be moved: {last}")
 
 
 def _moved_rows(result: MoveResult) -> dict[str, int] | None:
@@ -497,7 +515,7 @@ class _Feeder:
             return self._groups[self._turn].pop()
 
 
-def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
+def move_all(run: JobRun, moves: list[PlannedMove]) -> None:
     """Move ``moves``: as work items in batches where the servers' kind has a batched cutover
     (:func:`_move_queued`), else one at a time.
 
@@ -512,6 +530,8 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
         return
     lock = threading.Lock()
     feeder = _Feeder(moves)
+    back = moving_back(entry)
+    forward = _forward_moves(journal, entry) if back else {}
 
     def work() -> None:
         try:
@@ -522,7 +542,7 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
                 if run.pace is not None:
                     run.pace(1, m.total_rows)
                 try:
-                    rows = _moved_rows(_move_one(store, journal, entry, m, max_pause))
+                    rows = _moved_rows(_move_one(store, journal, entry, m, max_pause, reverse_of=forward.get(m.gdid, entry.move_id) if back else None))
                 except DBAPIError as exc:
                     raise _named(store, [m.source, m.target], exc) from exc
                 with lock:
@@ -530,7 +550,7 @@ def _move_all(run: _Run, moves: list[PlannedMove]) -> None:
                     counts.moved(m, rows)
                     _record(journal, entry, counts, run.progress, m)
                     if first and counts.briefcases_done:
-                        fault_point("reshard.after_first_move")
+                        fault_point(FIRST_MOVE_BACK if back else "reshard.after_first_move")
         except BaseException:
             feeder.stopped = True  # the other workers finish their move and stop
             raise
@@ -592,14 +612,16 @@ class Workers:
             self._held.close()
             self._held, self._held_key, self._hashed, self._revisions = ExitStack(), None, {}, {}
 
-    def moved(self, job_id: str) -> None:
-        """A batch or move of ``job_id`` committed here: the first one in this process is the crash point
-        ``reshard.after_first_move`` (where the batch was moved, as when one process moved them all)."""
+    def moved(self, job: JournalEntry) -> None:
+        """A batch or move of ``job`` committed here: the first one in this process is the crash point
+        ``reshard.after_first_move`` (where the batch was moved, as when one process moved them all),
+        or a cancel's ``cancel.after_first_move_back``."""
+        key = f"{job.move_id}:{job.step == CANCEL_STEP}"
         with self._lock:
-            first = job_id not in self._moved
-            self._moved.add(job_id)
+            first = key not in self._moved
+            self._moved.add(key)
         if first:
-            fault_point("reshard.after_first_move")
+            fault_point(FIRST_MOVE_BACK if moving_back(job) else "reshard.after_first_move")
 
     def fresh_for(self, job_id: str) -> bool:
         """True the first time this process works on ``job_id`` since it worked on another one."""
@@ -617,11 +639,16 @@ class Workers:
             return self._sizers[job.move_id]
 
     def pace(self, job: JournalEntry) -> Callable[[int, int], None] | None:
+        """The job's throttle (a reshard's ``--rate``/``--max-lag``) over the servers it writes; None when unthrottled."""
         with self._lock:
             if job.move_id not in self._paces:
-                self._paces[job.move_id] = _pace(self.store, job, list(job.params["old_shards"]), list(job.params["new_shards"]),
-                                                 None, self.stopping)
+                self._paces[job.move_id] = _pace(self.store, job, job_servers(job), [], None, self.stopping)
             return self._paces[job.move_id]
+
+
+def job_servers(job: JournalEntry) -> list[str]:
+    """The servers a job moves briefcases between: a reshard's old and new shards, another job's ``servers`` param."""
+    return list(dict.fromkeys([*job.params.get("old_shards", []), *job.params.get("new_shards", []), *job.params.get("servers", [])]))
 
 
 def _resolve_item(fenced: Cluster, journal: Journal, item: Item) -> ItemResult:
@@ -630,7 +657,7 @@ def _resolve_item(fenced: Cluster, journal: Journal, item: Item) -> ItemResult:
     for e in mine:
         if e.status == RUNNING:
             outcome = resolve_move(fenced, Journal(fenced), e)
-            log.warning("%s of reshard %s: its earlier worker left %s %s: %s", item.item_id, item.job_id, e.kind, e.move_id, outcome.action)
+            log.warning("%s of job %s: its earlier worker left %s %s: %s", item.item_id, item.job_id, e.kind, e.move_id, outcome.action)
     result = ItemResult()
     for e in journal.moves_of(item.job_id):
         if e.params.get("item") == item.item_id and e.status == DONE:
@@ -678,6 +705,8 @@ def work_item(workers: Workers, item: Item, after_batch: Callable[[], None] | No
             jobs.drop(fenced, journal.server, item.item_id)
             return False
         result = _resolve_item(fenced, journal, item) if item.attempts > 1 else ItemResult()
+        back = moving_back(job)  # a cancel's move-back: journaled as such, so the cancel counts (and never re-moves) them
+        forward = _forward_moves(journal, job) if back else {}
         settled = set(result.moved)
         remaining = [g for g in item.gdids if g not in settled]
         max_pause = float(job.params.get("max_pause", DEFAULT_MAX_PAUSE))
@@ -688,27 +717,19 @@ def work_item(workers: Workers, item: Item, after_batch: Callable[[], None] | No
 
         def single(g: GDID) -> None:
             m = PlannedMove(g, item.source, item.target, {})
-            last: Exception | None = None
-            for _ in range(MOVE_ATTEMPTS):
-                try:
-                    moved = move_briefcase(fenced, job.area, g, item.target, source=item.source, max_pause=max_pause,
-                                           reshard_id=job.move_id, journal=fj, refresh=False, item=item.item_id)
-                    result.add([g], _moved_rows(moved) or {})
-                    return
-                except BriefcaseGoneError:
-                    log.info("reshard %s: briefcase %s/%s was deleted since it was planned; nothing to move", job.move_id, job.area, g)
-                    result.gone.append(g)
-                    return
-                except MoveAbortedError as exc:
-                    last = exc
-            raise MdbError(f"reshard {job.move_id}: briefcase {job.area}/{m.gdid} could not be moved: {last}")
+            moved = _move_one(fenced, fj, job, m, max_pause, item=item.item_id,
+                              reverse_of=forward.get(g, job.move_id) if back else None)
+            if moved.status == GONE:
+                result.gone.append(g)
+            else:
+                result.add([g], _moved_rows(moved) or {})
 
         def cut_over(batch: list[GDID]) -> None:
             try:
                 moved = BatchMove(fenced, fj, job.area, batch, item.source, item.target, reshard_id=job.move_id, tables=tables,
-                                  max_pause=max_pause, hashed=hashed, gate=gate, item=item.item_id).run()
+                                  max_pause=max_pause, hashed=hashed, gate=gate, item=item.item_id, move_back=back).run()
             except BatchAbortedError as exc:
-                log.info("reshard %s: %s", job.move_id, exc)
+                log.info("%s %s: %s", job.kind, job.move_id, exc)
                 sizer.aborted()
                 alone = [g for g in batch if g in set(exc.refused)] if len(batch) > 1 else batch
                 rest = [g for g in batch if g not in alone]
@@ -740,18 +761,18 @@ def work_item(workers: Workers, item: Item, after_batch: Callable[[], None] | No
                 jobs.progress_item(fenced, journal.server, item.item_id, result)  # the job's counts follow each batch
                 if after_batch is not None:
                     after_batch()
-                workers.moved(job.move_id)
+                workers.moved(job)
         except BaseException:
             try:
                 jobs.give_back(fenced, journal.server, item.item_id)
             except Exception as again:  # lease lost, CENTRAL gone: the item's claim lapses with its lease (CLAIM_SETTLE)
-                log.warning("%s of reshard %s: could not give the item back: %s", item.item_id, item.job_id, again)
+                log.warning("%s of job %s: could not give the item back: %s", item.item_id, item.job_id, again)
             raise
         jobs.finish_item(fenced, journal.server, item.item_id, result)
         return True
 
 
-def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
+def _move_queued(run: JobRun, moves: list[PlannedMove]) -> None:
     """Queue ``moves`` as this pass's work items; work on them here (``run.parallel`` threads) until every item is done.
 
     Workers elsewhere (``mdb worker``) claim items of the pass too. With ``parallel`` 1 the
@@ -859,7 +880,7 @@ def _move_queued(run: _Run, moves: list[PlannedMove]) -> None:
         raise errors[0]
 
 
-def _run_workers(run: _Run, work: Callable[[], None]) -> None:
+def _run_workers(run: JobRun, work: Callable[[], None]) -> None:
     """``work`` in ``run.parallel`` threads (the calling thread when 1)."""
     if run.parallel <= 1:
         work()
@@ -897,7 +918,7 @@ def _named(store: Cluster, servers: list[str], exc: DBAPIError) -> Exception:
     return ServerUnavailableError(" or ".join(servers), f"{describe(exc)} (both answer again now)")
 
 
-def _sweep(run: _Run, plan: ReshardPlan, sweeps: int) -> ReshardPlan:
+def _sweep(run: JobRun, plan: ReshardPlan, sweeps: int) -> ReshardPlan:
     """Move the plan's briefcases and re-plan (briefcases created meanwhile), up to ``sweeps`` passes.
 
     Stops early when a pass finds no fewer briefcases than the one before: the application
@@ -907,10 +928,11 @@ def _sweep(run: _Run, plan: ReshardPlan, sweeps: int) -> ReshardPlan:
     for _ in range(sweeps):
         if not plan.moves:
             break
-        _move_all(run, plan.moves)
+        move_all(run, plan.moves)
         fault_point("reshard.between_passes")  # the pass's schema locks are let go: a migration may run here
         run.store.refresh()
         before = len(plan.moves)
+        assert run.scan is not None, "a reshard's run has its partition's scan"
         plan = plan_reshard(run.store, run.scan, run.entry.area, plan.partition_start, plan.new_shards)
         run.counts.plan(plan)
         _record(run.journal, run.entry, run.counts, run.progress)
@@ -976,7 +998,7 @@ def continue_reshard(
     own_stop = threading.Event()
     if pace is None:
         pace = _pace(store, entry, params.old_shards, params.new_shards, progress, own_stop)
-    run = _Run(store, journal, entry, scan, parallel, params.max_pause, progress, counts, BatchSizer(params.batch_pause),
+    run = JobRun(store, journal, entry, scan, parallel, params.max_pause, progress, counts, BatchSizer(params.batch_pause),
                pace, own_stop)
     if workers is not None:
         workers.stopping = own_stop
@@ -1007,7 +1029,7 @@ def continue_reshard(
 class _Driving:
     """What the steps of one run of a reshard share (its start, or a resume)."""
 
-    run: _Run
+    run: JobRun
     params: ReshardParams
     map_path: str | None
     resumed_at: ReshardStep
@@ -1017,6 +1039,11 @@ class _Driving:
     """The first plan of this run: what the outcome reports."""
     frozen: bool = False
     """The partition was frozen by this run (an error in a frozen step unfreezes it)."""
+
+    @property
+    def scan(self) -> PartitionScan:
+        assert self.run.scan is not None, "a reshard's run has its partition's scan"
+        return self.run.scan
 
     def phase(self, name: str) -> None:
         if self.run.progress is not None:
@@ -1033,7 +1060,7 @@ def _enter(state: _Driving, step: ReshardStep) -> None:
 
 def _plan(state: _Driving) -> ReshardStep:
     if state.plan is None:
-        state.plan = plan_reshard(state.run.store, state.run.scan, state.run.entry.area, state.params.partition_start,
+        state.plan = plan_reshard(state.run.store, state.scan, state.run.entry.area, state.params.partition_start,
                                   state.params.new_shards)
     state.report = state.report or state.plan
     state.run.counts.plan(state.plan)
@@ -1050,7 +1077,7 @@ def _prechecks(state: _Driving) -> ReshardStep:
         plan = state.plan
         assert plan is not None
     run = state.run
-    _refused_leaves_nothing(run.journal, run.entry, lambda: _check_plan(run.store, plan, run.scan, state.map_path, dry_run=True))
+    _refused_leaves_nothing(run.journal, run.entry, lambda: _check_plan(run.store, plan, state.scan, state.map_path, dry_run=True))
     fault_point("reshard.after_prechecks")
     return ReshardStep.MOVES
 
@@ -1065,7 +1092,7 @@ def _moves(state: _Driving) -> ReshardStep:
         _plan(state)
         assert state.plan is not None
         run.journal.update(run.entry.move_id, **run.counts.journal_values())
-        _check_plan(run.store, state.plan, run.scan, state.map_path, dry_run=True)
+        _check_plan(run.store, state.plan, state.scan, state.map_path, dry_run=True)
         fault_point("reshard.after_prechecks")
     assert state.plan is not None
     state.phase("moves")
@@ -1099,7 +1126,7 @@ def _final_moves(state: _Driving) -> ReshardStep:
     run, params = state.run, state.params
     state.phase("final moves")
     run.store.refresh()
-    plan = plan_reshard(run.store, run.scan, run.entry.area, params.partition_start, params.new_shards)
+    plan = plan_reshard(run.store, state.scan, run.entry.area, params.partition_start, params.new_shards)
     run.counts.plan(plan)
     _record(run.journal, run.entry, run.counts, run.progress)
     state.plan = plan = _sweep(run, plan, 1)

@@ -15,11 +15,12 @@ from contextlib import ExitStack
 
 from mdb.cluster import Cluster
 from mdb.errors import MoveLeaseHeldError, ServerUnavailableError
-from mdb.moves.journal import Journal
+from mdb.moves.journal import JOB_KINDS, Journal
 from mdb.moves.fencing import FencedCluster
 from mdb.moves.lease import fenced_servers, hold, lease_owner_id
 from mdb.moves.cancel import CANCEL_STEP, finish_cancel
 from mdb.moves.move import ResumeOutcome, move_kinds, resolve_move
+from mdb.moves.movejob import continue_job
 from mdb.moves.reshard import ReshardProgress, continue_reshard
 
 __all__ = ["FAILED", "HELD", "ResumeOutcome", "resolve_move", "resume_all"]
@@ -49,7 +50,7 @@ def resume_all(store: Cluster, *, retry: bool = False, progress: ReshardProgress
     fenced: dict[str, FencedCluster] = {}  # lease id -> this resume's writes for the entries under it
     with ExitStack() as leases:
         for entry in journal.entries(unfinished=True):
-            if (entry.kind not in kinds and entry.kind != "reshard") or lease_owner_id(entry) != entry.move_id:
+            if (entry.kind not in kinds and entry.kind not in JOB_KINDS) or lease_owner_id(entry) != entry.move_id:
                 continue  # a reshard's move is taken with its reshard; other kinds are not resumed here
             try:
                 lease = leases.enter_context(hold(journal, entry.move_id))
@@ -77,20 +78,25 @@ def resume_all(store: Cluster, *, retry: bool = False, progress: ReshardProgress
                         stuck.add(entry.reshard_id)
         store.refresh()
         for entry in unfinished:
-            if entry.kind == "reshard":
+            if entry.kind in JOB_KINDS:
                 if entry.move_id in stuck:
-                    outcomes.append(ResumeOutcome(entry.move_id, "reshard", FAILED, "one of its moves could not be resolved (above); left as it was"))
+                    outcomes.append(ResumeOutcome(entry.move_id, entry.kind, FAILED, "one of its moves could not be resolved (above); left as it was"))
                     continue
                 cluster = fenced[entry.move_id]
                 interrupted_at = entry.step  # continue_reshard moves the entry on as it goes
                 try:
                     if entry.step == CANCEL_STEP:  # an interrupted `mdb moves cancel`: finish cancelling
                         done = finish_cancel(cluster, Journal(cluster), entry)
-                        outcomes.append(ResumeOutcome(entry.move_id, "reshard", "cancel completed", done.detail))
+                        outcomes.append(ResumeOutcome(entry.move_id, entry.kind, "cancel completed", done.detail))
+                        continue
+                    if entry.kind != "reshard":  # a rebalance's or drain's job: its remaining moves (mdb.moves.movejob)
+                        job = continue_job(cluster, Journal(cluster), entry)
+                        outcomes.append(ResumeOutcome(entry.move_id, entry.kind, f"{entry.kind} completed",
+                                                      f"{job.moved} of {job.planned} planned briefcase(s) moved over all its runs"))
                         continue
                     continue_reshard(cluster, Journal(cluster), entry, progress=progress)
                 except ServerUnavailableError as exc:
-                    outcomes.append(ResumeOutcome(entry.move_id, "reshard", FAILED, f"{exc}; was at step {interrupted_at!r}, run resume again once it is back"))
+                    outcomes.append(ResumeOutcome(entry.move_id, entry.kind, FAILED, f"{exc}; was at step {interrupted_at!r}, run resume again once it is back"))
                     continue
                 backup = entry.params.get("map_backup")  # continue_reshard updates the params it was given
                 kept = "" if backup is None else f"; the map file's previous version is at {backup}"

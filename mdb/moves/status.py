@@ -19,7 +19,7 @@ from sqlalchemy import func, inspect as sa_inspect, select
 from mdb.cluster import Cluster
 from mdb.errors import MdbError, RoutingError
 from mdb.gdid import GDID
-from mdb.moves.journal import RUNNING, Journal, JournalEntry
+from mdb.moves.journal import JOB_KINDS, RUNNING, Journal, JournalEntry
 from mdb.moves.lease import Holder, describe, liveness
 from mdb.moves.directory import documents_of
 from mdb.moves.document_move import document_holdings
@@ -266,7 +266,7 @@ def status_of(entry: JournalEntry, now: datetime) -> MoveStatus:
     update once it ended (a finished move's rate must not fall as time passes).
     """
     e = entry
-    recent = RateWindow.from_params(e.params) if e.kind == "reshard" and e.status == RUNNING else None
+    recent = RateWindow.from_params(e.params) if e.kind in JOB_KINDS and e.status == RUNNING else None
     if recent is not None:
         figures = recent.figures(e.briefcases_done, e.briefcases_total, e.rows_done, e.rows_total, now=now.timestamp())
         return MoveStatus(e, figures.rows_per_second, figures.briefcases_per_second, figures.eta_seconds, rate_window=recent.window)
@@ -286,7 +286,7 @@ def move_status(store: Cluster, *, recent: int = 10) -> tuple[list[MoveStatus], 
     now = datetime.now(timezone.utc)
     running = [status_of(e, now) for e in journal.entries(unfinished=True)]
     for s in running:
-        if s.entry.kind not in ("move", "reshard"):
+        if s.entry.kind not in ("move", *JOB_KINDS):
             continue  # e.g. document moves (mdb.mongo) record no driver
         # ETA and rate mean nothing for an entry whose process is gone (issue 11 item 10: a
         # reshard stopped by Ctrl-C still showed "ETA 120s"), so they go with its liveness.

@@ -1,8 +1,9 @@
-"""``mdb worker MAP``: a process that works on every reshard job in CENTRAL until it is stopped (issue 32).
+"""``mdb worker MAP``: a process that works on every job in CENTRAL until it is stopped (issue 32).
 
-Each round it first adopts any reshard whose driver is gone (its lease free: a dead pid on this
+Jobs are reshards, rebalances, drains and a cancel's move-back (a reshard at step ``cancel``).
+Each round it first adopts any job whose driver is gone (its lease free: a dead pid on this
 host, a stale beat from another) and drives that job's phases itself, as ``mdb moves resume``
-would; otherwise it claims the next work item of any running job (:mod:`mdb.moves.jobs`) and
+would (an interrupted cancel is finished: the operator asked for it); otherwise it claims the next work item of any running job (:mod:`mdb.moves.jobs`) and
 moves it. Stopping (SIGTERM, Ctrl-C) sets a flag: the batch in hand stops before its next
 step (rolled back, never left half-cut; finalized past its commit point) and its item is
 given back, a job being driven stops between two steps with its lease released, and the next
@@ -20,11 +21,11 @@ from sqlalchemy.exc import DBAPIError
 from mdb.cluster import Cluster
 from mdb.errors import MdbError, MoveLeaseHeldError, ReshardStoppedError
 from mdb.moves import jobs
-from mdb.moves.cancel import CANCEL_STEP
-from mdb.moves.journal import RUNNING, Journal
+from mdb.moves.journal import JOB_KINDS, RUNNING, Journal
 from mdb.moves.lease import fenced_servers, hold, lease_owner_id, liveness
 from mdb.moves.move import resolve_move
-from mdb.moves.reshard import Workers, continue_reshard, work_item
+from mdb.moves.movejob import drive
+from mdb.moves.reshard import Workers, work_item
 
 __all__ = ["IDLE_POLL", "adopt_jobs", "run_worker"]
 
@@ -35,13 +36,13 @@ IDLE_POLL = 0.5
 
 
 def adopt_jobs(store: Cluster, stopping: threading.Event, on_event: Callable[[str], None] | None = None) -> int:
-    """Drive every running reshard whose driver is gone, one after the other; how many were driven."""
+    """Drive every running job whose driver is gone, one after the other; how many were driven."""
     journal = Journal(store)
     driven = 0
     for entry in journal.entries(unfinished=True):
         if stopping.is_set():
             break
-        if entry.kind != "reshard" or entry.step == CANCEL_STEP or liveness(journal, entry)[0] != "interrupted":
+        if entry.kind not in JOB_KINDS or liveness(journal, entry)[0] != "interrupted":
             continue
         try:
             with hold(journal, entry.move_id) as lease:
@@ -51,16 +52,16 @@ def adopt_jobs(store: Cluster, stopping: threading.Event, on_event: Callable[[st
                 if current is None or current.status != RUNNING:
                     continue
                 if on_event is not None:
-                    on_event(f"driving reshard {entry.move_id} from step {current.step!r}")
-                # Moves journaled under the reshard's own lease (an older mdb, a document area) are resolved first.
+                    on_event(f"driving {current.kind} {entry.move_id} from step {current.step!r}")
+                # Moves journaled under the job's own lease (an older mdb, a document area) are resolved first.
                 for move in fj.moves_of(entry.move_id):
                     if move.status == RUNNING and lease_owner_id(move) == entry.move_id:
                         resolve_move(fenced, fj, move)
                 store.refresh()
-                continue_reshard(fenced, fj, current, stopping=stopping)
+                said = drive(fenced, fj, current, stopping=stopping)
                 driven += 1
                 if on_event is not None:
-                    on_event(f"reshard {entry.move_id} done")
+                    on_event(f"{current.kind} {entry.move_id}: {said}")
         except MoveLeaseHeldError:
             continue  # another worker took it first
     return driven
@@ -93,7 +94,7 @@ def _loop(store: Cluster, stopping: threading.Event, workers: Workers, on_event:
                 stopping.wait(IDLE_POLL)
                 continue
             if on_event is not None:
-                on_event(f"{item.item_id} of reshard {item.job_id}: {len(item.gdids)} briefcase(s) {item.source} -> {item.target}")
+                on_event(f"{item.item_id} of job {item.job_id}: {len(item.gdids)} briefcase(s) {item.source} -> {item.target}")
             work_item(workers, item)
         except (MdbError, DBAPIError, OSError) as exc:
             if isinstance(exc, ReshardStoppedError) and stopping.is_set():

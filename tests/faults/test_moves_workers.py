@@ -15,13 +15,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
 import pytest
-from support.moves import FAST_LEASE, ROOT, Cluster, process_state, run_cli
+from support.moves import FAST_LEASE, Cluster, process_state, run_cli
 from support.reshard import BATCH_POINTS, Writers, _batches, _check_placement, _check_writes, _wait_stopped, cluster, writers  # noqa: F401
+from support.workers import no_process_left, spawn, stop as _stop  # noqa: F401
 
 from mdb.moves.journal import Journal
 
@@ -34,42 +34,18 @@ STOPPED = (0, 130, 143, -signal.SIGTERM)
 KILL_POINTS = [p for p in BATCH_POINTS if p not in ("batch.resume.after_discard", "batch.after_resync")]
 
 
-_SPAWNED: list[subprocess.Popen[str]] = []
-
-
 @pytest.fixture(autouse=True)
-def _no_process_left() -> Iterator[None]:
+def _no_process_left(no_process_left: None) -> Iterator[None]:  # noqa: F811
     """A failed test leaves no worker running (it would go on working on the next test's databases' jobs)."""
     yield
-    while _SPAWNED:
-        p = _SPAWNED.pop()
-        if p.poll() is None:
-            p.kill()
-            p.wait()
 
 
 def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    full = {**os.environ, **SMALL_ITEMS, **env, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", *args], cwd=str(ROOT), env=full,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _SPAWNED.append(proc)
-    return proc
+    return spawn(args, {**SMALL_ITEMS, **env})
 
 
 def _worker(cluster: Cluster, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return _spawn(["worker", str(cluster.path)], env or {})
-
-
-def _stop(procs: list[subprocess.Popen[str]]) -> list[tuple[int, str]]:
-    """SIGTERM every live one (each finishes or gives back its batch), then their exit codes and output."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    out = []
-    for p in procs:
-        stdout, err = p.communicate(timeout=180)
-        out.append((p.returncode, stdout + err))
-    return out
 
 
 def _unfinished_reshards(cluster: Cluster) -> list[str]:
