@@ -10,6 +10,7 @@ app`` (the complete typer app: tests drive it with typer's runner).
 
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
 from collections.abc import Iterable, Sequence
@@ -73,8 +74,25 @@ def modules_for(argv: Sequence[str]) -> tuple[str, ...]:
 
 
 def main() -> None:
-    """The ``mdb`` entry point: load what the command line's command needs, then run it."""
-    load(modules_for(sys.argv[1:]))
+    """The ``mdb`` entry point: load what the command line's command needs, then run it.
+
+    The cyclic garbage collector is off while the modules load and their objects are frozen
+    afterwards (``gc.freeze``): they live as long as the process, yet the collector scanned them
+    again and again as the heap grew during the imports, then once more at exit. py-spy of a
+    ``mdb moves resume``: about 0.9 s in collections during the imports and 0.7 s at exit, a
+    quarter of its samples. What the command allocates is collected as usual. Only when this
+    call is the process's start-up (the CLI not loaded yet): a program or test that runs
+    ``main()`` in its own process keeps its collector as it is.
+    """
+    starting = "mdb.cli.app" not in sys.modules
+    if starting:
+        gc.disable()
+    try:
+        load(modules_for(sys.argv[1:]))
+    finally:
+        if starting:
+            gc.freeze()
+            gc.enable()
     importlib.import_module("mdb.cli.app").main()
 
 
