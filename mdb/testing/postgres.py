@@ -226,6 +226,21 @@ class _Postgresql(testing.postgresql.Postgresql):
     def poststart(self) -> None:
         """Skip the library's ``CREATE DATABASE test``: tests make their own, a standby cannot."""
 
+    def is_server_available(self) -> bool:
+        """Whether the starting server accepts a connection yet (polled every 0.1 s while it boots).
+
+        The library's probe connects with pg8000, which builds an SSL context (loading the
+        system's CA certificates) on every attempt that reaches the server: 0.17-0.28 s of CPU
+        per four servers started, 0.03-0.04 s this way. Test servers have no SSL.
+        """
+        dsn = self.dsn(database="template1")
+        try:
+            psycopg.connect(host=dsn["host"], port=dsn["port"], user=dsn["user"], dbname=dsn["database"],
+                            sslmode="disable", connect_timeout=10).close()
+        except psycopg.OperationalError:
+            return False
+        return True
+
 
 _open_servers: dict[int, PostgresServer] = {}
 _open_servers_lock = threading.Lock()

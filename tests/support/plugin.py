@@ -10,6 +10,7 @@ under ``CI=true``, where it fails: CI must never go green by skipping the real-s
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -24,6 +25,28 @@ from mdb.testing.pgbouncer import DEFAULT_POOL_SIZE, PgBouncer, pgbouncer_unavai
 from mdb.testing.postgres import PostgresCluster, PostgresServer, postgres_unavailable_reason
 
 arm()  # MDB_FAULT_POINT and MDB_MONGO_FAKE_DIR act in this process and every process a test starts
+
+
+def _bytecode_cached_outside_the_tree() -> None:
+    """Let the processes the tests start cache bytecode in a private folder outside the tree.
+
+    Under ``PYTHONDONTWRITEBYTECODE`` (set on the shared machines) every ``mdb`` a test starts,
+    hundreds in a run, compiled mdb's ~120 modules from source again: about a quarter of its
+    start-up CPU (``mdb reshard --help`` 1.97 -> 1.49 s). With ``PYTHONPYCACHEPREFIX`` the first
+    child writes them there and the others read them; the source tree stays free of bytecode,
+    which is what that setting is for. Each cache file is checked against its source as usual.
+    """
+    if not os.environ.get("PYTHONDONTWRITEBYTECODE") or os.environ.get("PYTHONPYCACHEPREFIX"):
+        return
+    folder = Path(tempfile.gettempdir()) / f"mdb-test-pycache-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    if folder.stat().st_uid != os.getuid() or folder.stat().st_mode & 0o077:
+        return  # not ours alone: leave the setting as it is
+    os.environ["PYTHONPYCACHEPREFIX"] = str(folder)
+    del os.environ["PYTHONDONTWRITEBYTECODE"]
+
+
+_bytecode_cached_outside_the_tree()
 
 POOL_SIZE = 4
 POSTGRES_FIXTURES = frozenset({"pg_cluster", "pg_databases", "pg_url", "pg_server_factory", "pg_replica_pair", "pgbouncer", "pg_route"})
