@@ -96,13 +96,13 @@ def start_job(
     if sql:
         check_schemas(store, area, sql, area_tables(store, area), f"{kind} of area {area!r}")
     job_id = new_move_id(kind)
-    journal.start(JournalEntry(
-        move_id=job_id, kind=kind, area=area, step="moves", status=RUNNING,
-        params={"moves": [[str(m.gdid), m.source, m.target] for m in moves], "servers": servers, "max_pause": max_pause,
-                "batch_pause": batch_pause, "per_server": per_server},
-        briefcases_total=len(moves),
-    ))
-    with hold(journal, job_id) as lease:
+    with hold(journal, job_id) as lease:  # the lease before the row: no worker can adopt the job from this command
+        journal.start(JournalEntry(
+            move_id=job_id, kind=kind, area=area, step="moves", status=RUNNING,
+            params={"moves": [[str(m.gdid), m.source, m.target] for m in moves], "servers": servers, "max_pause": max_pause,
+                    "batch_pause": batch_pause, "per_server": per_server},
+            briefcases_total=len(moves),
+        ))
         fault_point("job.after_journal_start")
         entry = journal.get(job_id)
         assert entry is not None

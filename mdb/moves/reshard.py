@@ -317,17 +317,19 @@ def reshard(
         _check_plan(store, plan, scan, map_path, dry_run=True)
         return ReshardOutcome(None, plan, None, 0)
     reshard_id = new_move_id("reshard")
-    journal.start(JournalEntry(
-        move_id=reshard_id, kind="reshard", area=area, step="plan", status=RUNNING,
-        params={**ReshardParams(params_version=PARAMS_VERSION, partition_start=start, old_shards=list(old), new_shards=list(new_shards),
-                                parallel=parallel, max_pause=max_pause, batch_pause=batch_pause, freeze_wait=freeze_wait,
-                                per_server=per_server, map_path=None if map_path is None else str(Path(map_path).resolve()),
-                                ).to_params(),
-                **(throttle or ThrottleSettings()).to_params()},
-        tables={name: [rows, 0] for name, rows in plan.rows_per_table().items()},
-        briefcases_total=len(plan.moves), rows_total=plan.total_rows,
-    ))
+    # The lease first, then the journal row: a worker that sees the row finds it driven (it adopts only
+    # a job whose lease nobody live holds), never a moment where it could take it from this command.
     with hold(journal, reshard_id) as lease:
+        journal.start(JournalEntry(
+            move_id=reshard_id, kind="reshard", area=area, step="plan", status=RUNNING,
+            params={**ReshardParams(params_version=PARAMS_VERSION, partition_start=start, old_shards=list(old), new_shards=list(new_shards),
+                                    parallel=parallel, max_pause=max_pause, batch_pause=batch_pause, freeze_wait=freeze_wait,
+                                    per_server=per_server, map_path=None if map_path is None else str(Path(map_path).resolve()),
+                                    ).to_params(),
+                    **(throttle or ThrottleSettings()).to_params()},
+            tables={name: [rows, 0] for name, rows in plan.rows_per_table().items()},
+            briefcases_total=len(plan.moves), rows_total=plan.total_rows,
+        ))
         fault_point("reshard.after_journal_start")
         entry = journal.get(reshard_id)
         assert entry is not None

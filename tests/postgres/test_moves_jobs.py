@@ -5,14 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from support.moves import make_cluster
+import pytest
+from support.moves import create_user, make_cluster
 from sqlalchemy import text
 
 from mdb.gdid import GDID
 from mdb.moves import jobs
 from mdb.moves.journal import RUNNING, Journal, JournalEntry, new_move_id
-from mdb.moves.lease import hold
+from mdb.moves.lease import hold, liveness
+from mdb.moves.movejob import start_job
 from mdb.moves.plan import PlannedMove
+from mdb.moves.reshard import reshard
 
 
 def _job(journal: Journal, per_server: int) -> str:
@@ -71,3 +74,28 @@ def test_an_item_whose_claimer_died_is_claimed_again_and_a_stopped_job_drops_the
         settled: list[str] = []
         jobs.settle(journal, job, lambda i: (settled.append(i.item_id), jobs.drop(store, journal.server, i.item_id)))
         assert settled == [item.item_id] and jobs.open_items(journal, job) == []
+
+
+def test_a_job_is_driven_from_the_moment_its_row_exists(pg_databases: Callable[[int], list[str]], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle `mdb worker` adopts a running job whose lease no live process holds. The command
+    takes the lease before it journals the job, so no worker can see the row undriven and take the
+    job from the command (which then failed with the lease held elsewhere)."""
+    cluster = make_cluster(dict(zip(["c", "a", "b", "x"], pg_databases(4))), tmp_path, [("0:0:0", ["a", "b"])])
+    seen: list[tuple[str, str]] = []
+    start = Journal.start
+
+    def journaled(self: Journal, entry: JournalEntry) -> None:
+        start(self, entry)
+        if entry.kind in ("reshard", "rebalance"):
+            seen.append((entry.kind, liveness(self, entry)[0]))
+
+    monkeypatch.setattr(Journal, "start", journaled)
+    with cluster.store() as store:
+        for n in range(1, 7):
+            create_user(store, GDID(0, 0, n))
+        reshard(store, "user", GDID.ZERO, ["a", "b", "x"])
+        moved = GDID(0, 0, 3)
+        source = store.router.locate("user", moved).server
+        start_job(store, "rebalance", "user", [PlannedMove(moved, source, "a" if source != "a" else "b", {})])
+    assert seen == [("reshard", "running"), ("rebalance", "running")]
