@@ -257,10 +257,14 @@ class FencedCluster:
         fenced = not readonly and self.inner.map.kind_of(server) == SQL
         if fenced:
             _ensure_table(self.inner, server)
-        with self.inner.transaction(server, readonly, prelude=FenceCheck(self.lease_id) if fenced else None) as conn:
+        # Fenced twice (a driver's cluster wrapped by a move it runs under its own lease): the inner
+        # one sends its check with BEGIN, this one checks by a statement in the same transaction.
+        nested = isinstance(self.inner, FencedCluster)
+        prelude = FenceCheck(self.lease_id) if fenced and not nested else None
+        with self.inner.transaction(server, readonly, prelude=prelude) as conn:
             if fenced:
-                rows = take_result(conn)
-                if rows is None:  # no prelude ran with this BEGIN (an engine without mdb's BEGIN): the statement
+                rows = None if nested else take_result(conn)
+                if rows is None:  # no prelude ran with this BEGIN (nested, or an engine without mdb's BEGIN)
                     check(conn, server, self.lease_id, self.epoch)
                 else:
                     _judge(conn, server, self.lease_id, self.epoch, rows)

@@ -130,6 +130,17 @@ def test_a_newer_epoch_refuses_the_older_drivers_writes_on_every_server(backend:
             finally:
                 event.remove(store.engine("u1"), "before_cursor_execute", record)
             assert sent == ["SELECT 1"]
+            # A move run under its own lease inside a fenced driver: both leases are checked in its transactions.
+            fencing.claim(store, ["u1"], "move-inside", 1)
+            with fencing.FencedCluster(new, "move-inside", 1).transaction("u1") as conn:
+                conn.execute(text("SELECT 1"))
+            with pytest.raises(LeaseLostError, match="reshard-fence-test: server 'u1' has seen lease epoch 2"):
+                with fencing.FencedCluster(old, "move-inside", 1).transaction("u1"):
+                    pass
+            fencing.claim(store, ["u1"], "move-inside", 2)
+            with pytest.raises(LeaseLostError, match="move-inside: server 'u1' has seen lease epoch 2"):
+                with fencing.FencedCluster(new, "move-inside", 1).transaction("u1"):
+                    pass
 
 
 def test_a_claim_waits_for_the_old_drivers_checked_transaction_and_refuses_it_afterwards(
