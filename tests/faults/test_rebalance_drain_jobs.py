@@ -206,8 +206,9 @@ def test_a_cancels_move_back_killed_mid_job_is_finished_by_a_worker(cluster: Clu
     assert job["step"] == "cancel" and job["driver"].startswith("interrupted"), job
     stopped = _finish_with_workers(cluster, 2, SMALL_ITEMS)
     said = "\n".join(out for _, out in stopped)
-    assert f"driving reshard {reshard.move_id} from step 'cancel'" in said and "cancel completed" in said, said
-    assert f"{reshard.briefcases_done} finished ({reshard.briefcases_done} moved back)" in said, said
+    # The worker's closing line ("cancel completed: ...") comes after the journal row is finished, which
+    # is when the workers are stopped: it may not be printed yet. What it says is checked below, in the data.
+    assert f"driving reshard {reshard.move_id} from step 'cancel'" in said, said
     assert cluster.path.read_text(encoding="utf-8") == map_text, "the map file changed"
     homes = _check(cluster, SERVERS, rows)
     assert {g: [s] for g, s in homes.items()} == homes_before, "a briefcase was not moved back"
