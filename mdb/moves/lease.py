@@ -50,7 +50,7 @@ from mdb.moves.journal import JOB_KINDS, Journal, JournalEntry, move_leases
 __all__ = [
     "LEASE_BEAT", "LEASE_STALE", "Holder", "Lease", "check_stop", "describe", "describe_liveness", "ensure_table", "fenced_servers", "hold", "holder_of",
     "holders_in",
-    "lease_owner_id", "liveness", "me", "request_stop",
+    "lease_owner_id", "liveness", "me", "refuse_if_busy", "request_stop",
 ]
 
 log = logging.getLogger("mdb.moves.lease")
@@ -350,6 +350,16 @@ def describe_liveness(journal: Journal, entry: JournalEntry) -> str:
     if entry.gdid is None and entry.kind not in JOB_KINDS:  # neither a briefcase move (any kind) nor a job
         return f"{entry.kind} at step {entry.step!r} (its driver is not recorded)"
     return describe(*liveness(journal, entry))
+
+
+def refuse_if_busy(journal: Journal, area: str) -> None:
+    """Refuse a reshard or a job of ``area`` while the area has an unfinished move, reshard or job (one at a time)."""
+    busy = [e for e in journal.entries(unfinished=True) if e.area == area]
+    if busy:
+        raise MdbError(
+            f"area {area!r} has unfinished moves, reshards or jobs ({'; '.join(f'{e.move_id}: {describe_liveness(journal, e)}' for e in busy)}): "
+            "let a running one finish, or run `mdb moves resume MAP` for an interrupted one"
+        )
 
 
 def describe(state: str, holder: Holder | None) -> str:

@@ -37,7 +37,7 @@ from mdb.gdid import GDID
 from mdb.moves import jobs
 from mdb.moves.cancel import finish_cancel
 from mdb.moves.journal import CANCEL_STEP, DONE, MOVES_JOB_KINDS, RUNNING, Journal, JournalEntry, new_move_id
-from mdb.moves.lease import describe_liveness, fenced_servers, hold
+from mdb.moves.lease import fenced_servers, hold, refuse_if_busy
 from mdb.moves.move import DEFAULT_MAX_PAUSE, check_max_pause
 from mdb.moves.plan import PlannedMove
 from mdb.moves.reshard import (
@@ -85,12 +85,7 @@ def start_job(
     if not moves:
         return JobOutcome(None, kind, 0)
     journal = Journal(store)
-    busy = [e for e in journal.entries(unfinished=True) if e.area == area]
-    if busy:
-        raise MdbError(
-            f"area {area!r} has unfinished moves/jobs ({'; '.join(f'{e.move_id}: {describe_liveness(journal, e)}' for e in busy)}): "
-            "let a running one finish, or run `mdb moves resume MAP` for an interrupted one"
-        )
+    refuse_if_busy(journal, area)
     servers = sorted({m.source for m in moves} | {m.target for m in moves})
     sql = [s for s in servers if store.map.kind_of(s) == SQL]
     if sql:

@@ -61,7 +61,7 @@ from mdb.moves.journal import ABORTED, CANCEL_STEP, DONE, RUNNING, Journal, Jour
 from mdb.moves import jobs
 from mdb.moves.fencing import unchecked
 from mdb.moves.jobs import Item, ItemResult
-from mdb.moves.lease import check_stop, describe_liveness, fenced_servers, hold
+from mdb.moves.lease import check_stop, fenced_servers, hold, refuse_if_busy
 from mdb.moves.status import RateWindow
 from mdb.moves.throttle import Throttle, ThrottleSettings
 from mdb.moves.reshard_state import FROZEN_STEPS, PARAMS_VERSION, ReshardParams, ReshardStep
@@ -305,12 +305,7 @@ def reshard(
     if list(old) == list(new_shards):
         raise RoutingError(f"partition {start} of area {area!r} already has shards {list(old)}")
     journal = Journal(store)
-    busy = [e for e in journal.entries(unfinished=True) if e.area == area]
-    if busy:
-        raise MdbError(
-            f"area {area!r} has unfinished moves/reshards ({'; '.join(f'{e.move_id}: {describe_liveness(journal, e)}' for e in busy)}): "
-            "let a running one finish, or run `mdb moves resume MAP` for an interrupted one"
-        )
+    refuse_if_busy(journal, area)
     plan = plan_reshard(store, scan, area, start, new_shards, keep_moves=not dry_run)  # a dry run: totals only
     parallel, _ = parallel_for(store, area, start, new_shards, parallel)
     if dry_run:
