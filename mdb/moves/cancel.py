@@ -203,12 +203,9 @@ def _stop_job(store: Cluster, journal: Journal, entry: JournalEntry) -> CancelOu
     out = CancelOutcome(entry.move_id, entry.kind)
     _resolve_left(store, journal, entry, out)
     out.left = len({g for m in journal.moves_of(entry.move_id) if m.status == DONE and not _is_move_back(m) for g in m.briefcases})
-    out.detail = (f"stopped at step {interrupted_at!r}: {out.rolled_back} interrupted move(s) rolled back, {out.left} briefcase(s) "
-                  f"moved stay where they are (a {entry.kind} changes no map; run it again for the rest)")
-    journal.finish(entry.move_id, CANCELLED, out.detail)
-    jobs.forget(journal, entry.move_id)
-    store.refresh()
-    return out
+    return _cancelled(store, journal, entry, out, f"stopped at step {interrupted_at!r}: {out.rolled_back} interrupted move(s) "
+                      f"rolled back, {out.left} briefcase(s) moved stay where they are (a {entry.kind} changes no map; run it "
+                      "again for the rest)")
 
 
 def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move_back: bool | None = None) -> CancelOutcome:
@@ -248,9 +245,14 @@ def finish_cancel(store: Cluster, journal: Journal, entry: JournalEntry, *, move
     verb = f"{out.moved_back} moved back" if move_back else f"{out.left} left on their new shards as relocations"
     if out.gone:
         verb += f", {out.gone} deleted by the application meanwhile"
-    out.detail = (f"cancelled at step {interrupted_at!r}: {out.rolled_back} interrupted move(s) rolled back, "
-                  f"{len(forward)} finished ({verb}); the map is unchanged")
-    journal.finish(entry.move_id, CANCELLED, out.detail)
+    return _cancelled(store, journal, entry, out, f"cancelled at step {interrupted_at!r}: {out.rolled_back} interrupted move(s) "
+                      f"rolled back, {len(forward)} finished ({verb}); the map is unchanged")
+
+
+def _cancelled(store: Cluster, journal: Journal, entry: JournalEntry, out: CancelOutcome, detail: str) -> CancelOutcome:
+    """The job's journal row ends ``cancelled`` with ``detail``; its work items are forgotten."""
+    out.detail = detail
+    journal.finish(entry.move_id, CANCELLED, detail)
     jobs.forget(journal, entry.move_id)
     store.refresh()
     return out
