@@ -106,9 +106,9 @@ DEFAULT_BATCH_PAUSE = 0.025
 """The write pause a batch of briefcases aims at (seconds); 0 moves one briefcase at a time.
 
 Set below the 50 ms p99 aim by the spread of the pauses, not at it: the same statement now and
-then costs its server 1.5-2x the CPU (measured, docs/moves.md "The aims"), and one such batch
+then costs its server 1.5-2x the CPU (measured: docs/dev/measured-moves.md, "The aims"), and one such batch
 in a hundred sets the p99. 0.025 against 0.03, six runs each at ``--parallel`` 4: p99 34-41
-against 42-47 ms, throughput the same within the runs' spread (docs/moves.md)."""
+against 42-47 ms, throughput the same within the runs' spread."""
 BATCH_START = 8
 BATCH_LARGEST = 500
 RECENT_BATCHES = 4

@@ -28,7 +28,7 @@ its rate). Its own time is the fill, 3 + 2 s (``--quick``; else 10 + 3 s) around
 the reshard: seconds where the mover batches, but on a 2-core machine shared with test suites
 (load average 20-30) the batch sizer fell to batches of one and a ``--quick`` run took 12
 minutes. The issue's "before" figures (16 cores, 300k briefcases, before routing by fences) are
-in docs/moves.md, next to what this section measured. Runs unattended, with no network.
+in docs/dev/measured-moves.md, next to what this section measured. Runs unattended, with no network.
 """
 
 from __future__ import annotations
