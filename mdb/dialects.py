@@ -32,6 +32,10 @@ class SqlDialect:
     callers' checks between phases are the only bound). ``advisory_locks``: named locks that
     several sessions of one server can share or exclude; without them (SQLite) one writer per
     file already serialises what they would. ``copy``: ``COPY ... TO/FROM STDOUT`` streams.
+    ``one_writer_per_file``: the database is a file that lets one writer in at a time (parallel
+    movers would wait on each other; readers get an engine of their own that never takes the
+    write lock). ``streams_replicas``: a ``replica:`` URL is a streaming standby whose lag the
+    throttle can watch.
     """
 
     name: ClassVar[str]
@@ -40,6 +44,8 @@ class SqlDialect:
     advisory_locks: ClassVar[bool] = False
     copy: ClassVar[bool] = False
     terminates_sessions: ClassVar[bool] = False
+    one_writer_per_file: ClassVar[bool] = False
+    streams_replicas: ClassVar[bool] = False
 
     def insert(self, table: Table) -> Any:
         """An INSERT that supports ``on_conflict_do_update`` / ``on_conflict_do_nothing``."""
@@ -62,6 +68,10 @@ class SqlDialect:
 
     def lock_timeout(self, conn: Connection, ms: int) -> None:
         """``SET LOCAL lock_timeout`` where it exists: a lock wait ends with an error instead of queueing."""
+
+    def advisory_xact_lock(self, conn: Connection, key: int) -> None:
+        """Wait for a transaction-scoped exclusive advisory lock (where there are none, the
+        server's one writer at a time already serialises the transactions it would)."""
 
     def try_advisory_xact_lock(self, conn: Connection, key: int, *, shared: bool) -> bool:
         """Take a transaction-scoped advisory lock without waiting; True where there are none to take."""
@@ -104,6 +114,7 @@ class PostgresDialect(SqlDialect):
     advisory_locks = True
     copy = True
     terminates_sessions = True
+    streams_replicas = True
 
     def insert(self, table: Table) -> Any:
         return postgresql.insert(table)
@@ -122,6 +133,9 @@ class PostgresDialect(SqlDialect):
 
     def lock_timeout(self, conn: Connection, ms: int) -> None:
         conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{int(ms)}ms'")
+
+    def advisory_xact_lock(self, conn: Connection, key: int) -> None:
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": key})
 
     def try_advisory_xact_lock(self, conn: Connection, key: int, *, shared: bool) -> bool:
         function = "pg_try_advisory_xact_lock_shared" if shared else "pg_try_advisory_xact_lock"
@@ -159,6 +173,7 @@ class PostgresDialect(SqlDialect):
 
 class SqliteDialect(SqlDialect):
     name = "sqlite"
+    one_writer_per_file = True
 
     def insert(self, table: Table) -> Any:
         return sqlite.insert(table)

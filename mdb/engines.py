@@ -42,6 +42,7 @@ from sqlalchemy.util import LRUCache
 from sqlalchemy.pool import NullPool
 
 from mdb.budget import BudgetPool, ConnectionBudget, connect_patiently, instance_of
+from mdb.dialects import SqlDialect, sql_dialect
 from mdb.partition_map import EngineSpec, PartitionMap, ServerSpec
 from mdb.servers import ServerDirectory
 from mdb.urls import mask_url, sqlalchemy_url
@@ -583,8 +584,10 @@ class EngineRegistry(ServerDirectory):
     def has_replica(self, server: str) -> bool:
         return self.spec(server).replica is not None
 
-    def is_sqlite(self, server: str) -> bool:
-        return sqlalchemy_url(self.spec(server).primary).get_backend_name() == "sqlite"
+    def sql_dialect(self, server: str) -> SqlDialect:
+        """The :class:`~mdb.dialects.SqlDialect` of a server: what its database can do (one writer per
+        file, streaming replicas, ...), asked instead of its backend's name."""
+        return sql_dialect(self.backend(server))
 
     def backend(self, server: str) -> str:
         """The server's SQL backend name (``postgresql``, ``sqlite``); kept per server, since a
@@ -628,7 +631,7 @@ class EngineRegistry(ServerDirectory):
         url = self.url(server, readonly)
         # SQLite readers get their own engine (deferred BEGIN, no write lock); PostgreSQL readers
         # without a replica share the primary's pool.
-        separate_reader = spec.replica is not None or self.is_sqlite(server)
+        separate_reader = spec.replica is not None or self.sql_dialect(server).one_writer_per_file
         key = (url, readonly and separate_reader, self.pooled(server, readonly))
         with self._lock:
             engine = self._engines.get(key)

@@ -458,7 +458,7 @@ class AsyncEngines:
         if found is not None:
             return found
         spec = registry.spec(server)
-        separate_reader = spec.replica is not None or registry.is_sqlite(server)
+        separate_reader = spec.replica is not None or registry.sql_dialect(server).one_writer_per_file
         key = (url, readonly and separate_reader, registry.pooled(server, readonly))
         engine = self._engines.get(key)
         if engine is None:

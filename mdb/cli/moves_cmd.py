@@ -358,7 +358,7 @@ def reshard_cmd(
             warn(f"--parallel runs as 1: SQLite lets one writer at a time into a file ({', '.join(sqlite)} are SQLite)")
             if workers:
                 fail(f"--workers: SQLite lets one writer at a time into a file ({', '.join(sqlite)} are SQLite); run without it")
-        if (workers or parallel == 0) and not dry_run and store.engines.is_sqlite(Journal(store).server):
+        if (workers or parallel == 0) and not dry_run and store.engines.sql_dialect(Journal(store).server).one_writer_per_file:
             fail("--workers and --parallel 0 need a PostgreSQL CENTRAL (a SQLite CENTRAL runs one worker: this command's own)")
         try:
             with _local_workers(map_path, 0 if dry_run else workers):
@@ -436,7 +436,7 @@ def worker_cmd(map_path: MapArg) -> None:
     from mdb.moves.worker import run_worker
 
     with open_store(map_path, tool=True) as store:
-        if store.engines.is_sqlite(Journal(store).server):
+        if store.engines.sql_dialect(Journal(store).server).one_writer_per_file:
             fail("mdb worker needs a PostgreSQL CENTRAL: a SQLite CENTRAL runs one worker, `mdb reshard` itself")
         stopping = threading.Event()
         errors: list[BaseException] = []

@@ -11,6 +11,21 @@ reference counting still frees all acyclic garbage meanwhile.
 Process-wide, because the collector is: cutovers of parallel workers nest, and the collector is
 enabled again only when none is left, and only if it was enabled when the first began (an
 application that runs with it off keeps it off).
+
+The deferral does not cover what follows a cutover: between a batch's commit point and its
+finalize the application waits for the batch's briefcases, and a full collection there is a
+wait too. How long one takes grows with the heap, and a reshard's plan is most of the heap: a
+million-briefcase reshard holds ~670,000 planned moves, and a full collection of that mover
+took 0.5-0.7 s (2 cores, idle; one application read waited 2.2 s at a million in
+``tools/bench.py reshard_impact``). The plan lives as long as the moves, and none of it is
+cyclic garbage, so :func:`long_lived_frozen` moves everything alive when the moves begin out
+of the collector's sight (``gc.freeze``) until they end (``gc.unfreeze``); collections then walk
+only what was allocated since. Acyclic garbage is still freed by reference counting (the plan
+is freed when the reshard drops it); a cycle among the frozen objects that becomes garbage
+during the moves is collected after them. ``gc.unfreeze`` releases every frozen object, so in a
+process that had frozen objects of its own before (the ``mdb`` command freezes its start-up),
+nothing is unfrozen: there such a cycle is never collected, which a command that ends after its
+reshard does not notice.
 """
 
 from __future__ import annotations
@@ -20,7 +35,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
-__all__ = ["collection_deferred"]
+__all__ = ["collection_deferred", "long_lived_frozen"]
 
 
 class _Deferral:
@@ -51,3 +66,35 @@ _deferral = _Deferral()
 def collection_deferred() -> AbstractContextManager[None]:
     """Automatic garbage collection off for the block (and any block of another thread overlapping it)."""
     return _deferral.held()
+
+
+class _Freeze:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._restore = False
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            if not self._holders:
+                # gc.unfreeze is all or nothing: undo the freeze only where nothing was frozen before
+                # (the `mdb` command froze its start-up for good, so there the plan stays frozen too)
+                self._restore = gc.get_freeze_count() == 0
+            gc.freeze()
+            self._holders += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holders -= 1
+                if not self._holders and self._restore:
+                    gc.unfreeze()
+
+
+_freeze = _Freeze()
+
+
+def long_lived_frozen() -> AbstractContextManager[None]:
+    """Every object alive now left out of collections until the block (and any overlapping one) ends."""
+    return _freeze.held()

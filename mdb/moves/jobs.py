@@ -48,9 +48,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Final
 
-from sqlalchemy import BigInteger, Column, DateTime, Integer, String, Table, Text, delete, func, insert, select, text, update
+from sqlalchemy import BigInteger, Column, DateTime, Integer, String, Table, Text, delete, func, insert, select, update
 
 from mdb.cluster import Cluster
+from mdb.dialects import sql_dialect
 from mdb.gdid import GDID
 from mdb.moves.journal import RUNNING, Journal, moves_table
 from mdb.moves.lease import Holder, holders_in, me
@@ -217,9 +218,7 @@ def claim(journal: Journal, job_ids: Collection[str] | None = None) -> Item | No
     """
     _ensure(journal)
     with journal.store.transaction(journal.server) as conn:
-        postgres = conn.dialect.name == "postgresql"
-        if postgres:
-            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": CLAIM_LOCK_KEY})
+        sql_dialect(conn).advisory_xact_lock(conn, CLAIM_LOCK_KEY)
         now = func.current_timestamp().label("now")
         claimed = conn.execute(select(job_items.c.item_id, job_items.c.source, job_items.c.target, job_items.c.claimed_at, now)
                                .where(job_items.c.status.in_([PENDING, STOPPING]), job_items.c.worker.isnot(None))).mappings().all()
@@ -232,9 +231,9 @@ def claim(journal: Journal, job_ids: Collection[str] | None = None) -> Item | No
         query = select(job_items, now).where(job_items.c.status == PENDING)
         if job_ids is not None:
             query = query.where(job_items.c.job_id.in_(list(job_ids)))
-        query = query.order_by(job_items.c.pass_no, job_items.c.seq).limit(500)
-        if postgres:
-            query = query.with_for_update(skip_locked=True)
+        # SKIP LOCKED where the server has row locks; SQLAlchemy renders none for SQLite, whose
+        # one writer at a time already keeps two claimers apart.
+        query = query.order_by(job_items.c.pass_no, job_items.c.seq).limit(500).with_for_update(skip_locked=True)
         candidates = conn.execute(query).mappings().all()
         limits = _job_limits(conn, {r["job_id"] for r in candidates})
         for r in candidates:
@@ -356,8 +355,7 @@ def stop_items(journal: Journal, job_id: str) -> None:
     (or, given back mid-batch, left for :func:`settle` to resolve what their worker left)."""
     _ensure(journal)
     with journal.store.transaction(journal.server) as conn:
-        if conn.dialect.name == "postgresql":
-            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": CLAIM_LOCK_KEY})
+        sql_dialect(conn).advisory_xact_lock(conn, CLAIM_LOCK_KEY)
         mine = (job_items.c.job_id == job_id) & (job_items.c.status == PENDING)
         conn.execute(update(job_items).where(mine, job_items.c.worker.is_(None)).values(status=DROPPED, updated_at=func.current_timestamp()))
         conn.execute(update(job_items).where(mine).values(status=STOPPING, updated_at=func.current_timestamp()))

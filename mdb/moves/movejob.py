@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mdb.backends import servers_where
 from mdb.cluster import Cluster
 from mdb.errors import MdbError
 from mdb.faults import fault_point, register
@@ -44,7 +45,6 @@ from mdb.moves.reshard import (
     DEFAULT_BATCH_PAUSE, BatchSizer, JobRun, ReshardCounts, ReshardProgress, Workers, continue_reshard, move_all, settle_item,
 )
 from mdb.moves.sql_steps import area_tables, check_schemas
-from mdb.urls import SQL
 
 __all__ = ["JobOutcome", "continue_job", "drive", "remaining", "start_job"]
 
@@ -87,7 +87,7 @@ def start_job(
     journal = Journal(store)
     refuse_if_busy(journal, area)
     servers = sorted({m.source for m in moves} | {m.target for m in moves})
-    sql = [s for s in servers if store.map.kind_of(s) == SQL]
+    sql = servers_where(store.map, lambda b: b.checks_drift, servers)  # the servers whose tables a move compares
     if sql:
         check_schemas(store, area, sql, area_tables(store, area), f"{kind} of area {area!r}")
     job_id = new_move_id(kind)

@@ -68,6 +68,7 @@ from mdb.moves.reshard_state import FROZEN_STEPS, PARAMS_VERSION, ReshardParams,
 from mdb.moves.plan import PartitionScan, PlannedMove, ReshardPlan, plan_reshard, scan_for
 from mdb.moves.batch import BatchMove, hold_schemas
 from mdb.moves.gate import CutoverGate
+from mdb.moves.collector import long_lived_frozen
 from mdb.moves.move import DEFAULT_MAX_PAUSE, GONE, MoveResult, check_max_pause, move_briefcase, resolve_move
 from mdb.moves.copy import AreaTable
 from mdb.moves.sql_steps import area_tables
@@ -260,7 +261,7 @@ def parallel_for(store: Cluster, area: str, start: GDID, new_shards: list[str], 
     store.refresh()
     _, _, old = store.router.partition(area, start)
     known = [s for s in dict.fromkeys([*old, *new_shards]) if s in store.map.servers]
-    sqlite = [s for s in known if store.engines.is_sqlite(s)]
+    sqlite = [s for s in known if store.engines.sql_dialect(s).one_writer_per_file]
     return (1, sqlite) if sqlite else (parallel, [])
 
 
@@ -1095,7 +1096,8 @@ def _moves(state: _Driving) -> ReshardStep:
     state.phase("moves")
     if run.progress is not None:
         run.progress.counts(run.counts, None)
-    state.plan = _sweep(run, state.plan, MAX_SWEEPS)
+    with long_lived_frozen():  # the plan out of full collections while the application waits on finalizes
+        state.plan = _sweep(run, state.plan, MAX_SWEEPS)
     fault_point("reshard.after_moves")
     check_stop(run.entry.move_id)
     return ReshardStep.FREEZE

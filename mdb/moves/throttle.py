@@ -197,7 +197,7 @@ def replicas_of(cluster: Cluster, servers: Sequence[str]) -> list[str]:
     ``replica:`` URL in the map that are not SQLite files (a file has no streaming replica)."""
     out: list[str] = []
     for server in dict.fromkeys(servers):
-        if cluster.map.kind_of(server) == SQL and cluster.engines.has_replica(server) and not cluster.engines.is_sqlite(server):
+        if cluster.map.kind_of(server) == SQL and cluster.engines.has_replica(server) and cluster.engines.sql_dialect(server).streams_replicas:
             out.append(server)
     return out
 

@@ -102,3 +102,17 @@ def test_a_move_aborted_by_max_pause_exits_4(cluster: Cluster) -> None:
     run = run_cli(["move", str(cluster.path), "user", str(g), "--to", next(s for s in SERVERS if s != home), "--max-pause", "0"])
     assert "aborted" in run.stderr and "is still authoritative" in run.stderr, run.stderr
     assert run.returncode == 4, (run.returncode, run.stderr)
+
+
+def test_workers_on_a_sqlite_central_are_refused_in_one_line(tmp_path: Path) -> None:
+    """A SQLite file lets one writer in at a time, so its CENTRAL runs one worker: the command's own."""
+    from support.moves import make_cluster
+
+    urls = {name: f"sqlite:///{tmp_path / f'{name}.db'}" for name in ("c", "u1", "u2")}
+    sqlite = make_cluster(urls, tmp_path, [("0:0:0", ["u1"])])
+    worker = run_cli(["worker", str(sqlite.path)])
+    assert worker.returncode == 2, (worker.returncode, worker.stderr)
+    assert worker.stderr.strip() == "error: mdb worker needs a PostgreSQL CENTRAL: a SQLite CENTRAL runs one worker, `mdb reshard` itself"
+    reshard = run_cli(["reshard", str(sqlite.path), "user", "--partition", "0:0:0", "--shards", "u1,u2", "--parallel", "0"])
+    assert reshard.returncode == 2, (reshard.returncode, reshard.stderr)
+    assert "--workers and --parallel 0 need a PostgreSQL CENTRAL" in reshard.stderr, reshard.stderr

@@ -195,7 +195,7 @@ def test_postgres_urls_use_psycopg3() -> None:
         assert sqlalchemy_url("postgres://u@h/db").drivername == "postgresql+psycopg"
         assert sqlalchemy_url("postgresql+psycopg://u@h/db").drivername == "postgresql+psycopg"
         assert reg.engine("pg").dialect.driver == "psycopg"
-        assert reg.backend("pg") == "postgresql" and not reg.is_sqlite("pg")
+        assert reg.backend("pg") == "postgresql" and not reg.sql_dialect("pg").one_writer_per_file
     finally:
         reg.dispose()
 
@@ -235,7 +235,7 @@ def test_for_map(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reg = EngineRegistry.for_map(load_map(copy))
     try:
         assert sorted(reg.server_names) == sorted(["central-a"] + [f"user-{i}" for i in range(1, 10)])
-        assert reg.is_sqlite("user-1") and reg.backend("user-1") == "sqlite"
+        assert reg.sql_dialect("user-1").one_writer_per_file and reg.backend("user-1") == "sqlite"
         with reg.engine("user-1").connect() as conn:
             assert conn.execute(sa.text("PRAGMA journal_mode")).scalar_one().lower() == "wal"
         assert (tmp_path / "mdb-data" / "user-1.db").exists()

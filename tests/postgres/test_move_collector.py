@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from support.moves import make_cluster
+from support.moves import create_user, make_cluster
 from sqlalchemy import text
 
 from mdb.errors import MoveAbortedError
 from mdb.gdid import GDID
-from mdb.moves.collector import collection_deferred
+from mdb.moves.collector import collection_deferred, long_lived_frozen
 from mdb.moves.sql_steps import locked_briefcases
 from mdb.ownership import lock_key_sql
 
@@ -28,10 +28,13 @@ GDIDS = [GDID(0, 0, 1), GDID(0, 0, 2)]
 
 @pytest.fixture(autouse=True)
 def collector_on() -> Iterator[None]:
-    was = gc.isenabled()
+    was, frozen = gc.isenabled(), gc.get_freeze_count()
     gc.enable()
+    gc.unfreeze()  # an in-process `mdb` command of another test may have frozen its start-up
     yield
     (gc.enable if was else gc.disable)()
+    if frozen:
+        gc.freeze()
 
 
 def test_off_while_a_postgres_cutover_holds_its_locks_and_on_after(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
@@ -90,3 +93,42 @@ def test_an_application_running_without_the_collector_keeps_it_off() -> None:
     with collection_deferred():
         assert not gc.isenabled()
     assert not gc.isenabled()
+
+
+def test_a_reshard_moves_with_its_plan_out_of_full_collections_and_gives_it_back_after(
+        pg_databases: Callable[[int], list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between a batch's commit point and its finalize the application waits; a full collection
+    of a million-briefcase mover's heap took 0.5-0.7 s there. The heap alive when the moves begin
+    (the plan) is frozen while they run, and nothing stays frozen after the reshard."""
+    from mdb import faults
+    from mdb.moves.reshard import reshard
+
+    cluster = make_cluster(dict(zip(["c", "u1", "u2"], pg_databases(3))), tmp_path, [("0:0:0", ["u1"])])
+    users = [GDID(0, 0, n) for n in range(1, 9)]
+    frozen_at: dict[str, int] = {}
+    monkeypatch.setattr(faults, "hook", lambda point: frozen_at.setdefault(point, gc.get_freeze_count()))
+    with cluster.store() as store:
+        for g in users:
+            create_user(store, g, orders=1, lines=1)
+        reshard(store, "user", GDID(0, 0, 0), ["u1", "u2"], map_path=cluster.path)
+    assert frozen_at["batch.after_commit_point"] > 0  # a batch committed with the plan frozen
+    assert frozen_at["reshard.after_moves"] == 0  # the moves are over: given back to the collector
+    assert gc.get_freeze_count() == 0
+
+
+def test_overlapping_freezes_unfreeze_only_when_the_last_ends() -> None:
+    with long_lived_frozen():
+        first = gc.get_freeze_count()
+        with long_lived_frozen():
+            assert gc.get_freeze_count() >= first > 0
+        assert gc.get_freeze_count() >= first  # the outer block still holds
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_process_that_froze_objects_of_its_own_keeps_them_frozen() -> None:
+    kept = [object() for _ in range(10)]
+    gc.freeze()  # as the `mdb` command does after its start-up
+    own = gc.get_freeze_count()
+    with long_lived_frozen():
+        pass
+    assert gc.get_freeze_count() >= own and kept

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from mdb.dialects import sql_dialect
 from mdb.errors import MdbError, ServerUnavailableError
 from mdb.moves.throttle import DEFAULT_REPLICA_TIMEOUT, Throttle, ThrottleSettings, replicas_of
 from mdb.urls import MONGO, SQL
@@ -48,7 +49,8 @@ class ThreadClocks:
 def fake_cluster(kinds: dict[str, str], replicas: set[str], sqlite: frozenset[str] = frozenset()) -> Any:
     return SimpleNamespace(
         map=SimpleNamespace(kind_of=lambda s: kinds[s]),
-        engines=SimpleNamespace(has_replica=lambda s: s in replicas, is_sqlite=lambda s: s in sqlite),
+        engines=SimpleNamespace(has_replica=lambda s: s in replicas,
+                                sql_dialect=lambda s: sql_dialect("sqlite" if s in sqlite else "postgresql")),
     )
 
 

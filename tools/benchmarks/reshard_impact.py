@@ -33,6 +33,7 @@ in docs/dev/measured-moves.md, next to what this section measured. Runs unattend
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -293,9 +294,21 @@ class _Steps:
 
     def __init__(self) -> None:
         self.log: list[tuple[float, str]] = []
+        self._collecting: float | None = None
 
     def phase(self, name: str) -> None:
         self.log.append((time.time(), name))
+
+    def collection(self, phase: str, info: dict[str, int]) -> None:
+        """A ``gc.callbacks`` hook: the mover's collections of 50 ms or more go on the timeline (a
+        full collection stops every thread of the mover, finalizes the application waits on included)."""
+        if phase == "start":
+            self._collecting = time.time()
+        elif self._collecting is not None:
+            took = time.time() - self._collecting
+            if took >= 0.05:
+                self.log.append((self._collecting, f"mover: generation-{info['generation']} collection, {took * 1000:.0f} ms"))
+            self._collecting = None
 
     def counts(self, counts: Any, last: Any) -> None:
         pass
@@ -313,7 +326,7 @@ def _timeline(console: Console, steps: list[tuple[float, str]], figures: list[di
     if not steps:
         return
     t0 = steps[0][0]
-    events: list[tuple[float, str]] = [(t - t0, f"reshard: {name}") for t, name in steps]
+    events: list[tuple[float, str]] = [(t - t0, name if name.startswith("mover:") else f"reshard: {name}") for t, name in steps]
     ops = sorted((w - t0, took, kind, f["index"], seen) for f in figures for w, took, kind, seen in f.get("slow", []))
     group: list[tuple[float, float, str, int, str]] = []
 
@@ -379,8 +392,12 @@ def run(ctx: BenchContext) -> list[Result]:
         start = time.perf_counter()
         steps = _Steps()
         steps.phase("start")
-        with Store.from_yaml(path, types=[UserBriefcase]) as store:
-            outcome = reshard(store, "user", GDID(0, 0, 0), ["a", "b", "x"], parallel=2, map_path=path, progress=steps)
+        gc.callbacks.append(steps.collection)
+        try:
+            with Store.from_yaml(path, types=[UserBriefcase]) as store:
+                outcome = reshard(store, "user", GDID(0, 0, 0), ["a", "b", "x"], parallel=2, map_path=path, progress=steps)
+        finally:
+            gc.callbacks.remove(steps.collection)
         steps.phase("returned")
         elapsed = time.perf_counter() - start
         (run_dir / "ended").touch()
