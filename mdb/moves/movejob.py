@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from mdb.backends import servers_where
 from mdb.cluster import Cluster
@@ -40,16 +40,34 @@ from mdb.moves.cancel import finish_cancel
 from mdb.moves.journal import CANCEL_STEP, DONE, MOVES_JOB_KINDS, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.lease import fenced_servers, hold, refuse_if_busy
 from mdb.moves.move import DEFAULT_MAX_PAUSE, check_max_pause
+from mdb.moves.params import JobParams
 from mdb.moves.plan import PlannedMove
 from mdb.moves.reshard import (
     DEFAULT_BATCH_PAUSE, BatchSizer, JobRun, ReshardCounts, ReshardProgress, Workers, continue_reshard, move_all, settle_item,
 )
 from mdb.moves.sql_steps import area_tables, check_schemas
 
-__all__ = ["JobOutcome", "continue_job", "drive", "remaining", "start_job"]
+__all__ = ["JobOutcome", "MoveJobParams", "continue_job", "drive", "remaining", "start_job"]
 
 FAULT_POINTS = register("job.after_journal_start")
 """A rebalance's or drain's job journaled, nothing queued yet."""
+
+
+class MoveJobParams(JobParams):
+    """A rebalance's or drain's own keys of its journal row's ``params``.
+
+    Version 1 is the first (rows of jobs journaled before the version was written read the same).
+    """
+
+    KIND: ClassVar[str] = "job"
+    VERSION: ClassVar[int] = 1
+
+    moves: list[tuple[GDID, str, str]]
+    """The planned moves, ``[gdid, source, target]``, in the order planned."""
+    servers: list[str]
+    max_pause: float = DEFAULT_MAX_PAUSE
+    batch_pause: float = DEFAULT_BATCH_PAUSE
+    per_server: int = jobs.DEFAULT_PER_SERVER
 
 
 @dataclass
@@ -94,8 +112,8 @@ def start_job(
     with hold(journal, job_id) as lease:  # the lease before the row: no worker can adopt the job from this command
         journal.start(JournalEntry(
             move_id=job_id, kind=kind, area=area, step="moves", status=RUNNING,
-            params={"moves": [[str(m.gdid), m.source, m.target] for m in moves], "servers": servers, "max_pause": max_pause,
-                    "batch_pause": batch_pause, "per_server": per_server},
+            params=MoveJobParams(moves=[(m.gdid, m.source, m.target) for m in moves], servers=servers, max_pause=max_pause,
+                                 batch_pause=batch_pause, per_server=per_server).to_params(),
             briefcases_total=len(moves),
         ))
         fault_point("job.after_journal_start")
@@ -108,8 +126,7 @@ def start_job(
 def remaining(store: Cluster, entry: JournalEntry) -> list[PlannedMove]:
     """The job's planned moves whose briefcase routing still sends to its source (the map and relocations read now)."""
     out = []
-    for raw, source, target in entry.params.get("moves", []):
-        gdid = GDID.parse(raw)
+    for gdid, source, target in MoveJobParams.of(entry.move_id, entry.params).moves:
         if store.router.locate(entry.area, gdid).server == source:
             out.append(PlannedMove(gdid, source, target, {}))
     return out
@@ -121,6 +138,7 @@ def continue_job(store: Cluster, journal: Journal, entry: JournalEntry, *, progr
 
     ``stopping``: the process's own stop flag (an ``mdb worker`` driving the job).
     """
+    params = MoveJobParams.of(entry.move_id, entry.params)
     workers = Workers(store, None, stopping)
     # What earlier holders' workers left is settled first: the counts and the plan below include what it finishes.
     jobs.settle(workers.journal, entry.move_id, lambda item: settle_item(store, item))
@@ -129,8 +147,7 @@ def continue_job(store: Cluster, journal: Journal, entry: JournalEntry, *, progr
     left = remaining(store, entry)
     counts.pending = {m.gdid: m for m in left}
     own_stop = threading.Event()
-    run = JobRun(store, journal, entry, None, 1, float(entry.params.get("max_pause", DEFAULT_MAX_PAUSE)), progress, counts,
-                 BatchSizer(float(entry.params.get("batch_pause", DEFAULT_BATCH_PAUSE))), None, own_stop)
+    run = JobRun(store, journal, entry, None, 1, params.max_pause, progress, counts, BatchSizer(params.batch_pause), None, own_stop)
     workers.stopping = own_stop
     run.workers = workers
     run.pass_no = jobs.last_pass(workers.journal, entry.move_id)
@@ -143,7 +160,7 @@ def continue_job(store: Cluster, journal: Journal, entry: JournalEntry, *, progr
     journal.finish(entry.move_id, DONE, **counts.journal_values())
     jobs.forget(journal, entry.move_id)
     store.refresh()
-    return JobOutcome(entry.move_id, entry.kind, counts.briefcases_done, counts.rows_done, len(entry.params.get("moves", [])))
+    return JobOutcome(entry.move_id, entry.kind, counts.briefcases_done, counts.rows_done, len(params.moves))
 
 
 def drive(store: Cluster, journal: Journal, entry: JournalEntry, *, progress: ReshardProgress | None = None,

@@ -11,15 +11,13 @@ other parts own (the throttle's settings, the progress's rate window), which pas
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Final
+from typing import ClassVar, Final
 
-from pydantic import BaseModel, ConfigDict, ValidationError
-
-from mdb.errors import MdbError
 from mdb.gdid import GDID
 from mdb.moves.freeze import DEFAULT_FREEZE_LOCK_WAIT
 from mdb.moves.jobs import DEFAULT_PER_SERVER
 from mdb.moves.move import DEFAULT_MAX_PAUSE
+from mdb.moves.params import JobParams
 
 __all__ = ["FROZEN_STEPS", "PARAMS_VERSION", "ReshardParams", "ReshardStep"]
 
@@ -53,12 +51,12 @@ PARAMS_VERSION: Final = 2
 ``batch_pause``: one briefcase at a time, as such a reshard began)."""
 
 
-class ReshardParams(BaseModel):
+class ReshardParams(JobParams):
     """The reshard's own keys of its journal row's ``params``."""
 
-    model_config = ConfigDict(extra="ignore", frozen=False)
+    KIND: ClassVar[str] = "reshard"
+    VERSION: ClassVar[int] = PARAMS_VERSION
 
-    params_version: int = 1
     partition_start: GDID
     old_shards: list[str]
     new_shards: list[str]
@@ -75,20 +73,3 @@ class ReshardParams(BaseModel):
     """The new map's text, journaled before it is applied (so a resume applies the same one)."""
     map_backup: str | None = None
     """Where the map file's previous version was kept when the new one was written."""
-
-    @classmethod
-    def of(cls, move_id: str, params: dict[str, Any]) -> ReshardParams:
-        """Parse a journal row's params; one clear error for a row this mdb cannot drive."""
-        version = params.get("params_version", 1)
-        if isinstance(version, int) and version > PARAMS_VERSION:
-            raise MdbError(f"reshard {move_id} was journaled by a newer mdb (params version {version}, this one knows up to "
-                           f"{PARAMS_VERSION}): resume it with that version")
-        try:
-            return cls.model_validate(params)
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'params'}: {e['msg']}" for e in exc.errors())
-            raise MdbError(f"reshard {move_id}: its journal row's params are not a reshard's ({problems})") from None
-
-    def to_params(self) -> dict[str, Any]:
-        """The keys to write back into the row's params (merged over the keys other parts own)."""
-        return self.model_dump(mode="json", exclude_none=True)

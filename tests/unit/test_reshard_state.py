@@ -1,4 +1,5 @@
-"""A reshard's journal state: the steps in order, and params typed and versioned (mdb.moves.reshard_state)."""
+"""A job's journal state: the reshard's steps in order, and every job kind's params typed and versioned
+(mdb.moves.reshard_state, mdb.moves.movejob, mdb.moves.params)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 
 from mdb.errors import MdbError
 from mdb.gdid import GDID
+from mdb.moves.movejob import MoveJobParams
 from mdb.moves.reshard_state import FROZEN_STEPS, PARAMS_VERSION, ReshardParams, ReshardStep
 
 ROW_OF_AN_OLDER_MDB = {"partition_start": "0:0:0", "old_shards": ["a", "b"], "new_shards": ["a", "b", "x"],
@@ -57,3 +59,27 @@ def test_a_row_this_mdb_cannot_drive_is_refused_in_one_line(row: dict[str, objec
     with pytest.raises(MdbError) as caught:
         ReshardParams.of("reshard-3", row)
     assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+ROW_OF_A_REBALANCE = {"moves": [["0:0:7", "a", "b"], ["0:0:9", "b", "x"]], "servers": ["a", "b", "x"], "max_pause": 2.0,
+                      "batch_pause": 0.01, "per_server": 3, "progress_window": [[1.0, 3, 30]]}
+
+
+def test_a_rebalance_row_written_before_versions_reads_as_it_was_written_and_round_trips() -> None:
+    params = MoveJobParams.of("rebalance-1", ROW_OF_A_REBALANCE)
+    assert params.moves == [(GDID(0, 0, 7), "a", "b"), (GDID(0, 0, 9), "b", "x")]
+    assert (params.max_pause, params.batch_pause, params.per_server, params.params_version) == (2.0, 0.01, 3, 1)
+    written = params.to_params()
+    assert {k: v for k, v in written.items() if k != "params_version"} == {k: v for k, v in ROW_OF_A_REBALANCE.items() if k != "progress_window"}
+    assert MoveJobParams.of("rebalance-1", written) == params
+
+
+@pytest.mark.parametrize(("row", "message"), [
+    ({**ROW_OF_A_REBALANCE, "params_version": 7}, "job drain-1 was journaled by a newer mdb (params version 7, this one knows up to 1)"),
+    ({**ROW_OF_A_REBALANCE, "moves": [["not a gdid", "a", "b"]]}, "job drain-1: its journal row's params are not a job's (moves.0.0: "),
+    ({"servers": ["a"]}, "job drain-1: its journal row's params are not a job's (moves: Field required)"),
+])
+def test_a_job_row_this_mdb_cannot_drive_is_refused_in_one_line(row: dict[str, object], message: str) -> None:
+    with pytest.raises(MdbError) as raised:
+        MoveJobParams.of("drain-1", row)
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value), str(raised.value)
