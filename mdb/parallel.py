@@ -1,7 +1,7 @@
 """Bounded parallelism for fleet operations: the same work on every server, a few at a time.
 
 A schema apply or a check waits on the network and the server for most of each shard's
-55-100 ms, so doing shards one after the other made 1,000 shards take minutes (issue 19).
+55-100 ms, so doing shards one after the other made 1,000 shards take minutes.
 Threads suffice: the waiting releases the GIL. The bound keeps a run from opening a connection
 to every server at once.
 """

@@ -742,7 +742,7 @@ def load_map_cached(path: str | os.PathLike[str]) -> PartitionMap:
     """:func:`load_map`, but a file whose text (and ``${NAME}`` values) did not change is not parsed again.
 
     A Store re-reads its map file on every refresh, and a refresh follows every stale route:
-    validating the YAML each time cost more than the route itself (issue 19). Reading and
+    validating the YAML each time cost more than the route itself. Reading and
     hashing the file is cheap; the parse is not. Keyed by content rather than mtime, so a
     file rewritten within one mtime tick is still seen. The map is frozen, so sharing it is safe;
     a file that fails to parse is not cached (each load reports its error).

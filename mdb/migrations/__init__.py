@@ -1,4 +1,4 @@
-"""Schema migrations on every shard, with Alembic as the engine (docs/migrations.md, issue 13).
+"""Schema migrations on every shard, with Alembic as the engine (docs/migrations.md).
 
 An area's briefcase tables change over time; Alembic already knows how to write, review and
 apply such changes to one database. This package applies one Alembic history per area to

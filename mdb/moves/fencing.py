@@ -3,7 +3,7 @@
 A lease (:mod:`mdb.moves.lease`) says who *should* drive a move; it cannot stop a driver that
 was paused past it (a VM freeze, a long GC, SIGSTOP) from waking up and carrying on before it
 reads that its lease is gone. That driver's commit point on the source, after the new driver
-discarded the target copy, lost every row of the batch (issue 28 item 1). So every lease take
+discarded the target copy, lost every row of the batch. So every lease take
 increments the lease's **epoch**, and every server a driver writes to records the highest epoch
 it has seen for that lease in ``mdb_lease_fences``:
 

@@ -15,7 +15,7 @@ starts. A relay passes its turn between blocks of rows (:meth:`CutoverGate.wait`
 cutover waits at most one statement, one block or one other cutover, and that wait comes
 before its locks: it is not write pause. With one worker, nothing ever waits.
 
-**Per server, not for the fleet** (issue 32): a copy between servers c and d has nothing to do
+**Per server, not for the fleet**: a copy between servers c and d has nothing to do
 with a cutover between a and b. :meth:`CutoverGate.pair` gives a batch the gate of its two
 servers: its cutover waits only for steps on a or b, and holds back only steps on a or b. All
 pairs share one board (one condition), so a batch enters both servers at once and two batches

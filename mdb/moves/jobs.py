@@ -1,4 +1,4 @@
-"""A reshard as a job in CENTRAL: its briefcases queued as work items that any worker claims (issue 32).
+"""A reshard as a job in CENTRAL: its briefcases queued as work items that any worker claims.
 
 The same queue carries the other jobs (a rebalance, a drain: :mod:`mdb.moves.movejob`; a
 cancel's move-back, a pass of the reshard's own job); what follows says "reshard" for any of them.

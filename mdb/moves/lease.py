@@ -1,7 +1,7 @@
 """Who drives a journal entry: one owner per running move or reshard, with a heartbeat.
 
 Two ``mdb moves resume`` started at once both read the same unfinished entries and both acted
-on them (issue 11 item 11: the second failed midway), and after a Ctrl-C nothing said whether
+on them (the second failed midway), and after a Ctrl-C nothing said whether
 a reshard's process was still alive (item 10). So a driver (a single ``mdb move``, a reshard,
 a resume, a cancel) first takes the entry's *lease*: a row in CENTRAL table
 ``mdb_move_leases`` beside the journal, naming its pid and host, when it took it and its last

@@ -1,4 +1,4 @@
-"""A rebalance or a drain as a job in CENTRAL: a fixed list of planned moves that any worker works on (issue 32).
+"""A rebalance or a drain as a job in CENTRAL: a fixed list of planned moves that any worker works on.
 
 ``mdb rebalance --apply`` and ``mdb drain`` used to run their moves one at a time in their own
 process. Now the command journals a job (kind ``rebalance`` or ``drain``; its ``params['moves']``

@@ -126,7 +126,7 @@ class ReshardCounts:
     resumed reshard neither counts a move twice nor misses one finished by resume, and an
     aborted attempt that was retried is not a finished move. The totals are done + what the
     latest plan still has to move, so a re-plan that finds briefcases created meanwhile raises
-    the total instead of pushing done past it (issue 11 item 9: the bar showed 459/178).
+    the total instead of pushing done past it (the bar showed 459/178).
     """
 
     briefcases_done: int = 0
@@ -863,7 +863,7 @@ def _move_queued(run: JobRun, moves: list[PlannedMove]) -> None:
                 workers.let_go()
             except (MdbError, DBAPIError) as again:
                 # Letting the held schemas go on a server that just died fails too; that driver error must not
-                # replace the one naming the server (exit 3, issue 29). The server ended those sessions anyway.
+                # replace the one naming the server (exit 3). The server ended those sessions anyway.
                 log.warning("reshard %s: could not let the held schemas go: %s", entry.move_id, describe(again) if isinstance(again, DBAPIError) else again)
         try:
             jobs.stop_items(journal, entry.move_id)
@@ -890,7 +890,7 @@ def _run_workers(run: JobRun, work: Callable[[], None]) -> None:
         except BaseException:
             # Ctrl-C and SIGTERM reach this (main) thread only: tell the workers, which finish the
             # move in hand (its commit point is journaled, resume picks up after it) and take no
-            # other; the pool's exit waits for them (issue 29 item 4: they used to move everything).
+            # other; the pool's exit waits for them (they used to move everything).
             run.stopping.set()
             raise
 
@@ -900,7 +900,7 @@ def _named(store: Cluster, servers: list[str], exc: DBAPIError) -> Exception:
 
     A connection cut mid-batch ("terminating connection due to administrator command") can
     surface from a connection no ``translated`` block wraps; it used to end the CLI with exit 2
-    and no server named (issue 29). Which of the batch's servers went away is asked of them.
+    and no server named. Which of the batch's servers went away is asked of them.
     """
     mapped = translate(servers[0], exc)
     if not isinstance(mapped, ServerUnavailableError):
@@ -1105,7 +1105,7 @@ def _moves(state: _Driving) -> ReshardStep:
 
 def _freeze(state: _Driving) -> None:
     """Freeze the partition on its old shards (idempotent): only writes of briefcases that still
-    have to move wait, those that stay go on (issue 31). ``frozen`` first: a freeze that fails
+    have to move wait, those that stay go on. ``frozen`` first: a freeze that fails
     (or is interrupted) on the second old shard has frozen the first, and all are unfrozen."""
     state.phase("freeze")
     state.frozen = True
@@ -1190,8 +1190,8 @@ def _refused_leaves_nothing(journal: Journal, entry: JournalEntry, prechecks: Ca
     """Run ``prechecks``; when they refuse, journal the reshard aborted before raising.
 
     Nothing has moved yet, and the command says so: an entry left running would block every
-    later move of the area and be "resumed" into the whole reshard the operator saw refused
-    (issue 29 item 3). A failure to record that is logged; the refusal is what is raised.
+    later move of the area and be "resumed" into the whole reshard the operator saw refused.
+    A failure to record that is logged; the refusal is what is raised.
     """
     try:
         prechecks()

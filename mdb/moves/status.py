@@ -288,7 +288,7 @@ def move_status(store: Cluster, *, recent: int = 10) -> tuple[list[MoveStatus], 
     for s in running:
         if s.entry.kind not in ("move", *JOB_KINDS):
             continue  # e.g. document moves (mdb.mongo) record no driver
-        # ETA and rate mean nothing for an entry whose process is gone (issue 11 item 10: a
+        # ETA and rate mean nothing for an entry whose process is gone (a
         # reshard stopped by Ctrl-C still showed "ETA 120s"), so they go with its liveness.
         state, s.holder = liveness(journal, s.entry)
         s.driver = describe(state, s.holder)

@@ -1,4 +1,4 @@
-"""Throttling a reshard: a rate ceiling and a pause while replicas lag (issue 15).
+"""Throttling a reshard: a rate ceiling and a pause while replicas lag.
 
 A reshard competes with production for the same disks, CPUs and WAL stream. Like Vitess's
 throttler and MongoDB's balancer settings, mdb lets an operator cap it (``--rate``) and makes it
@@ -11,7 +11,7 @@ The rate is paced, not bucketed: each cutover reserves the time its briefcases a
 the configured rate, and starts when that time has passed (it pays first): over any span from
 the first cutover on, at most rate x span briefcases have started. Paying afterwards let the
 first cutovers through at once, and with batches growing 8, 16, 32, 64 a reshard under
-``--rate 100`` moved 133 in its first second (issue 29). A reshard that ran slower than the
+``--rate 100`` moved 133 in its first second. A reshard that ran slower than the
 rate (or waited for a replica) gains no credit for a burst afterwards.
 """
 

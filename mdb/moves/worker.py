@@ -1,4 +1,4 @@
-"""``mdb worker MAP``: a process that works on every job in CENTRAL until it is stopped (issue 32).
+"""``mdb worker MAP``: a process that works on every job in CENTRAL until it is stopped.
 
 Jobs are reshards, rebalances, drains and a cancel's move-back (a reshard at step ``cancel``).
 Each round it first adopts any job whose driver is gone (its lease free: a dead pid on this
