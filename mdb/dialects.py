@@ -88,6 +88,14 @@ class SqlDialect:
         """The server process of this session (to end sessions blocking it), or None where there is none."""
         return None
 
+    def blocking_pids(self, conn: Connection, pid: int) -> list[int]:
+        """The server processes whose locks session ``pid`` waits for (``terminates_sessions`` servers)."""
+        return []
+
+    def terminate(self, conn: Connection, pid: int) -> None:
+        """End server process ``pid``'s session (its transaction rolls back); ``terminates_sessions`` servers."""
+        raise NotImplementedError(f"{self.name} cannot end another session")
+
     def normalise_url(self, url: URL) -> URL:
         """``url`` as mdb connects with it (the driver it picks, options moved where they are masked)."""
         return url
@@ -151,6 +159,12 @@ class PostgresDialect(SqlDialect):
 
     def backend_pid(self, conn: Connection) -> int | None:
         return int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+
+    def blocking_pids(self, conn: Connection, pid: int) -> list[int]:
+        return [int(p) for p in conn.execute(text("SELECT unnest(pg_blocking_pids(:pid))"), {"pid": pid}).scalars()]
+
+    def terminate(self, conn: Connection, pid: int) -> None:
+        conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
 
     def normalise_url(self, url: URL) -> URL:
         if url.drivername in ("postgresql", "postgres"):

@@ -248,6 +248,9 @@ class Backend(ABC):
     """Its tables can be compared column by column with the models (``mdb schema check``)."""
     rechecks_shrink: ClassVar[bool] = False
     """A partition end may shrink: the stored GDIDs are re-checked under a lock that holds writers off."""
+    takes_lease_fences: ClassVar[bool] = False
+    """Its transactions carry a move driver's lease check (``mdb_lease_fences``, DESIGN.md invariant 7):
+    a driver's writes there commit only while its lease epoch is current (elsewhere the lease alone)."""
 
     @abstractmethod
     def stamp_layout(

@@ -191,7 +191,7 @@ class SqlBackend(Backend):
     """Servers reached through SQLAlchemy; every unit of work is one transaction on the server."""
 
     kind: ClassVar[str] = SQL
-    follows_histories = keeps_records = has_identity = checks_drift = rechecks_shrink = True
+    follows_histories = keeps_records = has_identity = checks_drift = rechecks_shrink = takes_lease_fences = True
 
     def stamp_layout(
         self, cluster: Servers, server: str, layout: ShardLayout, map_version: int, *, replace: bool

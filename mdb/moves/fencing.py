@@ -33,11 +33,13 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from sqlalchemy import Engine, insert, select, text, update
+from sqlalchemy import Engine, insert, select, update
 from sqlalchemy.engine import Connection
 
+from mdb.backends import backend_of
 from mdb.briefcase import BriefcaseType
 from mdb.cluster import Cluster
+from mdb.dialects import sql_dialect
 from mdb.engines import BeginPrelude, Rows, simple_query, take_result
 from mdb.errors import LeaseLostError
 from mdb.gdid import GDID
@@ -45,7 +47,6 @@ from mdb.partition_map import PartitionMap
 from mdb.registry import Registry
 from mdb.router import Router
 from mdb.system_tables import lease_fences
-from mdb.urls import SQL
 
 if TYPE_CHECKING:
     from mdb.engines import EngineRegistry
@@ -132,6 +133,11 @@ class FenceCheck:
         return list(cursor.fetchall())
 
 
+def _fenced(pmap: PartitionMap, server: str) -> bool:
+    """Whether a driver's transactions on ``server`` carry its lease check (its backend takes lease fences)."""
+    return backend_of(pmap, server).takes_lease_fences
+
+
 CLAIM_GRACE: Final = 2.0
 """Seconds a claim waits for the older driver's open transactions before it ends their sessions."""
 
@@ -147,7 +153,7 @@ def claim(cluster: Cluster, servers: Iterable[str], lease_id: str, epoch: int) -
     transaction before its commit point is what the source-is-authoritative rule expects.
     """
     for server in dict.fromkeys(servers):
-        if cluster.map.kind_of(server) != SQL:
+        if not _fenced(cluster.map, server):
             continue
         _ensure_table(cluster, server)
         with cluster.transaction(server) as conn, ending_blockers(cluster, conn, server, lease_id):
@@ -164,19 +170,20 @@ def ending_blockers(cluster: Cluster, conn: Connection, server: str, lease_id: s
     For statements only a driver of ``lease_id`` can be blocked by: a claim of its fence row, a
     take of its lease row (a driver paused in the middle of its heartbeat's transaction holds it).
     """
-    if conn.dialect.name != "postgresql":
+    dialect = sql_dialect(conn)
+    pid = dialect.backend_pid(conn) if dialect.terminates_sessions else None
+    if pid is None:  # one writer at a time (SQLite): nothing of the old driver can be inside a transaction
         yield
         return
-    pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
     done = threading.Event()
 
     def watch() -> None:
         while not done.wait(CLAIM_GRACE):
             with cluster.transaction(server) as other:
-                for blocker in other.execute(text("SELECT unnest(pg_blocking_pids(:pid))"), {"pid": pid}).scalars():
+                for blocker in dialect.blocking_pids(other, pid):
                     log.warning("server %r: ending session %s, which holds lease %s's row for a driver whose lease "
                                 "is being taken over (paused inside a transaction?)", server, blocker, lease_id)
-                    other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": blocker})
+                    dialect.terminate(other, blocker)
 
     watcher = threading.Thread(target=watch, name=f"mdb-claim-{lease_id}", daemon=True)
     watcher.start()
@@ -202,7 +209,7 @@ class FencedCluster:
 
     def check(self, conn: Connection, server: str) -> None:
         """The fence check on a connection the caller began itself (:meth:`connect`)."""
-        if self.inner.map.kind_of(server) == SQL:
+        if _fenced(self.inner.map, server):
             check(conn, server, self.lease_id, self.epoch)
 
     @property
@@ -246,7 +253,7 @@ class FencedCluster:
 
     def connect(self, server: str, readonly: bool = False) -> Connection:
         """Unchecked: a caller that begins transactions itself calls :meth:`check` in each (:func:`fence_check`)."""
-        if not readonly and self.inner.map.kind_of(server) == SQL:
+        if not readonly and _fenced(self.inner.map, server):
             _ensure_table(self.inner, server)
         return self.inner.connect(server, readonly)
 
@@ -254,7 +261,7 @@ class FencedCluster:
     def transaction(self, server: str, readonly: bool = False, prelude: BeginPrelude | None = None) -> Iterator[Connection]:
         if prelude is not None:
             raise TypeError("a fenced transaction sends its own BEGIN prelude (the fence check); it takes no other")
-        fenced = not readonly and self.inner.map.kind_of(server) == SQL
+        fenced = not readonly and _fenced(self.inner.map, server)
         if fenced:
             _ensure_table(self.inner, server)
         # Fenced twice (a driver's cluster wrapped by a move it runs under its own lease): the inner
@@ -271,7 +278,7 @@ class FencedCluster:
             yield conn
 
     def begin(self, server: str, readonly: bool = False) -> Connection:
-        if not readonly and self.inner.map.kind_of(server) == SQL:
+        if not readonly and _fenced(self.inner.map, server):
             _ensure_table(self.inner, server)
         conn = self.inner.begin(server, readonly)
         if not readonly:
