@@ -45,7 +45,7 @@ from sqlalchemy.sql.schema import Table
 from sqlalchemy.sql.selectable import Alias, Join, Select
 
 from mdb import telemetry
-from mdb.backends import Servers, backend_of
+from mdb.backends import Servers, backend_of, servers_where
 from mdb.dberrors import translated
 from mdb.dialects import SqlDialect, sql_dialect
 from mdb.engines import one_statement
@@ -53,7 +53,7 @@ from mdb.errors import CapacityError, MdbError, QueryError
 from mdb.gdid import GDID, MAX_AUTHORITY, MAX_COUNTER, MAX_ERA
 from mdb.router import Router
 from mdb.system_tables import STATE_INCOMING, briefcase_state
-from mdb.urls import SQL, mask_secrets
+from mdb.urls import mask_secrets
 
 if TYPE_CHECKING:
     from mdb.cluster import Cluster
@@ -666,7 +666,7 @@ _PING = text("SELECT 1")
 def warm_up(
     store: Cluster, area: str | None = None, *, readonly: bool = False, max_workers: int | None = None
 ) -> list[ShardFailure]:
-    """Open a pooled connection to every shard of ``area`` (default: every SQL server), in parallel.
+    """Open a pooled connection to every shard of ``area`` (default: every server reached through a pool), in parallel.
 
     For deploys: the first fan-out of a new process otherwise pays, per shard and mostly one
     after the other, for creating the engine, connecting and authenticating, and the first
@@ -677,7 +677,7 @@ def warm_up(
     if area is not None:
         servers = fan_out_servers(store.router, area)
     else:
-        servers = store.map.servers_of_kind(SQL)
+        servers = servers_where(store.map, lambda b: b.pools_connections)
     pool = _pool(max(1, max_workers or DEFAULT_MAX_WORKERS))
     futures = [(s, pool.submit(_warm, store, s, readonly)) for s in servers]
     failed = []

@@ -248,6 +248,8 @@ class Backend(ABC):
     """Its tables can be compared column by column with the models (``mdb schema check``)."""
     rechecks_shrink: ClassVar[bool] = False
     """A partition end may shrink: the stored GDIDs are re-checked under a lock that holds writers off."""
+    pools_connections: ClassVar[bool] = False
+    """Its servers are reached through pooled engines, which ``warm_up`` opens before the first request."""
     takes_lease_fences: ClassVar[bool] = False
     """Its transactions carry a move driver's lease check (``mdb_lease_fences``, DESIGN.md invariant 7):
     a driver's writes there commit only while its lease epoch is current (elsewhere the lease alone)."""

@@ -192,6 +192,7 @@ class SqlBackend(Backend):
 
     kind: ClassVar[str] = SQL
     follows_histories = keeps_records = has_identity = checks_drift = rechecks_shrink = takes_lease_fences = True
+    pools_connections = True
 
     def stamp_layout(
         self, cluster: Servers, server: str, layout: ShardLayout, map_version: int, *, replace: bool
