@@ -32,14 +32,19 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 __all__ = ["collection_deferred", "long_lived_frozen"]
 
 
-class _Deferral:
-    def __init__(self) -> None:
+class _Overlapping:
+    """A process-wide setting held by overlapping blocks of any threads: ``first`` when the first
+    block begins (it answers whether ``last`` should undo it), ``every`` as each begins, ``last``
+    when the last one ends."""
+
+    def __init__(self, first: Callable[[], bool], every: Callable[[], None], last: Callable[[], None]) -> None:
+        self._first, self._every, self._last = first, every, last
         self._lock = threading.Lock()
         self._holders = 0
         self._restore = False
@@ -48,8 +53,8 @@ class _Deferral:
     def held(self) -> Iterator[None]:
         with self._lock:
             if not self._holders:
-                self._restore = gc.isenabled()
-                gc.disable()
+                self._restore = self._first()
+            self._every()
             self._holders += 1
         try:
             yield
@@ -57,42 +62,28 @@ class _Deferral:
             with self._lock:
                 self._holders -= 1
                 if not self._holders and self._restore:
-                    gc.enable()
+                    self._last()
 
 
-_deferral = _Deferral()
+def _disable() -> bool:
+    enabled = gc.isenabled()  # an application that runs with the collector off keeps it off
+    gc.disable()
+    return enabled
+
+
+def _nothing_frozen() -> bool:
+    # gc.unfreeze is all or nothing: undo the freeze only where nothing was frozen before
+    # (the `mdb` command froze its start-up for good, so there the plan stays frozen too)
+    return gc.get_freeze_count() == 0
+
+
+_deferral = _Overlapping(_disable, lambda: None, gc.enable)
+_freeze = _Overlapping(_nothing_frozen, gc.freeze, gc.unfreeze)
 
 
 def collection_deferred() -> AbstractContextManager[None]:
     """Automatic garbage collection off for the block (and any block of another thread overlapping it)."""
     return _deferral.held()
-
-
-class _Freeze:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holders = 0
-        self._restore = False
-
-    @contextmanager
-    def held(self) -> Iterator[None]:
-        with self._lock:
-            if not self._holders:
-                # gc.unfreeze is all or nothing: undo the freeze only where nothing was frozen before
-                # (the `mdb` command froze its start-up for good, so there the plan stays frozen too)
-                self._restore = gc.get_freeze_count() == 0
-            gc.freeze()
-            self._holders += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._holders -= 1
-                if not self._holders and self._restore:
-                    gc.unfreeze()
-
-
-_freeze = _Freeze()
 
 
 def long_lived_frozen() -> AbstractContextManager[None]:
