@@ -131,7 +131,7 @@ def _confined(ctx: BriefcaseContext, statement: Any, params: Any) -> tuple[Any, 
     # appended), minus its generative decorator and the option's coercion (it is one already).
     confined = statement._generate()
     confined._with_options = (*statement._with_options, _criteria(ctx.btype))  # type: ignore[arg-type]
-    return confined, _with_key(params, ctx.gdid)
+    return confined, {_KEY_PARAM: ctx.gdid} if params is None else _with_key(params, ctx.gdid)
 
 
 class BriefcaseSession(Session):

@@ -28,7 +28,7 @@ from mdb.backends import open_routed
 from mdb.budget import ConnectionBudget
 from mdb.central.service import Central
 from mdb.dberrors import raise_translated, translated
-from mdb.engines import BeginPrelude, EngineRegistry, prelude_of, set_prelude, take_result
+from mdb.engines import BEGIN_RESULT, PRELUDE, BeginPrelude, EngineRegistry, prelude_of, set_prelude, take_result
 from mdb.errors import QueryError, RoutingError
 from mdb.fanout import FanOutResult, ShardFailure, fan_out, warm_up
 from mdb.gdid import GDID
@@ -327,9 +327,12 @@ class Store:
             try:  # one translation around connect and BEGIN, as ``translated`` does, without a context manager per session
                 conn = self.engines.engine(server, readonly).connect()
                 try:
-                    set_prelude(conn, prelude)
-                    conn = self._begin(conn, server, readonly, prelude)
-                    check_ownership(take_result(conn), placement, router.version, write=not readonly)
+                    info = conn.info  # set_prelude and take_result, without looking the pooled connection's info up twice
+                    info[PRELUDE] = prelude
+                    begun = self._begin(conn, server, readonly, prelude)
+                    rows = info.pop(BEGIN_RESULT, None) if begun is conn else take_result(begun)
+                    conn = begun
+                    check_ownership(rows, placement, router.version, write=not readonly)
                 except BaseException:
                     conn.close()
                     raise
@@ -411,7 +414,7 @@ class _BriefcaseBlock(AbstractContextManager[BriefcaseSession]):
         btype, gdid, readonly = self._btype, self._gdid, self._readonly
         gid = gdid if isinstance(gdid, GDID) else GDID.parse(gdid)
         store = self._store
-        if btype not in store.types_of(btype.area):
+        if btype not in store.types_by_area.get(btype.area, ()):  # (types_of, without a call per session)
             raise RoutingError(f"briefcase type {btype.__name__} is not registered with this Store")
         if readonly and self._exclusive:
             raise QueryError(f"briefcase {btype.area}/{gid}: a session cannot be both readonly and exclusive (exclusive serializes writers)")

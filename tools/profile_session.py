@@ -144,9 +144,18 @@ def main() -> int:
                   f"client CPU per read routed {routed_cpu * 1e6:.0f} us vs plain {direct_cpu * 1e6:.0f} us "
                   f"(ratio {routed_cpu / direct_cpu:.2f})")
             pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+            extra = _extra_calls(profile, direct_profile, args.n)
             print("calls per read, routed minus plain, by function:")
-            for (where, count) in _extra_calls(profile, direct_profile, args.n)[: args.top]:
+            for (where, count) in extra[: args.top]:
                 print(f"  {count:+6.1f}  {where}")
+            by_file: dict[str, float] = {}
+            for where, count in extra:
+                name = where.split(":", 1)[0]
+                by_file[name] = by_file.get(name, 0.0) + count
+            print("the same by file (~: built-in functions):")
+            for name, count in sorted(by_file.items(), key=lambda item: -abs(item[1])):
+                if count:
+                    print(f"  {count:+6.1f}  {name}")
             if close is not None:
                 close()
             store.close()
