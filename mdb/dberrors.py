@@ -22,7 +22,7 @@ from mdb.errors import (
 from mdb.gdid import GDID
 from mdb.urls import mask_secrets
 
-__all__ = ["DriverError", "describe", "is_lock_timeout", "sqlstate_of", "translate", "translated"]
+__all__ = ["DriverError", "describe", "is_lock_timeout", "raise_translated", "sqlstate_of", "translate", "translated"]
 
 _MISSING_TABLE = ("no such table",)  # SQLite; PostgreSQL says it by SQLSTATE
 _PG_UNDEFINED_TABLE = "42P01"
@@ -269,7 +269,15 @@ class translated:  # noqa: N801 (used as a function: ``with translated(server):`
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         # Returns None: the block's own exception, if not translated, goes on unchanged.
-        if isinstance(exc, DBAPIError):
-            mapped = translate(self.server, exc)
-            if mapped is not None:
-                raise mapped from mapped.__cause__  # the driver's error, masked (translate)
+        if exc is not None:
+            raise_translated(self.server, exc)
+
+
+def raise_translated(server: str, exc: BaseException) -> None:
+    """Raise the mdb error :func:`translate` gives for ``exc`` on ``server``, if any; else return
+    (the caller lets ``exc`` go on). What ``with translated(server)`` does on the way out, for a
+    path that handles its exception itself (the session's own context manager, its open)."""
+    if isinstance(exc, DBAPIError):
+        mapped = translate(server, exc)
+        if mapped is not None:
+            raise mapped from mapped.__cause__  # the driver's error, masked (translate)

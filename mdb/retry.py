@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 
-from mdb.backoff import BackoffPolicy
+from mdb.backoff import Backoff, BackoffPolicy
 from mdb.errors import BriefcaseMovingError, RetryableError, StaleRouteError
 from mdb.gdid import GDID
 from mdb.router import Placement, Router
@@ -100,7 +100,15 @@ class Step:
 
 
 class RoutedOpen:
-    """The routing and retry policy of one session open (sans-IO: the caller opens, sleeps and refreshes)."""
+    """The routing and retry policy of one session open (sans-IO: the caller opens, sleeps and refreshes).
+
+    Every session open makes one, so making it costs attribute stores only: the wait for a move
+    (its :class:`~mdb.backoff.Backoff`, the clock read that starts its deadline) is set up by the
+    first refusal that asks for one, and ``move_wait_seconds`` is counted from that refusal.
+    """
+
+    __slots__ = ("routes", "area", "gdid", "waits", "_move_wait", "_clock", "_backoff", "_stale_left", "_hops_left",
+                 "_followed", "_known")
 
     def __init__(
         self, routes: LearnedRoutes, area: str, gdid: GDID, *, move_wait_seconds: float, max_stale_retries: int,
@@ -109,7 +117,9 @@ class RoutedOpen:
         self.routes = routes
         self.area = area
         self.gdid = gdid
-        self._backoff = MOVE_WAIT.within(move_wait_seconds, clock)
+        self._move_wait = move_wait_seconds
+        self._clock = clock
+        self._backoff: Backoff | None = None  # the first move refusal starts the wait
         self._stale_left = max_stale_retries
         self._hops_left = MAX_FENCE_HOPS
         self._followed: str | None = None  # where the last fence sent this open (whatever the cache keeps)
@@ -144,7 +154,10 @@ class RoutedOpen:
                 self.routes.learn(self.area, self.gdid, exc.moved_to)
             return Step()
         if isinstance(exc, BriefcaseMovingError):
-            delay = self._backoff.next_delay()
+            backoff = self._backoff
+            if backoff is None:
+                backoff = self._backoff = MOVE_WAIT.within(self._move_wait, self._clock)
+            delay = backoff.next_delay()
             if delay is None:
                 raise exc
             self.waits += 1

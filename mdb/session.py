@@ -16,8 +16,9 @@ from typing import Any
 
 from sqlalchemy import BindParameter, ColumnElement, bindparam, event
 from sqlalchemy import inspect as sa_inspect
-from sqlalchemy.orm import Mapper, ORMExecuteState, Session, UOWTransaction
+from sqlalchemy.orm import Mapper, Session, UOWTransaction
 from sqlalchemy.orm.util import LoaderCriteriaOption
+from sqlalchemy.sql import Delete, Select, Update, coercions, roles
 from sqlalchemy.sql import util as sql_util
 from sqlalchemy.sql import visitors
 
@@ -28,9 +29,6 @@ from mdb.router import Placement
 from mdb.sqltypes import GDIDType
 
 __all__ = ["BriefcaseContext", "BriefcaseSession"]
-
-_INFO_KEY = "mdb.briefcase"
-
 
 @dataclass(frozen=True)
 class BriefcaseContext:
@@ -104,12 +102,70 @@ def _with_key(parameters: Any, gdid: GDID) -> Any:
     return {**(parameters or {}), _KEY_PARAM: gdid}
 
 
+def _confined(ctx: BriefcaseContext, statement: Any, params: Any) -> tuple[Any, Any]:
+    """``statement`` with the type's confining option and ``params`` with the key, if it reads or changes ORM rows.
+
+    Which statements: those the ORM loads or changes rows with (a select of any kind, an ORM
+    ``update()``/``delete()``); a Core ``insert()`` or ``text()`` passes as it came (not confined:
+    docs/briefcases.md, "What is not confined"). A readonly session refuses an update or delete.
+    """
+    kind = statement.__class__
+    if kind is Select:
+        pass
+    elif kind is Update or kind is Delete:
+        if ctx.readonly:
+            raise MdbError(f"briefcase {ctx.btype.area}/{ctx.gdid}: a readonly session cannot update or delete")
+    else:
+        # As the ORM sees it (a legacy Query or a lambda statement coerced to its statement),
+        # then the same test the ORM's execute state makes (is_select / is_update / is_delete).
+        statement = coercions.expect(roles.StatementRole, statement)
+        if statement.is_dml and (statement.is_update or statement.is_delete):
+            if ctx.readonly:
+                raise MdbError(f"briefcase {ctx.btype.area}/{ctx.gdid}: a readonly session cannot update or delete")
+        elif not statement.is_select:
+            return statement, params
+        # A class is hashable, but mypy checks type[X] against Hashable with the instance's
+        # __hash__ (python/mypy#11470), so it rejects this call into the functools.cache wrapper.
+        return statement.options(_criteria(ctx.btype)), _with_key(params, ctx.gdid)  # type: ignore[arg-type]
+    # The common case: what ``Executable.options`` does (a copy of the statement with the option
+    # appended), minus its generative decorator and the option's coercion (it is one already).
+    confined = statement._generate()
+    confined._with_options = (*statement._with_options, _criteria(ctx.btype))  # type: ignore[arg-type]
+    return confined, {_KEY_PARAM: ctx.gdid} if params is None else _with_key(params, ctx.gdid)
+
+
 class BriefcaseSession(Session):
-    """The Session handed out by ``Store.briefcase``; see the module docstring for its rules."""
+    """The Session handed out by ``Store.briefcase``; see the module docstring for its rules.
+
+    ``briefcase``: the briefcase it is confined to (a session made without one is a plain
+    Session). Confinement happens where every ORM execution passes (``Session.execute``,
+    ``scalars``, ``scalar``, ``get``, lazy and eager loads, ORM update/delete all end in
+    ``_execute_internal``), not in a ``do_orm_execute`` listener: with a listener the ORM builds
+    an execute state per statement and runs its pre-execution step twice (~45 Python calls per
+    statement, the largest part of what a routed read cost over a plain Session: docs/briefcases.md,
+    "Third pass", and docs/dev/0018).
+    """
+
+    _mdb_briefcase: BriefcaseContext | None = None
+
+    def __init__(self, bind: Any = None, *, briefcase: BriefcaseContext | None = None, **kw: Any) -> None:
+        super().__init__(bind, **kw)
+        self._mdb_briefcase = briefcase
+
+    def _execute_internal(self, statement: Any, params: Any = None, **kw: Any) -> Any:
+        # Every execution, a listener's invoke_statement() too (it may hand over a new statement):
+        # one already confined gets the same criteria twice, which selects the same rows.
+        ctx = self._mdb_briefcase
+        if ctx is not None:
+            statement, params = _confined(ctx, statement, params)
+        return Session._execute_internal(self, statement, params, **kw)
 
     @property
     def briefcase(self) -> BriefcaseContext:
-        return self.info[_INFO_KEY]
+        ctx = self._mdb_briefcase
+        if ctx is None:
+            raise MdbError("this BriefcaseSession was made without a briefcase (Store.briefcase makes confined ones)")
+        return ctx
 
     @property
     def gdid(self) -> GDID:
@@ -118,19 +174,6 @@ class BriefcaseSession(Session):
     @property
     def placement(self) -> Placement:
         return self.briefcase.placement
-
-
-@event.listens_for(BriefcaseSession, "do_orm_execute")
-def _confine_statements(state: ORMExecuteState) -> None:
-    ctx: BriefcaseContext | None = state.session.info.get(_INFO_KEY)
-    if ctx is None or not (state.is_select or state.is_update or state.is_delete):
-        return
-    if ctx.readonly and not state.is_select:
-        raise MdbError(f"briefcase {ctx.btype.area}/{ctx.gdid}: a readonly session cannot update or delete")
-    # A class is hashable, but mypy checks type[X] against Hashable with the instance's __hash__
-    # (python/mypy#11470), so it rejects this call into the functools.cache wrapper.
-    state.statement = state.statement.options(_criteria(ctx.btype))  # type: ignore[arg-type]
-    state.parameters = _with_key(state.parameters, ctx.gdid)
 
 
 @cache
@@ -176,7 +219,7 @@ def _confine_writes(session: Session, _flush: UOWTransaction, _instances: Any) -
     are read once here; asking ``obj in session.new`` per object made a flush of N new rows
     quadratic (8,000 rows: 5.4 s against 0.58 s for a plain Session).
     """
-    ctx: BriefcaseContext | None = session.info.get(_INFO_KEY)
+    ctx = session._mdb_briefcase if isinstance(session, BriefcaseSession) else None
     if ctx is None:
         return
     new, dirty, deleted = session.new, session.dirty, session.deleted

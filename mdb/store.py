@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
@@ -26,8 +27,8 @@ from mdb.registry import Registry, default_registry
 from mdb.backends import open_routed
 from mdb.budget import ConnectionBudget
 from mdb.central.service import Central
-from mdb.dberrors import translated
-from mdb.engines import BeginPrelude, EngineRegistry, prelude_of, set_prelude, take_result
+from mdb.dberrors import raise_translated, translated
+from mdb.engines import BEGIN_RESULT, PRELUDE, BeginPrelude, EngineRegistry, prelude_of, set_prelude, take_result
 from mdb.errors import QueryError, RoutingError
 from mdb.fanout import FanOutResult, ShardFailure, fan_out, warm_up
 from mdb.gdid import GDID
@@ -38,7 +39,7 @@ from mdb.partition_map import PartitionMap, load_map_cached
 from mdb.relocations import load_relocation_reach, load_relocations
 from mdb.retry import ROUTE_CACHE_SIZE, LearnedRoutes, RoutedOpen
 from mdb.router import Placement, Router
-from mdb.session import _INFO_KEY, BriefcaseContext, BriefcaseSession
+from mdb.session import BriefcaseContext, BriefcaseSession
 
 if TYPE_CHECKING:  # MongoDB is an optional plug-in: its modules load on first use of `Store.mongo`
     from mdb.mongo.store import DocumentBriefcase, MongoStore
@@ -298,36 +299,18 @@ class Store:
     # -- briefcase sessions ------------------------------------------------------------------
 
     @telemetry.observed_session
-    @contextmanager
     def briefcase(
         self, btype: type[BriefcaseType], gdid: GDID | str, *, readonly: bool = False, exclusive: bool = False
-    ) -> Iterator[BriefcaseSession]:
+    ) -> AbstractContextManager[BriefcaseSession]:
         """A Session on the briefcase's shard, in one transaction: commit on success, rollback on error.
 
         ``readonly`` reads from the server's replica when the map has one. ``exclusive`` makes
         write sessions of this briefcase that also ask for it run one at a time (the
         briefcase's advisory lock is taken exclusive, in the round trip of BEGIN), so a
         read-modify-write in the block cannot lose an update (docs/briefcases.md, "Isolation").
+        Nothing happens until the block is entered: routing, the check and its retries run then.
         """
-        gid = gdid if isinstance(gdid, GDID) else GDID.parse(gdid)
-        if btype not in self.types_of(btype.area):
-            raise RoutingError(f"briefcase type {btype.__name__} is not registered with this Store")
-        if readonly and exclusive:
-            raise QueryError(f"briefcase {btype.area}/{gid}: a session cannot be both readonly and exclusive (exclusive serializes writers)")
-        session, conn = self._open(btype, gid, readonly, exclusive)
-        server = session.placement.server
-        try:
-            with translated(server):
-                yield session
-                session.flush()
-                conn.commit()
-        except BaseException:
-            if conn.in_transaction():
-                conn.rollback()
-            raise
-        finally:
-            session.close()
-            conn.close()
+        return _BriefcaseBlock(self, btype, gdid, readonly, exclusive)
 
     def routed_open(self, area: str, gdid: GDID) -> RoutedOpen:
         """The routing and retry policy of one session open of ``area``/``gdid`` (:mod:`mdb.retry`):
@@ -341,17 +324,23 @@ class Store:
         def attempt(router: Router, placement: Placement) -> tuple[BriefcaseSession, Connection]:
             server = placement.server
             prelude = OwnershipCheck(placement, lock=not readonly, exclusive=exclusive)
-            with translated(server):  # one translation around connect and BEGIN (each is a context manager per session)
+            try:  # one translation around connect and BEGIN, as ``translated`` does, without a context manager per session
                 conn = self.engines.engine(server, readonly).connect()
                 try:
-                    set_prelude(conn, prelude)
-                    conn = self._begin(conn, server, readonly, prelude)
-                    check_ownership(take_result(conn), placement, router.version, write=not readonly)
+                    info = conn.info  # set_prelude and take_result, without looking the pooled connection's info up twice
+                    info[PRELUDE] = prelude
+                    begun = self._begin(conn, server, readonly, prelude)
+                    rows = info.pop(BEGIN_RESULT, None) if begun is conn else take_result(begun)
+                    conn = begun
+                    check_ownership(rows, placement, router.version, write=not readonly)
                 except BaseException:
                     conn.close()
                     raise
-            session = BriefcaseSession(bind=conn, join_transaction_mode="rollback_only", expire_on_commit=False)
-            session.info[_INFO_KEY] = BriefcaseContext(btype, gdid, placement, readonly)
+            except DBAPIError as exc:
+                raise_translated(server, exc)
+                raise
+            session = BriefcaseSession(bind=conn, briefcase=BriefcaseContext(btype, gdid, placement, readonly),
+                                       join_transaction_mode="rollback_only", expire_on_commit=False)
             return session, conn
 
         return open_routed(
@@ -398,3 +387,61 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _BriefcaseBlock(AbstractContextManager[BriefcaseSession]):
+    """One ``with store.briefcase(...)`` block: route, open and check on enter; flush and commit, or
+    roll back, on exit; driver errors of the block and of its end translated (:func:`mdb.dberrors.translate`).
+
+    A class rather than a ``@contextmanager`` generator with a ``translated`` block inside: every
+    session of every request enters one, and the generator's machinery and the nested context
+    manager were ~12 of the Python calls mdb adds to a session (docs/briefcases.md, "Third pass").
+    """
+
+    __slots__ = ("_store", "_btype", "_gdid", "_readonly", "_exclusive", "_session", "_conn")
+
+    _session: BriefcaseSession
+    _conn: Connection
+
+    def __init__(self, store: Store, btype: type[BriefcaseType], gdid: GDID | str, readonly: bool, exclusive: bool) -> None:
+        self._store = store
+        self._btype = btype
+        self._gdid = gdid
+        self._readonly = readonly
+        self._exclusive = exclusive
+
+    def __enter__(self) -> BriefcaseSession:
+        btype, gdid, readonly = self._btype, self._gdid, self._readonly
+        gid = gdid if isinstance(gdid, GDID) else GDID.parse(gdid)
+        store = self._store
+        if btype not in store.types_by_area.get(btype.area, ()):  # (types_of, without a call per session)
+            raise RoutingError(f"briefcase type {btype.__name__} is not registered with this Store")
+        if readonly and self._exclusive:
+            raise QueryError(f"briefcase {btype.area}/{gid}: a session cannot be both readonly and exclusive (exclusive serializes writers)")
+        session, self._conn = store._open(btype, gid, readonly, self._exclusive)
+        self._session = session
+        return session
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        session, conn = self._session, self._conn
+        try:
+            if exc is None:
+                try:
+                    session.flush()
+                    conn.commit()
+                except BaseException as failure:
+                    _failed(conn, session, failure)
+                    raise
+            else:
+                _failed(conn, session, exc)
+        finally:
+            session.close()
+            conn.close()
+
+
+def _failed(conn: Connection, session: BriefcaseSession, exc: BaseException) -> None:
+    """Roll back after ``exc``; raise its translation instead when it is a driver error mdb names
+    (as ``with translated(server)`` around the block did), else return and let it go on."""
+    if conn.in_transaction():
+        conn.rollback()
+    raise_translated(session.placement.server, exc)

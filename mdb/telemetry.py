@@ -143,7 +143,10 @@ def sdk_installed() -> bool:
     to opentelemetry-api 1.x: if one is missing (a changed API) the answer is True, so an API
     change costs speed, never a lost count.
     """
-    return getattr(SESSIONS, "_real_instrument", True) is not None or getattr(trace, "_TRACER_PROVIDER", True) is not None
+    try:  # attribute reads, not getattr(): no call per session while nothing records
+        return SESSIONS._real_instrument is not None or trace._TRACER_PROVIDER is not None  # type: ignore[attr-defined]
+    except AttributeError:
+        return True
 
 
 # -- briefcase sessions --------------------------------------------------------------------------

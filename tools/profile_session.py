@@ -1,4 +1,4 @@
-"""Where a routed session's client time goes: ``python tools/profile_session.py [--backend pg|sqlite] [--write] [--top N]``.
+"""Where a routed session's client time goes: ``python tools/profile_session.py [--backend pg|sqlite] [--write] [--async] [--top N]``.
 
 Counts Python function calls per read (cProfile, deterministic: steady on a busy machine where
 wall time is not) and client CPU per read (``time.process_time``, this process only) for a
@@ -10,6 +10,7 @@ the time goes").
 from __future__ import annotations
 
 import argparse
+import asyncio
 import cProfile
 import pstats
 import sys
@@ -17,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -62,12 +64,42 @@ def _cpu(routed: Callable[[], object], plain: Callable[[], object], n: int, roun
     return min(a), min(b)
 
 
+def _async_pair(store: Any, gdid: Callable[[], GDID], readonly: bool) -> tuple[Callable[[], object], Callable[[], object], Callable[[], None] | None]:
+    """A routed and a plain async read, each a sync call that runs one read on one kept event loop, and a closer."""
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    from mdb.aio import AsyncStore
+
+    loop = asyncio.new_event_loop()
+    aio = AsyncStore(store)
+    loop.run_until_complete(aio.router())
+    engine = aio.engines.engine("u1", readonly=readonly)
+
+    async def routed() -> object:
+        g = gdid()
+        async with aio.briefcase(UserBriefcase, g, readonly=readonly) as session:
+            return (await session.scalars(select(User).where(User.user_id == g))).one()
+
+    async def plain() -> object:
+        g = gdid()
+        async with AsyncSession(engine) as session, session.begin():
+            return (await session.scalars(select(User).where(User.user_id == g))).one()
+
+    def close() -> None:
+        loop.run_until_complete(aio.close())
+        loop.close()
+
+    return (lambda: loop.run_until_complete(routed())), (lambda: loop.run_until_complete(plain())), close
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("pg", "sqlite"), default="pg")
     parser.add_argument("--write", action="store_true", help="a write session instead of a readonly one")
+    parser.add_argument("--async", dest="aio", action="store_true", help="AsyncStore vs a plain AsyncSession (PostgreSQL)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--n", type=int, default=2000)
+    parser.add_argument("--cpu-rounds", type=int, default=7, help="alternating rounds timing client CPU (0: count calls only)")
     args = parser.parse_args()
     from sqlalchemy import insert
 
@@ -100,20 +132,32 @@ def main() -> int:
                 with Session(plain) as session:
                     return session.scalars(select(User).where(User.user_id == g)).one()
 
-            for fn in (routed, direct):
+            subject, baseline, close = _async_pair(store, gdid, readonly) if args.aio else (routed, direct, None)
+            for fn in (subject, baseline):
                 for _ in range(300):
                     fn()
-            routed_calls, profile = _calls(routed, args.n)
-            direct_calls, direct_profile = _calls(direct, args.n)
-            routed_cpu, direct_cpu = _cpu(routed, direct, args.n // 4)
-            kind = "write" if args.write else "readonly"
+            routed_calls, profile = _calls(subject, args.n)
+            direct_calls, direct_profile = _calls(baseline, args.n)
+            routed_cpu, direct_cpu = _cpu(subject, baseline, args.n // 4, args.cpu_rounds) if args.cpu_rounds else (0.0, 1.0)
+            kind = ("async " if args.aio else "") + ("write" if args.write else "readonly")
             print(f"{args.backend} {kind}: python calls per read routed {routed_calls:.0f} vs plain {direct_calls:.0f}; "
                   f"client CPU per read routed {routed_cpu * 1e6:.0f} us vs plain {direct_cpu * 1e6:.0f} us "
                   f"(ratio {routed_cpu / direct_cpu:.2f})")
             pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+            extra = _extra_calls(profile, direct_profile, args.n)
             print("calls per read, routed minus plain, by function:")
-            for (where, count) in _extra_calls(profile, direct_profile, args.n)[: args.top]:
+            for (where, count) in extra[: args.top]:
                 print(f"  {count:+6.1f}  {where}")
+            by_file: dict[str, float] = {}
+            for where, count in extra:
+                name = where.split(":", 1)[0]
+                by_file[name] = by_file.get(name, 0.0) + count
+            print("the same by file (~: built-in functions):")
+            for name, count in sorted(by_file.items(), key=lambda item: -abs(item[1])):
+                if count:
+                    print(f"  {count:+6.1f}  {name}")
+            if close is not None:
+                close()
             store.close()
             plain.dispose()
         finally:

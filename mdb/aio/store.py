@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from sqlalchemy.exc import DBAPIError
@@ -33,7 +34,7 @@ from mdb.aio.engines import AsyncEngines, FairGate
 from mdb.aio.fanout import fan_out
 from mdb.briefcase import BriefcaseType
 from mdb.central.indexes import IndexRef
-from mdb.dberrors import translated
+from mdb.dberrors import raise_translated, translated
 from mdb.engines import BeginPrelude, set_prelude, take_result
 from mdb.errors import QueryError, RetryableError, RoutingError
 from mdb.fanout import FanOutResult
@@ -42,7 +43,7 @@ from mdb.idgen import GdidGenerator
 from mdb.ownership import OwnershipCheck, check_ownership
 from mdb.retry import RoutedOpen
 from mdb.router import Placement, Router
-from mdb.session import _INFO_KEY, BriefcaseContext, BriefcaseSession
+from mdb.session import BriefcaseContext, BriefcaseSession
 from mdb.store import Store
 
 __all__ = ["AsyncBriefcaseSession", "AsyncCentral", "AsyncGdids", "AsyncStore"]
@@ -296,10 +297,10 @@ class AsyncStore:
         engine, gate = self.engines.engine_and_gate(server, readonly)
         await gate.acquire(server)
         try:
-            with translated(server):
-                sync = await greenlet_spawn(_open_sync, engine.sync_engine, prelude, check)
-        except BaseException:
+            sync = await greenlet_spawn(_open_sync, engine.sync_engine, prelude, check)
+        except BaseException as exc:
             gate.release()
+            raise_translated(server, exc)  # as ``with translated(server)``, without a context manager per session
             raise
         return AsyncConnection(engine, sync), gate
 
@@ -327,30 +328,14 @@ class AsyncStore:
     # -- briefcase sessions ------------------------------------------------------------------
 
     @telemetry.observed_async_session
-    @asynccontextmanager
-    async def briefcase(
+    def briefcase(
         self, btype: type[BriefcaseType], gdid: GDID | str, *, readonly: bool = False, exclusive: bool = False
-    ) -> AsyncIterator[AsyncBriefcaseSession]:
+    ) -> AbstractAsyncContextManager[AsyncBriefcaseSession]:
         """An AsyncSession on the briefcase's shard in one transaction, as ``Store.briefcase``.
 
         Commit on success, rollback on error; ``readonly`` and ``exclusive`` as in the sync API.
         """
-        gid = gdid if isinstance(gdid, GDID) else GDID.parse(gdid)
-        if btype not in self.sync.types_of(btype.area):
-            raise RoutingError(f"briefcase type {btype.__name__} is not registered with this Store")
-        if readonly and exclusive:
-            raise QueryError(f"briefcase {btype.area}/{gid}: a session cannot be both readonly and exclusive (exclusive serializes writers)")
-        session, conn, gate = await self._open(btype, gid, readonly, exclusive)
-        try:
-            with translated(session.placement.server):
-                try:
-                    yield session
-                except BaseException:
-                    await greenlet_spawn(_end_sync, session.confined, _sync(conn), False)
-                    raise
-                await greenlet_spawn(_end_sync, session.confined, _sync(conn), True)
-        finally:
-            gate.release()
+        return _AsyncBriefcaseBlock(self, btype, gdid, readonly, exclusive)
 
     async def _open(
         self, btype: type[BriefcaseType], gdid: GDID, readonly: bool, exclusive: bool
@@ -361,8 +346,8 @@ class AsyncStore:
 
             prelude = OwnershipCheck(placement, lock=not readonly, exclusive=exclusive)
             conn, gate = await self._begun(placement.server, readonly, prelude, check)
-            session = AsyncBriefcaseSession(bind=conn, join_transaction_mode="rollback_only", expire_on_commit=False)
-            session.info[_INFO_KEY] = BriefcaseContext(btype, gdid, placement, readonly)
+            session = AsyncBriefcaseSession(bind=conn, briefcase=BriefcaseContext(btype, gdid, placement, readonly),
+                                            join_transaction_mode="rollback_only", expire_on_commit=False)
             return session, conn, gate
 
         return await self._open_routed(attempt, self.sync.routed_open(btype.area, gdid))
@@ -405,3 +390,48 @@ class AsyncStore:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class _AsyncBriefcaseBlock(AbstractAsyncContextManager[AsyncBriefcaseSession]):
+    """One ``async with store.briefcase(...)`` block, as ``mdb.store``'s sync one: route, open and check
+    on enter; flush and commit, or roll back, on exit (one greenlet: :func:`_end_sync`); driver
+    errors of the block and of its end translated. A class rather than an ``@asynccontextmanager``
+    generator with a ``translated`` block inside (their machinery, per session)."""
+
+    __slots__ = ("_store", "_btype", "_gdid", "_readonly", "_exclusive", "_session", "_conn", "_gate")
+
+    _session: AsyncBriefcaseSession
+    _conn: AsyncConnection
+    _gate: FairGate
+
+    def __init__(self, store: AsyncStore, btype: type[BriefcaseType], gdid: GDID | str, readonly: bool, exclusive: bool) -> None:
+        self._store = store
+        self._btype = btype
+        self._gdid = gdid
+        self._readonly = readonly
+        self._exclusive = exclusive
+
+    async def __aenter__(self) -> AsyncBriefcaseSession:
+        btype, gdid, readonly = self._btype, self._gdid, self._readonly
+        gid = gdid if isinstance(gdid, GDID) else GDID.parse(gdid)
+        store = self._store
+        if btype not in store.sync.types_of(btype.area):
+            raise RoutingError(f"briefcase type {btype.__name__} is not registered with this Store")
+        if readonly and self._exclusive:
+            raise QueryError(f"briefcase {btype.area}/{gid}: a session cannot be both readonly and exclusive (exclusive serializes writers)")
+        session, self._conn, self._gate = await store._open(btype, gid, readonly, self._exclusive)
+        self._session = session
+        return session
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        session = self._session
+        try:
+            try:
+                await greenlet_spawn(_end_sync, session.confined, _sync(self._conn), exc is None)
+            except BaseException as failure:
+                raise_translated(session.placement.server, failure)
+                raise
+            if exc is not None:
+                raise_translated(session.placement.server, exc)
+        finally:
+            self._gate.release()

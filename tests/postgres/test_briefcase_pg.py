@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 from support.mapfiles import write_map
-from sqlalchemy import delete, func, select, text, true, update
+from sqlalchemy import delete, event, func, lambda_stmt, select, text, true, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import (
     DeclarativeBase,
+    ORMExecuteState,
     Session,
     aliased,
     joinedload,
@@ -42,6 +43,7 @@ from mdb.errors import CrossBriefcaseError, MdbError, StaleRouteError
 from mdb.gdid import GDID
 from mdb.router import ShardLayout
 from mdb.schema import apply_schema, stamp_layout
+from mdb.session import BriefcaseSession
 from mdb.store import Store
 from mdb.system_tables import briefcase_state
 from support.briefcase import RoundTripCounter, _proxied, child_id, pg_store, sqlite_store, store  # noqa: F401 (fixtures: pg_store, sqlite_store, store)
@@ -173,6 +175,32 @@ def test_confinement_covers_aliases_joins_subqueries_eager_loads_and_bulk_delete
         assert session.execute(delete(Address)).rowcount == 1
     with store.briefcase(UserBriefcase, neighbour, readonly=True) as session:
         assert session.scalars(select(Address.user_id)).all() == [neighbour]
+
+
+def test_confinement_covers_every_form_of_statement_and_statements_a_listener_substitutes(store: Store) -> None:
+    """A legacy Query, a lambda statement and a statement that an application's own
+    ``do_orm_execute`` listener runs instead of the one it was given are confined like any other:
+    confinement sits where every ORM execution passes, not in a listener whose turn comes
+    before or after the application's (docs/dev/0018)."""
+    mine, neighbour = GDID(0, 0, 60), GDID(0, 0, 62)  # both on u1
+    for gdid in (mine, neighbour):
+        with store.briefcase(UserBriefcase, gdid) as session:
+            fill_briefcase(session, gdid)
+    with store.briefcase(UserBriefcase, mine, readonly=True) as session:
+        assert [a.user_id for a in session.query(Address)] == [mine]
+        assert session.scalars(lambda_stmt(lambda: select(Address.user_id))).all() == [mine]
+
+    def instead(state: ORMExecuteState) -> Any:
+        if state.is_select and not state.execution_options.get("instead"):
+            return state.invoke_statement(statement=select(Order.user_id).execution_options(instead=True))
+        return None
+
+    event.listen(BriefcaseSession, "do_orm_execute", instead)
+    try:
+        with store.briefcase(UserBriefcase, mine, readonly=True) as session:
+            assert session.scalars(select(Address.user_id)).all() == [mine]  # the orders' keys, the neighbour's invisible
+    finally:
+        event.remove(BriefcaseSession, "do_orm_execute", instead)
 
 
 def test_cross_briefcase_writes_are_refused_and_nothing_is_written(store: Store) -> None:

@@ -271,7 +271,7 @@ def test_without_an_sdk_the_session_is_not_wrapped_and_an_sdk_installed_later_co
     script.write_text(SCRIPT, encoding="utf-8")
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "map.yaml")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True", "_GeneratorContextManager", "_ObservedSession", "True"]
+    assert done.stdout.split() == ["True", "_BriefcaseBlock", "_ObservedSession", "True"]  # bare: the session block itself
 
 
 def test_document_sessions_stale_route_and_fan_out_count_like_sql_ones_without_a_gdid_label(otel: Otel, mongo_env: Any) -> None:
