@@ -142,7 +142,7 @@ class BriefcaseSession(Session):
     ``scalars``, ``scalar``, ``get``, lazy and eager loads, ORM update/delete all end in
     ``_execute_internal``), not in a ``do_orm_execute`` listener: with a listener the ORM builds
     an execute state per statement and runs its pre-execution step twice (~45 Python calls per
-    statement, the largest part of what a routed read cost over a plain Session: docs/briefcases.md,
+    statement, the largest part of what a routed read cost over a plain Session: docs/dev/measured-sessions.md,
     "Third pass", and docs/dev/0018).
     """
 

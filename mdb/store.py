@@ -395,7 +395,7 @@ class _BriefcaseBlock(AbstractContextManager[BriefcaseSession]):
 
     A class rather than a ``@contextmanager`` generator with a ``translated`` block inside: every
     session of every request enters one, and the generator's machinery and the nested context
-    manager were ~12 of the Python calls mdb adds to a session (docs/briefcases.md, "Third pass").
+    manager were ~12 of the Python calls mdb adds to a session (docs/dev/measured-sessions.md, "Third pass").
     """
 
     __slots__ = ("_store", "_btype", "_gdid", "_readonly", "_exclusive", "_session", "_conn")

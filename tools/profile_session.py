@@ -3,7 +3,8 @@
 Counts Python function calls per read (cProfile, deterministic: steady on a busy machine where
 wall time is not) and client CPU per read (``time.process_time``, this process only) for a
 routed briefcase point read and for a plain ``Session`` on the same engine, then prints the
-functions of the routed read with the most own time. Evidence for docs/briefcases.md ("Where
+functions of the routed read with the most own time. Evidence for docs/briefcases.md ("What a
+session costs") and its history in docs/dev/measured-sessions.md ("Where
 the time goes").
 """
 
