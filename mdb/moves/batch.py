@@ -44,7 +44,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sqlalchemy import delete, insert, text, update
+from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from mdb import dberrors, telemetry
@@ -54,16 +54,15 @@ from mdb.errors import BatchAbortedError, MdbError, MigrationError, MoveAbortedE
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.migrations.revisions import SCHEMA_LOCK_KEY, current_revision, require_one_revision
-from mdb.moves import verify
+from mdb.moves import cutover, verify
 from mdb.moves.batch_sql import Sums, claim_and_copy, fence_and_delete, settle, target_holdings, undo
-from mdb.moves.copy import AreaTable, copy_batch, count_batch, delete_batch
+from mdb.moves.copy import AreaTable, copy_batch, delete_batch
 from mdb.moves.fencing import unchecked
 from mdb.moves.gate import CutoverGate
-from mdb.moves.journal import ABORTED, DONE, ROLLED_BACK, RUNNING, Journal, JournalEntry, new_move_id
+from mdb.moves.journal import ABORTED, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, ResumeOutcome, register_resolver
-from mdb.moves.sql_steps import area_tables, check_target_schema, locked_briefcases, statement_cancelled, states
-from mdb.relocations import set_relocations
-from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
+from mdb.moves.sql_steps import area_tables, check_target_schema, locked_briefcases, statement_cancelled
+from mdb.system_tables import STATE_GONE
 
 __all__ = ["BATCH_KIND", "BatchMove", "BatchResult", "hold_schemas"]
 
@@ -81,13 +80,12 @@ FAULT_POINTS = register(
     "batch.after_verify",
     "batch.before_commit_point",
     "batch.after_commit_point",
-    "batch.after_relocations",
-    "batch.after_target_states",
-    "batch.resume.after_discard",
 )
 """A batch's crash points (tests SIGKILL a reshard at each, with writers running, then resume).
 
 ``after_resync`` is reached only by a batch with briefcases written between its pre-copy and its lock.
+Finalize's and resume's (``batch.after_relocations``, ``batch.after_target_states``,
+``batch.resume.after_discard``) are :mod:`mdb.moves.cutover`'s, passed by single moves too.
 """
 
 
@@ -167,59 +165,6 @@ def _unlock_schema(conn: Connection) -> None:
 def _differing(a: dict[tuple[str, GDID], verify.TableSum], b: dict[tuple[str, GDID], verify.TableSum]) -> list[GDID]:
     """Briefcases whose count or checksum of some table differs between two sides' sums."""
     return sorted({key[1] for key in a.keys() | b.keys() if a.get(key) != b.get(key)})
-
-
-def _discard(cluster: Cluster, entry: JournalEntry, tables: Sequence[AreaTable]) -> int:
-    """Delete the batch's copies on the target and restore the state rows they replaced; idempotent.
-
-    Only briefcases whose target state is this batch's ``incoming`` row are touched: the copy
-    and those rows commit together, so anything else was never copied by this batch.
-    """
-    assert entry.target is not None
-    gdids = [GDID.parse(g) for g in entry.params["gdids"]]
-    previous: dict[str, dict[str, Any]] = entry.params.get("previous_target_states", {})
-    with cluster.transaction(entry.target) as conn:
-        mine = [g for g, s in states(conn, entry.area, gdids).items()
-                if s["state"] == STATE_INCOMING and s["move_id"] == entry.move_id]
-        if not mine:
-            return 0
-        deleted = sum(delete_batch(conn, tables, mine).values())
-        conn.execute(delete(briefcase_state).where(briefcase_state.c.area == entry.area, briefcase_state.c.gdid.in_(mine)))
-        restore = [previous[str(g)] | {"area": entry.area, "gdid": g} for g in mine if str(g) in previous]
-        if restore:
-            conn.execute(insert(briefcase_state), restore)
-        return deleted
-
-
-def _finalize(cluster: Cluster, journal: Journal, entry: JournalEntry, rows: dict[str, int] | None = None) -> None:
-    """After the commit point: relocations, then the target states, then ``done`` with the rows moved. Idempotent.
-
-    ``rows`` (per table) are the verified counts; resume finishing a batch has none and counts
-    what the briefcases hold on the target then (writers may have added rows since the commit
-    point: the journal says so in its detail).
-    """
-    assert entry.target is not None
-    area, target = entry.area, entry.target
-    gdids = [GDID.parse(g) for g in entry.params["gdids"]]
-    router = cluster.router
-    homes = {g: router.default_placement(area, g).server for g in gdids}
-    set_relocations(cluster, area, {g: None if target == home else target for g, home in homes.items()})
-    fault_point("batch.after_relocations")
-    with cluster.transaction(target) as conn:
-        mine = (briefcase_state.c.area == area) & (briefcase_state.c.move_id == entry.move_id) \
-            & (briefcase_state.c.state == STATE_INCOMING) & briefcase_state.c.gdid.in_(gdids)
-        at_home = [g for g, home in homes.items() if home == target]
-        if at_home:
-            conn.execute(delete(briefcase_state).where(mine, briefcase_state.c.gdid.in_(at_home)))
-        conn.execute(update(briefcase_state).where(mine).values(state=STATE_RESIDENT, peer=entry.source))
-    fault_point("batch.after_target_states")
-    detail = None
-    if rows is None:
-        with cluster.transaction(target) as conn:
-            rows = count_batch(conn, area_tables(cluster, area), gdids)
-        detail = "finished by resume: rows counted on the target then"
-    journal.finish(entry.move_id, DONE, detail, briefcases_done=len(gdids), rows_done=sum(rows.values()),
-                   tables={name: [n, n] for name, n in rows.items() if n})
 
 
 class BatchMove:
@@ -322,7 +267,7 @@ class BatchMove:
                 per_table[name] = per_table.get(name, 0) + n
         self.journal.pause(self.move_id, pause)  # the reshard's pause p99 in its history (mdb.moves.history)
         with self.gate.step(stoppable=False):  # past the commit point: a stop waits for it
-            _finalize(self.cluster, self.journal, entry, per_table)
+            cutover.finalize(self.cluster, self.journal, entry, per_table)
         for per_table in rows.values():
             telemetry.move_done(self.area, self.reshard_id, sum(per_table.values()), pause)
         return BatchResult(self.move_id, list(self.gdids), rows, pause)
@@ -420,40 +365,18 @@ class BatchMove:
     def _roll_back(self, why: str) -> None:
         entry = self.journal.get(self.move_id)
         assert entry is not None
-        _discard(self.cluster, entry, self.tables)
+        cutover.discard(self.cluster, entry, self.tables)
         self.journal.finish(self.move_id, ABORTED, why)
         telemetry.move_aborted(self.area, self.reshard_id)
 
     @classmethod
     def resume(cls, cluster: Cluster, journal: Journal, entry: JournalEntry, *, retry: bool = False) -> ResumeOutcome:
-        """Under the batch's locks on the source (a commit in flight when the mover died has landed or
-        is gone for good): all fences of this batch there -> finish; none -> discard the copies.
+        """By the fences on the source, like every SQL cutover (:func:`mdb.moves.cutover.resume`).
 
         ``retry`` is for single moves; a batch belongs to a reshard, which moves what a rolled
         back batch held again when it continues.
         """
-        assert entry.source is not None and entry.target is not None
-        gdids = [GDID.parse(g) for g in entry.params["gdids"]]
-        tables = area_tables(cluster, entry.area)
-        with _locked_batch(cluster, entry.source, entry.area, gdids, lock_wait=DEFAULT_LOCK_WAIT, max_pause=DEFAULT_MAX_PAUSE) as (src, _):
-            fenced = [g for g, s in states(src, entry.area, gdids).items()
-                      if s["state"] == STATE_GONE and s["move_id"] == entry.move_id]
-            src.rollback()
-        if fenced and len(fenced) != len(gdids):
-            raise MdbError(
-                f"batch {entry.move_id}: {len(fenced)} of its {len(gdids)} briefcases carry its fence on {entry.source!r} "
-                "(its commit point is one transaction, so all or none should): inspect with `mdb where` before resuming"
-            )
-        if fenced:
-            _finalize(cluster, journal, entry)
-            return ResumeOutcome(entry.move_id, BATCH_KIND, "finalized",
-                                 f"commit point had passed (step {entry.step!r}); {len(gdids)} briefcase(s) on {entry.target!r}")
-        deleted = _discard(cluster, entry, tables)
-        fault_point("batch.resume.after_discard")
-        journal.finish(entry.move_id, ROLLED_BACK,
-                       f"interrupted at step {entry.step!r}; discarded {deleted} copied row(s) of {len(gdids)} briefcase(s) on {entry.target!r}")
-        return ResumeOutcome(entry.move_id, BATCH_KIND, "rolled back",
-                             f"interrupted at step {entry.step!r}; source {entry.source!r} is authoritative for {len(gdids)} briefcase(s)")
+        return cutover.resume(cluster, journal, entry)
 
 
 register_resolver(BatchMove)

@@ -23,7 +23,7 @@ from mdb.errors import SchemaError
 from mdb.gdid import GDID
 from mdb.moves.gate import CutoverGate
 
-__all__ = ["AreaTable", "copy_batch", "count_batch", "copy_rows", "delete_batch", "delete_briefcase", "delete_keys", "delete_rows", "is_postgres", "measure", "select_keys"]
+__all__ = ["AreaTable", "copy_batch", "count_batch", "copy_rows", "delete_batch", "delete_keys", "delete_rows", "is_postgres", "measure", "select_keys"]
 
 BATCH = 2000
 RELAY_BLOCK = 64 * 1024
@@ -233,11 +233,6 @@ def delete_rows(conn: Connection, tables: Sequence[AreaTable], gdid: GDID) -> di
     Per table, so the commit point can check that it deletes exactly the rows it verified.
     """
     return {at.name: conn.execute(delete(at.table).where(at.table.c[at.key] == gdid)).rowcount for at in reversed(tables)}
-
-
-def delete_briefcase(conn: Connection, tables: Sequence[AreaTable], gdid: GDID) -> int:
-    """Delete every row of the briefcase, children first; returns the number of rows deleted."""
-    return sum(delete_rows(conn, tables, gdid).values())
 
 
 def measure(conn: Connection, tables: Sequence[AreaTable], gdid: GDID, *, with_bytes: bool = True) -> dict[str, tuple[int, int]]:

@@ -24,7 +24,8 @@ Order of a move, each step journaled before it is taken (``mdb.moves.journal``):
 A crash before 6 leaves the source authoritative (resume discards the target copy); after 6
 the fence proves the move happened and resume finishes 7. The driver (journal start, lease,
 fault points, the order of the steps) is :class:`mdb.moves.move.Move`; this module holds the
-SQL steps and the re-sync and checksum helpers they use.
+SQL steps and the re-sync and checksum helpers they use. Finalize, discard and resume are
+:mod:`mdb.moves.cutover`'s, the same code as a batch's (docs/dev/0017).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from sqlalchemy.engine import Connection
@@ -42,18 +44,16 @@ from mdb import dberrors, telemetry
 from mdb.cluster import Cluster
 from mdb.faults import fault_point, register
 from mdb.gdid import GDID
-from mdb.moves import verify
+from mdb.moves import cutover, verify
 from mdb.moves.copy import AreaTable, copy_rows, delete_keys, delete_rows, measure, select_keys
 from mdb.migrations.revisions import lock_out_migrations
-from mdb.moves.journal import ABORTED, ROLLED_BACK, RUNNING, Journal, JournalEntry
-from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, Move, MoveOptions, MoveResult, ResumeOutcome, refuse_if_busy, register_move
+from mdb.moves.journal import ABORTED, RUNNING, Journal, JournalEntry
+from mdb.moves.move import DEFAULT_MAX_PAUSE, Move, MoveOptions, MoveResult, ResumeOutcome, refuse_if_busy, register_move
 from mdb.moves.sql_steps import (
     bound_statements,
     statement_cancelled,
     area_tables,
     check_schemas,
-    discard_target,
-    finalize,
     locked_source,
     precheck,
     root_exists,
@@ -83,9 +83,9 @@ FAULT_POINTS = register(
     "move.before_commit_point",
     "move.after_commit_point",
     "move.pause_abort.after_source_rollback",
-    "resume.after_discard",
 )
-"""The SQL move's crash points (tests SIGKILL a real move at each); finalize's are in mdb.moves.sql_steps."""
+"""The SQL move's crash points (tests SIGKILL a real move at each); finalize's and resume's are
+:mod:`mdb.moves.cutover`'s, shared with the batch."""
 
 
 def _resync(src: Connection, dst: Connection, tables: list[AreaTable], gdid: GDID, method: verify.Method) -> dict[str, int]:
@@ -471,39 +471,22 @@ class SqlMove(Move):
                   type(exc).__name__, mask_secrets(str(exc)))
 
     def finalize(self) -> None:
-        entry = self.journal.get(self.move_id)
-        assert entry is not None
-        finalize(self.cluster, self.journal, entry)
+        cutover.finalize(self.cluster, self.journal, self.journal_entry(), self.verified, phases=True)
 
     def roll_back(self, why: str) -> None:
-        discard_target(self.cluster, self.target, self.area, self.gdid, self.tables, self.move_id, self.previous)
+        cutover.discard(self.cluster, replace(self.journal_entry(), params=self.params), self.tables)
         self.journal.finish(self.move_id, ABORTED, why)
         telemetry.move_aborted(self.area, self.options.reshard_id)
 
     @classmethod
     def resume(cls, cluster: Cluster, journal: Journal, entry: JournalEntry, *, retry: bool = False) -> ResumeOutcome:
-        """Under the briefcase's lock on the source (so a commit still in flight when the mover died
-        has landed or is gone for good), finalize forward on this move's fence, else roll back."""
-        assert entry.gdid is not None and entry.source is not None and entry.target is not None
-        area, gdid = entry.area, entry.gdid
-        tables = area_tables(cluster, area)
-        previous = entry.params.get("previous_target_state")
-        with locked_source(cluster, entry.source, area, gdid, lock_wait=DEFAULT_LOCK_WAIT, max_pause=DEFAULT_MAX_PAUSE) as (src, _):
-            state = state_row(src, area, gdid)
-            passed = state is not None and state["state"] == STATE_GONE and state["move_id"] == entry.move_id
-            if not passed:
-                deleted = discard_target(cluster, entry.target, area, gdid, tables, entry.move_id, previous)
-                fault_point("resume.after_discard")
-                journal.finish(entry.move_id, ROLLED_BACK,
-                               f"interrupted at step {entry.step!r}; discarded {deleted} copied row(s) on {entry.target!r}")
-            src.rollback()
-        if passed:
-            finalize(cluster, journal, entry)
-            return ResumeOutcome(entry.move_id, cls.journal_kind, "finalized", f"commit point had passed (step {entry.step!r})")
-        if retry and entry.reshard_id is None:
+        """By the fence on the source, like every SQL cutover (:func:`mdb.moves.cutover.resume`); with
+        ``retry``, a move of its own that was rolled back is then taken again."""
+        outcome = cutover.resume(cluster, journal, entry)
+        if outcome.action == "rolled back" and retry and entry.reshard_id is None:
+            assert entry.gdid is not None and entry.target is not None
             options = MoveOptions(max_pause=float(entry.params.get("max_pause", DEFAULT_MAX_PAUSE)))
             cluster.refresh()
-            result = cls(cluster, area, gdid, entry.target, options).run()
+            result = cls(cluster, entry.area, entry.gdid, entry.target, options).run()
             return ResumeOutcome(entry.move_id, cls.journal_kind, "retried", f"rolled back, then moved again as {result.move_id}")
-        return ResumeOutcome(entry.move_id, cls.journal_kind, "rolled back",
-                             f"interrupted at step {entry.step!r}; source {entry.source!r} is authoritative")
+        return outcome

@@ -1,6 +1,7 @@
-"""The SQL side of a briefcase's move state: its tables, its lock, its state rows, prechecks, finalize.
+"""The SQL side of a briefcase's move state: its tables, its lock, its state rows, prechecks.
 
-Shared by :class:`mdb.moves.sql_move.SqlMove`, resume, reshard, status and the fleet tools
+Shared by :class:`mdb.moves.sql_move.SqlMove`, the batch, :mod:`mdb.moves.cutover` (finalize,
+discard, resume), reshard, status and the fleet tools
 (fsck takes :func:`locked_source` to read a briefcase still). The state row of a briefcase on
 a shard (``mdb_briefcase_state``: ``incoming`` copy, ``resident`` away from home, ``gone``
 fence) is what a move's steps write and what resume reads to decide.
@@ -13,7 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from sqlalchemy import delete, func, insert, select
+from sqlalchemy import func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
@@ -25,25 +26,20 @@ from mdb.backoff import BackoffPolicy
 from mdb.cluster import Cluster
 from mdb.dberrors import translated
 from mdb.errors import BriefcaseGoneError, MdbError, MoveAbortedError, RoutingError, SchemaError
-from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.moves.collector import collection_deferred
-from mdb.moves.copy import AreaTable, delete_briefcase, measure
+from mdb.moves.copy import AreaTable, measure
 from mdb.moves.fencing import fence_check
-from mdb.relocations import set_relocation
-from mdb.moves.journal import DONE, Journal, JournalEntry
 from mdb.migrations.revisions import current_revision, lock_out_migrations, require_one_revision
 from mdb.ownership import lock_keys_sql
 from mdb.schema_diff import compare_tables, format_differences
-from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state, load_system_tables
+from mdb.system_tables import STATE_GONE, STATE_INCOMING, briefcase_state, load_system_tables
 
 __all__ = [
     "area_tables",
     "bound_statements",
     "check_schemas",
     "check_target_schema",
-    "discard_target",
-    "finalize",
     "locked_briefcases",
     "locked_source",
     "precheck",
@@ -55,10 +51,6 @@ __all__ = [
     "statement_cancelled",
     "time_left_ms",
 ]
-
-FINALIZE_POINTS = register("move.after_relocation", "move.after_target_state")
-"""Crash points of :func:`finalize` (shared by a move and by resume finishing one)."""
-
 
 def area_tables(store: Cluster, area: str) -> list[AreaTable]:
     """Every table of every briefcase type of ``area``, parents before children (FK order)."""
@@ -247,42 +239,6 @@ def precheck(store: Cluster, area: str, gdid: GDID, source: str, target: str, ta
         if not root_exists(conn, tables, gdid):
             raise BriefcaseGoneError(f"{what}: server {source!r} does not hold the briefcase (no root row: deleted?)")
     return state
-
-
-def discard_target(store: Cluster, target: str, area: str, gdid: GDID, tables: list[AreaTable], move_id: str, previous: dict[str, Any] | None) -> int:
-    """Delete this move's copy on the target and restore the state row it replaced; idempotent."""
-    with store.transaction(target) as conn:
-        state = state_row(conn, area, gdid)
-        if state is None or state["state"] != STATE_INCOMING or state["move_id"] != move_id:
-            return 0  # the copy was never committed (copy and incoming row commit together)
-        deleted = delete_briefcase(conn, tables, gdid)
-        conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid))
-        if previous is not None:
-            conn.execute(insert(briefcase_state).values(
-                area=area, gdid=gdid, state=previous["state"], peer=previous["peer"], move_id=previous["move_id"]
-            ))
-        return deleted
-
-
-def finalize(store: Cluster, journal: Journal, entry: JournalEntry) -> None:
-    """After the commit point: relocation directory, then the target's state row, then 'done'. Idempotent."""
-    assert entry.gdid is not None and entry.target is not None
-    area, gdid, target = entry.area, entry.gdid, entry.target
-    router = store.router
-    default = router.default_placement(area, gdid).server
-    journal.step(entry.move_id, "relocation")
-    set_relocation(store, area, gdid, None if target == default else target)
-    fault_point("move.after_relocation")
-    journal.step(entry.move_id, "target_state")
-    with store.transaction(target) as conn:
-        state = state_row(conn, area, gdid)
-        if state is not None and state["state"] == STATE_INCOMING and state["move_id"] == entry.move_id:
-            if target == default:
-                conn.execute(delete(briefcase_state).where(briefcase_state.c.area == area, briefcase_state.c.gdid == gdid))
-            else:
-                set_state(conn, area, gdid, STATE_RESIDENT, entry.source, entry.move_id)
-    fault_point("move.after_target_state")
-    journal.finish(entry.move_id, DONE, briefcases_done=1)
 
 
 def bound_statements(conn: Connection, deadline: float, also: str = "") -> None:

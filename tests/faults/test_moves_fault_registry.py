@@ -15,7 +15,7 @@ import pytest
 from mdb import faults
 from mdb.central import creation  # noqa: F401  (they register their points)
 from mdb.errors import FaultPointError
-from mdb.moves import cancel, document_move, freeze, reshard, sql_move, sql_steps  # noqa: F401
+from mdb.moves import batch, cancel, cutover, document_move, freeze, reshard, sql_move, sql_steps  # noqa: F401
 
 
 @pytest.fixture(autouse=True)

@@ -44,12 +44,12 @@ MOVE_POINTS = [
     ("move.after_verify", {}),
     ("move.before_commit_point", {}),
     ("move.after_commit_point", {}),
-    ("move.after_relocation", {}),
-    ("move.after_target_state", {}),
+    ("batch.after_relocations", {}),  # a move's finalize is the batch engine's (mdb.moves.cutover)
+    ("batch.after_target_states", {}),
     ("move.pause_abort.after_source_rollback", {}),
 ]
 # Where the briefcase must be after resume: the target iff the commit point had passed.
-PASSED = {"move.after_commit_point", "move.after_relocation", "move.after_target_state"}
+PASSED = {"move.after_commit_point", "batch.after_relocations", "batch.after_target_states"}
 
 
 def _check(cluster: Cluster, before: dict, where_expected: dict[GDID, str] | None = None) -> dict[GDID, str]:
@@ -93,7 +93,7 @@ def cluster(request: pytest.FixtureRequest, pg_databases: Callable[[int], list[s
 
 def test_every_fault_point_is_exercised_here_or_in_the_reshard_test() -> None:
     # between_passes: tests/faults/test_reshard_columns.py (a migration between two passes)
-    covered = {p for p, _ in MOVE_POINTS} | {p for p, _ in RESHARD_POINTS} | {"resume.after_discard"} \
+    covered = {p for p, _ in MOVE_POINTS} | {p for p, _ in RESHARD_POINTS} \
         | {"cancel.after_first_move_back", "reshard.between_passes"} \
         | set(BATCH_POINTS)  # tests/faults/test_moves_cancel.py, tests/faults/test_reshard_batches.py
     FAULT_POINTS = [p for p in faults.points() if p.split(".")[0] in ("move", "reshard", "resume", "cancel", "batch")]
@@ -127,7 +127,7 @@ def test_sigkill_while_resuming_a_rollback(cluster: Cluster) -> None:
     target = next(s for s in SERVERS if s != placed[g])
     run = run_cli(["move", str(cluster.path), "user", str(g), "--to", target], env={"MDB_FAULT_POINT": "move.after_verify"})
     assert run.returncode == -signal.SIGKILL
-    crashed = run_cli(["moves", "resume", str(cluster.path)], env={"MDB_FAULT_POINT": "resume.after_discard"})
+    crashed = run_cli(["moves", "resume", str(cluster.path)], env={"MDB_FAULT_POINT": "batch.resume.after_discard"})
     assert crashed.returncode == -signal.SIGKILL
     _resume(cluster)
     _check(cluster, before, placed)
