@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import delete, insert, update
+from sqlalchemy import delete, func, insert, update
 
 from mdb.cluster import Cluster
 from mdb.errors import MdbError
@@ -103,7 +103,7 @@ def finalize(cluster: Cluster, journal: Journal, entry: JournalEntry, rows: dict
         at_home = [g for g, home in homes.items() if home == target]
         if at_home:
             conn.execute(delete(briefcase_state).where(mine, briefcase_state.c.gdid.in_(at_home)))
-        conn.execute(update(briefcase_state).where(mine).values(state=STATE_RESIDENT, peer=entry.source))
+        conn.execute(update(briefcase_state).where(mine).values(state=STATE_RESIDENT, peer=entry.source, changed_at=func.current_timestamp()))
     fault_point("batch.after_target_states")
     detail = None
     if rows is None:
