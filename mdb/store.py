@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # MongoDB is an optional plug-in: its modules load on first u
     from mdb.mongo.store import DocumentBriefcase, MongoStore
     from mdb.mongo.types import DocumentBriefcaseType
 
-__all__ = ["Store"]
+__all__ = ["Store", "briefcase_request"]
 
 
 class Store:
@@ -389,6 +389,17 @@ class Store:
         self.close()
 
 
+def briefcase_request(store: Store, btype: type[BriefcaseType], gdid: GDID | str, readonly: bool, exclusive: bool) -> GDID:
+    """What every briefcase open checks before it routes, sync and async alike: the type is
+    registered with ``store``, the GDID parses, and a readonly session is not also exclusive."""
+    gid = gdid if isinstance(gdid, GDID) else GDID.parse(gdid)
+    if btype not in store.types_by_area.get(btype.area, ()):  # (types_of, without a call per session)
+        raise RoutingError(f"briefcase type {btype.__name__} is not registered with this Store")
+    if readonly and exclusive:
+        raise QueryError(f"briefcase {btype.area}/{gid}: a session cannot be both readonly and exclusive (exclusive serializes writers)")
+    return gid
+
+
 class _BriefcaseBlock(AbstractContextManager[BriefcaseSession]):
     """One ``with store.briefcase(...)`` block: route, open and check on enter; flush and commit, or
     roll back, on exit; driver errors of the block and of its end translated (:func:`mdb.dberrors.translate`).
@@ -411,14 +422,9 @@ class _BriefcaseBlock(AbstractContextManager[BriefcaseSession]):
         self._exclusive = exclusive
 
     def __enter__(self) -> BriefcaseSession:
-        btype, gdid, readonly = self._btype, self._gdid, self._readonly
-        gid = gdid if isinstance(gdid, GDID) else GDID.parse(gdid)
         store = self._store
-        if btype not in store.types_by_area.get(btype.area, ()):  # (types_of, without a call per session)
-            raise RoutingError(f"briefcase type {btype.__name__} is not registered with this Store")
-        if readonly and self._exclusive:
-            raise QueryError(f"briefcase {btype.area}/{gid}: a session cannot be both readonly and exclusive (exclusive serializes writers)")
-        session, self._conn = store._open(btype, gid, readonly, self._exclusive)
+        gid = briefcase_request(store, self._btype, self._gdid, self._readonly, self._exclusive)
+        session, self._conn = store._open(self._btype, gid, self._readonly, self._exclusive)
         self._session = session
         return session
 

@@ -36,7 +36,7 @@ from mdb.briefcase import BriefcaseType
 from mdb.central.indexes import IndexRef
 from mdb.dberrors import raise_translated, translated
 from mdb.engines import BeginPrelude, set_prelude, take_result
-from mdb.errors import QueryError, RetryableError, RoutingError
+from mdb.errors import RetryableError
 from mdb.fanout import FanOutResult
 from mdb.gdid import GDID
 from mdb.idgen import GdidGenerator
@@ -44,7 +44,7 @@ from mdb.ownership import OwnershipCheck, check_ownership
 from mdb.retry import RoutedOpen
 from mdb.router import Placement, Router
 from mdb.session import BriefcaseContext, BriefcaseSession
-from mdb.store import Store
+from mdb.store import Store, briefcase_request
 
 __all__ = ["AsyncBriefcaseSession", "AsyncCentral", "AsyncGdids", "AsyncStore"]
 
@@ -412,14 +412,9 @@ class _AsyncBriefcaseBlock(AbstractAsyncContextManager[AsyncBriefcaseSession]):
         self._exclusive = exclusive
 
     async def __aenter__(self) -> AsyncBriefcaseSession:
-        btype, gdid, readonly = self._btype, self._gdid, self._readonly
-        gid = gdid if isinstance(gdid, GDID) else GDID.parse(gdid)
         store = self._store
-        if btype not in store.sync.types_of(btype.area):
-            raise RoutingError(f"briefcase type {btype.__name__} is not registered with this Store")
-        if readonly and self._exclusive:
-            raise QueryError(f"briefcase {btype.area}/{gid}: a session cannot be both readonly and exclusive (exclusive serializes writers)")
-        session, self._conn, self._gate = await store._open(btype, gid, readonly, self._exclusive)
+        gid = briefcase_request(store.sync, self._btype, self._gdid, self._readonly, self._exclusive)
+        session, self._conn, self._gate = await store._open(self._btype, gid, self._readonly, self._exclusive)
         self._session = session
         return session
 
