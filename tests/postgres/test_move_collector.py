@@ -117,18 +117,18 @@ def test_a_reshard_moves_with_its_plan_out_of_full_collections_and_gives_it_back
 
 
 def test_overlapping_freezes_unfreeze_only_when_the_last_ends() -> None:
+    # Counts only as "some" or "none": frozen objects that die are freed, so the count can fall.
+    kept = [[] for _ in range(10)]  # containers the collector tracks, alive throughout
     with long_lived_frozen():
-        first = gc.get_freeze_count()
         with long_lived_frozen():
-            assert gc.get_freeze_count() >= first > 0
-        assert gc.get_freeze_count() >= first  # the outer block still holds
-    assert gc.get_freeze_count() == 0
+            assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() > 0  # the outer block still holds
+    assert gc.get_freeze_count() == 0 and kept
 
 
 def test_a_process_that_froze_objects_of_its_own_keeps_them_frozen() -> None:
-    kept = [object() for _ in range(10)]
+    kept = [[] for _ in range(10)]  # containers the collector tracks, alive throughout
     gc.freeze()  # as the `mdb` command does after its start-up
-    own = gc.get_freeze_count()
     with long_lived_frozen():
         pass
-    assert gc.get_freeze_count() >= own and kept
+    assert gc.get_freeze_count() >= len(kept)  # not unfrozen: at least what is alive of its own freeze
