@@ -33,7 +33,7 @@ from mdb.retry import RoutedOpen
 from mdb.router import Placement, Reach, Router, ShardLayout
 
 __all__ = [
-    "AreaData", "AreaScan", "Backend", "BriefcaseSize", "BriefcaseStateRow", "CollectionSpec", "DocumentServers", "HasDocuments", "IndexSpec", "SchemaOutcome", "ServerSchema",
+    "AreaData", "AreaScan", "Backend", "BriefcaseSize", "BriefcaseStateRow", "CollectionSpec", "DocumentServers", "HasDocuments", "Holding", "IndexSpec", "SchemaOutcome", "ServerSchema",
     "Servers", "documents_of", "open_routed",
 ]
 
@@ -185,6 +185,15 @@ class BriefcaseStateRow:
     """When the state was written (how long a partition has been frozen); None where the server does not say."""
 
 
+@dataclass(frozen=True)
+class Holding:
+    """What one server holds of one briefcase, as ``mdb where`` shows it: rows (documents) in
+    those of the area's tables (collections) that exist there, and its state record, if any."""
+
+    rows: int
+    state: BriefcaseStateRow | None
+
+
 class AreaScan(ABC):
     """One server's briefcases of one area, read for ``mdb balance``/``fsck``/``rebalance``.
 
@@ -250,6 +259,12 @@ class Backend(ABC):
     """A partition end may shrink: the stored GDIDs are re-checked under a lock that holds writers off."""
     pools_connections: ClassVar[bool] = False
     """Its servers are reached through pooled engines, which ``warm_up`` opens before the first request."""
+    batches_cutovers: ClassVar[bool] = False
+    """A reshard moves its briefcases in batches, one cutover for many (``mdb.moves.batch``);
+    elsewhere one move at a time."""
+    replicas_on_engines: ClassVar[bool] = False
+    """A ``replica:`` URL of its servers is one of the cluster's SQL engines, whose replay lag a
+    reshard's throttle reads (where its dialect streams replicas at all)."""
     takes_lease_fences: ClassVar[bool] = False
     """Its transactions carry a move driver's lease check (``mdb_lease_fences``, DESIGN.md invariant 7):
     a driver's writes there commit only while its lease epoch is current (elsewhere the lease alone)."""
@@ -299,6 +314,12 @@ class Backend(ABC):
     def holds_area(self, cluster: Servers, server: str, data: AreaData) -> bool:
         """Whether ``server`` has any table (collection) of ``data`` (one catalog read); a server
         whose kind ``data`` has nothing of holds none of the area."""
+
+    @abstractmethod
+    def holding(self, cluster: Servers, server: str, data: AreaData, gdid: GDID) -> Holding:
+        """What ``server`` holds of briefcase ``gdid`` of ``data`` (one read; a server without the
+        area's tables holds no rows of it): ``mdb where`` asks every server of the kind, so an
+        operator sees a copy or a state record that routing would not lead to."""
 
     @abstractmethod
     def translate(self, cluster: Servers, server: str, exc: Exception) -> MdbError | None:

@@ -20,6 +20,7 @@ from mdb.backends.base import (
     Backend,
     BriefcaseSize,
     BriefcaseStateRow,
+    Holding,
     SchemaOutcome,
     Servers,
     ServerSchema,
@@ -32,12 +33,17 @@ from mdb.router import Reach, ShardLayout
 from mdb.system_tables import STATE_FROZEN, STATE_RESIDENT, briefcase_state
 from mdb.urls import MONGO
 
-__all__ = ["LAYOUT", "RELOCATIONS", "STATE", "MongoBackend", "freeze_id", "stamp_layout"]
+__all__ = ["LAYOUT", "RELOCATIONS", "STATE", "MongoBackend", "freeze_id", "stamp_layout", "state_id"]
 
 LAYOUT: Final = "mdb_shard_layout"
 RELOCATIONS: Final = "mdb_relocations"
 STATE: Final = briefcase_state.name
 """Briefcase states (fences, incoming copies, residents) and partition freeze markers (:func:`freeze_id`)."""
+
+
+def state_id(area: str, gdid: GDID) -> str:
+    """``_id`` of a briefcase's state and guard documents (hex sorts like the GDID)."""
+    return f"{area}:{gdid.hex}"
 
 
 def freeze_id(area: str, start: GDID) -> str:
@@ -212,6 +218,13 @@ class MongoBackend(Backend):
             return False
         names = set(documents_of(cluster).database(server).list_collection_names())
         return any(name in names for name, _ in data.collections)
+
+    def holding(self, cluster: Servers, server: str, data: AreaData, gdid: GDID) -> Holding:
+        db = documents_of(cluster).database(server)
+        rows = sum(int(db[name].count_documents({key: bytes(gdid)})) for name, key in data.collections)
+        doc = db[STATE].find_one({"_id": state_id(data.area, gdid)})
+        state = None if doc is None else BriefcaseStateRow(gdid, doc["state"], doc.get("peer"), doc.get("move_id"), doc.get("changed_at"))
+        return Holding(rows, state)
 
     def translate(self, cluster: Servers, server: str, exc: Exception) -> MdbError | None:
         return documents_of(cluster).translate(server, exc)

@@ -18,7 +18,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.types import SchemaType, TypeDecorator
 
-from mdb.backends.base import AreaData, AreaScan, Backend, SchemaOutcome, Servers, ServerSchema
+from mdb.backends.base import AreaData, AreaScan, Backend, BriefcaseStateRow, Holding, SchemaOutcome, Servers, ServerSchema
 from mdb.errors import MapEditError, MdbError
 from mdb.gdid import GDID
 from mdb.ownership import APPLYING_PREFIX, FREEZE_GDID, install_pg_functions, partition_lock_key_sql
@@ -192,7 +192,7 @@ class SqlBackend(Backend):
 
     kind: ClassVar[str] = SQL
     follows_histories = keeps_records = has_identity = checks_drift = rechecks_shrink = takes_lease_fences = True
-    pools_connections = True
+    pools_connections = batches_cutovers = replicas_on_engines = True
 
     def stamp_layout(
         self, cluster: Servers, server: str, layout: ShardLayout, map_version: int, *, replace: bool
@@ -239,6 +239,21 @@ class SqlBackend(Backend):
         with cluster.transaction(server) as conn:
             present = set(sa_inspect(conn).get_table_names())
         return any(table.name in present for table, _ in data.tables)
+
+    def holding(self, cluster: Servers, server: str, data: AreaData, gdid: GDID) -> Holding:
+        with cluster.transaction(server) as conn:
+            present = set(sa_inspect(conn).get_table_names())
+            rows = sum(
+                int(conn.execute(select(func.count()).select_from(t).where(t.c[k] == gdid)).scalar_one())
+                for t, k in data.tables if t.name in present
+            )
+            state = None
+            if briefcase_state.name in present:
+                row = conn.execute(select(briefcase_state).where(
+                    briefcase_state.c.area == data.area, briefcase_state.c.gdid == gdid)).mappings().first()
+                if row is not None:
+                    state = BriefcaseStateRow(gdid, row["state"], row["peer"], row["move_id"], row["changed_at"])
+        return Holding(rows, state)
 
     def translate(self, cluster: Servers, server: str, exc: Exception) -> MdbError | None:
         # Store.transaction already turned driver errors into mdb errors naming the server.

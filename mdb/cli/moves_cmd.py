@@ -36,7 +36,8 @@ from mdb.moves.resume import FAILED, HELD, resume_all
 from mdb.moves.jobs import DEFAULT_PER_SERVER, WorkerRow, workers as job_workers
 from mdb.moves.journal import Journal
 from mdb.moves.lease import me
-from mdb.moves.status import MoveStatus, RateEta, RateWindow, move_status, where
+from mdb.fleet.where import where
+from mdb.moves.status import MoveStatus, RateEta, RateWindow, move_status
 from mdb.moves.throttle import DEFAULT_REPLICA_TIMEOUT, RATE_SYNTAX, ThrottleSettings
 from mdb.store import Store
 

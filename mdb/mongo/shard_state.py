@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from typing import Any, Final
 
-from mdb.backends.mongo import LAYOUT, STATE, freeze_id
+from mdb.backends.mongo import LAYOUT, STATE, freeze_id, state_id
 from mdb.errors import BriefcaseMovingError
 from mdb.gdid import GDID
 from mdb.router import Placement
@@ -33,11 +33,6 @@ __all__ = [
 
 GUARD: Final = "mdb_briefcase_guard"
 SYSTEM_COLLECTIONS: Final = (LAYOUT, STATE, GUARD)
-
-
-def state_id(area: str, gdid: GDID) -> str:
-    """``_id`` of a briefcase's state and guard documents (hex sorts like the GDID)."""
-    return f"{area}:{gdid.hex}"
 
 
 def ownership_rows(db: Any, placement: Placement, session: Any = None) -> list[tuple[Any, ...]]:

@@ -427,23 +427,3 @@ def move_documents(cluster: Cluster, dtype: type[DocumentBriefcaseType], gdid: G
     gid = gdid if isinstance(gdid, GDID) else GDID.parse(gdid)
     cluster.refresh()
     return DocumentMove(cluster, dtype.area, gid, target, MoveOptions()).run()
-
-
-def document_holdings(cluster: Cluster, area: str, gdid: GDID, server: str) -> tuple[int, dict[str, Any] | None]:
-    """(documents of the briefcase on ``server``, its state document there or None): what ``mdb where`` shows."""
-    mongo = documents_of(cluster)
-    pairs = _collections(mongo.types_of(area))
-    if not pairs:
-        raise RoutingError(f"no document type of area {area!r} is registered with this cluster")
-    try:
-        db = mongo.database(server)
-        rows = sum(db[coll].count_documents({key: bytes(gdid)}) for coll, key in pairs)
-        state = db[STATE].find_one({"_id": state_id(area, gdid)})
-    except Exception as exc:  # a driver error: the server's own message, as mdb's error (or the driver's if not one)
-        translated = mongo.translate(server, exc)
-        if translated is None:
-            raise
-        raise translated from exc
-    if state is None:
-        return rows, None
-    return rows, {k: state.get(k) for k in ("state", "peer", "move_id")}

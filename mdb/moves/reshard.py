@@ -74,7 +74,6 @@ from mdb.moves.copy import AreaTable
 from mdb.moves.sql_steps import area_tables
 from mdb.partition_map import PartitionMap, parse_map
 from mdb.relocations import set_relocations
-from mdb.urls import SQL
 
 __all__ = ["JobRun", "ReshardCounts", "ReshardOutcome", "ReshardProgress", "Workers", "continue_reshard", "move_all", "moving_back",
            "reshard", "settle_item", "work_item"]
@@ -521,7 +520,7 @@ def move_all(run: JobRun, moves: list[PlannedMove]) -> None:
     an older mdb without a batch pause; ``parallel`` threads each take the next move. Counts are recorded per move.
     """
     store, journal, entry, counts, sizer, max_pause = run.store, run.journal, run.entry, run.counts, run.sizer, run.max_pause
-    if moves and sizer.target > 0 and store.map.kind_of(moves[0].source) == SQL:
+    if moves and sizer.target > 0 and backend_of(store.map, moves[0].source).batches_cutovers:
         if run.workers is None:
             raise RuntimeError(f"reshard {entry.move_id}: batched moves without work items (no Workers at step {entry.step!r})")
         _move_queued(run, moves)
@@ -789,24 +788,26 @@ def _move_queued(run: JobRun, moves: list[PlannedMove]) -> None:
     jobs.enqueue(run.journal, entry.move_id, pass_no, moves)  # fenced by the job's lease: a stale holder queues nothing
     over = threading.Event()
     errors: list[BaseException] = []
-    seen: dict[str, ItemResult] = {}
+    # Per item, what was already counted: its briefcases as 12-byte keys and its rows per table. Not
+    # the parsed results: a GDID object per moved briefcase, kept to the end, is a heap that every
+    # full collection of the mover walks while batches wait for their finalize (bytes are not
+    # tracked by the collector), and it grew those collections to 0.75 s at a million briefcases.
+    seen: dict[str, tuple[frozenset[bytes], dict[str, int]]] = {}
     known: dict[str, str] = {}  # the result texts already folded in (jobs.results_of parses only what changed)
-    planned = {m.gdid: m for m in moves}
 
     def collect() -> bool:
         """Fold what the items moved since the last look into the counts (and the journal); True if anything."""
         fresh = False
         last: PlannedMove | None = None
         for item_id, result in jobs.results_of(journal, entry.move_id, pass_no, known).items():
-            before = seen.get(item_id, ItemResult())
-            had = set(before.moved) | set(before.gone)
-            delta = ItemResult([g for g in result.moved if g not in had], [g for g in result.gone if g not in had],
-                               {name: n - before.tables.get(name, 0) for name, n in result.tables.items()})
+            had, tables = seen.get(item_id, (frozenset(), {}))
+            delta = ItemResult([g for g in result.moved if bytes(g) not in had], [g for g in result.gone if bytes(g) not in had],
+                               {name: n - tables.get(name, 0) for name, n in result.tables.items()})
             if delta.moved or delta.gone:
+                last = counts.pending.get(delta.moved[-1]) if delta.moved else last  # read before the counts pop it
                 counts.moved_result(delta)
-                seen[item_id] = result
+                seen[item_id] = (frozenset(bytes(g) for g in (*result.moved, *result.gone)), dict(result.tables))
                 fresh = True
-                last = planned.get(delta.moved[-1]) if delta.moved else last
         if fresh:
             _record(run.journal, entry, counts, run.progress, last)  # the progress shows a move just done
         return fresh

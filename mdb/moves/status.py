@@ -1,8 +1,6 @@
-"""What the live system says: where a briefcase is, and what moves and reshards are in flight.
+"""What moves and reshards are in flight, read from the journal: phase, driver, progress, rate and ETA.
 
-``where`` does not trust the router alone: it asks every server of the map for the briefcase's
-root row and state row, and CENTRAL for the relocation entry and the journal, so an operator
-sees a disagreement (a fence without a relocation, an unfinished copy) instead of a guess.
+Where one briefcase is (``mdb where``) is :mod:`mdb.fleet.where`, which asks every server.
 """
 
 from __future__ import annotations
@@ -10,115 +8,23 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Final
 
-from sqlalchemy import func, inspect as sa_inspect, select
-
 from mdb.cluster import Cluster
-from mdb.errors import MdbError, RoutingError
-from mdb.gdid import GDID
 from mdb.moves.journal import JOB_KINDS, RUNNING, Journal, JournalEntry
 from mdb.moves.lease import Holder, describe, liveness
-from mdb.moves.directory import documents_of
-from mdb.moves.document_move import document_holdings
-from mdb.moves.move import move_kinds
-from mdb.moves.sql_steps import area_tables, state_row
-from mdb.urls import MONGO, SQL
-from mdb.relocations import relocation_of
 
 __all__ = [
     "RATE_WINDOW",
-    "BriefcaseWhere",
     "MoveStatus",
     "RateEta",
     "RateWindow",
     "move_status",
     "rate_and_eta",
     "status_of",
-    "where",
 ]
-
-
-@dataclass
-class BriefcaseWhere:
-    area: str
-    gdid: GDID
-    routed_to: str
-    default_server: str
-    relocation: str | None
-    holders: dict[str, int] = field(default_factory=dict)
-    """server -> rows of the briefcase found there (all tables)."""
-    states: dict[str, dict[str, Any]] = field(default_factory=dict)
-    unreachable: dict[str, str] = field(default_factory=dict)
-    moves_in_flight: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def consistent(self) -> bool:
-        return list(self.holders) == [self.routed_to] or (not self.holders and not self.moves_in_flight)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "area": self.area, "gdid": str(self.gdid), "routed_to": self.routed_to,
-            "default_server": self.default_server, "relocation": self.relocation, "holders": self.holders,
-            "states": self.states, "unreachable": self.unreachable, "moves_in_flight": self.moves_in_flight,
-            "consistent": self.consistent,
-        }
-
-
-def where(store: Cluster, area: str, gdid: GDID) -> BriefcaseWhere:
-    """Where routing sends the briefcase, which servers of its kind hold any of it, and its moves in flight."""
-    store.refresh()
-    router = store.router
-    relocation = relocation_of(store, area, gdid)  # its one entry, not the whole directory
-    placement = router.default_placement(area, gdid)
-    if relocation is not None and relocation != placement.server:
-        placement = router.placement_on(area, gdid, relocation)
-    out = BriefcaseWhere(area, gdid, placement.server, placement.default_server, relocation)
-    if store.map.kind_of(placement.default_server) == MONGO:
-        if not documents_of(store).types_of(area):  # once, not as every server "unreachable"
-            raise RoutingError(f"no document type of area {area!r} is registered (list its module under models: in the map)")
-        for server in store.map.servers_of_kind(MONGO):
-            try:
-                rows, state = document_holdings(store, area, gdid, server)
-            except MdbError as exc:
-                out.unreachable[server] = str(exc)
-                continue
-            if state is not None:
-                out.states[server] = state
-            if rows:
-                out.holders[server] = rows
-    else:
-        _sql_holdings(store, area, gdid, out)
-    journal = Journal(store)
-    kinds = move_kinds()
-    out.moves_in_flight = [
-        {**e.to_json(), "driver": describe(*liveness(journal, e))}
-        for e in journal.entries(unfinished=True) if e.kind in kinds and e.area == area and gdid in e.briefcases
-    ]
-    return out
-
-
-def _sql_holdings(store: Cluster, area: str, gdid: GDID, out: BriefcaseWhere) -> None:
-    """Rows and state rows of the briefcase on every SQL server."""
-    tables = area_tables(store, area)
-    for server in store.map.servers_of_kind(SQL):
-        try:
-            with store.transaction(server) as conn:
-                present = set(sa_inspect(conn).get_table_names())
-                if "mdb_briefcase_state" in present:
-                    state = state_row(conn, area, gdid)
-                    if state is not None:
-                        out.states[server] = {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in state.items() if k in ("state", "peer", "move_id", "changed_at")}
-                rows = sum(
-                    conn.execute(select(func.count()).select_from(at.table).where(at.table.c[at.key] == gdid)).scalar_one()
-                    for at in tables if at.name in present
-                )
-                if rows:
-                    out.holders[server] = rows
-        except MdbError as exc:
-            out.unreachable[server] = str(exc)
 
 
 RATE_WINDOW: Final = 30.0

@@ -28,9 +28,9 @@ from typing import Any, Final
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
+from mdb.backends import backend_of
 from mdb.cluster import Cluster
 from mdb.errors import MdbError, ServerUnavailableError
-from mdb.urls import SQL
 
 __all__ = [
     "DEFAULT_REPLICA_TIMEOUT",
@@ -197,7 +197,8 @@ def replicas_of(cluster: Cluster, servers: Sequence[str]) -> list[str]:
     ``replica:`` URL in the map that are not SQLite files (a file has no streaming replica)."""
     out: list[str] = []
     for server in dict.fromkeys(servers):
-        if cluster.map.kind_of(server) == SQL and cluster.engines.has_replica(server) and cluster.engines.sql_dialect(server).streams_replicas:
+        if (backend_of(cluster.map, server).replicas_on_engines and cluster.engines.has_replica(server)
+                and cluster.engines.sql_dialect(server).streams_replicas):
             out.append(server)
     return out
 

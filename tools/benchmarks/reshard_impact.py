@@ -178,6 +178,17 @@ def worker(config_path: str) -> None:
 
     Store._load_relocations = counted_load  # type: ignore[method-assign]
 
+    own_gc = [0.0, 0.0, 0.0]  # [seconds in this process's own collections, the longest, when the current began]
+
+    def collected(phase: str, info: dict[str, int]) -> None:  # a slow operation may be this process's own collector
+        if phase == "start":
+            own_gc[2] = time.perf_counter()
+        else:
+            took = time.perf_counter() - own_gc[2]
+            own_gc[0] += took
+            own_gc[1] = max(own_gc[1], took)
+
+    gc.callbacks.append(collected)
     phases = {name: Latencies() for name in ("before", "during", "after")}
     errors: Counter[str] = Counter()
     messages: dict[str, str] = {}
@@ -221,7 +232,7 @@ def worker(config_path: str) -> None:
                     phase = "after"
             i += 1
             start = time.perf_counter()
-            wall, seen = time.time(), absorbed.copy()
+            wall, seen, gc_before = time.time(), absorbed.copy(), own_gc[0]
             try:
                 was_read = op(i)
             except Exception as exc:  # counted and reported by type: what would reach a user
@@ -233,7 +244,10 @@ def worker(config_path: str) -> None:
             phases[phase].add(took)
             if took >= SLOW and len(slow) < SLOW_KEPT:
                 meanwhile = absorbed - seen
-                slow.append((wall, took, "read" if was_read else "write", " ".join(f"{k}={v}" for k, v in sorted(meanwhile.items()))))
+                notes = [f"{k}={v}" for k, v in sorted(meanwhile.items())]
+                if own_gc[0] - gc_before >= 0.001:
+                    notes.append(f"own-gc={(own_gc[0] - gc_before) * 1000:.0f}ms")
+                slow.append((wall, took, "read" if was_read else "write", " ".join(notes)))
             if was_read:
                 reads += 1
             else:
@@ -244,7 +258,7 @@ def worker(config_path: str) -> None:
             "absorbed": dict(absorbed), "refreshes": store.refreshes, "refresh_seconds": store.refresh_seconds,
             "directory_loads": directory_loads, "directory_loaded": store.router.directory_loaded,
             "learned": len(store.routes), "rss_ready": rss_ready, "rss_start": rss_start, "rss_end": rss_end,
-            "rss_peak": rss_peak, "slow": slow, "phases": {name: lat.to_json() for name, lat in phases.items()},
+            "rss_peak": rss_peak, "slow": slow, "gc_seconds": own_gc[0], "gc_longest": own_gc[1], "phases": {name: lat.to_json() for name, lat in phases.items()},
         }
     (run / f"figures-{config['index']}.json").write_text(json.dumps(figures))
 
@@ -422,7 +436,7 @@ def run(ctx: BenchContext) -> list[Result]:
                   f"[bold]{rate:,.0f} briefcases/s[/bold] (with {procs} application processes)")
     table = Table(title=f"reshard_impact: {n:,} briefcases, per application process (latency in ms, memory in MB)")
     for column in ("proc", "reads", "writes", "errors", "absorbed", "refreshes", "refresh s", "dir loads", "learned",
-                   "p50", "p99", "max", "p99 before", "p99 during", "max during", "RSS", "RSS growth"):
+                   "p50", "p99", "max", "p99 before", "p99 during", "max during", "own GC s (longest ms)", "RSS", "RSS growth"):
         table.add_column(column, justify="left" if column in ("errors", "absorbed") else "right")
     worst_ratio = worst_max = worst_growth = 0.0
     total_errors = 0
@@ -444,7 +458,7 @@ def run(ctx: BenchContext) -> list[Result]:
             str(f["refreshes"]), f"{f['refresh_seconds']:.3f}", str(f["directory_loads"]), f"{f['learned']:,}",
             _ms(every.quantile(0.5)), _ms(every.quantile(0.99)), _ms(every.max),
             _ms(before.quantile(0.99)), _ms(during.quantile(0.99)), _ms(during.max),
-            _mb(f["rss_start"]), f"{(f['rss_end'] - f['rss_start']) / 1e6:+.1f} (peak {_mb(f['rss_peak'] - f['rss_start'])})",
+            f"{f.get('gc_seconds', 0.0):.1f} ({f.get('gc_longest', 0.0) * 1000:.0f})", _mb(f["rss_start"]), f"{(f['rss_end'] - f['rss_start']) / 1e6:+.1f} (peak {_mb(f['rss_peak'] - f['rss_start'])})",
         )
     if figures:
         console.print(table)
