@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 from support.moves import Cluster, create_user, make_cluster, snapshot
-from sqlalchemy import delete, func, insert, select, update
+from support.tamper import BUCKET, LINES, TAMPER
+from sqlalchemy import func, select
 from sqlalchemy.engine import Connection
 
-from mdb.demo.models import OrderLineItem
 from mdb.errors import BatchAbortedError
 from mdb.gdid import GDID
 from mdb.moves import batch as batch_module, batch_sql
@@ -32,35 +32,6 @@ from mdb.system_tables import briefcase_state
 SERVERS = ["u1", "u2"]
 USERS = [GDID(0, 0, 7), GDID(0, 0, 8)]
 TAMPERED = USERS[0]
-LINES = OrderLineItem.__table__
-
-
-def _line(order: int, item: int) -> GDID:
-    """The key create_user gives line ``item`` of order ``order`` of TAMPERED (see support.moves.create_user)."""
-    return GDID(0, 3, TAMPERED.counter * 100000 + order * 100 + item)
-
-
-def _drop(conn: Connection) -> GDID:
-    key = _line(0, 1)
-    conn.execute(delete(LINES).where(LINES.c.user_id == TAMPERED, LINES.c.line_id == key))
-    return key
-
-
-def _alter(conn: Connection) -> GDID:
-    key = _line(1, 0)
-    conn.execute(update(LINES).where(LINES.c.user_id == TAMPERED, LINES.c.line_id == key).values(quantity=999))
-    return key
-
-
-def _extra(conn: Connection) -> GDID:
-    """A second copy of a row under a key the source does not have (the PK forbids a plain twin)."""
-    key = GDID(0, 3, 99)
-    row = conn.execute(select(LINES).where(LINES.c.user_id == TAMPERED, LINES.c.line_id == _line(0, 0))).mappings().one()
-    conn.execute(insert(LINES).values({**row, "line_id": key}))
-    return key
-
-
-TAMPER: dict[str, Callable[[Connection], GDID]] = {"dropped": _drop, "altered": _alter, "extra": _extra}
 
 
 @pytest.fixture(params=["postgres", "sqlite", "postgres-to-sqlite"])
@@ -113,7 +84,7 @@ def test_a_briefcase_still_different_after_its_resync_is_reported_key_by_key(
     def tampering(real: Callable[..., Any]) -> Callable[..., Any]:
         def copy(src: Connection, dst: Connection, *args: Any, **kwargs: Any) -> Any:
             out = real(src, dst, *args, **kwargs)
-            tampered.append(TAMPER[kind](dst))  # same target transaction: commits with the copy
+            tampered.append(TAMPER[kind](dst, TAMPERED))  # same target transaction: commits with the copy
             return out
         return copy
 
@@ -126,7 +97,7 @@ def test_a_briefcase_still_different_after_its_resync_is_reported_key_by_key(
         assert len(tampered) == 2, "the pre-copy and the re-sync did not both run"
         error = caught.value
         assert error.refused == [TAMPERED]
-        bucket = {"dropped": "missing on target", "altered": "different", "extra": "extra on target"}[kind]
+        bucket = BUCKET[kind]
         (line,) = error.mismatches
         assert line.startswith("order_line_items: ") and f"{bucket}: ['{TAMPERED},{tampered[0]}']" in line, line
         rows = {"dropped": (6, 5), "altered": (6, 6), "extra": (6, 7)}[kind]
