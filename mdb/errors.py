@@ -162,8 +162,8 @@ class BatchAbortedError(MoveAbortedError):
     precheck says exactly what is wrong.
     """
 
-    def __init__(self, message: str, move_id: str | None, refused: Iterable[Any] = ()) -> None:
-        super().__init__(message, move_id, None)
+    def __init__(self, message: str, move_id: str | None, refused: Iterable[Any] = (), mismatches: list[str] | None = None) -> None:
+        super().__init__(message, move_id, mismatches)
         self.refused: list[Any] = list(refused)
         """The GDIDs (typed loosely: this module imports nothing of mdb)."""
 

@@ -29,8 +29,9 @@ transaction, so either all ``N`` fences of the batch's id are on the source (fin
 (discard the ``N`` copies and restore the target's earlier state rows). A batch that cannot be
 taken whole (a lock that does not come free, a checksum that differs, a pause over its bound)
 is rolled back with the source authoritative and :class:`BatchAbortedError` says why; the
-reshard then splits it (:mod:`mdb.moves.reshard`), down to single moves, whose own report
-names the differing rows.
+reshard then splits it (:mod:`mdb.moves.reshard`), down to single moves. A verification that
+fails after the re-sync names every differing key per table and briefcase, like a single move's
+report (``mismatches`` of the error, and the journal row's detail).
 
 SQL servers only (PostgreSQL, SQLite): a document area's reshard moves one briefcase at a time.
 """
@@ -56,7 +57,7 @@ from mdb.gdid import GDID
 from mdb.migrations.revisions import SCHEMA_LOCK_KEY, current_revision, require_one_revision
 from mdb.moves import cutover, verify
 from mdb.moves.batch_sql import Sums, claim_and_copy, fence_and_delete, settle, target_holdings, undo
-from mdb.moves.copy import AreaTable, copy_batch, delete_batch
+from mdb.moves.copy import AreaTable, copy_batch, delete_batch, is_postgres
 from mdb.moves.fencing import unchecked
 from mdb.moves.gate import CutoverGate
 from mdb.moves.journal import ABORTED, RUNNING, Journal, JournalEntry, new_move_id
@@ -244,7 +245,7 @@ class BatchMove:
                 rows, pause = self._cut_over(src, locked_at, target_sums)
         except BatchAbortedError as exc:
             exc.move_id = self.move_id
-            self._roll_back(str(exc))
+            self._roll_back("; ".join([str(exc), *exc.mismatches]))  # the journal's history names the differing keys
             raise
         except WorkerStoppedError:  # Ctrl-C or SIGTERM, seen by the gate between two steps: never left half-cut
             self._roll_back("stopped before its commit point: the process was told to stop")
@@ -328,10 +329,12 @@ class BatchMove:
             cut = fence_and_delete(src, area, tables, gdids, self.target, self.move_id, self.method, deadline, self.hashed)
             differ = _differing(cut.sums, target_sums)
             if differ:
+                undo(src)  # the source's rows are back (still under the lock) for the report
                 telemetry.move_verification_failed(area)
                 raise BatchAbortedError(
                     f"verification of {len(gdids)} briefcase(s) found {len(differ)} that differ between {self.source!r} and "
                     f"{self.target!r} (e.g. {differ[0]}); every one is moved again on its own", self.move_id, differ,
+                    self._mismatches(src, differ, cut.sums, target_sums),
                 )
         fault_point("batch.after_verify")
         held = time.monotonic() - locked_at
@@ -344,6 +347,21 @@ class BatchMove:
         for (name, g), s in cut.sums.items():
             rows[g][name] = s.rows
         return rows, pause
+
+    def _mismatches(self, src: Connection, differ: list[GDID], source_sums: Sums, target_sums: Sums) -> list[str]:
+        """Every differing key of every table and briefcase whose sums differ, read on both sides
+        (:func:`mdb.moves.verify.describe_mismatch`: the lines a single move reports)."""
+        if is_postgres(src):
+            src.exec_driver_sql("SET LOCAL statement_timeout = 0")  # the report may take its time
+        out: list[str] = []
+        with self.cluster.transaction(self.target) as dst:
+            for g in differ:
+                for at in self.tables:
+                    mine, theirs = source_sums.get((at.name, g)), target_sums.get((at.name, g))
+                    if mine != theirs:
+                        out.append(verify.describe_mismatch(src, dst, at, g, self.method, mine.rows if mine else 0,
+                                                            theirs.rows if theirs else 0))
+        return out
 
     def _resync(self, src: Connection, changed: list[GDID], source_sums: Sums, target_sums: Sums, deadline: float) -> Sums:
         """Copy ``changed`` again from the locked source (their rows changed since the pre-copy); the target's sums after.

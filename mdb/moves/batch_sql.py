@@ -14,7 +14,8 @@ savepoint (fences and deletes undone, the locks kept) and only those briefcases 
 again (:mod:`mdb.moves.batch`). The sums being of the deleted rows, the commit point deletes
 exactly the verified rows by construction.
 
-SQLite runs the same steps as several statements (no data-modifying CTE there).
+SQLite, and a PostgreSQL source whose target is SQLite (checksums in Python), run the same
+steps as several statements (no data-modifying CTE there; no SQL digest on the other side).
 """
 
 from __future__ import annotations
@@ -152,9 +153,12 @@ def fence_and_delete(src: Connection, area: str, tables: Sequence[AreaTable], gd
     Fences (``gone`` to ``target``) and deletes every row of ``gdids``, returning the deleted
     rows' sums and the briefcases the source records as moving or gone. The caller compares
     and then commits, or rolls back to the savepoint (:func:`undo`).
-    PostgreSQL: the settings, the savepoint and one statement, sent in one pipeline.
+    Between PostgreSQL servers (``method`` "sql"): the settings, the savepoint and one statement,
+    sent in one pipeline. Otherwise (a SQLite side: checksums in Python, which no SQL digest on
+    the source can match) several statements: the sums read before the delete, under the lock.
     """
-    if not is_postgres(src):
+    if not is_postgres(src) or method != "sql":
+        settle(src, deadline)
         src.exec_driver_sql(f"SAVEPOINT {SAVEPOINT}")
         blocked = {g: s["state"] for g, s in states(src, area, gdids).items() if s["state"] in (STATE_GONE, STATE_INCOMING)}
         sums = verify.batch_sums(src, tables, gdids, method)

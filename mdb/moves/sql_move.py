@@ -204,17 +204,9 @@ def _mismatches(
     with store.transaction(target) as dst:
         for name in bad:
             at = next(t for t in tables if t.name == name)
-            only_src, only_dst, different = verify.differing_keys(
-                verify.row_digests(src, at, gdid, method), verify.row_digests(dst, at, gdid, method)
-            )
             src_rows = src_sums[name].rows if name in src_sums else 0
             dst_rows = dst_sums[name].rows if name in dst_sums else 0
-            out.append(
-                f"{name}: source {src_rows} rows, target {dst_rows} rows; "
-                f"missing on target: {[verify.describe_key(k) for k in only_src]}; "
-                f"extra on target: {[verify.describe_key(k) for k in only_dst]}; "
-                f"different: {[verify.describe_key(k) for k in different]}"
-            )
+            out.append(verify.describe_mismatch(src, dst, at, gdid, method, src_rows, dst_rows))
     return out
 
 

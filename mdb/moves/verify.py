@@ -28,7 +28,7 @@ from mdb.gdid import GDID
 from mdb.moves.copy import AreaTable, is_postgres
 
 __all__ = [
-    "PG_OUTPUT_CONFIG", "PG_OUTPUT_SETTINGS", "SPLIT_ROWS", "Method", "Part", "TableSum", "batch_sums", "combine", "compare", "describe_key", "differing_keys", "hashable_tables", "method_for",
+    "PG_OUTPUT_CONFIG", "PG_OUTPUT_SETTINGS", "SPLIT_ROWS", "Method", "Part", "TableSum", "batch_sums", "combine", "compare", "describe_key", "describe_mismatch", "differing_keys", "hashable_tables", "method_for",
     "part_sums", "plan_parts", "row_digests", "spread", "sql_digest", "table_sums",
 ]
 
@@ -337,6 +337,21 @@ def row_digests(conn: Connection, at: AreaTable, gdid: GDID, method: Method, par
     result = conn.execute(select(at.table).where(*where))
     index = [at.columns.index(c) for c in at.pk]
     return {tuple(r[i] for i in index): _row_hash(r) for r in result}
+
+
+def describe_mismatch(src: Connection, dst: Connection, at: AreaTable, gdid: GDID, method: Method, src_rows: int, dst_rows: int) -> str:
+    """One table's line of a failed verification report: both counts and every differing key.
+
+    Read again row by row on each side (the sums only say *that* the table differs); the same
+    line for a single move and a batch, one per table and briefcase that differ.
+    """
+    only_src, only_dst, different = differing_keys(row_digests(src, at, gdid, method), row_digests(dst, at, gdid, method))
+    return (
+        f"{at.name}: source {src_rows} rows, target {dst_rows} rows; "
+        f"missing on target: {[describe_key(k) for k in only_src]}; "
+        f"extra on target: {[describe_key(k) for k in only_dst]}; "
+        f"different: {[describe_key(k) for k in different]}"
+    )
 
 
 def compare(source: dict[str, TableSum], target: dict[str, TableSum]) -> list[str]:

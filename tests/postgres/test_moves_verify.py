@@ -14,16 +14,15 @@ SQLite (checksums in Python).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.moves import Cluster, create_user, make_cluster, snapshot
-from sqlalchemy import delete, func, insert, select, update
+from support.tamper import BUCKET, EXTRA_LINE, LINES, TAMPER, line_key
+from sqlalchemy import func, insert, select
 from sqlalchemy.engine import Connection
 
-from mdb.demo.models import OrderLineItem
 from mdb.gdid import GDID
 from mdb.errors import MoveAbortedError
 from mdb.moves import move_briefcase, sql_move as move_module, verify
@@ -32,35 +31,8 @@ from mdb.system_tables import briefcase_state
 
 SERVERS = ["u1", "u2"]
 USER = GDID(0, 0, 7)
-LINES = OrderLineItem.__table__
 
 
-def _line(gdid: GDID, order: int, item: int) -> GDID:
-    """The key create_user gives line ``item`` of order ``order`` (see support.moves.create_user)."""
-    return GDID(0, 3, gdid.counter * 100000 + order * 100 + item)
-
-
-def _drop(conn: Connection) -> GDID:
-    key = _line(USER, 0, 1)
-    conn.execute(delete(LINES).where(LINES.c.user_id == USER, LINES.c.line_id == key))
-    return key
-
-
-def _alter(conn: Connection) -> GDID:
-    key = _line(USER, 1, 0)
-    conn.execute(update(LINES).where(LINES.c.user_id == USER, LINES.c.line_id == key).values(quantity=999))
-    return key
-
-
-def _extra(conn: Connection) -> GDID:
-    """A second copy of a row under a key the source does not have (the PK forbids a plain twin)."""
-    key = GDID(0, 3, 99)
-    row = conn.execute(select(LINES).where(LINES.c.user_id == USER, LINES.c.line_id == _line(USER, 0, 0))).mappings().one()
-    conn.execute(insert(LINES).values({**row, "line_id": key}))
-    return key
-
-
-TAMPER: dict[str, Callable[[Connection], GDID]] = {"dropped": _drop, "altered": _alter, "extra": _extra}
 
 
 def _cluster(request: pytest.FixtureRequest, tmp_path: Path, kind: str) -> Cluster:
@@ -120,7 +92,7 @@ def test_a_copy_that_dropped_altered_or_added_a_row_is_caught(cluster: Cluster, 
 
     def bad_copy(src: Connection, dst: Connection, *args: Any, **kwargs: Any) -> dict[str, int]:
         counts = real_copy(src, dst, *args, **kwargs)
-        tampered.append(TAMPER[kind](dst))  # same target transaction: commits with the copy
+        tampered.append(TAMPER[kind](dst, USER))  # same target transaction: commits with the copy
         return counts
 
     monkeypatch.setattr(move_module, "copy_rows", bad_copy)
@@ -131,7 +103,7 @@ def test_a_copy_that_dropped_altered_or_added_a_row_is_caught(cluster: Cluster, 
     assert tampered, "the copy did not run"
     error = caught.value
     assert any(m.startswith("order_line_items:") and str(tampered[0]) in m for m in error.mismatches), error.mismatches
-    bucket = {"dropped": "missing on target", "altered": "different", "extra": "extra on target"}[kind]
+    bucket = BUCKET[kind]
     line = next(m for m in error.mismatches if m.startswith("order_line_items:"))
     assert f"{bucket}: ['{USER},{tampered[0]}']" in line, line
     _assert_source_authoritative(cluster, before)
@@ -178,7 +150,7 @@ def test_a_tampered_precopy_is_repaired_under_the_lock(
     def bad_precopy(src: Connection, dst: Connection, *args: Any, **kwargs: Any) -> dict[str, int]:
         counts = real_copy(src, dst, *args, **kwargs)
         for tamper in TAMPER.values():
-            tamper(dst)
+            tamper(dst, USER)
         return counts
 
     monkeypatch.setattr(move_module, "copy_rows", bad_precopy)
@@ -209,7 +181,7 @@ def test_writes_between_the_precopy_and_the_lock_are_resynced(
         if name == "move.after_precopy":  # the pre-copy is committed, the lock not yet taken
             with cluster.store() as app, app.transaction("u1") as conn:
                 for tamper in TAMPER.values():
-                    tamper(conn)
+                    tamper(conn, USER)
         real_fault_point(name)
 
     monkeypatch.setattr(move_module, "fault_point", writes_after_the_precopy)
@@ -221,10 +193,10 @@ def test_writes_between_the_precopy_and_the_lock_are_resynced(
             lines = {r.line_id: r.quantity for r in conn.execute(select(LINES).where(LINES.c.user_id == USER))}
         with store.transaction("u1") as conn:
             assert _briefcase_rows(conn) == 0
-    expected = {_line(USER, o, i): i + 1 for o in range(2) for i in range(3)}
-    del expected[_line(USER, 0, 1)]
-    expected[_line(USER, 1, 0)] = 999
-    expected[GDID(0, 3, 99)] = 1
+    expected = {line_key(USER, o, i): i + 1 for o in range(2) for i in range(3)}
+    del expected[line_key(USER, 0, 1)]
+    expected[line_key(USER, 1, 0)] = 999
+    expected[EXTRA_LINE] = 1
     assert lines == expected
     assert any("re-synced 3 changed row(s)" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
