@@ -25,6 +25,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Final
 
 import psycopg
@@ -397,32 +398,47 @@ class OwnershipCheck:
 
     The engine's BEGIN calls the method of its own kind, so the caller (the Store) needs no
     ``dialect.name`` branch: the check is rendered for the kind that runs it
-    (:func:`ownership_prelude`), when it runs.
+    (:func:`ownership_prelude`), on its first run, and kept with the object: a Store keeps a
+    briefcase's check between its sessions (``Store.session_routes``), so the next session of
+    that briefcase sends the same text without rendering it again. What it asks the shard is
+    the same in every session.
     """
 
     placement: Placement
     lock: bool
     exclusive: bool = False
 
-    def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:
+    @cached_property
+    def _direct_sql(self) -> str:
         # Only the rendering this engine sends (not both, as ownership_prelude builds them).
         statements = _pg_prelude_statements(self.placement, self.lock, pooled=False, exclusive=self.exclusive)
-        return _begin_prepared(connection, prepared, PG_PREPARED, "; ".join((_pg_begin(self.lock), *statements)))
+        return "; ".join((_pg_begin(self.lock), *statements))
+
+    @cached_property
+    def _pooled_sql(self) -> str:
+        statements = _pg_prelude_statements(self.placement, self.lock, pooled=True, exclusive=self.exclusive)
+        return "; ".join((_pg_begin(self.lock), *statements))
+
+    @cached_property
+    def _sqlite_params(self) -> tuple[str, dict[str, Any]]:
+        # The check's one text per kind, its values as named parameters (as ownership_prelude
+        # renders it, without building a Prelude). sqlite3 only reads the dict.
+        placement = self.placement
+        params: dict[str, Any] = {"area": placement.area, "gdid": bytes(placement.gdid), "freeze": _SQLITE_FREEZE}
+        if self.lock:
+            params["start"] = str(placement.partition_start)
+            return _SQLITE_WRITE, params
+        return _SQLITE_READ, params
+
+    def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:
+        return _begin_prepared(connection, prepared, PG_PREPARED, self._direct_sql)
 
     def begin_postgresql_pooled(self, connection: psycopg.Connection[Any]) -> Rows | None:
-        statements = _pg_prelude_statements(self.placement, self.lock, pooled=True, exclusive=self.exclusive)
-        return simple_query(connection, "; ".join((_pg_begin(self.lock), *statements)))
+        return simple_query(connection, self._pooled_sql)
 
     def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
-        # The check's one text per kind, its values as named parameters (as ownership_prelude
-        # renders it, without building a Prelude per session).
-        placement = self.placement
         cursor.execute(begin)
-        if self.lock:
-            cursor.execute(_SQLITE_WRITE, {"area": placement.area, "gdid": bytes(placement.gdid), "freeze": _SQLITE_FREEZE,
-                                           "start": str(placement.partition_start)})
-        else:
-            cursor.execute(_SQLITE_READ, {"area": placement.area, "gdid": bytes(placement.gdid), "freeze": _SQLITE_FREEZE})
+        cursor.execute(*self._sqlite_params)
         return cursor.fetchall()
 
 
