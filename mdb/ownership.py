@@ -39,7 +39,7 @@ from mdb.router import Placement
 from mdb.system_tables import STATE_FROZEN, STATE_GONE, STATE_INCOMING, STATE_RESIDENT
 
 __all__ = [
-    "FREEZE_GDID", "OwnershipCheck", "Prelude", "check_ownership", "freeze_holder", "freeze_mark", "frozen_for",
+    "FREEZE_GDID", "OwnershipCheck", "Prelude", "check_ownership", "confirming_row", "freeze_holder", "freeze_mark", "frozen_for",
     "install_pg_functions", "lock_key_sql", "lock_keys_sql", "ownership_prelude", "partition_lock_key_sql",
 ]
 
@@ -444,6 +444,14 @@ class OwnershipCheck:
 
 def _gdid(value: Any) -> GDID | None:
     return None if value is None else GDID.from_bytes(value)
+
+
+def confirming_row(placement: Placement) -> tuple[Any, ...] | None:
+    """The check's row that confirms ``placement`` at once in :func:`check_ownership` (its first
+    return: the stamp as routed, no state row, no freeze marker), for a caller that keeps it
+    between sessions and compares the row with it before calling; None for a relocated
+    placement (its target must show a ``resident`` row: always the whole check)."""
+    return None if placement.relocated else (*placement.stamp, None, None, None)
 
 
 def check_ownership(rows: list[tuple[Any, ...]] | None, placement: Placement, map_version: int, *, write: bool = True) -> None:

@@ -29,12 +29,12 @@ from mdb.budget import ConnectionBudget
 from mdb.central.service import Central
 from mdb.dberrors import raise_translated, translated
 from mdb.engines import BEGIN_RESULT, PRELUDE, BeginPrelude, EngineRegistry, prelude_of, set_prelude, take_result
-from mdb.errors import QueryError, RoutingError
+from mdb.errors import QueryError, RetryableError, RoutingError
 from mdb.fanout import FanOutResult, ShardFailure, fan_out, warm_up
 from mdb.gdid import GDID
 from mdb.idgen import GdidGenerator, Ids
 from mdb.maps.history import load_applied_map
-from mdb.ownership import OwnershipCheck, check_ownership
+from mdb.ownership import OwnershipCheck, check_ownership, confirming_row
 from mdb.partition_map import PartitionMap, load_map_cached
 from mdb.relocations import load_relocation_reach, load_relocations
 from mdb.retry import PLACEMENT_CACHE_SIZE, ROUTE_CACHE_SIZE, LearnedRoutes, RouteCache, RoutedOpen
@@ -359,7 +359,8 @@ class Store:
                     begun = self._begin(conn, server, readonly, route.check)
                     rows = info.pop(BEGIN_RESULT, None) if begun is conn else take_result(begun)
                     conn = begun
-                    check_ownership(rows, placement, route.version, write=not readonly)
+                    if not rows or rows[0] != route.confirms:  # (the row that confirms it: no call)
+                        check_ownership(rows, placement, route.version, write=not readonly)
                 except BaseException:
                     conn.close()
                     raise
@@ -372,11 +373,7 @@ class Store:
                 self.confirmed(key, route, policy)
             return session, conn
 
-        return open_routed(
-            self, attempt, policy,
-            on_refused=lambda placement, exc: telemetry.ownership_refused(btype.area, placement.server, exc),
-            on_retry=lambda placement, exc: telemetry.stale_retry(btype.area, placement.server, exc),
-        )
+        return open_routed(self, attempt, policy, on_refused=_refused, on_retry=_retried)
 
     # -- document briefcases on MongoDB servers ----------------------------------------------
 
@@ -418,15 +415,24 @@ class Store:
         self.close()
 
 
+def _refused(placement: Placement, exc: RetryableError) -> None:
+    telemetry.ownership_refused(placement.area, placement.server, exc)
+
+
+def _retried(placement: Placement, exc: RetryableError) -> None:
+    telemetry.stale_retry(placement.area, placement.server, exc)
+
+
 class SessionRoute:
     """What a briefcase session derives from its routing, kept between sessions of one briefcase
     (:attr:`Store.session_routes`) so the next one does not derive it again: the router and the
     placement, the ownership check (its SQL rendered once: :class:`~mdb.ownership.OwnershipCheck`),
-    the session's confinement context and the map version the check reports against. Immutable,
+    the session's confinement context, the map version the check reports against and the row
+    that confirms the check at once (:func:`~mdb.ownership.confirming_row`). Immutable,
     so concurrent sessions of one briefcase share it; the check itself runs in every session.
     """
 
-    __slots__ = ("router", "placement", "check", "context", "version")
+    __slots__ = ("router", "placement", "check", "context", "version", "confirms")
 
     def __init__(self, router: Router, placement: Placement, btype: type[BriefcaseType], gdid: GDID, readonly: bool,
                  exclusive: bool) -> None:
@@ -435,6 +441,7 @@ class SessionRoute:
         self.check = OwnershipCheck(placement, lock=not readonly, exclusive=exclusive)
         self.context = BriefcaseContext(btype, gdid, placement, readonly)
         self.version = router.version
+        self.confirms = confirming_row(placement)
 
 
 def briefcase_request(store: Store, btype: type[BriefcaseType], gdid: GDID | str, readonly: bool, exclusive: bool) -> GDID:

@@ -348,7 +348,9 @@ class AsyncStore:
                 router, placement, btype, gdid, readonly, exclusive)
 
             def check(conn: Connection) -> None:
-                check_ownership(take_result(conn), placement, route.version, write=not readonly)
+                rows = take_result(conn)
+                if not rows or rows[0] != route.confirms:  # (as the sync opener)
+                    check_ownership(rows, placement, route.version, write=not readonly)
 
             conn, gate = await self._begun(placement.server, readonly, route.check, check)
             session = AsyncBriefcaseSession(bind=conn, briefcase=route.context, join_transaction_mode="rollback_only",
