@@ -25,6 +25,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Final
 
 import psycopg
@@ -38,7 +39,7 @@ from mdb.router import Placement
 from mdb.system_tables import STATE_FROZEN, STATE_GONE, STATE_INCOMING, STATE_RESIDENT
 
 __all__ = [
-    "FREEZE_GDID", "OwnershipCheck", "Prelude", "check_ownership", "freeze_holder", "freeze_mark", "frozen_for",
+    "FREEZE_GDID", "OwnershipCheck", "Prelude", "check_ownership", "confirming_row", "freeze_holder", "freeze_mark", "frozen_for",
     "install_pg_functions", "lock_key_sql", "lock_keys_sql", "ownership_prelude", "partition_lock_key_sql",
 ]
 
@@ -397,37 +398,60 @@ class OwnershipCheck:
 
     The engine's BEGIN calls the method of its own kind, so the caller (the Store) needs no
     ``dialect.name`` branch: the check is rendered for the kind that runs it
-    (:func:`ownership_prelude`), when it runs.
+    (:func:`ownership_prelude`), on its first run, and kept with the object: a Store keeps a
+    briefcase's check between its sessions (``Store.session_routes``), so the next session of
+    that briefcase sends the same text without rendering it again. What it asks the shard is
+    the same in every session.
     """
 
     placement: Placement
     lock: bool
     exclusive: bool = False
 
-    def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:
+    @cached_property
+    def _direct_sql(self) -> str:
         # Only the rendering this engine sends (not both, as ownership_prelude builds them).
         statements = _pg_prelude_statements(self.placement, self.lock, pooled=False, exclusive=self.exclusive)
-        return _begin_prepared(connection, prepared, PG_PREPARED, "; ".join((_pg_begin(self.lock), *statements)))
+        return "; ".join((_pg_begin(self.lock), *statements))
+
+    @cached_property
+    def _pooled_sql(self) -> str:
+        statements = _pg_prelude_statements(self.placement, self.lock, pooled=True, exclusive=self.exclusive)
+        return "; ".join((_pg_begin(self.lock), *statements))
+
+    @cached_property
+    def _sqlite_params(self) -> tuple[str, dict[str, Any]]:
+        # The check's one text per kind, its values as named parameters (as ownership_prelude
+        # renders it, without building a Prelude). sqlite3 only reads the dict.
+        placement = self.placement
+        params: dict[str, Any] = {"area": placement.area, "gdid": bytes(placement.gdid), "freeze": _SQLITE_FREEZE}
+        if self.lock:
+            params["start"] = str(placement.partition_start)
+            return _SQLITE_WRITE, params
+        return _SQLITE_READ, params
+
+    def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:
+        return _begin_prepared(connection, prepared, PG_PREPARED, self._direct_sql)
 
     def begin_postgresql_pooled(self, connection: psycopg.Connection[Any]) -> Rows | None:
-        statements = _pg_prelude_statements(self.placement, self.lock, pooled=True, exclusive=self.exclusive)
-        return simple_query(connection, "; ".join((_pg_begin(self.lock), *statements)))
+        return simple_query(connection, self._pooled_sql)
 
     def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
-        # The check's one text per kind, its values as named parameters (as ownership_prelude
-        # renders it, without building a Prelude per session).
-        placement = self.placement
         cursor.execute(begin)
-        if self.lock:
-            cursor.execute(_SQLITE_WRITE, {"area": placement.area, "gdid": bytes(placement.gdid), "freeze": _SQLITE_FREEZE,
-                                           "start": str(placement.partition_start)})
-        else:
-            cursor.execute(_SQLITE_READ, {"area": placement.area, "gdid": bytes(placement.gdid), "freeze": _SQLITE_FREEZE})
+        cursor.execute(*self._sqlite_params)
         return cursor.fetchall()
 
 
 def _gdid(value: Any) -> GDID | None:
     return None if value is None else GDID.from_bytes(value)
+
+
+def confirming_row(placement: Placement) -> tuple[Any, ...] | None:
+    """The check's row that confirms ``placement`` at once in :func:`check_ownership` (its first
+    return: the stamp as routed, no state row, no freeze marker), for a caller that keeps it
+    between sessions and compares the row with it before calling; None for a relocated
+    placement (its target must show a ``resident`` row: always the whole check)."""
+    return None if placement.relocated else (*placement.stamp, None, None, None)
 
 
 def check_ownership(rows: list[tuple[Any, ...]] | None, placement: Placement, map_version: int, *, write: bool = True) -> None:

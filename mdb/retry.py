@@ -27,19 +27,24 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Container
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from mdb.backoff import Backoff, BackoffPolicy
 from mdb.errors import BriefcaseMovingError, RetryableError, StaleRouteError
 from mdb.gdid import GDID
 from mdb.router import Placement, Router
 
-__all__ = ["LearnedRoutes", "MOVE_WAIT", "RoutedOpen", "Step", "ROUTE_CACHE_SIZE", "MAX_FENCE_HOPS"]
+__all__ = ["LearnedRoutes", "MOVE_WAIT", "PLACEMENT_CACHE_SIZE", "RouteCache", "RoutedOpen", "Step", "ROUTE_CACHE_SIZE", "MAX_FENCE_HOPS"]
 
 ROUTE_CACHE_SIZE = 16_384
 """Locations a Store remembers by default (least recently used dropped first): about 2 MB.
 Only briefcases that live off their default shard are kept; the rest route by the map."""
+
+PLACEMENT_CACHE_SIZE = 4_096
+"""Briefcase sessions whose routing a Store keeps for the next session of the same briefcase
+(:class:`RouteCache`; then it starts over): about 3 MB."""
 
 MOVE_WAIT = BackoffPolicy(first=0.01, cap=0.5)
 """How an open waits out a briefcase in the middle of a move (up to ``move_wait_seconds``)."""
@@ -62,6 +67,9 @@ class LearnedRoutes:
         self.capacity = capacity
         self._entries: OrderedDict[tuple[str, GDID], str] = OrderedDict()
         self._lock = threading.Lock()
+        self.generation = 0
+        """Counts the changes (learn, forget): a :class:`RouteCache` entry is valid only under
+        the generation it was computed in, since any change can route some briefcase elsewhere."""
 
     def get(self, area: str, gdid: GDID) -> str | None:
         if not self._entries:
@@ -78,6 +86,7 @@ class LearnedRoutes:
             return
         key = (area, gdid)
         with self._lock:
+            self.generation += 1
             self._entries[key] = server
             self._entries.move_to_end(key)
             while len(self._entries) > self.capacity:
@@ -85,7 +94,55 @@ class LearnedRoutes:
 
     def forget(self, area: str, gdid: GDID) -> None:
         with self._lock:
+            self.generation += 1
             self._entries.pop((area, gdid), None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class RouteCache(Generic[K, V]):
+    """What a Store derived from the routing of a briefcase session, kept for the next session of
+    that briefcase: bounded (it starts over when full), valid only under the router and the
+    :attr:`LearnedRoutes.generation` it was computed with.
+
+    A hit is exactly what the policy would compute again: :meth:`RoutedOpen.placement` is a pure
+    function of the router and the learned routes, and a refresh makes a new router. It only
+    saves computing it; the session still checks ownership on its shard in its own transaction,
+    so an entry made stale by a move this process has not met yet is refused there as a stale
+    router is, and the refusal is handled by the same loop (docs/dev/0019).
+    """
+
+    __slots__ = ("capacity", "_entries")
+
+    def __init__(self, capacity: int = PLACEMENT_CACHE_SIZE) -> None:
+        if capacity < 0:
+            raise ValueError(f"placement cache size must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self._entries: dict[K, tuple[Router, int, V]] = {}
+
+    def get(self, key: K, router: Router, generation: int) -> V | None:
+        """The value kept for ``key`` if it was computed under ``router`` and ``generation``."""
+        entry = self._entries.get(key)
+        if entry is None or entry[0] is not router or entry[1] != generation:
+            return None
+        return entry[2]
+
+    def put(self, key: K, router: Router, generation: int, value: V) -> None:
+        entries = self._entries
+        if len(entries) >= self.capacity and key not in entries:
+            if not self.capacity:
+                return
+            entries.clear()  # (as the CENTRAL key cache: no per-hit bookkeeping, as an LRU would need)
+        entries[key] = (router, generation, value)
+
+    def clear(self) -> None:
+        """Drop every entry (a refresh: the old router's entries could never be hit again)."""
+        self._entries.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -105,14 +162,18 @@ class RoutedOpen:
     Every session open makes one, so making it costs attribute stores only: the wait for a move
     (its :class:`~mdb.backoff.Backoff`, the clock read that starts its deadline) is set up by the
     first refusal that asks for one, and ``move_wait_seconds`` is counted from that refusal.
+
+    ``first``: a placement a :class:`RouteCache` kept for this briefcase and the router it was
+    computed under; the first attempt goes there without computing it again when the loop's
+    router is that one. What follows a refusal there is what follows any refusal.
     """
 
-    __slots__ = ("routes", "area", "gdid", "waits", "_move_wait", "_clock", "_backoff", "_stale_left", "_hops_left",
-                 "_followed", "_known")
+    __slots__ = ("routes", "area", "gdid", "waits", "refusals", "generation", "_move_wait", "_clock", "_backoff",
+                 "_stale_left", "_hops_left", "_followed", "_router", "_first")
 
     def __init__(
         self, routes: LearnedRoutes, area: str, gdid: GDID, *, move_wait_seconds: float, max_stale_retries: int,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, first: tuple[Router, Placement] | None = None,
     ) -> None:
         self.routes = routes
         self.area = area
@@ -123,26 +184,42 @@ class RoutedOpen:
         self._stale_left = max_stale_retries
         self._hops_left = MAX_FENCE_HOPS
         self._followed: str | None = None  # where the last fence sent this open (whatever the cache keeps)
-        self._known: Container[str] = frozenset()  # the servers of the map placed with
+        self._router: Router | None = None  # the router of the last placement (its map's servers are known)
+        self._first = first
         self.waits = 0
         """Refusals waited out (a move or a freeze in progress): counted, not raised."""
+        self.refusals = 0
+        """Refusals met so far: a placement confirmed at the first attempt may be kept (:class:`RouteCache`)."""
+        self.generation = 0
+        """The learned routes' generation the last placement was computed in."""
 
     def placement(self, router: Router) -> Placement:
         """Where to try: a learned location when there is one, else the map's default shard."""
-        self._known = router.map.servers
-        learned = self._followed or self.routes.get(self.area, self.gdid)
-        if learned is None or learned not in self._known:
+        self._router = router
+        first = self._first
+        if first is not None:
+            self._first = None
+            if first[0] is router:
+                return first[1]
+        routes = self.routes
+        self.generation = routes.generation  # before the lookup: a change after it makes the result unkeepable
+        learned = self._followed or routes.get(self.area, self.gdid)
+        if learned is None:
+            return router.default_placement(self.area, self.gdid)
+        if learned not in router.map.servers:
             return router.default_placement(self.area, self.gdid)
         return router.placement_on(self.area, self.gdid, learned)
 
     def refused(self, placement: Placement, exc: RetryableError) -> Step:
         """The next step after ``placement`` refused the session with ``exc``; raises ``exc`` when the budget is spent."""
+        self.refusals += 1
         if isinstance(exc, StaleRouteError) and exc.moved_to is not None:
             if self._hops_left <= 0:
                 raise exc
             self._hops_left -= 1
             self._followed = exc.moved_to
-            if exc.moved_to not in self._known:
+            router = self._router
+            if router is None or exc.moved_to not in router.map.servers:
                 # a server added by a map this process has not read yet: read it, then go there
                 if self._stale_left <= 0:
                     raise exc

@@ -29,15 +29,15 @@ from mdb.budget import ConnectionBudget
 from mdb.central.service import Central
 from mdb.dberrors import raise_translated, translated
 from mdb.engines import BEGIN_RESULT, PRELUDE, BeginPrelude, EngineRegistry, prelude_of, set_prelude, take_result
-from mdb.errors import QueryError, RoutingError
+from mdb.errors import QueryError, RetryableError, RoutingError
 from mdb.fanout import FanOutResult, ShardFailure, fan_out, warm_up
 from mdb.gdid import GDID
 from mdb.idgen import GdidGenerator, Ids
 from mdb.maps.history import load_applied_map
-from mdb.ownership import OwnershipCheck, check_ownership
+from mdb.ownership import OwnershipCheck, check_ownership, confirming_row
 from mdb.partition_map import PartitionMap, load_map_cached
 from mdb.relocations import load_relocation_reach, load_relocations
-from mdb.retry import ROUTE_CACHE_SIZE, LearnedRoutes, RoutedOpen
+from mdb.retry import PLACEMENT_CACHE_SIZE, ROUTE_CACHE_SIZE, LearnedRoutes, RouteCache, RoutedOpen
 from mdb.router import Placement, Router
 from mdb.session import BriefcaseContext, BriefcaseSession
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # MongoDB is an optional plug-in: its modules load on first u
     from mdb.mongo.store import DocumentBriefcase, MongoStore
     from mdb.mongo.types import DocumentBriefcaseType
 
-__all__ = ["Store", "briefcase_request"]
+__all__ = ["SessionRoute", "Store", "briefcase_request"]
 
 
 class Store:
@@ -61,7 +61,10 @@ class Store:
     move (or a reshard's freeze) before it raises :class:`~mdb.errors.BriefcaseMovingError`;
     ``max_stale_retries`` how many map refreshes one session open may ask for;
     ``route_cache_size`` how many locations learned from fences it remembers
-    (:class:`~mdb.retry.LearnedRoutes`; docs/briefcases.md, "Retries").
+    (:class:`~mdb.retry.LearnedRoutes`; docs/briefcases.md, "Retries"); ``placement_cache_size``
+    for how many briefcases it keeps a session's routing (placement, rendered ownership check)
+    for the next session (:class:`~mdb.retry.RouteCache`; 0: none; docs/briefcases.md, "What a
+    session costs").
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class Store:
         move_wait_seconds: float = 30.0,
         budget: ConnectionBudget | None = None,
         route_cache_size: int = ROUTE_CACHE_SIZE,
+        placement_cache_size: int = PLACEMENT_CACHE_SIZE,
     ) -> None:
         self._map_path = None if map_path is None else Path(map_path)
         self._router = Router(pmap)
@@ -89,6 +93,9 @@ class Store:
         self._refresh_lock = threading.Lock()
         self.routes = LearnedRoutes(route_cache_size)
         """Locations of briefcases off their default shard, learned from fences (bounded)."""
+        self.session_routes: RouteCache[tuple[type[BriefcaseType], GDID, bool, bool], SessionRoute] = RouteCache(placement_cache_size)
+        """Per (type, briefcase, readonly, exclusive): the routing of its last session confirmed at the
+        first try, for the next one (bounded; valid under the router and learned routes it came from)."""
         self.refreshes = 0
         self.refresh_seconds = 0.0
         """How many refreshes this Store ran and how long they took (a benchmark reads them)."""
@@ -153,6 +160,7 @@ class Store:
                 self.engines.update(pmap.servers)
             central = Router(pmap)
             self._router = Router(pmap, lambda: self._load_relocations(central), lambda: load_relocation_reach(self, central))
+            self.session_routes.clear()  # (a new router: they could not be hit again; their get checks it too)
             self._relocations_loaded = True
 
     @property
@@ -312,42 +320,60 @@ class Store:
         """
         return _BriefcaseBlock(self, btype, gdid, readonly, exclusive)
 
-    def routed_open(self, area: str, gdid: GDID) -> RoutedOpen:
+    def routed_open(self, area: str, gdid: GDID, first: tuple[Router, Placement] | None = None) -> RoutedOpen:
         """The routing and retry policy of one session open of ``area``/``gdid`` (:mod:`mdb.retry`):
-        every session opener (SQL, documents, async) takes its policy from here."""
+        every session opener (SQL, documents, async) takes its policy from here. ``first``: a
+        placement kept from an earlier session (:meth:`session_routing`)."""
         return RoutedOpen(self.routes, area, gdid, move_wait_seconds=self.move_wait_seconds,
-                          max_stale_retries=self.max_stale_retries)
+                          max_stale_retries=self.max_stale_retries, first=first)
+
+    def session_routing(self, btype: type[BriefcaseType], gdid: GDID, readonly: bool, exclusive: bool) -> tuple[
+            tuple[type[BriefcaseType], GDID, bool, bool], SessionRoute | None, RoutedOpen]:
+        """What a briefcase session open starts from, sync and async alike: its key in
+        :attr:`session_routes`, the route kept there (None: none valid) and its policy, whose
+        first attempt goes to the kept placement."""
+        key = (btype, gdid, readonly, exclusive)
+        kept = self.session_routes.get(key, self._router, self.routes.generation)
+        return key, kept, self.routed_open(btype.area, gdid, None if kept is None else (kept.router, kept.placement))
+
+    def confirmed(self, key: tuple[type[BriefcaseType], GDID, bool, bool], route: SessionRoute, policy: RoutedOpen) -> None:
+        """Keep ``route`` for the next session of ``key`` when its shard confirmed it at the open's
+        first attempt (after a refusal the loop's state, not the map, chose it)."""
+        if not policy.refusals:
+            self.session_routes.put(key, route.router, policy.generation, route)
 
     def _open(
         self, btype: type[BriefcaseType], gdid: GDID, readonly: bool, exclusive: bool = False
     ) -> tuple[BriefcaseSession, Connection]:
+        key, kept, policy = self.session_routing(btype, gdid, readonly, exclusive)
+
         def attempt(router: Router, placement: Placement) -> tuple[BriefcaseSession, Connection]:
+            route = kept if kept is not None and placement is kept.placement else SessionRoute(
+                router, placement, btype, gdid, readonly, exclusive)
             server = placement.server
-            prelude = OwnershipCheck(placement, lock=not readonly, exclusive=exclusive)
             try:  # one translation around connect and BEGIN, as ``translated`` does, without a context manager per session
                 conn = self.engines.engine(server, readonly).connect()
                 try:
                     info = conn.info  # set_prelude and take_result, without looking the pooled connection's info up twice
-                    info[PRELUDE] = prelude
-                    begun = self._begin(conn, server, readonly, prelude)
+                    info[PRELUDE] = route.check
+                    begun = self._begin(conn, server, readonly, route.check)
                     rows = info.pop(BEGIN_RESULT, None) if begun is conn else take_result(begun)
                     conn = begun
-                    check_ownership(rows, placement, router.version, write=not readonly)
+                    if not rows or rows[0] != route.confirms:  # (the row that confirms it: no call)
+                        check_ownership(rows, placement, route.version, write=not readonly)
                 except BaseException:
                     conn.close()
                     raise
             except DBAPIError as exc:
                 raise_translated(server, exc)
                 raise
-            session = BriefcaseSession(bind=conn, briefcase=BriefcaseContext(btype, gdid, placement, readonly),
-                                       join_transaction_mode="rollback_only", expire_on_commit=False)
+            session = BriefcaseSession(bind=conn, briefcase=route.context, join_transaction_mode="rollback_only",
+                                       expire_on_commit=False)
+            if route is not kept:
+                self.confirmed(key, route, policy)
             return session, conn
 
-        return open_routed(
-            self, attempt, self.routed_open(btype.area, gdid),
-            on_refused=lambda placement, exc: telemetry.ownership_refused(btype.area, placement.server, exc),
-            on_retry=lambda placement, exc: telemetry.stale_retry(btype.area, placement.server, exc),
-        )
+        return open_routed(self, attempt, policy, on_refused=_refused, on_retry=_retried)
 
     # -- document briefcases on MongoDB servers ----------------------------------------------
 
@@ -387,6 +413,35 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _refused(placement: Placement, exc: RetryableError) -> None:
+    telemetry.ownership_refused(placement.area, placement.server, exc)
+
+
+def _retried(placement: Placement, exc: RetryableError) -> None:
+    telemetry.stale_retry(placement.area, placement.server, exc)
+
+
+class SessionRoute:
+    """What a briefcase session derives from its routing, kept between sessions of one briefcase
+    (:attr:`Store.session_routes`) so the next one does not derive it again: the router and the
+    placement, the ownership check (its SQL rendered once: :class:`~mdb.ownership.OwnershipCheck`),
+    the session's confinement context, the map version the check reports against and the row
+    that confirms the check at once (:func:`~mdb.ownership.confirming_row`). Immutable,
+    so concurrent sessions of one briefcase share it; the check itself runs in every session.
+    """
+
+    __slots__ = ("router", "placement", "check", "context", "version", "confirms")
+
+    def __init__(self, router: Router, placement: Placement, btype: type[BriefcaseType], gdid: GDID, readonly: bool,
+                 exclusive: bool) -> None:
+        self.router = router
+        self.placement = placement
+        self.check = OwnershipCheck(placement, lock=not readonly, exclusive=exclusive)
+        self.context = BriefcaseContext(btype, gdid, placement, readonly)
+        self.version = router.version
+        self.confirms = confirming_row(placement)
 
 
 def briefcase_request(store: Store, btype: type[BriefcaseType], gdid: GDID | str, readonly: bool, exclusive: bool) -> GDID:

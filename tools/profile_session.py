@@ -1,9 +1,11 @@
-"""Where a routed session's client time goes: ``python tools/profile_session.py [--backend pg|sqlite] [--write] [--async] [--top N]``.
+"""Where a routed session's client time goes: ``python tools/profile_session.py [--backend pg|sqlite] [--write] [--async] [--miss] [--top N]``.
 
 Counts Python function calls per read (cProfile, deterministic: steady on a busy machine where
 wall time is not) and client CPU per read (``time.process_time``, this process only) for a
 routed briefcase point read and for a plain ``Session`` on the same engine, then prints the
-functions of the routed read with the most own time. Evidence for docs/briefcases.md ("What a
+functions of the routed read with the most own time. The reads cycle over 100 briefcases, so
+each finds the routing its briefcase's last session kept (``Store.session_routes``);
+``--miss`` turns that cache off, the cost of a session whose briefcase has none kept. Evidence for docs/briefcases.md ("What a
 session costs") and its history in docs/dev/measured-sessions.md ("Where
 the time goes").
 """
@@ -98,6 +100,7 @@ def main() -> int:
     parser.add_argument("--backend", choices=("pg", "sqlite"), default="pg")
     parser.add_argument("--write", action="store_true", help="a write session instead of a readonly one")
     parser.add_argument("--async", dest="aio", action="store_true", help="AsyncStore vs a plain AsyncSession (PostgreSQL)")
+    parser.add_argument("--miss", action="store_true", help="keep no session routing between sessions (placement_cache_size=0)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--n", type=int, default=2000)
     parser.add_argument("--cpu-rounds", type=int, default=7, help="alternating rounds timing client CPU (0: count calls only)")
@@ -112,6 +115,8 @@ def main() -> int:
             else:
                 central, shard = f"sqlite:///{tmp}/c.db", f"sqlite:///{tmp}/u1.db"
             store = _store(Path(tmp) / "s", central, shard)
+            if args.miss:
+                store.session_routes.capacity = 0  # what Store(placement_cache_size=0) makes
             ids = [GDID(0, 0, i) for i in range(1, 101)]
             with store.transaction("u1") as conn:
                 conn.execute(insert(User.__table__), [{"user_id": g, "email": f"{g}@x", "name": "u", "created_at": NOW} for g in ids])
@@ -140,7 +145,7 @@ def main() -> int:
             routed_calls, profile = _calls(subject, args.n)
             direct_calls, direct_profile = _calls(baseline, args.n)
             routed_cpu, direct_cpu = _cpu(subject, baseline, args.n // 4, args.cpu_rounds) if args.cpu_rounds else (0.0, 1.0)
-            kind = ("async " if args.aio else "") + ("write" if args.write else "readonly")
+            kind = ("async " if args.aio else "") + ("write" if args.write else "readonly") + (", nothing kept" if args.miss else "")
             print(f"{args.backend} {kind}: python calls per read routed {routed_calls:.0f} vs plain {direct_calls:.0f}; "
                   f"client CPU per read routed {routed_cpu * 1e6:.0f} us vs plain {direct_cpu * 1e6:.0f} us "
                   f"(ratio {routed_cpu / direct_cpu:.2f})")

@@ -40,11 +40,11 @@ from mdb.errors import RetryableError
 from mdb.fanout import FanOutResult
 from mdb.gdid import GDID
 from mdb.idgen import GdidGenerator
-from mdb.ownership import OwnershipCheck, check_ownership
+from mdb.ownership import check_ownership
 from mdb.retry import RoutedOpen
 from mdb.router import Placement, Router
 from mdb.session import BriefcaseContext, BriefcaseSession
-from mdb.store import Store, briefcase_request
+from mdb.store import SessionRoute, Store, briefcase_request
 
 __all__ = ["AsyncBriefcaseSession", "AsyncCentral", "AsyncGdids", "AsyncStore"]
 
@@ -340,17 +340,26 @@ class AsyncStore:
     async def _open(
         self, btype: type[BriefcaseType], gdid: GDID, readonly: bool, exclusive: bool
     ) -> tuple[AsyncBriefcaseSession, AsyncConnection, FairGate]:
-        async def attempt(router: Router, placement: Placement) -> tuple[AsyncBriefcaseSession, AsyncConnection, FairGate]:
-            def check(conn: Connection) -> None:
-                check_ownership(take_result(conn), placement, router.version, write=not readonly)
+        store = self.sync
+        key, kept, policy = store.session_routing(btype, gdid, readonly, exclusive)
 
-            prelude = OwnershipCheck(placement, lock=not readonly, exclusive=exclusive)
-            conn, gate = await self._begun(placement.server, readonly, prelude, check)
-            session = AsyncBriefcaseSession(bind=conn, briefcase=BriefcaseContext(btype, gdid, placement, readonly),
-                                            join_transaction_mode="rollback_only", expire_on_commit=False)
+        async def attempt(router: Router, placement: Placement) -> tuple[AsyncBriefcaseSession, AsyncConnection, FairGate]:
+            route = kept if kept is not None and placement is kept.placement else SessionRoute(
+                router, placement, btype, gdid, readonly, exclusive)
+
+            def check(conn: Connection) -> None:
+                rows = take_result(conn)
+                if not rows or rows[0] != route.confirms:  # (as the sync opener)
+                    check_ownership(rows, placement, route.version, write=not readonly)
+
+            conn, gate = await self._begun(placement.server, readonly, route.check, check)
+            session = AsyncBriefcaseSession(bind=conn, briefcase=route.context, join_transaction_mode="rollback_only",
+                                            expire_on_commit=False)
+            if route is not kept:
+                store.confirmed(key, route, policy)
             return session, conn, gate
 
-        return await self._open_routed(attempt, self.sync.routed_open(btype.area, gdid))
+        return await self._open_routed(attempt, policy)
 
     # -- GDIDs -------------------------------------------------------------------------------
 

@@ -121,6 +121,19 @@ def count_waits(monkeypatch: pytest.MonkeyPatch, on_wait: Callable[[int], None])
     return delays
 
 
+def count_refusals(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The server of every refusal a session open meets (mdb.retry.RoutedOpen.refused), in this process."""
+    servers: list[str] = []
+    original = RoutedOpen.refused
+
+    def refused(self: RoutedOpen, placement: Placement, exc: RetryableError) -> Step:
+        servers.append(placement.server)
+        return original(self, placement, exc)
+
+    monkeypatch.setattr(RoutedOpen, "refused", refused)
+    return servers
+
+
 def create_user(store: Store, gdid: GDID) -> str:
     with store.briefcase(UserBriefcase, gdid) as session:
         session.add(User(user_id=gdid, email=f"{gdid}@example.com", name="u"))

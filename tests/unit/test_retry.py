@@ -12,7 +12,7 @@ import pytest
 
 from mdb import GDID, Router, load_map
 from mdb.errors import BriefcaseMovingError, StaleRouteError
-from mdb.retry import MAX_FENCE_HOPS, LearnedRoutes, RoutedOpen, Step
+from mdb.retry import MAX_FENCE_HOPS, LearnedRoutes, RouteCache, RoutedOpen, Step
 from mdb.testing import FakeClock as Clock
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "partition_maps" / "example.yaml"
@@ -109,3 +109,47 @@ def test_a_fence_chain_that_does_not_end_is_raised_not_followed_forever(router: 
     with pytest.raises(StaleRouteError) as raised:
         p.refused(p.placement(router), loop)
     assert raised.value is loop
+
+
+# -- the routing kept between sessions (RouteCache, docs/dev/0019) ------------------------------
+
+
+def test_a_kept_route_is_valid_only_under_its_router_and_learned_routes_generation(router: Router) -> None:
+    routes, cache = LearnedRoutes(), RouteCache[str, str](capacity=8)
+    cache.put("g", router, routes.generation, "route")
+    assert cache.get("g", router, routes.generation) == "route"
+    assert cache.get("g", Router(router.map), routes.generation) is None  # a refresh makes a new router
+    routes.learn("user", GDID(0, 0, 99), "user-7")  # any change of the learned routes (another briefcase too)
+    assert cache.get("g", router, routes.generation) is None
+    cache.put("g", router, routes.generation, "route")
+    routes.forget("user", GDID(0, 0, 99))
+    assert cache.get("g", router, routes.generation) is None
+
+
+def test_the_route_cache_is_bounded_and_can_be_off(router: Router) -> None:
+    cache = RouteCache[int, int](capacity=3)
+    for n in range(3):
+        cache.put(n, router, 0, n)
+    cache.put(1, router, 0, 10)  # a key it holds: replaced, nothing dropped
+    assert len(cache) == 3 and cache.get(1, router, 0) == 10
+    cache.put(3, router, 0, 3)  # full: it starts over
+    assert len(cache) == 1 and cache.get(0, router, 0) is None and cache.get(3, router, 0) == 3
+    off = RouteCache[int, int](capacity=0)
+    off.put(1, router, 0, 1)
+    assert len(off) == 0 and off.get(1, router, 0) is None
+    with pytest.raises(ValueError, match="placement cache size must be >= 0, got -1"):
+        RouteCache(capacity=-1)
+
+
+def test_a_kept_placement_is_the_first_attempt_only_under_its_router_and_a_refusal_there_is_any_refusal(router: Router) -> None:
+    routes = LearnedRoutes()
+    kept = policy(routes).placement(router)
+    p = RoutedOpen(routes, "user", G, move_wait_seconds=30, max_stale_retries=3, first=(router, kept))
+    assert p.placement(router) is kept and p.refusals == 0
+    # refused there by a fence: followed as from a computed placement (no refresh), never offered again
+    assert p.refused(kept, StaleRouteError("fenced", moved_to="user-7")) == Step()
+    assert p.refusals == 1 and p.placement(router).server == "user-7"
+    assert p.generation == routes.generation  # computed after the fence was learned
+    other = Router(router.map)
+    q = RoutedOpen(routes, "user", G, move_wait_seconds=30, max_stale_retries=3, first=(router, kept))
+    assert q.placement(other) is not kept and q.placement(other).server == "user-7"  # another router: computed
