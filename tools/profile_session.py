@@ -146,9 +146,9 @@ def main() -> int:
             direct_calls, direct_profile = _calls(baseline, args.n)
             routed_cpu, direct_cpu = _cpu(subject, baseline, args.n // 4, args.cpu_rounds) if args.cpu_rounds else (0.0, 1.0)
             kind = ("async " if args.aio else "") + ("write" if args.write else "readonly") + (", nothing kept" if args.miss else "")
-            print(f"{args.backend} {kind}: python calls per read routed {routed_calls:.0f} vs plain {direct_calls:.0f}; "
-                  f"client CPU per read routed {routed_cpu * 1e6:.0f} us vs plain {direct_cpu * 1e6:.0f} us "
-                  f"(ratio {routed_cpu / direct_cpu:.2f})")
+            cpu = (f"; client CPU per read routed {routed_cpu * 1e6:.0f} us vs plain {direct_cpu * 1e6:.0f} us "
+                   f"(ratio {routed_cpu / direct_cpu:.2f})") if args.cpu_rounds else ""  # --cpu-rounds 0: not measured
+            print(f"{args.backend} {kind}: python calls per read routed {routed_calls:.0f} vs plain {direct_calls:.0f}{cpu}")
             pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
             extra = _extra_calls(profile, direct_profile, args.n)
             print("calls per read, routed minus plain, by function:")
