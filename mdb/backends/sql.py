@@ -241,12 +241,11 @@ class SqlBackend(Backend):
         return any(table.name in present for table, _ in data.tables)
 
     def holding(self, cluster: Servers, server: str, data: AreaData, gdid: GDID) -> Holding:
+        from mdb.backends.sqlscan import briefcase_rows  # the fleet tools' reads, loaded when a tool runs
+
         with cluster.transaction(server) as conn:
             present = set(sa_inspect(conn).get_table_names())
-            rows = sum(
-                int(conn.execute(select(func.count()).select_from(t).where(t.c[k] == gdid)).scalar_one())
-                for t, k in data.tables if t.name in present
-            )
+            rows = briefcase_rows(conn, [(t, k) for t, k in data.tables if t.name in present], gdid)
             state = None
             if briefcase_state.name in present:
                 row = conn.execute(select(briefcase_state).where(

@@ -21,7 +21,7 @@ from mdb.backends.base import AreaData, AreaScan, BriefcaseSize, BriefcaseStateR
 from mdb.gdid import GDID
 from mdb.system_tables import briefcase_state
 
-__all__ = ["STREAM_BATCH", "SqlAreaScan", "briefcase_sizes"]
+__all__ = ["STREAM_BATCH", "SqlAreaScan", "briefcase_rows", "briefcase_sizes"]
 
 STREAM_BATCH = 1000
 """Rows fetched from the server at a time by the streaming cursors."""
@@ -92,6 +92,11 @@ def storage_bytes(conn: Connection, tables: Sequence[tuple[Table, str]]) -> int 
     return None
 
 
+def briefcase_rows(conn: Connection, tables: Sequence[tuple[Table, str]], gdid: GDID) -> int:
+    """Rows of one briefcase in ``tables`` on ``conn``'s server (one count per table)."""
+    return sum(int(conn.execute(select(func.count()).select_from(t).where(t.c[k] == gdid)).scalar_one()) for t, k in tables)
+
+
 class SqlAreaScan(AreaScan):
     """An area's tables on one SQL server; each method is one read transaction."""
 
@@ -110,10 +115,7 @@ class SqlAreaScan(AreaScan):
 
     def rows_of(self, gdid: GDID) -> int:
         with self.cluster.transaction(self.server) as conn:
-            return sum(
-                int(conn.execute(select(func.count()).select_from(t).where(t.c[k] == gdid)).scalar_one())
-                for t, k in self.data.tables
-            )
+            return briefcase_rows(conn, self.data.tables, gdid)
 
     def storage_bytes(self) -> int | None:
         with self.cluster.transaction(self.server) as conn:
