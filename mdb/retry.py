@@ -59,22 +59,22 @@ class LearnedRoutes:
 
     Its size, not the number of briefcases moved, bounds what a process holds. An entry is a
     hint: the shard it names checks ownership like any other, and a wrong one costs a retry.
+    Keys are (area, era, raw id): a tuple of a string and ints, which the garbage collector stops
+    tracking, so a full LRU (filled by every reshard) does not lengthen the application's own
+    full collections as 16,384 GDID objects and their tuples would (about +25% measured).
     """
 
     def __init__(self, capacity: int = ROUTE_CACHE_SIZE) -> None:
         if capacity < 0:
             raise ValueError(f"route cache size must be >= 0, got {capacity}")
         self.capacity = capacity
-        self._entries: OrderedDict[tuple[str, GDID], str] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, int, int], str] = OrderedDict()
         self._lock = threading.Lock()
-        self.generation = 0
-        """Counts the changes (learn, forget): a :class:`RouteCache` entry is valid only under
-        the generation it was computed in, since any change can route some briefcase elsewhere."""
 
     def get(self, area: str, gdid: GDID) -> str | None:
         if not self._entries:
             return None  # the common case (nothing learned): every session asks, so no tuple and no lock
-        key = (area, gdid)
+        key = (area, gdid.era, gdid.raw_id)
         with self._lock:
             server = self._entries.get(key)
             if server is not None:
@@ -84,9 +84,8 @@ class LearnedRoutes:
     def learn(self, area: str, gdid: GDID, server: str) -> None:
         if not self.capacity:
             return
-        key = (area, gdid)
+        key = (area, gdid.era, gdid.raw_id)
         with self._lock:
-            self.generation += 1
             self._entries[key] = server
             self._entries.move_to_end(key)
             while len(self._entries) > self.capacity:
@@ -94,8 +93,7 @@ class LearnedRoutes:
 
     def forget(self, area: str, gdid: GDID) -> None:
         with self._lock:
-            self.generation += 1
-            self._entries.pop((area, gdid), None)
+            self._entries.pop((area, gdid.era, gdid.raw_id), None)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -107,8 +105,17 @@ V = TypeVar("V")
 
 class RouteCache(Generic[K, V]):
     """What a Store derived from the routing of a briefcase session, kept for the next session of
-    that briefcase: bounded (it starts over when full), valid only under the router and the
-    :attr:`LearnedRoutes.generation` it was computed with.
+    that briefcase: bounded (it starts over when full), valid only under the router it was
+    computed with and while the briefcase's own learned location (:class:`LearnedRoutes`, None
+    when none) is the one it was computed from. Locations learned for other briefcases leave it
+    valid: during a reshard every process learns thousands, and a global invalidation would drop
+    every kept route on each of them.
+
+    A route is kept from the second session of its key within the doorkeeper's window (the
+    hashes of keys seen once, up to twice the capacity, then it starts over): an application that
+    reads briefcases spread over millions meets most once, and keeping each of their routes
+    (about ten objects that outlive the young generations) made the application's own full
+    collections run once per ~10,000 sessions instead of never (docs/dev/0019).
 
     A hit is exactly what the policy would compute again: :meth:`RoutedOpen.placement` is a pure
     function of the router and the learned routes, and a refresh makes a new router. It only
@@ -117,31 +124,42 @@ class RouteCache(Generic[K, V]):
     router is, and the refusal is handled by the same loop (docs/dev/0019).
     """
 
-    __slots__ = ("capacity", "_entries")
+    __slots__ = ("capacity", "_entries", "_seen")
 
     def __init__(self, capacity: int = PLACEMENT_CACHE_SIZE) -> None:
         if capacity < 0:
             raise ValueError(f"placement cache size must be >= 0, got {capacity}")
         self.capacity = capacity
-        self._entries: dict[K, tuple[Router, int, V]] = {}
+        self._entries: dict[K, tuple[Router, str | None, V]] = {}
+        self._seen: set[int] = set()  # the doorkeeper: ints, which the collector does not track
 
-    def get(self, key: K, router: Router, generation: int) -> V | None:
-        """The value kept for ``key`` if it was computed under ``router`` and ``generation``."""
+    def get(self, key: K, router: Router, learned: str | None) -> V | None:
+        """The value kept for ``key`` if it was computed under ``router`` from the learned location ``learned``."""
         entry = self._entries.get(key)
-        if entry is None or entry[0] is not router or entry[1] != generation:
+        if entry is None or entry[0] is not router or entry[1] != learned:
             return None
         return entry[2]
 
-    def put(self, key: K, router: Router, generation: int, value: V) -> None:
+    def put(self, key: K, router: Router, learned: str | None, value: V) -> None:
+        """Keep ``value`` for ``key`` if the key was seen before (or is kept already); else remember its hash."""
         entries = self._entries
-        if len(entries) >= self.capacity and key not in entries:
+        if key not in entries:
             if not self.capacity:
                 return
-            entries.clear()  # (as the CENTRAL key cache: no per-hit bookkeeping, as an LRU would need)
-        entries[key] = (router, generation, value)
+            seen, h = self._seen, hash(key)
+            if h not in seen:
+                if len(seen) >= 2 * self.capacity:
+                    seen.clear()
+                seen.add(h)
+                return
+            seen.discard(h)
+            if len(entries) >= self.capacity:
+                entries.clear()  # (as the CENTRAL key cache: no per-hit bookkeeping, as an LRU would need)
+        entries[key] = (router, learned, value)
 
     def clear(self) -> None:
-        """Drop every entry (a refresh: the old router's entries could never be hit again)."""
+        """Drop every entry (a refresh: the old router's entries could never be hit again).
+        The doorkeeper's hashes stay: a key seen before the refresh is kept at its next session."""
         self._entries.clear()
 
     def __len__(self) -> int:
@@ -165,15 +183,17 @@ class RoutedOpen:
 
     ``first``: a placement a :class:`RouteCache` kept for this briefcase and the router it was
     computed under; the first attempt goes there without computing it again when the loop's
-    router is that one. What follows a refusal there is what follows any refusal.
+    router is that one. What follows a refusal there is what follows any refusal. ``learned``:
+    the briefcase's learned location the kept placement was checked against.
     """
 
-    __slots__ = ("routes", "area", "gdid", "waits", "refusals", "generation", "_move_wait", "_clock", "_backoff",
+    __slots__ = ("routes", "area", "gdid", "waits", "refusals", "learned", "_move_wait", "_clock", "_backoff",
                  "_stale_left", "_hops_left", "_followed", "_router", "_first")
 
     def __init__(
         self, routes: LearnedRoutes, area: str, gdid: GDID, *, move_wait_seconds: float, max_stale_retries: int,
         clock: Callable[[], float] = time.monotonic, first: tuple[Router, Placement] | None = None,
+        learned: str | None = None,
     ) -> None:
         self.routes = routes
         self.area = area
@@ -190,8 +210,8 @@ class RoutedOpen:
         """Refusals waited out (a move or a freeze in progress): counted, not raised."""
         self.refusals = 0
         """Refusals met so far: a placement confirmed at the first attempt may be kept (:class:`RouteCache`)."""
-        self.generation = 0
-        """The learned routes' generation the last placement was computed in."""
+        self.learned = learned
+        """The briefcase's learned location the last placement was computed from (None: none)."""
 
     def placement(self, router: Router) -> Placement:
         """Where to try: a learned location when there is one, else the map's default shard."""
@@ -201,9 +221,8 @@ class RoutedOpen:
             self._first = None
             if first[0] is router:
                 return first[1]
-        routes = self.routes
-        self.generation = routes.generation  # before the lookup: a change after it makes the result unkeepable
-        learned = self._followed or routes.get(self.area, self.gdid)
+        learned = self._followed or self.routes.get(self.area, self.gdid)
+        self.learned = learned
         if learned is None:
             return router.default_placement(self.area, self.gdid)
         if learned not in router.map.servers:

@@ -320,12 +320,14 @@ class Store:
         """
         return _BriefcaseBlock(self, btype, gdid, readonly, exclusive)
 
-    def routed_open(self, area: str, gdid: GDID, first: tuple[Router, Placement] | None = None) -> RoutedOpen:
+    def routed_open(self, area: str, gdid: GDID, first: tuple[Router, Placement] | None = None,
+                    learned: str | None = None) -> RoutedOpen:
         """The routing and retry policy of one session open of ``area``/``gdid`` (:mod:`mdb.retry`):
         every session opener (SQL, documents, async) takes its policy from here. ``first``: a
-        placement kept from an earlier session (:meth:`session_routing`)."""
+        placement kept from an earlier session (:meth:`session_routing`), checked against the
+        briefcase's learned location ``learned``."""
         return RoutedOpen(self.routes, area, gdid, move_wait_seconds=self.move_wait_seconds,
-                          max_stale_retries=self.max_stale_retries, first=first)
+                          max_stale_retries=self.max_stale_retries, first=first, learned=learned)
 
     def session_routing(self, btype: type[BriefcaseType], gdid: GDID, readonly: bool, exclusive: bool) -> tuple[
             tuple[type[BriefcaseType], GDID, bool, bool], SessionRoute | None, RoutedOpen]:
@@ -333,14 +335,17 @@ class Store:
         :attr:`session_routes`, the route kept there (None: none valid) and its policy, whose
         first attempt goes to the kept placement."""
         key = (btype, gdid, readonly, exclusive)
-        kept = self.session_routes.get(key, self._router, self.routes.generation)
-        return key, kept, self.routed_open(btype.area, gdid, None if kept is None else (kept.router, kept.placement))
+        learned = self.routes.get(btype.area, gdid)
+        kept = self.session_routes.get(key, self._router, learned)
+        if kept is None:
+            return key, None, self.routed_open(btype.area, gdid)
+        return key, kept, self.routed_open(btype.area, gdid, (kept.router, kept.placement), learned)
 
     def confirmed(self, key: tuple[type[BriefcaseType], GDID, bool, bool], route: SessionRoute, policy: RoutedOpen) -> None:
         """Keep ``route`` for the next session of ``key`` when its shard confirmed it at the open's
         first attempt (after a refusal the loop's state, not the map, chose it)."""
         if not policy.refusals:
-            self.session_routes.put(key, route.router, policy.generation, route)
+            self.session_routes.put(key, route.router, policy.learned, route)
 
     def _open(
         self, btype: type[BriefcaseType], gdid: GDID, readonly: bool, exclusive: bool = False

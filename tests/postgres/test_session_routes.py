@@ -35,11 +35,20 @@ def add_address(store: Store, gdid: GDID, n: int) -> str:
         return session.placement.server
 
 
+def visit(store: Store, gdid: GDID, readonly: bool = False) -> str:
+    """A session that reads the briefcase's user: the second session of a key keeps its route."""
+    with store.briefcase(UserBriefcase, gdid, readonly=readonly) as session:
+        assert session.get(User, gdid) is not None
+        return session.placement.server
+
+
 def test_the_next_session_reuses_the_route_and_a_store_without_the_cache_keeps_none(cluster: Cluster) -> None:
     gdid = GDID(0, 0, 4)
     store = cluster.store()
     assert create_user(store, gdid) == "u1"
-    kept = store.session_routes.get((UserBriefcase, gdid, False, False), store.router, store.routes.generation)
+    assert store.session_routes.get((UserBriefcase, gdid, False, False), store.router, None) is None  # seen once
+    assert visit(store, gdid) == "u1"  # the second session: its route is kept
+    kept = store.session_routes.get((UserBriefcase, gdid, False, False), store.router, None)
     assert kept is not None and kept.placement.server == "u1"
     with store.briefcase(UserBriefcase, gdid) as session:
         assert session.briefcase is kept.context  # nothing derived again
@@ -53,7 +62,7 @@ def test_a_kept_route_to_a_shard_the_briefcase_left_is_refused_there_and_the_wri
 ) -> None:
     gdid = GDID(0, 0, 4)
     store = cluster.store()
-    assert create_user(store, gdid) == "u1"  # its route is kept: u1
+    assert create_user(store, gdid) == "u1" and visit(store, gdid) == "u1"  # its route is kept: u1
     move_by_hand(cluster.store(), gdid, "u1", "x")  # by another process: this Store has met no fence
 
     refusals = count_refusals(monkeypatch)
@@ -68,13 +77,12 @@ def test_a_kept_route_to_a_shard_the_briefcase_left_is_refused_there_and_the_wri
 
 
 def test_a_location_learned_by_another_session_replaces_the_kept_route(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fails without the learned routes' generation in the cache's validity: the readonly session
+    """Fails without the briefcase's learned location in the cache's validity: the readonly session
     would go to its kept u1 and be refused there once more."""
     gdid = GDID(0, 0, 4)
     store = cluster.store()
     assert create_user(store, gdid) == "u1"
-    with store.briefcase(UserBriefcase, gdid, readonly=True) as session:  # a readonly route kept: u1
-        assert session.placement.server == "u1"
+    assert visit(store, gdid, readonly=True) == visit(store, gdid, readonly=True) == "u1"  # a readonly route kept: u1
     move_by_hand(cluster.store(), gdid, "u1", "x")
 
     refusals = count_refusals(monkeypatch)
@@ -86,13 +94,36 @@ def test_a_location_learned_by_another_session_replaces_the_kept_route(cluster: 
     assert refusals == ["u1"]  # the readonly session went to x directly
 
 
+def test_a_location_learned_for_another_briefcase_leaves_this_ones_route_kept(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fails with a global invalidation (a counter of every learn and forget, as before): during a
+    reshard a process learns a location per moved briefcase it meets, and each dropped every route
+    kept for the briefcases that did not move."""
+    stays, moves = GDID(0, 0, 4), GDID(0, 0, 6)
+    store = cluster.store()
+    assert create_user(store, stays) == "u1" and create_user(store, moves) == "u1" and visit(store, stays) == "u1"
+    move_by_hand(cluster.store(), moves, "u1", "x")
+    refusals = count_refusals(monkeypatch)
+    assert add_address(store, moves, 1) == "x"  # the fence is met and x learned for that briefcase
+    assert refusals == ["u1"] and store.routes.get("user", moves) == "x"
+
+    kept = store.session_routes.get((UserBriefcase, stays, False, False), store.router, None)
+    assert kept is not None and kept.placement.server == "u1"
+    with store.briefcase(UserBriefcase, stays) as session:
+        assert session.briefcase is kept.context  # nothing derived again
+        assert session.get(User, stays) is not None
+    assert refusals == ["u1"]
+
+
 def test_a_refresh_replaces_every_kept_route(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fails without the router in the cache's validity: after the refresh the kept route (u1,
     the old layout) would be refused by u1's new stamp and cost a refusal and another refresh."""
     gdid = GDID(0, 0, 1500)  # version 1: u1 (1500 % 2 = 0); version 2: u3 (1500 % 3 = 0)
     store = cluster.store()
-    with store.briefcase(UserBriefcase, gdid) as session:  # a write route kept under version 1
-        assert session.placement.server == "u1" and session.get(User, gdid) is None
+    for _ in range(2):  # a write route kept under version 1 (at its second session)
+        with store.briefcase(UserBriefcase, gdid) as session:
+            assert session.placement.server == "u1" and session.get(User, gdid) is None
     cluster.publish(2, V2)
     restamp_for(cluster, 2)
     store.refresh()  # the process reads the new map (as after any stale route or a map file change)
@@ -115,13 +146,13 @@ def test_an_async_session_follows_the_fence_past_a_kept_route(stale_pg_cluster: 
         aio = AsyncStore(store)
         try:
             servers = []
-            for n in range(3):
+            for n in range(4):
                 async with aio.briefcase(UserBriefcase, gdid) as session:
                     if n == 0:
                         session.add(User(user_id=gdid, email=f"{gdid}@example.com", name="u"))
                     session.add(Address(address_id=GDID(0, 2, 400 + n), line1="1 Main St", city="Springfield", country="US"))
                     servers.append(session.placement.server)
-                if n == 0:
+                if n == 1:  # the route is kept at the second session
                     move_by_hand(stale_pg_cluster.store(), gdid, "u1", "x")
                     refusals.clear()
             return servers
@@ -129,6 +160,6 @@ def test_an_async_session_follows_the_fence_past_a_kept_route(stale_pg_cluster: 
             await aio.close()
 
     refusals = count_refusals(monkeypatch)
-    assert asyncio.run(run()) == ["u1", "x", "x"]
+    assert asyncio.run(run()) == ["u1", "u1", "x", "x"]
     assert refusals == ["u1"]  # the kept route once, then the learned location
-    assert rows_on_every_shard(store, gdid) == {s: (4 if s == "x" else 0) for s in SHARDS}
+    assert rows_on_every_shard(store, gdid) == {s: (5 if s == "x" else 0) for s in SHARDS}

@@ -114,31 +114,70 @@ def test_a_fence_chain_that_does_not_end_is_raised_not_followed_forever(router: 
 # -- the routing kept between sessions (RouteCache, docs/dev/0019) ------------------------------
 
 
-def test_a_kept_route_is_valid_only_under_its_router_and_learned_routes_generation(router: Router) -> None:
-    routes, cache = LearnedRoutes(), RouteCache[str, str](capacity=8)
-    cache.put("g", router, routes.generation, "route")
-    assert cache.get("g", router, routes.generation) == "route"
-    assert cache.get("g", Router(router.map), routes.generation) is None  # a refresh makes a new router
-    routes.learn("user", GDID(0, 0, 99), "user-7")  # any change of the learned routes (another briefcase too)
-    assert cache.get("g", router, routes.generation) is None
-    cache.put("g", router, routes.generation, "route")
-    routes.forget("user", GDID(0, 0, 99))
-    assert cache.get("g", router, routes.generation) is None
+def test_a_kept_route_is_valid_only_under_its_router_and_the_briefcases_learned_location(router: Router) -> None:
+    cache = RouteCache[str, str](capacity=8)
+    cache.put("g", router, None, "route")
+    cache.put("g", router, None, "route")  # kept from its second put
+    assert cache.get("g", router, None) == "route"
+    assert cache.get("g", Router(router.map), None) is None  # a refresh makes a new router
+    assert cache.get("g", router, "user-7") is None  # the briefcase was learned elsewhere since
+    cache.put("g", router, "user-7", "learned route")
+    assert cache.get("g", router, "user-7") == "learned route"
+    assert cache.get("g", router, None) is None  # forgotten (or dropped from the LRU) since
+    assert cache.get("g", router, "user-8") is None
 
 
-def test_the_route_cache_is_bounded_and_can_be_off(router: Router) -> None:
+def test_the_policy_reports_the_learned_location_its_placement_came_from(router: Router) -> None:
+    """What :meth:`Store.confirmed` keeps a route under: a location learned for another briefcase
+    does not change it, one learned for this briefcase does."""
+    routes = LearnedRoutes()
+    gdid = GDID(0, 0, 5)
+    p = RoutedOpen(routes, "user", gdid, move_wait_seconds=1.0, max_stale_retries=2)
+    p.placement(router)
+    assert p.learned is None
+    routes.learn("user", GDID(0, 0, 99), "user-7")  # another briefcase
+    p.placement(router)
+    assert p.learned is None
+    routes.learn("user", gdid, "user-7")
+    assert p.placement(router).server == "user-7" and p.learned == "user-7"
+    kept = RoutedOpen(routes, "user", gdid, move_wait_seconds=1.0, max_stale_retries=2,
+                      first=(router, router.placement_on("user", gdid, "user-7")), learned="user-7")
+    assert kept.placement(router).server == "user-7" and kept.learned == "user-7"
+
+
+def test_the_route_cache_keeps_a_key_from_its_second_put_is_bounded_and_can_be_off(router: Router) -> None:
     cache = RouteCache[int, int](capacity=3)
+    cache.put(0, router, None, 0)
+    assert len(cache) == 0 and cache.get(0, router, None) is None  # seen once: only its hash remembered
     for n in range(3):
-        cache.put(n, router, 0, n)
-    cache.put(1, router, 0, 10)  # a key it holds: replaced, nothing dropped
-    assert len(cache) == 3 and cache.get(1, router, 0) == 10
-    cache.put(3, router, 0, 3)  # full: it starts over
-    assert len(cache) == 1 and cache.get(0, router, 0) is None and cache.get(3, router, 0) == 3
+        cache.put(n, router, None, n)
+    assert len(cache) == 1 and cache.get(0, router, None) == 0 and cache.get(2, router, None) is None  # 1, 2 seen once
+    for n in (1, 2):
+        cache.put(n, router, None, n)
+    cache.put(1, router, None, 10)  # a key it holds: replaced, nothing dropped
+    assert len(cache) == 3 and cache.get(1, router, None) == 10
+    cache.put(3, router, None, 3)
+    cache.put(3, router, None, 3)  # full: it starts over
+    assert len(cache) == 1 and cache.get(0, router, None) is None and cache.get(3, router, None) == 3
     off = RouteCache[int, int](capacity=0)
-    off.put(1, router, 0, 1)
-    assert len(off) == 0 and off.get(1, router, 0) is None
+    off.put(1, router, None, 1)
+    off.put(1, router, None, 1)
+    assert len(off) == 0 and off.get(1, router, None) is None
     with pytest.raises(ValueError, match="placement cache size must be >= 0, got -1"):
         RouteCache(capacity=-1)
+
+
+def test_the_route_caches_doorkeeper_forgets_keys_seen_once_long_ago(router: Router) -> None:
+    """Keys met once (a read spread over millions of briefcases) never fill the cache: the
+    doorkeeper holds at most twice the capacity of hashes, then starts over."""
+    cache = RouteCache[int, int](capacity=2)
+    cache.put(0, router, None, 0)
+    for n in range(1, 5):  # four more keys seen once: the window (4 hashes) starts over
+        cache.put(n, router, None, n)
+    cache.put(0, router, None, 0)
+    assert len(cache) == 0  # 0 was forgotten: seen once again
+    cache.put(0, router, None, 0)
+    assert cache.get(0, router, None) == 0
 
 
 def test_a_kept_placement_is_the_first_attempt_only_under_its_router_and_a_refusal_there_is_any_refusal(router: Router) -> None:
@@ -149,7 +188,7 @@ def test_a_kept_placement_is_the_first_attempt_only_under_its_router_and_a_refus
     # refused there by a fence: followed as from a computed placement (no refresh), never offered again
     assert p.refused(kept, StaleRouteError("fenced", moved_to="user-7")) == Step()
     assert p.refusals == 1 and p.placement(router).server == "user-7"
-    assert p.generation == routes.generation  # computed after the fence was learned
+    assert p.learned == "user-7"  # computed from the location the fence taught
     other = Router(router.map)
     q = RoutedOpen(routes, "user", G, move_wait_seconds=30, max_stale_retries=3, first=(router, kept))
     assert q.placement(other) is not kept and q.placement(other).server == "user-7"  # another router: computed
