@@ -62,7 +62,7 @@ def _calls(fn: Callable[[], object], n: int) -> float:
             fn()
     finally:
         sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading.setprofile(None)
     return (next(counter) - 1) / n
 
 

@@ -57,7 +57,8 @@ def _extra_calls(routed: cProfile.Profile, plain: cProfile.Profile, n: int) -> l
 def _cpu(routed: Callable[[], object], plain: Callable[[], object], n: int, rounds: int = 7) -> tuple[float, float]:
     """Client CPU seconds per call of each, in alternating rounds; the least of each (a busy
     machine only ever adds to a round's CPU: contention, cache misses)."""
-    a, b = [], []
+    a: list[float] = []
+    b: list[float] = []
     for _ in range(rounds):
         for fn, out in ((routed, a), (plain, b)):
             start = time.process_time()
@@ -119,7 +120,7 @@ def main() -> int:
                 store.session_routes.capacity = 0  # what Store(placement_cache_size=0) makes
             ids = [GDID(0, 0, i) for i in range(1, 101)]
             with store.transaction("u1") as conn:
-                conn.execute(insert(User.__table__), [{"user_id": g, "email": f"{g}@x", "name": "u", "created_at": NOW} for g in ids])
+                conn.execute(insert(User), [{"user_id": g, "email": f"{g}@x", "name": "u", "created_at": NOW} for g in ids])
             plain = create_engine(shard)
             readonly = not args.write
             state = {"i": 0}

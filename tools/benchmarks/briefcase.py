@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
 from pathlib import Path
+from typing import Any
 
 import yaml
 from sqlalchemy import create_engine, insert, select
@@ -85,7 +86,7 @@ def _hook_cost(ctx: BenchContext) -> float:
     fake = SimpleNamespace(placement=SimpleNamespace(server="u1"))
 
     @contextmanager
-    def bare(store: object, btype: object, gdid: object, readonly: bool = False, exclusive: bool = False) -> Iterator[object]:
+    def bare(store: object, btype: object, gdid: object, readonly: bool = False, exclusive: bool = False) -> Iterator[Any]:
         yield fake
 
     hooked = telemetry.observed_session(bare)
@@ -107,7 +108,7 @@ def _measure(ctx: BenchContext, backend: str, central: str, shard: str, otel_not
     store = _store(ctx.tmpdir / backend, central, shard)
     ids = [GDID(0, 0, i) for i in range(1, ROWS + 1)]
     with store.transaction("u1") as conn:
-        conn.execute(insert(User.__table__), [{"user_id": g, "email": f"{g}@example.com", "name": f"user {g}", "created_at": NOW} for g in ids])
+        conn.execute(insert(User), [{"user_id": g, "email": f"{g}@example.com", "name": f"user {g}", "created_at": NOW} for g in ids])
     plain = create_engine(shard)
     order = ids * 20
     random.Random(7).shuffle(order)

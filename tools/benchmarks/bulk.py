@@ -48,7 +48,7 @@ def _measure(ctx: BenchContext, backend: str, central: str, shard: str, n: int) 
     routed_user, plain_user = GDID(0, 0, 1), GDID(0, 0, 2)
     with store.transaction("u1") as conn:
         conn.execute(
-            insert(User.__table__),
+            insert(User),
             [{"user_id": g, "email": f"{g}@example.com", "name": "bulk", "created_at": NOW} for g in (routed_user, plain_user)],
         )
     plain = create_engine(shard)

@@ -158,20 +158,20 @@ def run(ctx: BenchContext) -> list[Result]:
         pauses: list[float] = []
         original = move_protocol.move_briefcase
 
-        def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+        def timed(*args, **kwargs):
             r = original(*args, **kwargs)
             pauses.append(r.pause_seconds)
             return r
 
         import mdb.moves.reshard as reshard_module
 
-        reshard_module.move_briefcase = timed  # type: ignore[assignment]
+        reshard_module.move_briefcase = timed
         try:
             start = time.perf_counter()
             reshard(store, "user", GDID(0, 0, 0), ["a", "b", "x"], parallel=2, map_path=path)
             elapsed = time.perf_counter() - start
         finally:
-            reshard_module.move_briefcase = original  # type: ignore[assignment]
+            reshard_module.move_briefcase = original
         plain = []
         for _ in range(50):
             t = time.perf_counter()

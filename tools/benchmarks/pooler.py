@@ -131,7 +131,7 @@ def run(ctx: BenchContext) -> list[Result]:
         try:
             ids = [GDID(0, 0, i) for i in range(1, ROWS + 1)]
             with store.transaction("u1") as conn:
-                conn.execute(insert(User.__table__), [{"user_id": g, "email": f"{g}@example.com", "name": f"user {g}", "created_at": NOW} for g in ids])
+                conn.execute(insert(User), [{"user_id": g, "email": f"{g}@example.com", "name": f"user {g}", "created_at": NOW} for g in ids])
             return _routed_vs_plain(ctx, store, pooled[1], ids) + _function_vs_prepared(ctx, store, direct[1], ids)
         finally:
             store.close()

@@ -201,7 +201,7 @@ class _Pauses:
             self.batches.append(len(result.gdids))
             return result
 
-        batch_module.BatchMove.run = run  # type: ignore[method-assign]
+        batch_module.BatchMove.run = run  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
