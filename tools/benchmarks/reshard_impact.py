@@ -13,7 +13,9 @@ Printed: the reshard's rate, and per application process its reads and writes; e
 it, by type (each would reach a user); the refusals its Store absorbed (fences followed, waits
 for a briefcase between its commit point and finalize or for the freeze, map refreshes); its
 refreshes (count and total seconds) and whether it ever loaded the relocation directory; latency
-p50/p99/max of every operation, p99 before the reshard next to p99 during it; its RSS when the
+p50/p99/max of every operation, p99 before the reshard next to p99 during it (and during it,
+split: operations whose Store absorbed no refusal, and those that followed a fence or waited,
+with their count); its RSS when the
 reshard started and its growth until the end. Latencies go into a fixed log-bucket histogram
 (about 1% resolution, the max exact), so the figures cost the process no memory that grows.
 Afterwards every briefcase is on exactly one server (N rows over a, b and x, no key twice).
@@ -189,7 +191,7 @@ def worker(config_path: str) -> None:
             own_gc[1] = max(own_gc[1], took)
 
     gc.callbacks.append(collected)
-    phases = {name: Latencies() for name in ("before", "during", "after")}
+    phases = {name: Latencies() for name in ("before", "during", "after", "during direct", "during refused")}
     errors: Counter[str] = Counter()
     messages: dict[str, str] = {}
     reads = writes = 0
@@ -242,6 +244,8 @@ def worker(config_path: str) -> None:
                 continue
             took = time.perf_counter() - start
             phases[phase].add(took)
+            if phase == "during":  # what a refusal costs, apart from what the reshard's load costs every operation
+                phases["during refused" if absorbed != seen else "during direct"].add(took)
             if took >= SLOW and len(slow) < SLOW_KEPT:
                 meanwhile = absorbed - seen
                 notes = [f"{k}={v}" for k, v in sorted(meanwhile.items())]
@@ -436,14 +440,14 @@ def run(ctx: BenchContext) -> list[Result]:
                   f"[bold]{rate:,.0f} briefcases/s[/bold] (with {procs} application processes)")
     table = Table(title=f"reshard_impact: {n:,} briefcases, per application process (latency in ms, memory in MB)")
     for column in ("proc", "reads", "writes", "errors", "absorbed", "refreshes", "refresh s", "dir loads", "learned",
-                   "p50", "p99", "max", "p99 before", "p99 during", "max during", "own GC s (longest ms)", "RSS", "RSS growth"):
+                   "p50", "p99", "max", "p99 before", "p99 during", "p99 during: direct / refused", "max during", "own GC s (longest ms)", "RSS", "RSS growth"):
         table.add_column(column, justify="left" if column in ("errors", "absorbed") else "right")
     worst_ratio = worst_max = worst_growth = 0.0
     total_errors = 0
     refresh_means = []
     for f in figures:
         phases = {name: Latencies.from_json(data) for name, data in f["phases"].items()}
-        every = phases["before"].merge(phases["during"]).merge(phases["after"])
+        every = phases["before"].merge(phases["during"]).merge(phases["after"])  # (the "during" split is inside "during")
         before, during = phases["before"], phases["during"]
         growth = f["rss_end"] - f["rss_start"]
         total_errors += sum(f["errors"].values())
@@ -457,7 +461,9 @@ def run(ctx: BenchContext) -> list[Result]:
             " ".join(f"{k}={v}" for k, v in sorted(f["absorbed"].items())) or "-",
             str(f["refreshes"]), f"{f['refresh_seconds']:.3f}", str(f["directory_loads"]), f"{f['learned']:,}",
             _ms(every.quantile(0.5)), _ms(every.quantile(0.99)), _ms(every.max),
-            _ms(before.quantile(0.99)), _ms(during.quantile(0.99)), _ms(during.max),
+            _ms(before.quantile(0.99)), _ms(during.quantile(0.99)),
+            f"{_ms(phases['during direct'].quantile(0.99))} / {_ms(phases['during refused'].quantile(0.99))} ({phases['during refused'].n:,})",
+            _ms(during.max),
             f"{f.get('gc_seconds', 0.0):.1f} ({f.get('gc_longest', 0.0) * 1000:.0f})", _mb(f["rss_start"]), f"{(f['rss_end'] - f['rss_start']) / 1e6:+.1f} (peak {_mb(f['rss_peak'] - f['rss_start'])})",
         )
     if figures:
