@@ -2,7 +2,8 @@
 
 Counts Python function calls per read (cProfile, deterministic: steady on a busy machine where
 wall time is not) and client CPU per read (``time.process_time``, this process only) for a
-routed briefcase point read and for a plain ``Session`` on the same engine, then prints the
+routed briefcase point read and for a plain ``Session`` on the same engine (on PostgreSQL also
+the server's CPU per read, from /proc: what the ownership check costs the server), then prints the
 functions of the routed read with the most own time. The reads cycle over 100 briefcases, so
 each finds the routing its briefcase's last session kept (``Store.session_routes``);
 ``--miss`` turns that cache off, the cost of a session whose briefcase has none kept. Evidence for docs/briefcases.md ("What a
@@ -13,6 +14,7 @@ the time goes").
 from __future__ import annotations
 
 import argparse
+import os
 import asyncio
 import cProfile
 import pstats
@@ -54,18 +56,37 @@ def _extra_calls(routed: cProfile.Profile, plain: cProfile.Profile, n: int) -> l
     return sorted((d for d in diff if d[1]), key=lambda d: -abs(d[1]))
 
 
-def _cpu(routed: Callable[[], object], plain: Callable[[], object], n: int, rounds: int = 7) -> tuple[float, float]:
-    """Client CPU seconds per call of each, in alternating rounds; the least of each (a busy
-    machine only ever adds to a round's CPU: contention, cache misses)."""
-    a: list[float] = []
-    b: list[float] = []
+def _server_cpu(data_dir: Path | None) -> float:
+    """CPU seconds used so far by the backends of the PostgreSQL server in ``data_dir`` (every child of
+    its postmaster: the sessions' backends and its few background processes), from /proc; 0 without one."""
+    if data_dir is None:
+        return 0.0
+    postmaster = (data_dir / "postmaster.pid").read_text().split()[0]
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a process that ended while the folder was read
+        if fields[1] == postmaster:  # ppid; then utime and stime are fields 14 and 15 of the whole line
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(routed: Callable[[], object], plain: Callable[[], object], n: int, rounds: int = 7,
+         server: Path | None = None) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((client, server) CPU seconds per call of ``routed``), the same of ``plain``: alternating rounds,
+    the least of each (a busy machine only ever adds to a round's CPU: contention, cache misses).
+    Server CPU is counted in clock ticks (10 ms), so a round should take a second of it or more."""
+    a: list[tuple[float, float]] = []
+    b: list[tuple[float, float]] = []
     for _ in range(rounds):
         for fn, out in ((routed, a), (plain, b)):
-            start = time.process_time()
+            start, server_start = time.process_time(), _server_cpu(server)
             for _ in range(n):
                 fn()
-            out.append((time.process_time() - start) / n)
-    return min(a), min(b)
+            out.append(((time.process_time() - start) / n, (_server_cpu(server) - server_start) / n))
+    return (min(x[0] for x in a), min(x[1] for x in a)), (min(x[0] for x in b), min(x[1] for x in b))
 
 
 def _async_pair(store: Any, gdid: Callable[[], GDID], readonly: bool) -> tuple[Callable[[], object], Callable[[], object], Callable[[], None] | None]:
@@ -111,8 +132,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="mdb-prof-") as tmp:
         ctx = BenchContext(tmpdir=Path(tmp))
         try:
+            data_dir = None
             if args.backend == "pg":
                 central, shard = ctx.pg_urls(2)
+                data_dir = ctx.pg_data_dirs()[1]  # the shard's server (the central one serves no session)
             else:
                 central, shard = f"sqlite:///{tmp}/c.db", f"sqlite:///{tmp}/u1.db"
             store = _store(Path(tmp) / "s", central, shard)
@@ -145,10 +168,15 @@ def main() -> int:
                     fn()
             routed_calls, profile = _calls(subject, args.n)
             direct_calls, direct_profile = _calls(baseline, args.n)
-            routed_cpu, direct_cpu = _cpu(subject, baseline, args.n // 4, args.cpu_rounds) if args.cpu_rounds else (0.0, 1.0)
+            (routed_cpu, routed_server), (direct_cpu, direct_server) = (
+                _cpu(subject, baseline, args.n, args.cpu_rounds, data_dir) if args.cpu_rounds else ((0.0, 0.0), (1.0, 0.0)))
             kind = ("async " if args.aio else "") + ("write" if args.write else "readonly") + (", nothing kept" if args.miss else "")
             cpu = (f"; client CPU per read routed {routed_cpu * 1e6:.0f} us vs plain {direct_cpu * 1e6:.0f} us "
                    f"(ratio {routed_cpu / direct_cpu:.2f})") if args.cpu_rounds else ""  # --cpu-rounds 0: not measured
+            if args.cpu_rounds and data_dir is not None:
+                both, plain_both = routed_cpu + routed_server, direct_cpu + direct_server
+                cpu += (f"; server CPU per read routed {routed_server * 1e6:.0f} us vs plain {direct_server * 1e6:.0f} us; "
+                        f"client + server {both * 1e6:.0f} us vs {plain_both * 1e6:.0f} us (ratio {both / plain_both:.2f})")
             print(f"{args.backend} {kind}: python calls per read routed {routed_calls:.0f} vs plain {direct_calls:.0f}{cpu}")
             pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
             extra = _extra_calls(profile, direct_profile, args.n)

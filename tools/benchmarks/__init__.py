@@ -83,6 +83,11 @@ class BenchContext:
                     started.result()
         return [server.create_database() for server in self._servers[:n]]
 
+    def pg_data_dirs(self) -> list[Path]:
+        """The data folders of the servers :meth:`pg_urls` started, in its URLs' order (a server's
+        processes are found from its ``postmaster.pid``: tools/profile_session.py's server CPU)."""
+        return [server.data_dir for server in self._servers]
+
     def iterations(self, full: int, quick: int) -> int:
         """``quick`` with ``--quick``; else ``full``, scaled by ``MDB_BENCH_FRACTION`` (e.g. 0.25) where set.
 
