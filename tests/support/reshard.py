@@ -9,16 +9,18 @@ import subprocess
 import sys
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 import pytest
-from support.moves import process_state, ROOT, Cluster, add_transaction, create_user, locations, make_cluster
+from support.moves import process_state, ROOT, Cluster, add_transaction, cloned_cluster, create_user, locations
+from support.templates import Databases
 from sqlalchemy import select
 from mdb.demo.models import Transaction, UserBriefcase
 from mdb.errors import RetryableError
 from mdb.gdid import GDID
 from mdb.moves.batch import BATCH_KIND
 from mdb.moves.journal import Journal
+from mdb.store import Store
 
 SERVERS = ["u1", "u2", "x"]
 USERS = [GDID(0, 0, i) for i in range(1, 41)]
@@ -76,13 +78,14 @@ with Store.from_yaml(path, types=[UserBriefcase]) as store:
 """
 
 
+def _users(store: Store) -> None:
+    for g in USERS:
+        create_user(store, g, orders=1, lines=2)
+
+
 @pytest.fixture
-def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster:
-    cluster = make_cluster(dict(zip(["c", *SERVERS], pg_databases(4))), tmp_path, [("0:0:0", ["u1", "u2"])])
-    with cluster.store() as store:
-        for g in USERS:
-            create_user(store, g, orders=1, lines=2)
-    return cluster
+def cluster(pg_databases: Databases, tmp_path: Path) -> Cluster:
+    return cloned_cluster(pg_databases, ["c", *SERVERS], tmp_path, [("0:0:0", ["u1", "u2"])], seed=_users)
 
 
 class Writers:
