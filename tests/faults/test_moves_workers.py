@@ -32,10 +32,6 @@ SMALL_ITEMS = {"MDB_ITEM_BRIEFCASES": "3"}
 STOPPED = (0, 130, 143, -signal.SIGTERM)
 """How a worker ends on SIGTERM: 143 (or 130) once the CLI handles it; -15 when it came while the process was still starting."""
 KILL_POINTS = [p for p in BATCH_POINTS if p not in ("batch.resume.after_discard", "batch.after_resync")]
-WRITERS_MOVE_WAIT = 5.0
-"""The writer thread gives up on a briefcase the killed processes left moving after 5 s, not 30 s,
-and writes the next (support.reshard.WRITERS_MOVE_WAIT): ``writers.wait_for(10)`` after every
-process is killed sat out 30 s per such briefcase."""
 
 
 @pytest.fixture(autouse=True)
