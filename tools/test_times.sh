@@ -21,6 +21,10 @@ run() {  # NAME ARGS...: one pytest run, timed, its durations kept
     local cpu; cpu=$(awk '{printf "%.0f", $1 + $2}' "$out/$name.cpu")
     echo "== $name: $((SECONDS - started)) s wall, $cpu s CPU, rc=$rc, load after $(cut -d' ' -f1-3 /proc/loadavg): pytest $*"
     tail -1 "$out/$name.txt"
+    # Where it went: the sums of the --durations lines by phase (fixture setup is most of what
+    # support.templates cut; the call phase is the tests' own work).
+    awk '$2 ~ /^(setup|call|teardown)$/ && $1 ~ /s$/ {t[$2] += $1; n[$2]++}
+         END {printf "   phases: setup %.0f s (%d), call %.0f s (%d), teardown %.0f s (%d)\n", t["setup"], n["setup"], t["call"], n["call"], t["teardown"], n["teardown"]}' "$out/$name.txt"
 }
 
 wanted=("$@")

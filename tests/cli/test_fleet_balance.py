@@ -16,14 +16,15 @@ from support.moves import Cluster, locations, run_cli
 from mdb.fleet.balance import balance
 from mdb.moves.copy import measure
 from mdb.moves.move import area_tables
-from support.fleet import SHARDS, SKEWED_USERS, build_skewed
+from support.templates import Databases
+from support.fleet import SHARDS, SKEWED_USERS, build_skewed, cloned_skewed
 
 USERS = SKEWED_USERS
 
 
 @pytest.fixture
-def skewed(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster:
-    return build_skewed(pg_databases(1) + pg_databases(4), tmp_path)
+def skewed(pg_databases: Databases, tmp_path: Path) -> Cluster:
+    return cloned_skewed(pg_databases, tmp_path)
 
 
 def _independent(cluster: Cluster) -> dict[str, tuple[int, int, int]]:

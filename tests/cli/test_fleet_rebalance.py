@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from support.moves import create_user, locations, run_cli, snapshot
-from support.fleet import SHARDS, build_skewed
+from support.templates import Databases
+from support.fleet import SHARDS, build_skewed, cloned_skewed
 
 from mdb.fleet.balance import balance
 from mdb.fleet.rebalance import plan_rebalance
@@ -20,8 +21,8 @@ from mdb.gdid import GDID
 
 
 @pytest.mark.slow  # 27 s measured at load ~15 on 2 cores: docs/testing.md
-def test_plan_applied_brings_a_3x_skew_under_10_percent(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
-    cluster = build_skewed(pg_databases(1) + pg_databases(4), tmp_path)
+def test_plan_applied_brings_a_3x_skew_under_10_percent(pg_databases: Databases, tmp_path: Path) -> None:
+    cluster = cloned_skewed(pg_databases, tmp_path)
     with cluster.store() as store:
         before = balance(store, "user")
         data_before = snapshot(store, SHARDS)

@@ -21,14 +21,15 @@ from support.moves import Cluster, run_cli
 
 from mdb.migrations.scripts import open_history
 from mdb.moves.journal import Journal
-from support.fleet import ATTENTION, BROKEN, HEALTHY, STATUS_SERVERS, STATUS_USERS, REVISION, build, kill, start_reshard, status
+from support.templates import Databases
+from support.fleet import ATTENTION, BROKEN, HEALTHY, STATUS_SERVERS, STATUS_USERS, REVISION, cloned, kill, start_reshard, status
 
 SERVERS, USERS = STATUS_SERVERS, STATUS_USERS
 
 
 @pytest.fixture
-def fleet(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster:
-    return build(pg_databases(4), tmp_path)
+def fleet(pg_databases: Databases, tmp_path: Path) -> Cluster:
+    return cloned(pg_databases, tmp_path)
 
 
 def wait_for(cluster: Cluster, proc: subprocess.Popen[str], ready: Callable[[dict[str, Any]], bool]) -> tuple[int, dict[str, Any]]:

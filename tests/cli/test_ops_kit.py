@@ -27,8 +27,9 @@ from typing import Any
 import pytest
 import yaml
 from support.moves import ROOT, Cluster, run_cli
+from support.templates import Databases
 from support.fleet import SERVE, _free_port, _python
-from support.fleet import REVISION, build, kill, start_reshard, status
+from support.fleet import REVISION, build, cloned, kill, start_reshard, status
 
 from mdb.migrations.scripts import open_history
 
@@ -95,10 +96,10 @@ def wait_scrape(port: int, proc: subprocess.Popen[str], ready: Callable[[dict[st
 
 @pytest.mark.slow  # 250 s measured at load ~15 on 2 cores: docs/testing.md
 def test_serve_metrics_gauges_follow_a_reshard_and_the_dashboard_names_only_exported_metrics(
-    pg_databases: Callable[[int], list[str]], tmp_path: Path
+    pg_databases: Databases, tmp_path: Path
 ) -> None:
     pytest.importorskip("opentelemetry.exporter.prometheus")
-    cluster: Cluster = build(pg_databases(4), tmp_path)
+    cluster: Cluster = cloned(pg_databases, tmp_path)
     root = cluster.path.parent / "migrations"  # a migration history, rolled out: mdb_migrations_mixed is 0
     open_history(root, "user", create=True)
     (root / "user" / "versions" / "a1_noop.py").write_text(REVISION, encoding="utf-8")

@@ -39,6 +39,10 @@ MDB = str(Path(sys.executable).parent / "mdb")  # the installed console script
 LISTS = [["u1", "u2", "x"]]
 """One pass per point, out to three shards: ~13 briefcases move, in two batches."""
 POINTS = [p for p in BATCH_POINTS if p not in ("batch.resume.after_discard", "batch.after_resync")]
+WRITERS_MOVE_WAIT = 5.0
+"""The writer thread gives up on a briefcase a killed batch left moving after 5 s, not 30 s, and
+writes the next (support.reshard.WRITERS_MOVE_WAIT): ``writers.wait_for(10)`` before the resume
+sat out 30 s per such briefcase."""
 
 
 def mdb(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

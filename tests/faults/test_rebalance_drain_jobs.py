@@ -14,12 +14,13 @@ import json
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.fleet import SHARDS, build_skewed
+from support.templates import Databases
+from support.fleet import SHARDS, cloned_skewed
 from support.moves import Cluster, locations, run_cli, snapshot
 from support.reshard import SERVERS, USERS, cluster  # noqa: F401
 from support.workers import no_process_left, spawn, stop, worker  # noqa: F401
@@ -91,9 +92,9 @@ def _finish_with_workers(cluster: Cluster, n: int, env: dict[str, str]) -> list[
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("finisher", ["workers", "cancel"])
 def test_a_rebalance_killed_mid_job_is_finished_by_workers_or_stopped_by_cancel(
-    pg_databases: Callable[[int], list[str]], tmp_path: Path, finisher: str,
+    pg_databases: Databases, tmp_path: Path, finisher: str,
 ) -> None:
-    skewed = build_skewed(pg_databases(1) + pg_databases(4), tmp_path)
+    skewed = cloned_skewed(pg_databases, tmp_path)
     rows, _ = _state(skewed, SHARDS)
     shown = run_cli(["rebalance", str(skewed.path), "user", "--plan", "--json"])
     assert shown.returncode == 0, shown.stderr
@@ -122,8 +123,8 @@ def test_a_rebalance_killed_mid_job_is_finished_by_workers_or_stopped_by_cancel(
 
 
 @pytest.mark.timeout(600)
-def test_a_worker_on_another_host_claims_a_running_rebalances_items(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
-    skewed = build_skewed(pg_databases(1) + pg_databases(4), tmp_path)
+def test_a_worker_on_another_host_claims_a_running_rebalances_items(pg_databases: Databases, tmp_path: Path) -> None:
+    skewed = cloned_skewed(pg_databases, tmp_path)
     rows, _ = _state(skewed, SHARDS)
     slow = {**SMALL_ITEMS, "MDB_FAULT_POINT": "batch.after_precopy", "MDB_FAULT_ACTION": "sleep:2"}  # items stay in flight a while
     helper = worker(skewed, {**slow, "MDB_HOST_NAME": "host-b"})
@@ -138,9 +139,9 @@ def test_a_worker_on_another_host_claims_a_running_rebalances_items(pg_databases
 
 @pytest.mark.timeout(600)
 def test_sigterm_of_a_rebalance_gives_its_items_back_and_resume_finishes_it(
-    pg_databases: Callable[[int], list[str]], tmp_path: Path,
+    pg_databases: Databases, tmp_path: Path,
 ) -> None:
-    skewed = build_skewed(pg_databases(1) + pg_databases(4), tmp_path)
+    skewed = cloned_skewed(pg_databases, tmp_path)
     rows, _ = _state(skewed, SHARDS)
     slow = {**SMALL_ITEMS, "MDB_FAULT_POINT": "batch.after_precopy", "MDB_FAULT_ACTION": "sleep:2"}  # every batch: time to stop it in one
     proc = spawn(["rebalance", str(skewed.path), "user", "--apply"], slow)

@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from support.moves import ROOT, Cluster, create_user, make_cluster, run_cli
+from support.moves import ROOT, Cluster, cloned_cluster, create_user, make_cluster, run_cli
+from support.templates import Databases
 
 from mdb.gdid import GDID
+from mdb.store import Store
 
 SHARDS = ["u1", "u2", "u3", "u4"]
 SKEWED_USERS = [GDID(0, 0, i) for i in range(1, 25)]
@@ -24,14 +26,20 @@ STATUS_USERS = [GDID(0, 0, i) for i in range(1, 9)]
 HEALTHY, ATTENTION, BROKEN = 0, 5, 6
 
 
+def _skewed_users(store: Store) -> None:
+    for g in SKEWED_USERS:
+        create_user(store, g, orders=10 if g.counter % 4 == 0 else 3, lines=3)
+
+
 def build_skewed(urls: list[str], tmp_path: Path) -> Cluster:
     """4 shards; u1 holds 3x the bytes of each other shard (issue 17): its briefcases (counter % 4 == 0) have
     10 orders, the others 3 (with the user row, 10 orders weigh 3x what 3 do)."""
-    cluster = make_cluster(dict(zip(["c", *SHARDS], urls)), tmp_path, [("0:0:0", SHARDS)])
-    with cluster.store() as store:
-        for g in SKEWED_USERS:
-            create_user(store, g, orders=10 if g.counter % 4 == 0 else 3, lines=3)
-    return cluster
+    return make_cluster(dict(zip(["c", *SHARDS], urls)), tmp_path, [("0:0:0", SHARDS)], seed=_skewed_users)
+
+
+def cloned_skewed(pg_databases: Databases, tmp_path: Path) -> Cluster:
+    """``build_skewed(pg_databases(1) + pg_databases(4), tmp_path)``, copied from a template (support.templates)."""
+    return cloned_cluster(pg_databases, ["c", *SHARDS], tmp_path, [("0:0:0", SHARDS)], seed=_skewed_users, calls=[1, 4])
 
 
 SERVE = """
@@ -61,12 +69,20 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=60, cwd=str(ROOT))
 
 
+def _status_users(store: Store) -> None:
+    for g in STATUS_USERS:
+        create_user(store, g, orders=1, lines=1)
+
+
 def build(urls: list[str], tmp_path: Path) -> Cluster:
-    cluster = make_cluster(dict(zip(["c", *STATUS_SERVERS], urls)), tmp_path, [("0:0:0", ["u1", "u2"])])
-    with cluster.store() as store:
-        for g in STATUS_USERS:
-            create_user(store, g, orders=1, lines=1)
-    return cluster
+    return make_cluster(dict(zip(["c", *STATUS_SERVERS], urls)), tmp_path, [("0:0:0", ["u1", "u2"])], seed=_status_users)
+
+
+def cloned(pg_databases: Databases, tmp_path: Path, calls: list[int] | None = None) -> Cluster:
+    """``build(pg_databases(4), tmp_path)`` (``calls=[1, 4]``: ``pg_databases(1) + pg_databases(4)``),
+    copied from a template (support.templates)."""
+    return cloned_cluster(pg_databases, ["c", *STATUS_SERVERS], tmp_path, [("0:0:0", ["u1", "u2"])], seed=_status_users,
+                          calls=calls)
 
 
 def status(cluster: Cluster, *extra: str) -> tuple[int, dict[str, Any]]:

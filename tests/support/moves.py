@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from support import templates
 from support.mapfiles import map_dict
+from support.templates import Databases, Seed
 from sqlalchemy import select
 
 from mdb.demo.models import Address, Order, OrderLineItem, Transaction, User, UserBriefcase
@@ -44,12 +46,42 @@ class Cluster:
         return Store.from_yaml(self.path, types=[UserBriefcase])
 
 
-def make_cluster(urls: dict[str, str], tmp_path: Path, partitions: Sequence[tuple[str, Sequence[str]]], central: Sequence[str] = ("c",)) -> Cluster:
+def make_cluster(
+    urls: dict[str, str], tmp_path: Path, partitions: Sequence[tuple[str, Sequence[str]]], central: Sequence[str] = ("c",),
+    *, seed: Seed | None = None,
+) -> Cluster:
+    """A map of ``urls`` (version 1) with the schema applied, then ``seed``'s data written through a Store."""
     cluster = Cluster(dict(urls), tmp_path / "map.yaml", list(central))
     cluster.write(partitions, 1)
     with cluster.store() as store:
         reports = apply_schema(store)
         assert all(r.ok for r in reports), [(r.server, r.error, r.problems) for r in reports]
+    if seed is not None:
+        with cluster.store() as store:
+            seed(store)
+    return cluster
+
+
+def cloned_cluster(
+    pg_databases: Databases, names: Sequence[str], tmp_path: Path, partitions: Sequence[tuple[str, Sequence[str]]],
+    central: Sequence[str] = ("c",), *, seed: Seed | None = None, calls: Sequence[int] | None = None,
+) -> Cluster:
+    """What ``make_cluster(dict(zip(names, pg_databases(len(names)))), ...)`` followed by ``seed(store)``
+    gives, each test in databases of its own, copied from a template built that way once per
+    layout, seed and servers (support.templates). ``calls``: how ``pg_databases`` is called for
+    the names in turn (``[1, 4]``: CENTRAL on the first server, four shards on all four)."""
+    key = (tuple(names), tuple(central), tuple((start, tuple(shards)) for start, shards in partitions), seed)
+
+    def build(urls: list[str], folder: Path) -> None:
+        template = make_cluster(dict(zip(names, urls)), folder, partitions, central, seed=seed)
+        with template.store() as store:
+            templates.strip(store)
+
+    urls = templates.clones(pg_databases, calls or [len(names)], key, build, tmp_path / "template")
+    cluster = Cluster(dict(zip(names, urls)), tmp_path / "map.yaml", list(central))
+    cluster.write(partitions, 1)
+    with cluster.store() as store:
+        templates.adopt_identities(store)
     return cluster
 
 

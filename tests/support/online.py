@@ -3,25 +3,27 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 import pytest
-from support.moves import Cluster, create_user, make_cluster
+from support.moves import Cluster, cloned_cluster, create_user
+from support.templates import Databases
 from sqlalchemy import select
 from mdb.demo.models import Transaction
 from mdb.gdid import GDID
+from mdb.store import Store
 
 SERVERS = ["u1", "u2", "x"]
 USERS = [GDID(0, 0, i) for i in range(1, 9)]
 
 
+def _users(store: Store) -> None:
+    for g in USERS:
+        create_user(store, g, orders=1, lines=2)
+
+
 @pytest.fixture
-def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster:
-    cluster = make_cluster(dict(zip(["c", *SERVERS], pg_databases(4))), tmp_path, [("0:0:0", ["u1", "u2"])])
-    with cluster.store() as store:
-        for g in USERS:
-            create_user(store, g, orders=1, lines=2)
-    return cluster
+def cluster(pg_databases: Databases, tmp_path: Path) -> Cluster:
+    return cloned_cluster(pg_databases, ["c", *SERVERS], tmp_path, [("0:0:0", ["u1", "u2"])], seed=_users)
 
 
 def _transactions(cluster: Cluster) -> Counter[tuple[str, GDID, int]]:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from psycopg import sql
 from support.mongo import MongoEnv
 from support.pgbouncer import Direct, Pooling
 from sqlalchemy.engine import make_url
@@ -124,14 +126,28 @@ class _Databases:
         self._cluster = cluster
         self._made: list[tuple[PostgresServer, str]] = []
 
-    def __call__(self, n: int = 1) -> list[str]:
+    def servers(self, n: int) -> list[PostgresServer]:
+        """The pool servers ``pg_databases(n)`` puts its databases on, started."""
         if not 1 <= n <= len(self._cluster):
             raise ValueError(f"pg_databases(n) needs 1 <= n <= {len(self._cluster)}, got {n}")
         servers: list[PostgresServer] = []
         _starting(lambda: servers.extend(self._cluster.start(n)))
+        return servers
+
+    def __call__(self, n: int = 1, *, templates: Sequence[str] | None = None) -> list[str]:
+        """``templates``: a database on each of those servers to copy (support.templates), else an empty one."""
+        servers = self.servers(n)
+        if templates is not None and len(templates) != n:
+            raise ValueError(f"pg_databases({n}) got {len(templates)} templates")
         urls = []
-        for server in servers:
-            url = server.create_database()
+        for index, server in enumerate(servers):
+            if templates is None:
+                url = server.create_database()
+            else:
+                url = server.url(f"t_{uuid.uuid4().hex[:16]}")
+                with server.connect() as conn:
+                    conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                        sql.Identifier(make_url(url).database or ""), sql.Identifier(templates[index])))
             self._made.append((server, make_url(url).database or ""))
             urls.append(url)
         return urls
@@ -145,7 +161,8 @@ class _Databases:
 @pytest.fixture
 def pg_databases(pg_cluster: PostgresCluster) -> Iterator[Callable[[int], list[str]]]:
     """Factory: ``pg_databases(n)`` -> n SQLAlchemy URLs of fresh databases, each on a different
-    server (n <= 4). Call it as often as you like; everything is dropped after the test."""
+    server (n <= 4). Call it as often as you like; everything is dropped after the test.
+    ``pg_databases(n, templates=[...])`` copies those databases (support.templates)."""
     databases = _Databases(pg_cluster)
     yield databases
     databases.drop_all()

@@ -9,16 +9,18 @@ import subprocess
 import sys
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 import pytest
-from support.moves import process_state, ROOT, Cluster, add_transaction, create_user, locations, make_cluster
+from support.moves import process_state, ROOT, Cluster, add_transaction, cloned_cluster, create_user, locations
+from support.templates import Databases
 from sqlalchemy import select
 from mdb.demo.models import Transaction, UserBriefcase
 from mdb.errors import RetryableError
 from mdb.gdid import GDID
 from mdb.moves.batch import BATCH_KIND
 from mdb.moves.journal import Journal
+from mdb.store import Store
 
 SERVERS = ["u1", "u2", "x"]
 USERS = [GDID(0, 0, i) for i in range(1, 41)]
@@ -76,20 +78,23 @@ with Store.from_yaml(path, types=[UserBriefcase]) as store:
 """
 
 
+def _users(store: Store) -> None:
+    for g in USERS:
+        create_user(store, g, orders=1, lines=2)
+
+
 @pytest.fixture
-def cluster(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> Cluster:
-    cluster = make_cluster(dict(zip(["c", *SERVERS], pg_databases(4))), tmp_path, [("0:0:0", ["u1", "u2"])])
-    with cluster.store() as store:
-        for g in USERS:
-            create_user(store, g, orders=1, lines=2)
-    return cluster
+def cluster(pg_databases: Databases, tmp_path: Path) -> Cluster:
+    return cloned_cluster(pg_databases, ["c", *SERVERS], tmp_path, [("0:0:0", ["u1", "u2"])], seed=_users)
 
 
 class Writers:
     """A writer process on a frozen copy of the map (a stale router) and a writer thread; acknowledged writes."""
 
-    def __init__(self, cluster: Cluster, tmp_path: Path) -> None:
+    def __init__(self, cluster: Cluster, tmp_path: Path, move_wait_seconds: float | None = None) -> None:
         self.cluster = cluster
+        self._move_wait = move_wait_seconds
+        """The thread's ``Store(move_wait_seconds=...)``: None is the Store's default (30 s)."""
         self.acked: list[tuple[GDID, int]] = []
         self.retried: Counter[str] = Counter()
         """Retryable errors raised to the writers (thread and process), by type: an application would see them."""
@@ -110,7 +115,8 @@ class Writers:
         self._thread.start()
 
     def _write(self, base: int) -> None:
-        with self.cluster.store() as store:
+        wait = {} if self._move_wait is None else {"move_wait_seconds": self._move_wait}
+        with Store.from_yaml(self.cluster.path, types=[UserBriefcase], **wait) as store:
             n = 0
             while not self._stop.is_set():
                 g, tid = USERS[n % len(USERS)], base + n
@@ -150,9 +156,17 @@ class Writers:
         return acked
 
 
+WRITERS_MOVE_WAIT = "WRITERS_MOVE_WAIT"
+"""A test module's constant of this name (seconds) is how long the ``writers`` thread waits for a
+moving briefcase before its write fails (a RetryableError, counted in ``retried``), instead of
+the Store's 30 s. Where a suite kills a batch and then waits for the thread's next writes before
+it resumes, the thread sat out the full wait on each briefcase the dead batch left moving
+(30-60 s per kill point); the oracles count only acknowledged writes."""
+
+
 @pytest.fixture
-def writers(cluster: Cluster, tmp_path: Path) -> Iterator[Writers]:
-    w = Writers(cluster, tmp_path)
+def writers(cluster: Cluster, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Writers]:
+    w = Writers(cluster, tmp_path, getattr(request.module, WRITERS_MOVE_WAIT, None))
     try:
         yield w
     finally:
