@@ -193,7 +193,7 @@ class BatchMove:
         reshard_id: str | None, tables: list[AreaTable] | None = None, max_pause: float = DEFAULT_MAX_PAUSE,
         lock_wait: float = DEFAULT_LOCK_WAIT, hashed: frozenset[str] = frozenset(), gate: CutoverGate | None = None,
         move_back: bool = False, item: str | None = None, single: bool = False, reverse_of: str | None = None,
-        on_table: Callable[[str, int], None] | None = None,
+        on_table: Callable[[str, int], None] | None = None, planned: dict[str, int] | None = None,
     ) -> None:
         if not gdids:
             raise MdbError("a batch needs at least one briefcase")
@@ -225,6 +225,8 @@ class BatchMove:
         self.reverse_of = reverse_of
         """The move of a cancelled reshard this one undoes (journaled; not counted as the reshard's progress)."""
         self.on_table = on_table
+        self.planned = planned or {}
+        """Rows per table counted before the batch (a single move's sizes): the journal row's totals."""
         self.bound = "--max-pause" if single else "max pause"
         self.blocks: Blocks = {}
         self.nbytes: dict[str, int] = {}
@@ -258,7 +260,8 @@ class BatchMove:
             params={"gdids": [str(g) for g in self.gdids], "max_pause": self.max_pause, "previous_target_states": previous,
                     **({"move_back": True} if self.move_back else {}), **({"item": self.item} if self.item else {}),
                     **({"reverse_of": self.reverse_of} if self.reverse_of else {})},
-            briefcases_total=len(self.gdids),
+            briefcases_total=len(self.gdids), tables={name: [n, 0] for name, n in self.planned.items()},
+            rows_total=sum(self.planned.values()),
         )
         self.journal.start(entry)
         fault_point("batch.after_journal_start")
@@ -494,7 +497,7 @@ class SingleMove:
             batch = BatchMove(
                 cluster, self.journal, self.area, [self.gdid], self.source, self.target, reshard_id=o.reshard_id, tables=self.tables,
                 max_pause=o.max_pause, lock_wait=o.lock_wait, hashed=hashed, item=o.item, single=True, reverse_of=o.reverse_of,
-                on_table=o.on_table,
+                on_table=o.on_table, planned={name: n for name, (n, _) in sizes.items()},
             )
             try:
                 done = batch.run()
