@@ -108,7 +108,7 @@ def test_where_says_a_killed_move_is_interrupted(pg_databases: Callable[[int], l
     where = json.loads(run_cli(["where", str(cluster.path), "user", str(g), "--json"]).stdout)
     assert [m["driver"] for m in where["moves_in_flight"]] == ["interrupted: run `mdb moves resume MAP`"], where
     text = run_cli(["where", str(cluster.path), "user", str(g)])
-    assert "at step copy, interrupted: run `mdb moves resume MAP`" in text.stdout.replace("\n", " "), text.stdout
+    assert "at step precopy, interrupted: run `mdb moves resume MAP`" in text.stdout.replace("\n", " "), text.stdout
 
 
 def _dead_pid() -> int:
