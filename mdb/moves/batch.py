@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -56,16 +56,21 @@ from mdb.faults import fault_point, register
 from mdb.gdid import GDID
 from mdb.migrations.revisions import SCHEMA_LOCK_KEY, current_revision, require_one_revision
 from mdb.moves import cutover, verify
-from mdb.moves.batch_sql import Sums, claim_and_copy, fence_and_delete, settle, target_holdings, undo
-from mdb.moves.copy import AreaTable, copy_batch, delete_batch, is_postgres
+from mdb.moves.batch_sql import Blocks, Sums, claim_and_copy, fence_and_delete, resync, settle, target_holdings, undo
+from mdb.moves.copy import AreaTable, is_postgres, measure
 from mdb.moves.fencing import unchecked
 from mdb.moves.gate import CutoverGate
 from mdb.moves.journal import ABORTED, RUNNING, Journal, JournalEntry, new_move_id
-from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, ResumeOutcome, register_resolver
-from mdb.moves.sql_steps import area_tables, check_target_schema, locked_briefcases, statement_cancelled
+from mdb.moves.lease import fenced_servers, hold
+from mdb.moves.move import (
+    DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, MoveOptions, MoveResult, ResumeOutcome, check_kinds, check_max_pause, refuse_if_busy,
+    register_mover, register_resolver,
+)
+from mdb.moves.sql_steps import area_tables, check_target_schema, locked_briefcases, precheck, statement_cancelled
 from mdb.system_tables import STATE_GONE
+from mdb.urls import SQL
 
-__all__ = ["BATCH_KIND", "BatchMove", "BatchResult", "hold_schemas"]
+__all__ = ["BATCH_KIND", "BatchMove", "BatchResult", "SingleMove", "hold_schemas"]
 
 log = logging.getLogger("mdb.moves.batch")
 
@@ -123,7 +128,8 @@ def _locked_batch(cluster: Cluster, server: str, area: str, gdids: Sequence[GDID
 
 @contextmanager
 def hold_schemas(cluster: Cluster, area: str, servers: Sequence[str], tables: Sequence[AreaTable],
-                 revisions: dict[str, str | None] | None = None) -> Iterator[frozenset[str]]:
+                 revisions: dict[str, str | None] | None = None, *, doing: str = "reshard",
+                 what: str | None = None) -> Iterator[frozenset[str]]:
     """Keep migrations off ``servers`` while batches run, check they are at one revision of ``area``,
     and yield the tables every one of them can sum by row hash (:func:`mdb.moves.verify.hashable_tables`).
 
@@ -134,26 +140,32 @@ def hold_schemas(cluster: Cluster, area: str, servers: Sequence[str], tables: Se
     so the revisions compared once here, and the column types the checksum was chosen by,
     cannot change under any batch of the pass. ``revisions``: those of servers already held
     (a worker holding more servers as it claims items of the pass), compared with these and
-    updated with them.
+    updated with them. ``doing`` and ``what`` word a refusal (a single move: "move", its briefcase).
     """
     with ExitStack() as held:
         revisions = {} if revisions is None else revisions
         hashed: frozenset[str] | None = None
+        conns: list[tuple[str, Connection]] = []
         for server in dict.fromkeys(servers):
             conn = held.enter_context(cluster.connect(server))
             with translated(server):
                 if conn.dialect.name == "postgresql":
                     if not conn.execute(text("SELECT pg_try_advisory_lock_shared(:key)"), {"key": SCHEMA_LOCK_KEY}).scalar():
-                        raise MigrationError(f"server {server!r}: a schema migration is running on it; reshard after it ends")
+                        raise MigrationError(f"server {server!r}: a schema migration is running on it; {doing} after it ends")
                     held.callback(_unlock_schema, conn)
                 revisions[server] = current_revision(conn, area)
+            conns.append((server, conn))
+        # Revisions first: between servers at different revisions the refusal names them and
+        # `mdb migrate up`, not the columns that differ.
+        require_one_revision(area, revisions)
+        for server, conn in conns:
+            with translated(server):
                 # The live tables, not only the revision: a column added since the mover imported its
                 # models would be copied as NULL (lost), so a pass refuses to start instead.
-                check_target_schema(conn, server, list(tables), f"reshard pass of area {area!r}")
+                check_target_schema(conn, server, list(tables), what or f"reshard pass of area {area!r}")
                 here = verify.hashable_tables(conn, tables)
                 hashed = here if hashed is None else hashed & here
                 conn.commit()
-        require_one_revision(area, revisions)
         yield hashed or frozenset()
 
 
@@ -180,7 +192,8 @@ class BatchMove:
         self, cluster: Cluster, journal: Journal, area: str, gdids: Sequence[GDID], source: str, target: str, *,
         reshard_id: str | None, tables: list[AreaTable] | None = None, max_pause: float = DEFAULT_MAX_PAUSE,
         lock_wait: float = DEFAULT_LOCK_WAIT, hashed: frozenset[str] = frozenset(), gate: CutoverGate | None = None,
-        move_back: bool = False, item: str | None = None,
+        move_back: bool = False, item: str | None = None, single: bool = False, reverse_of: str | None = None,
+        on_table: Callable[[str, int], None] | None = None, planned: dict[str, int] | None = None,
     ) -> None:
         if not gdids:
             raise MdbError("a batch needs at least one briefcase")
@@ -205,6 +218,19 @@ class BatchMove:
         """A cancel's move-back (journaled in its params: the cancel counts what it brought back by it)."""
         self.method: verify.Method = "sql"
         """How both sides sum rows; decided by the servers' kinds when the pre-copy connects to both."""
+        self.single = single
+        """An ``mdb move`` (a batch of one, :class:`SingleMove`): journals its steps (its history and
+        `mdb fleet status` show them), holds a lease of its own unless a reshard's covers it, measures
+        its bytes in the pre-copy, and names its bound ``--max-pause`` as the operator typed it."""
+        self.reverse_of = reverse_of
+        """The move of a cancelled reshard this one undoes (journaled; not counted as the reshard's progress)."""
+        self.on_table = on_table
+        self.planned = planned or {}
+        """Rows per table counted before the batch (a single move's sizes): the journal row's totals."""
+        self.bound = "--max-pause" if single else "max pause"
+        self.blocks: Blocks = {}
+        self.nbytes: dict[str, int] = {}
+        """Bytes per table, measured on the source in the pre-copy's snapshot (a single move's result)."""
 
     def _precheck(self) -> dict[str, dict[str, Any]]:
         """Briefcases that cannot be batched (refused, the caller moves them singly); the target's earlier state rows.
@@ -229,17 +255,33 @@ class BatchMove:
             previous = self._precheck()
         self.move_id = new_move_id("batch")
         entry = JournalEntry(
-            move_id=self.move_id, kind=BATCH_KIND, area=self.area, step="lock", status=RUNNING, gdid=self.gdids[0],
-            source=self.source, target=self.target, reshard_id=self.reshard_id,
+            move_id=self.move_id, kind=BATCH_KIND, area=self.area, step="precopy" if self.single else "lock", status=RUNNING,
+            gdid=self.gdids[0], source=self.source, target=self.target, reshard_id=self.reshard_id,
             params={"gdids": [str(g) for g in self.gdids], "max_pause": self.max_pause, "previous_target_states": previous,
-                    **({"move_back": True} if self.move_back else {}), **({"item": self.item} if self.item else {})},
-            briefcases_total=len(self.gdids),
+                    **({"move_back": True} if self.move_back else {}), **({"item": self.item} if self.item else {}),
+                    **({"reverse_of": self.reverse_of} if self.reverse_of else {})},
+            briefcases_total=len(self.gdids), tables={name: [n, 0] for name, n in self.planned.items()},
+            rows_total=sum(self.planned.values()),
         )
         self.journal.start(entry)
         fault_point("batch.after_journal_start")
+        with ExitStack() as leased:
+            if self.single and self.reshard_id is None and self.item is None:
+                # An `mdb move` is driven under its own lease (a reshard's moves under the reshard's), so a
+                # resume started beside it leaves it alone and `mdb moves status` names its process;
+                # every write from here on checks its epoch (mdb.moves.fencing).
+                lease = leased.enter_context(hold(self.journal, self.move_id))
+                self.cluster = lease.fenced(self.cluster, fenced_servers(self.cluster, self.journal, entry))
+                self.journal = Journal(self.cluster)
+            return self._run(entry)
+        raise AssertionError("unreachable")  # pragma: no cover - ExitStack does not swallow
+
+    def _run(self, entry: JournalEntry) -> BatchResult:
         try:
             target_sums = self._precopy()
             fault_point("batch.after_precopy")
+            if self.single:
+                self.journal.step(self.move_id, "lock")
             with self.gate.cutting(), \
                     _locked_batch(self.cluster, self.source, self.area, self.gdids, lock_wait=self.lock_wait, max_pause=self.max_pause) as (src, locked_at):
                 rows, pause = self._cut_over(src, locked_at, target_sums)
@@ -252,14 +294,12 @@ class BatchMove:
             raise
         except BaseException as exc:
             if statement_cancelled(exc):  # a statement under the write lock ran past max_pause
-                self._roll_back(f"a statement under the write lock was cancelled at max pause {self.max_pause:.2f}s")
-                raise BatchAbortedError(
-                    f"batch {self.move_id} rolled back: a statement under the write lock ran past {self.max_pause:.2f}s "
-                    f"({dberrors.describe(exc)})", self.move_id,
-                ) from None
+                why = f"a statement under the write lock was cancelled at {self.bound} {self.max_pause:.2f}s ({dberrors.describe(exc)})"
+                self._roll_back(why)
+                raise BatchAbortedError(why, self.move_id) from None
             # A server gone, a bug: the source transaction was rolled back; resume discards the copy.
-            log.error("batch %s of %d briefcase(s) failed before its commit point (%s); run `mdb moves resume`",
-                      self.move_id, len(self.gdids), type(exc).__name__)
+            log.error("batch %s of %d briefcase(s) failed before its commit point (%s); the source is authoritative, "
+                      "run `mdb moves resume` to discard the partial copy", self.move_id, len(self.gdids), type(exc).__name__)
             raise
         fault_point("batch.after_commit_point")
         per_table: dict[str, int] = {}
@@ -268,7 +308,7 @@ class BatchMove:
                 per_table[name] = per_table.get(name, 0) + n
         self.journal.pause(self.move_id, pause)  # the reshard's pause p99 in its history (mdb.moves.history)
         with self.gate.step(stoppable=False):  # past the commit point: a stop waits for it
-            cutover.finalize(self.cluster, self.journal, entry, per_table)
+            cutover.finalize(self.cluster, self.journal, entry, per_table, phases=self.single)
         for per_table in rows.values():
             telemetry.move_done(self.area, self.reshard_id, sum(per_table.values()), pause)
         return BatchResult(self.move_id, list(self.gdids), rows, pause)
@@ -288,8 +328,10 @@ class BatchMove:
             if src.dialect.name == "postgresql":
                 src.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             self.method = verify.method_for(src, dst)
-            refused, sums = claim_and_copy(src, dst, self.area, self.tables, self.gdids, self.source, self.move_id, self.hashed,
-                                           self.gate)
+            if self.single:  # the result's bytes, in the copy's snapshot (summing row sizes reads every row)
+                self.nbytes = {name: b for name, (_, b) in measure(src, self.tables, self.gdids[0]).items()}
+            refused, sums, self.blocks = claim_and_copy(src, dst, self.area, self.tables, self.gdids, self.source, self.move_id,
+                                                        self.hashed, self.gate, self.on_table)
             if refused:  # rolls both back: nothing of this batch was written
                 raise BatchAbortedError(
                     f"{len(refused)} briefcase(s) of the batch were taken on {self.target!r} by another mover since the precheck "
@@ -332,6 +374,7 @@ class BatchMove:
                 undo(src)  # the source's rows are back (still under the lock) for the report
                 telemetry.move_verification_failed(area)
                 raise BatchAbortedError(
+                    "verification failed" if self.single else
                     f"verification of {len(gdids)} briefcase(s) found {len(differ)} that differ between {self.source!r} and "
                     f"{self.target!r} (e.g. {differ[0]}); every one is moved again on its own", self.move_id, differ,
                     self._mismatches(src, differ, cut.sums, target_sums),
@@ -339,7 +382,10 @@ class BatchMove:
         fault_point("batch.after_verify")
         held = time.monotonic() - locked_at
         if held > self.max_pause:
-            raise BatchAbortedError(f"the write lock was held {held:.3f}s, over max pause {self.max_pause:.3f}s", self.move_id)
+            raise BatchAbortedError(f"the write lock was held {held:.2f}s, over {self.bound} {self.max_pause:.2f}s", self.move_id)
+        if self.single:
+            moved = {name: s.rows for (name, _), s in cut.sums.items()}
+            self.journal.step(self.move_id, "commit_point", tables={n: [r, r] for n, r in moved.items()}, rows_done=sum(moved.values()))
         fault_point("batch.before_commit_point")
         src.commit()
         pause = time.monotonic() - locked_at
@@ -364,19 +410,19 @@ class BatchMove:
         return out
 
     def _resync(self, src: Connection, changed: list[GDID], source_sums: Sums, target_sums: Sums, deadline: float) -> Sums:
-        """Copy ``changed`` again from the locked source (their rows changed since the pre-copy); the target's sums after.
+        """Bring ``changed`` (written since the pre-copy) up to date on the target, row by row; the target's sums after.
 
-        One target transaction: the old copies deleted, the tables that hold rows of them
-        copied, the sums taken again by a query of their own. Committed before the source's
-        commit point, like the pre-copy: a crash before that point leaves a copy resume discards.
+        One target transaction: only the rows that differ are deleted and copied again
+        (:func:`mdb.moves.batch_sql.resync`), then the briefcases are summed again by a query of
+        their own. Committed before the source's commit point, like the pre-copy: a crash before
+        that point leaves a copy resume discards.
         """
-        tables = self.tables
         again_of = set(changed)
         with self.cluster.transaction(self.target) as dst:
             settle(dst, deadline)
-            delete_batch(dst, tables, changed)
-            copy_batch(src, dst, [at for at in tables if any((at.name, g) in source_sums for g in changed)], changed)
-            again = verify.batch_sums(dst, tables, changed, self.method, pinned=True, hashed=self.hashed)
+            redone = resync(src, dst, self.tables, changed, source_sums, target_sums, self.method, self.blocks)
+            again = verify.batch_sums(dst, self.tables, changed, self.method, pinned=True, hashed=self.hashed)
+        log.info("batch %s: re-synced %d changed row(s) under the lock", self.move_id, redone)
         fault_point("batch.after_resync")
         return {key: value for key, value in target_sums.items() if key[1] not in again_of} | again
 
@@ -391,10 +437,78 @@ class BatchMove:
     def resume(cls, cluster: Cluster, journal: Journal, entry: JournalEntry, *, retry: bool = False) -> ResumeOutcome:
         """By the fences on the source, like every SQL cutover (:func:`mdb.moves.cutover.resume`).
 
-        ``retry`` is for single moves; a batch belongs to a reshard, which moves what a rolled
-        back batch held again when it continues.
+        ``retry``: an ``mdb move`` (a batch of one of no reshard) rolled back is then taken again;
+        a reshard's or job's batch belongs to it, which moves what the batch held again when it continues.
         """
-        return cutover.resume(cluster, journal, entry)
+        return cutover.resume(cluster, journal, entry, retry=retry)
 
 
 register_resolver(BatchMove)
+
+
+@register_mover
+class SingleMove:
+    """A briefcase's move between two SQL servers (PostgreSQL, SQLite): ``mdb move``, a reshard's
+    briefcase that no batch could take, a cancel's move back. A batch of one (docs/dev/0017).
+
+    What only one briefcase needs is done here, before the batch: refusals worded for the move
+    (a busy briefcase, a target already holding it, a source without it), the schemas held
+    (:func:`hold_schemas` of both servers, refusing while a migration runs), its sizes (the
+    CLI's progress bar) and a dry run. The cutover itself is :class:`BatchMove`'s, whose
+    :class:`~mdb.errors.BatchAbortedError` is re-raised in the move's words.
+    """
+
+    server_kind: ClassVar[str] = SQL
+
+    def __init__(self, cluster: Cluster, area: str, gdid: GDID, target: str, options: MoveOptions, journal: Journal | None = None) -> None:
+        self.tables = area_tables(cluster, area)  # no type of the area: RoutingError first
+        self.cluster = cluster
+        self.area = area
+        self.gdid = gdid
+        self.target = target
+        self.options = options
+        self.journal = journal or Journal(cluster)
+        self.source = options.source or cluster.router.locate(area, gdid).server
+
+    @property
+    def what(self) -> str:
+        return f"move of {self.area}/{self.gdid} from {self.source!r} to {self.target!r}"
+
+    def _result(self, move_id: str | None, status: str, tables: dict[str, tuple[int, int]], pause: float) -> MoveResult:
+        return MoveResult(move_id, self.area, self.gdid, self.source, self.target, status, tables, pause, status == "done")
+
+    def run(self) -> MoveResult:
+        """Move the briefcase; raises :class:`MoveAbortedError` (source authoritative, copy removed) when rolled back."""
+        o, cluster = self.options, self.cluster
+        check_max_pause(o.max_pause)
+        if self.source == self.target:
+            return self._result(None, "already-there", {}, 0.0)
+        check_kinds(cluster, self.area, self.gdid, self.source, self.target, self.server_kind)
+        if o.reshard_id is None:
+            refuse_if_busy(cluster, self.journal, self.area, self.gdid)
+        with hold_schemas(cluster, self.area, [self.target, self.source], self.tables, doing="move", what=self.what) as hashed:
+            with cluster.transaction(self.source) as conn:
+                sizes = measure(conn, self.tables, self.gdid, with_bytes=o.dry_run)  # a move measures bytes in its pre-copy
+            if o.on_sizes is not None:
+                o.on_sizes(sizes)
+            precheck(cluster, self.area, self.gdid, self.source, self.target, self.tables)
+            if o.dry_run:
+                return self._result(None, "dry-run", sizes, 0.0)
+            batch = BatchMove(
+                cluster, self.journal, self.area, [self.gdid], self.source, self.target, reshard_id=o.reshard_id, tables=self.tables,
+                max_pause=o.max_pause, lock_wait=o.lock_wait, hashed=hashed, item=o.item, single=True, reverse_of=o.reverse_of,
+                on_table=o.on_table, planned={name: n for name, (n, _) in sizes.items()},
+            )
+            try:
+                done = batch.run()
+            except BatchAbortedError as exc:
+                reason = str(exc) if not exc.mismatches else f"{exc}: {'; '.join(exc.mismatches)}"
+                raise MoveAbortedError(
+                    f"move {exc.move_id} of {self.area}/{self.gdid} aborted and rolled back, {self.source!r} is still "
+                    f"authoritative: {reason}", exc.move_id, exc.mismatches,
+                ) from None
+        if o.refresh:
+            cluster.refresh()
+        rows = done.rows[self.gdid]
+        return self._result(done.move_id, "done", {at.name: (rows.get(at.name, 0), batch.nbytes.get(at.name, 0)) for at in self.tables},
+                            done.pause_seconds)

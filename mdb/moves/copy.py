@@ -16,14 +16,14 @@ from typing import Any
 
 from psycopg import errors as pg_errors
 from psycopg import sql
-from sqlalchemy import Table, delete, func, insert, literal_column, select, tuple_, union_all
+from sqlalchemy import Table, bindparam, delete, func, insert, literal_column, select, tuple_, union_all, update
 from sqlalchemy.engine import Connection
 
 from mdb.errors import SchemaError
 from mdb.gdid import GDID
 from mdb.moves.gate import CutoverGate
 
-__all__ = ["AreaTable", "copy_batch", "count_batch", "copy_rows", "delete_batch", "delete_keys", "delete_rows", "is_postgres", "measure", "select_keys"]
+__all__ = ["AreaTable", "copy_batch", "count_batch", "copy_rows", "delete_batch", "delete_keys", "delete_rows", "is_postgres", "measure", "select_keys", "update_keys"]
 
 BATCH = 2000
 RELAY_BLOCK = 64 * 1024
@@ -112,13 +112,13 @@ def _pg_keys(gdids: Sequence[GDID]) -> sql.Composable:
 
 
 def copy_batch(src: Connection, dst: Connection, tables: Sequence[AreaTable], gdids: Sequence[GDID],
-               gate: CutoverGate | None = None) -> dict[str, int]:
+               gate: CutoverGate | None = None, on_table: Callable[[str, int], None] | None = None) -> dict[str, int]:
     """Copy every row of the briefcases ``gdids``, one statement per table for all of them (parents first).
 
     What makes a batched cutover cheap: 8 tables cost 8 COPY streams whether the batch holds
     one briefcase or five hundred. ``gate``: each table's copy is one of its steps, passing its
     turn between blocks of rows (:class:`mdb.moves.gate.CutoverGate`); a copy under the caller's
-    own write lock has none.
+    own write lock has none. ``on_table(table, rows)`` after each table (the CLI's progress).
     """
     both_pg = is_postgres(src) and is_postgres(dst)
     pace = gate.wait if gate is not None else None
@@ -129,6 +129,8 @@ def copy_batch(src: Connection, dst: Connection, tables: Sequence[AreaTable], gd
                 counts[at.name] = _pg_copy(src, dst, at, sql.SQL("= ANY({})").format(_pg_keys(gdids)), pace=pace)
             else:
                 counts[at.name] = _generic_copy(src, dst, at, None, where=at.table.c[at.key].in_(list(gdids)), pace=pace)
+        if on_table is not None:
+            on_table(at.name, counts[at.name])
     return counts
 
 
@@ -219,6 +221,28 @@ def select_keys(src: Connection, dst: Connection, at: AreaTable, gdid: GDID, key
     for i in range(0, len(keys), 500):
         copied += _generic_copy(src, dst, at, gdid, where=pk.in_(list(keys[i : i + 500])))
     return copied
+
+
+def update_keys(src: Connection, dst: Connection, at: AreaTable, gdid: GDID, keys: Sequence[tuple[Any, ...]]) -> int:
+    """Overwrite, in place, the rows of ``at`` whose primary keys are ``keys`` with the source's
+    (a re-sync of rows both sides hold: a parent deleted and inserted again would break its
+    children's foreign keys). Returns the rows updated."""
+    t = at.table
+    pk_cols = list(t.primary_key.columns)
+    others = [c for c in t.columns if c not in set(pk_cols)]
+    if not keys or not others:
+        return 0
+    stmt = update(t).where(*(c == bindparam(f"mdb_k_{c.name}") for c in pk_cols)).values(
+        {c.name: bindparam(f"mdb_v_{c.name}") for c in others})
+    pk = tuple_(*pk_cols)
+    updated = 0
+    for i in range(0, len(keys), 500):
+        rows = src.execute(select(t).where(t.c[at.key] == gdid, pk.in_(list(keys[i : i + 500])))).mappings().all()
+        if rows:
+            dst.execute(stmt, [{**{f"mdb_k_{c.name}": r[c.name] for c in pk_cols}, **{f"mdb_v_{c.name}": r[c.name] for c in others}}
+                               for r in rows])
+            updated += len(rows)
+    return updated
 
 
 def delete_keys(conn: Connection, at: AreaTable, gdid: GDID, keys: Sequence[tuple[Any, ...]]) -> None:

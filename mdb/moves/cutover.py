@@ -1,10 +1,11 @@
 """The end of every SQL cutover, written once: finalize, discard, and resume by the fence.
 
-A single ``mdb move`` (:class:`mdb.moves.sql_move.SqlMove`, journal kind ``move``) and a batch of
-a reshard or job (:class:`mdb.moves.batch.BatchMove`, kind ``batch-move``) leave the same things
-behind: ``incoming`` copies on the target whose state rows carry the cutover's id, and, past
-the commit point, that id's fences on the source. So one set of functions finishes or undoes
-both, whatever version of mdb journaled the row (docs/dev/0017):
+Every SQL cutover is a batch (:class:`mdb.moves.batch.BatchMove`, journal kind ``batch-move``):
+of a reshard or job, or of one briefcase (``mdb move``). Rows of kind ``move``, single moves
+journaled by an mdb before a move became a batch of one, leave the same things behind:
+``incoming`` copies on the target whose state rows carry the cutover's id, and, past the commit
+point, that id's fences on the source. So one set of functions finishes or undoes both,
+whatever version of mdb journaled the row (docs/dev/0017):
 
 - :func:`finalize`: relocation entries, then the target's state rows, then the journal ``done``;
 - :func:`discard`: the copies deleted and the target's earlier state rows restored;
@@ -20,7 +21,7 @@ briefcase) or ``params['previous_target_state']`` (a move's, one or none).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import delete, func, insert, update
 
@@ -29,12 +30,12 @@ from mdb.errors import MdbError
 from mdb.faults import fault_point, register
 from mdb.moves.copy import AreaTable, count_batch, delete_batch
 from mdb.moves.journal import DONE, ROLLED_BACK, Journal, JournalEntry
-from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, ResumeOutcome
+from mdb.moves.move import DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, ResumeOutcome, move_briefcase, register_resolver
 from mdb.moves.sql_steps import area_tables, locked_briefcases, states
 from mdb.relocations import set_relocations
 from mdb.system_tables import STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state
 
-__all__ = ["FAULT_POINTS", "discard", "finalize", "resume"]
+__all__ = ["FAULT_POINTS", "EarlierMoveRows", "discard", "finalize", "resume"]
 
 FAULT_POINTS = register(
     "batch.after_relocations",
@@ -115,12 +116,13 @@ def finalize(cluster: Cluster, journal: Journal, entry: JournalEntry, rows: dict
                    tables={name: [n, n] for name, n in rows.items()})
 
 
-def resume(cluster: Cluster, journal: Journal, entry: JournalEntry) -> ResumeOutcome:
+def resume(cluster: Cluster, journal: Journal, entry: JournalEntry, *, retry: bool = False) -> ResumeOutcome:
     """Finish (all of this cutover's fences on the source) or roll back (none) one unfinished SQL cutover.
 
     Under its briefcases' locks on the source, so a commit still in flight when the mover died
     has landed or is gone for good. Some but not all fences cannot come from one commit point
-    (it is one transaction): refused with what to do, nothing touched.
+    (it is one transaction): refused with what to do, nothing touched. ``retry``: a single move
+    of its own (no reshard's, one briefcase) that was rolled back is then taken again.
     """
     assert entry.source is not None and entry.target is not None
     gdids = entry.briefcases
@@ -143,5 +145,23 @@ def resume(cluster: Cluster, journal: Journal, entry: JournalEntry) -> ResumeOut
     fault_point("batch.resume.after_discard")
     of = f" of {len(gdids)} briefcase(s)" if many else ""
     journal.finish(entry.move_id, ROLLED_BACK, f"interrupted at step {entry.step!r}; discarded {deleted} copied row(s){of} on {entry.target!r}")
+    if retry and entry.reshard_id is None and not many:
+        assert entry.gdid is not None
+        cluster.refresh()
+        again = move_briefcase(cluster, entry.area, entry.gdid, entry.target,
+                               max_pause=float(entry.params.get("max_pause", DEFAULT_MAX_PAUSE)), refresh=False)
+        return ResumeOutcome(entry.move_id, entry.kind, "retried", f"rolled back, then moved again as {again.move_id}")
     return ResumeOutcome(entry.move_id, entry.kind, "rolled back",
                          f"interrupted at step {entry.step!r}; source {entry.source!r} is authoritative" + (f" for {len(gdids)} briefcase(s)" if many else ""))
+
+
+@register_resolver
+class EarlierMoveRows:
+    """Journal rows of kind ``move``: single SQL moves journaled by an mdb before a move became a
+    batch of one (docs/dev/0017). Same end as every SQL cutover, so they resume here."""
+
+    journal_kind: ClassVar[str] = "move"
+
+    @classmethod
+    def resume(cls, cluster: Cluster, journal: Journal, entry: JournalEntry, *, retry: bool = False) -> ResumeOutcome:
+        return resume(cluster, journal, entry, retry=retry)

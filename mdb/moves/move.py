@@ -18,10 +18,11 @@ implements:
 After a crash :meth:`Move.resume` decides by the fence on the source, never by the journal
 step: fence of this move there means finish, none means roll back.
 
-One implementation per server kind, chosen by the source server's kind (``pmap.kind_of``)
-through :func:`register_move`: :class:`mdb.moves.sql_move.SqlMove` (PostgreSQL, SQLite) and
-:class:`mdb.moves.document_move.DocumentMove` (MongoDB). A move between kinds is refused. To
-add a server kind, write one subclass in a module of its own and import it in
+One mover per server kind, chosen by the source server's kind (``pmap.kind_of``) through
+:func:`register_mover`: :class:`mdb.moves.batch.SingleMove` (PostgreSQL, SQLite: a batch of
+one, the batch engine's steps, docs/dev/0017) and :class:`mdb.moves.document_move.DocumentMove`
+(MongoDB, a :class:`Move` registered by :func:`register_move`). A move between kinds is
+refused. To add a server kind, write one mover in a module of its own and import it in
 ``mdb/moves/__init__.py``.
 """
 
@@ -50,14 +51,17 @@ __all__ = [
     "Move",
     "MoveOptions",
     "MoveResult",
+    "Mover",
     "ResumeOutcome",
     "area_tables",
+    "check_kinds",
     "check_max_pause",
     "locked_source",
     "move_briefcase",
     "move_class",
     "move_kinds",
     "register_move",
+    "register_mover",
     "register_resolver",
     "resolve_move",
 ]
@@ -123,14 +127,12 @@ class ResumeOutcome:
 
 @dataclass(frozen=True)
 class MoveOptions:
-    """How to move. ``lock_wait``, ``precopy_rows``, ``on_table`` and ``on_sizes`` matter to SQL moves only."""
+    """How to move. ``lock_wait``, ``on_table`` and ``on_sizes`` matter to SQL moves only."""
 
     max_pause: float = DEFAULT_MAX_PAUSE
     lock_wait: float = DEFAULT_LOCK_WAIT
     dry_run: bool = False
     reshard_id: str | None = None
-    precopy_rows: int | None = None
-    """None: the kind's default (SQL: ``MDB_PRECOPY_ROWS``)."""
     on_table: Callable[[str, int], None] | None = None
     on_sizes: Callable[[dict[str, tuple[int, int]]], None] | None = None
     refresh: bool = True
@@ -166,6 +168,17 @@ def refuse_if_busy(cluster: Cluster, journal: Journal, area: str, gdid: GDID) ->
         )
 
 
+def check_kinds(cluster: Cluster, area: str, gdid: GDID, source: str, target: str, server_kind: str) -> None:
+    """Both servers are of ``server_kind``: a move between server kinds is refused, naming the one that differs."""
+    for role, server in (("source", source), ("target", target)):
+        kind = cluster.map.kind_of(server)  # an unknown server: RoutingError naming the known ones
+        if kind != server_kind:
+            raise RoutingError(
+                f"move of {area}/{gdid}: {role} server {server!r} is a {kind} server, the briefcase lives on "
+                f"{server_kind} servers (a move between server kinds is not supported)"
+            )
+
+
 class Move(ABC):
     """One briefcase's move from its source server to ``target``; :meth:`run` takes every step once."""
 
@@ -198,13 +211,7 @@ class Move(ABC):
         check_max_pause(self.options.max_pause)
         if self.source == self.target:
             return self.result("already-there")
-        for role, server in (("source", self.source), ("target", self.target)):
-            kind = self.cluster.map.kind_of(server)  # an unknown server: RoutingError naming the known ones
-            if kind != self.server_kind:
-                raise RoutingError(
-                    f"move of {self.area}/{self.gdid}: {role} server {server!r} is a {kind} server, the briefcase lives on "
-                    f"{self.server_kind} servers (a move between server kinds is not supported)"
-                )
+        check_kinds(self.cluster, self.area, self.gdid, self.source, self.target, self.server_kind)
         early = self.prepare()
         if early is not None:
             return early
@@ -331,8 +338,29 @@ class Resolver(Protocol):
     def resume(cls, cluster: Cluster, journal: Journal, entry: JournalEntry, *, retry: bool = False) -> ResumeOutcome: ...
 
 
-_KINDS: dict[str, type[Move]] = {}
+class Mover(Protocol):
+    """What moves one briefcase between servers of one kind: a :class:`Move` subclass, or the SQL
+    servers' batch of one (:class:`mdb.moves.batch.SingleMove`)."""
+
+    server_kind: ClassVar[str]
+
+    def __init__(self, cluster: Cluster, area: str, gdid: GDID, target: str, options: MoveOptions,
+                 journal: Journal | None = None) -> None: ...
+
+    def run(self) -> MoveResult: ...
+
+
+_KINDS: dict[str, type[Mover]] = {}
 _JOURNAL_KINDS: dict[str, type[Resolver]] = {}
+
+
+def register_mover(cls: type[Mover]) -> type[Mover]:
+    """Class decorator: ``cls`` moves briefcases between servers of ``cls.server_kind`` (its journal
+    rows are resolved by whatever is registered for their kind)."""
+    if cls.server_kind in _KINDS:
+        raise MdbError(f"two move implementations for {cls.server_kind!r}: {_KINDS[cls.server_kind].__name__} and {cls.__name__}")
+    _KINDS[cls.server_kind] = cls
+    return cls
 
 
 def register_resolver(cls: type[Resolver]) -> type[Resolver]:
@@ -344,15 +372,13 @@ def register_resolver(cls: type[Resolver]) -> type[Resolver]:
 
 
 def register_move(cls: type[Move]) -> type[Move]:
-    """Class decorator: ``cls`` moves briefcases between servers of ``cls.server_kind``."""
-    for registry, key in ((_KINDS, cls.server_kind), (_JOURNAL_KINDS, cls.journal_kind)):
-        if key in registry:
-            raise MdbError(f"two move implementations for {key!r}: {registry[key].__name__} and {cls.__name__}")
-        registry[key] = cls
+    """Class decorator: ``cls`` moves briefcases between servers of ``cls.server_kind`` and resolves its journal rows."""
+    register_mover(cls)
+    register_resolver(cls)
     return cls
 
 
-def move_class(server_kind: str) -> type[Move]:
+def move_class(server_kind: str) -> type[Mover]:
     """The implementation moving briefcases between servers of ``server_kind``."""
     try:
         return _KINDS[server_kind]
@@ -389,7 +415,6 @@ def move_briefcase(
     lock_wait: float = DEFAULT_LOCK_WAIT,
     dry_run: bool = False,
     reshard_id: str | None = None,
-    precopy_rows: int | None = None,
     journal: Journal | None = None,
     on_table: Callable[[str, int], None] | None = None,
     on_sizes: Callable[[dict[str, tuple[int, int]]], None] | None = None,
@@ -412,7 +437,7 @@ def move_briefcase(
         store.refresh()
     source = source or store.router.locate(area, gdid).server
     options = MoveOptions(
-        max_pause=max_pause, lock_wait=lock_wait, dry_run=dry_run, reshard_id=reshard_id, precopy_rows=precopy_rows,
+        max_pause=max_pause, lock_wait=lock_wait, dry_run=dry_run, reshard_id=reshard_id,
         on_table=on_table, on_sizes=on_sizes, refresh=refresh, source=source, reverse_of=reverse_of, item=item,
     )
     cls = move_class(store.map.kind_of(source))

@@ -25,8 +25,8 @@ reshard up at its step, re-planning from the live system, so it can crash anywhe
 
 One driver for every server kind: what differs is behind the partition's kind, chosen by the
 kind of its shards, never by a branch here: the plan's scan (:func:`mdb.moves.plan.scan_for`),
-each briefcase's move (:func:`mdb.moves.move.move_briefcase` picks :class:`SqlMove` or
-:class:`DocumentMove`), the freeze marker, the layout stamps and the 'resident' records (the
+each briefcase's move (:func:`mdb.moves.move.move_briefcase` picks :class:`SingleMove`, a batch of
+one, or :class:`DocumentMove`), the freeze marker, the layout stamps and the 'resident' records (the
 server's backend, :mod:`mdb.backends`). A document area reshards with the same command.
 """
 

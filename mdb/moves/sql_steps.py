@@ -1,7 +1,7 @@
 """The SQL side of a briefcase's move state: its tables, its lock, its state rows, prechecks.
 
-Shared by :class:`mdb.moves.sql_move.SqlMove`, the batch, :mod:`mdb.moves.cutover` (finalize,
-discard, resume), reshard, status and the fleet tools
+Shared by the batch engine (:mod:`mdb.moves.batch`, a single move's too), :mod:`mdb.moves.cutover`
+(finalize, discard, resume), reshard, status and the fleet tools
 (fsck takes :func:`locked_source` to read a briefcase still). The state row of a briefcase on
 a shard (``mdb_briefcase_state``: ``incoming`` copy, ``resident`` away from home, ``gone``
 fence) is what a move's steps write and what resume reads to decide.
@@ -213,16 +213,17 @@ def check_schemas(store: Cluster, area: str, servers: Iterable[str], tables: lis
             check_target_schema(conn, server, tables, what)
 
 
-def precheck(store: Cluster, area: str, gdid: GDID, source: str, target: str, tables: list[AreaTable], move_id: str) -> dict[str, Any] | None:
-    """Refuse, with the reason, a move that cannot be done safely; returns the target's old state row.
+def precheck(store: Cluster, area: str, gdid: GDID, source: str, target: str, tables: list[AreaTable]) -> dict[str, Any] | None:
+    """Refuse, with the reason, a single move that cannot be done safely; returns the target's old state row.
 
-    The old state row (a fence left by an earlier move away) is restored if this move is rolled back.
+    Worded for the move (the batch's own precheck only says a briefcase cannot be batched). The
+    schemas were compared by :func:`mdb.moves.batch.hold_schemas`. The old state row (a fence
+    left by an earlier move away) is restored if the move is rolled back.
     """
     what = f"move of {area}/{gdid} from {source!r} to {target!r}"
     if target not in store.map.servers:
         raise RoutingError(f"{what}: unknown server {target!r} (known: {', '.join(store.map.servers)})")
     with store.transaction(target) as conn:
-        check_target_schema(conn, target, tables, what)
         state = state_row(conn, area, gdid)
         if state is not None and state["state"] != STATE_GONE:
             if state["state"] == STATE_INCOMING:
@@ -232,7 +233,6 @@ def precheck(store: Cluster, area: str, gdid: GDID, source: str, target: str, ta
             if n:
                 raise MdbError(f"{what}: server {target!r} already holds {n} row(s) of the briefcase in {name!r}; nothing moved")
     with store.transaction(source, readonly=False) as conn:
-        check_target_schema(conn, source, tables, what)
         src_state = state_row(conn, area, gdid)
         if src_state is not None and src_state["state"] in (STATE_GONE, STATE_INCOMING):
             raise MdbError(f"{what}: the source records the briefcase as {src_state['state']!r}; run `mdb where` / `mdb moves resume`")

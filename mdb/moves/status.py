@@ -192,7 +192,7 @@ def move_status(store: Cluster, *, recent: int = 10) -> tuple[list[MoveStatus], 
     now = datetime.now(timezone.utc)
     running = [status_of(e, now) for e in journal.entries(unfinished=True)]
     for s in running:
-        if s.entry.kind not in ("move", *JOB_KINDS):
+        if s.entry.kind not in ("move", "batch-move", *JOB_KINDS):  # a single move, a batch (of one: `mdb move`), a job
             continue  # e.g. document moves (mdb.mongo) record no driver
         # ETA and rate mean nothing for an entry whose process is gone (a
         # reshard stopped by Ctrl-C still showed "ETA 120s"), so they go with its liveness.

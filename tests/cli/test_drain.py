@@ -118,7 +118,7 @@ def test_drain_moves_a_spares_briefcases_home_resumably(tmp_sqlite_urls: Callabl
     assert refused.returncode == 2 and "shard 0 of area 'user'" in refused.stderr, refused.stderr
 
     # One briefcase at a time (--batch-pause 0): killed inside the first single move of the drain's job.
-    killed = run_cli(["drain", path, "u3", "--batch-pause", "0"], env={"MDB_FAULT_POINT": "move.after_copy_commit"})
+    killed = run_cli(["drain", path, "u3", "--batch-pause", "0"], env={"MDB_FAULT_POINT": "batch.after_precopy"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert "draining u3: 3 briefcase(s) to move home" in killed.stdout, killed.stdout
     busy = run_cli(["drain", path, "u3"])

@@ -80,7 +80,7 @@ def test_fsck_finds_every_planted_defect_and_repairs_only_the_safe_ones(fleet: C
     wrong, leftover, killed, fenced = GDID(0, 0, 4), GDID(0, 0, 5), GDID(0, 0, 6), GDID(0, 0, 7)
     ghost = GDID(0, 0, 999)
     # the killed move: copy committed on u4, then the mover dies (journal: running)
-    run = run_cli(["move", str(fleet.path), "user", str(killed), "--to", "u4"], env={"MDB_FAULT_POINT": "move.after_copy_commit"})
+    run = run_cli(["move", str(fleet.path), "user", str(killed), "--to", "u4"], env={"MDB_FAULT_POINT": "batch.after_precopy"})
     assert run.returncode != 0
     with fleet.store() as store:
         assert [_owner(store, g) for g in (wrong, leftover, killed, fenced)] == ["u1", "u2", "u3", "u4"]

@@ -68,9 +68,9 @@ def test_idle_then_a_spare_holding_data_and_the_history_of_that_move(fleet: Clus
     done = run_cli(["moves", "history", str(fleet.path), "--json"])
     assert done.returncode == 0, done.stderr
     (job,) = json.loads(done.stdout)["jobs"]
-    assert (job["kind"], job["area"], job["target"], job["result"], job["error"]) == ("move", "user", "x", "done", None)
+    assert (job["kind"], job["area"], job["target"], job["result"], job["error"]) == ("batch-move", "user", "x", "done", None)
     assert (job["briefcases_moved"], job["pauses"]) == (1, 1) and job["rows_moved"] > 0 and job["pause_p99_seconds"] is not None
-    assert [p["phase"] for p in job["phases"]] == ["precheck", "lock", "copy", "verify", "commit_point", "relocation", "target_state"], job
+    assert [p["phase"] for p in job["phases"]] == ["precopy", "lock", "commit_point", "relocation", "target_state"], job
     assert json.loads(run_cli(["moves", "history", str(fleet.path), "--json", "--area", "user", "--since", "1h"]).stdout)["jobs"] == [job]
     assert json.loads(run_cli(["moves", "history", str(fleet.path), "--json", "--since", "2999-01-01"]).stdout)["jobs"] == []
     bad = run_cli(["moves", "history", str(fleet.path), "--since", "yesterday"])

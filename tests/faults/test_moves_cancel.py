@@ -83,7 +83,7 @@ def test_cancel_a_killed_reshard(cluster: Cluster, mode: str) -> None:
     before = _state(cluster)
     map_text = cluster.path.read_text(encoding="utf-8")
     # Killed with two moves finished and the third one copied but not past its commit point.
-    run = run_cli(_reshard_args(cluster), env={"MDB_FAULT_POINT": "move.after_copy_commit", "MDB_FAULT_SKIP": "2"})
+    run = run_cli(_reshard_args(cluster), env={"MDB_FAULT_POINT": "batch.after_precopy", "MDB_FAULT_SKIP": "2"})
     assert run.returncode == -signal.SIGKILL, (run.stdout, run.stderr)
     reshard_id = _the_reshard(cluster)
     done = run_cli(["moves", "cancel", str(cluster.path), reshard_id, mode])
@@ -102,7 +102,7 @@ def test_cancel_a_killed_reshard(cluster: Cluster, mode: str) -> None:
 def test_a_killed_cancel_is_finished_by_resume(cluster: Cluster) -> None:
     before = _state(cluster)
     map_text = cluster.path.read_text(encoding="utf-8")
-    run = run_cli(_reshard_args(cluster), env={"MDB_FAULT_POINT": "move.after_copy_commit", "MDB_FAULT_SKIP": "2"})
+    run = run_cli(_reshard_args(cluster), env={"MDB_FAULT_POINT": "batch.after_precopy", "MDB_FAULT_SKIP": "2"})
     assert run.returncode == -signal.SIGKILL, (run.stdout, run.stderr)
     reshard_id = _the_reshard(cluster)
     killed = run_cli(["moves", "cancel", str(cluster.path), reshard_id], env={"MDB_FAULT_POINT": "cancel.after_first_move_back"})

@@ -15,7 +15,7 @@ import pytest
 from mdb import faults
 from mdb.central import creation  # noqa: F401  (they register their points)
 from mdb.errors import FaultPointError
-from mdb.moves import batch, cancel, cutover, document_move, freeze, reshard, sql_move, sql_steps  # noqa: F401
+from mdb.moves import batch, cancel, cutover, document_move, freeze, reshard, sql_steps  # noqa: F401
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +26,7 @@ def _no_hook() -> Iterator[None]:
 
 def test_a_name_registered_twice_fails() -> None:
     with pytest.raises(FaultPointError, match="registered twice"):
-        faults.register("move.after_lock")
+        faults.register("batch.after_lock")
     with pytest.raises(FaultPointError, match="registered twice"):
         faults.register("mongo.move.after_copy")
 

@@ -34,22 +34,19 @@ SERVERS = ["u1", "u2", "x"]
 USERS = [GDID(0, 0, i) for i in range(1, 7)]
 THROUGH_PGBOUNCER_TOO = pytest.mark.parametrize("cluster", ["direct", "pgbouncer"], indirect=True)
 
-MOVE_POINTS = [
-    ("move.after_journal_start", {}),
-    ("move.after_precheck", {}),
-    ("move.after_precopy", {"MDB_PRECOPY_ROWS": "1"}),
-    ("move.after_lock", {}),
-    ("move.during_copy", {}),
-    ("move.after_copy_commit", {}),
-    ("move.after_verify", {}),
-    ("move.before_commit_point", {}),
-    ("move.after_commit_point", {}),
-    ("batch.after_relocations", {}),  # a move's finalize is the batch engine's (mdb.moves.cutover)
+MOVE_POINTS = [  # a single move is a batch of one (docs/dev/0017): the batch's points, in its order
+    ("batch.after_journal_start", {}),
+    ("batch.after_precopy", {}),
+    ("batch.after_lock", {}),
+    ("batch.after_source_cut", {}),
+    ("batch.after_verify", {}),
+    ("batch.before_commit_point", {}),
+    ("batch.after_commit_point", {}),
+    ("batch.after_relocations", {}),  # finalize's (mdb.moves.cutover)
     ("batch.after_target_states", {}),
-    ("move.pause_abort.after_source_rollback", {}),
 ]
 # Where the briefcase must be after resume: the target iff the commit point had passed.
-PASSED = {"move.after_commit_point", "batch.after_relocations", "batch.after_target_states"}
+PASSED = {"batch.after_commit_point", "batch.after_relocations", "batch.after_target_states"}
 
 
 def _check(cluster: Cluster, before: dict, where_expected: dict[GDID, str] | None = None) -> dict[GDID, str]:
@@ -110,8 +107,7 @@ def test_sigkill_at_every_move_step_then_resume(cluster: Cluster) -> None:
         g = USERS[i % len(USERS)]
         source = placed[g]
         target = next(s for s in SERVERS if s != source)
-        extra = ["--max-pause", "0"] if point.startswith("move.pause_abort") else []
-        run = run_cli(["move", str(cluster.path), "user", str(g), "--to", target, *extra], env={"MDB_FAULT_POINT": point, **env})
+        run = run_cli(["move", str(cluster.path), "user", str(g), "--to", target], env={"MDB_FAULT_POINT": point, **env})
         assert run.returncode == -signal.SIGKILL, f"{point}: the child was not killed there: {run.returncode} {run.stderr}"
         _resume(cluster)
         expected = dict(placed)
@@ -125,7 +121,7 @@ def test_sigkill_while_resuming_a_rollback(cluster: Cluster) -> None:
     placed = _check(cluster, before)
     g = USERS[0]
     target = next(s for s in SERVERS if s != placed[g])
-    run = run_cli(["move", str(cluster.path), "user", str(g), "--to", target], env={"MDB_FAULT_POINT": "move.after_verify"})
+    run = run_cli(["move", str(cluster.path), "user", str(g), "--to", target], env={"MDB_FAULT_POINT": "batch.after_verify"})
     assert run.returncode == -signal.SIGKILL
     crashed = run_cli(["moves", "resume", str(cluster.path)], env={"MDB_FAULT_POINT": "batch.resume.after_discard"})
     assert crashed.returncode == -signal.SIGKILL
@@ -141,7 +137,7 @@ def test_a_briefcase_with_an_interrupted_move_is_not_moved_again_until_resume(cl
     placed = _check(cluster, before)
     g = USERS[1]
     first, second = (s for s in SERVERS if s != placed[g])
-    run = run_cli(["move", str(cluster.path), "user", str(g), "--to", first], env={"MDB_FAULT_POINT": "move.after_copy_commit"})
+    run = run_cli(["move", str(cluster.path), "user", str(g), "--to", first], env={"MDB_FAULT_POINT": "batch.after_precopy"})
     assert run.returncode == -signal.SIGKILL
     for args in (["--to", second], ["--to", second, "--dry-run"]):
         refused = run_cli(["move", str(cluster.path), "user", str(g), *args])
@@ -180,12 +176,12 @@ def test_sigkill_at_every_reshard_step_then_resume(cluster: Cluster) -> None:
         before = snapshot(store, SERVERS)
     _check(cluster, before)
     lists = [["u1", "u2", "x"], ["u1", "u2"]]
-    # The single-move points with --batch-pause 0 (one briefcase at a time, as a reshard of an older
-    # mdb resumes); the batch points are killed with writers running in tests/faults/test_reshard_batches.py.
-    cases = [*RESHARD_POINTS, ("move.after_copy_commit", {"MDB_FAULT_SKIP": "1"}), ("move.after_commit_point", {"MDB_FAULT_SKIP": "1"})]
+    # Two batch points with --batch-pause 0 (one briefcase at a time); the batch points are killed
+    # with writers running in tests/faults/test_reshard_batches.py.
+    cases = [*RESHARD_POINTS, ("batch.after_precopy", {"MDB_FAULT_SKIP": "1"}), ("batch.after_commit_point", {"MDB_FAULT_SKIP": "1"})]
     for i, (point, env) in enumerate(cases):
         shards = lists[i % 2]
-        one_at_a_time = ["--batch-pause", "0"] if point.startswith("move.") else []
+        one_at_a_time = ["--batch-pause", "0"] if point.startswith("batch.") else []
         run = run_cli(["reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", ",".join(shards), *one_at_a_time],
                       env={"MDB_FAULT_POINT": point, **env})
         assert run.returncode == -signal.SIGKILL, f"{point}: {run.returncode} {run.stdout} {run.stderr}"
@@ -238,7 +234,7 @@ def test_resume_resolves_what_it_can_while_a_target_is_down(pg_databases: Callab
     to_x, to_other = USERS[0], USERS[1]
     other_target = next(s for s in ("u1", "u2") if s != home[to_other])
     for g, target in ((to_x, "x"), (to_other, other_target)):
-        run = run_cli(["move", str(cluster.path), "user", str(g), "--to", target], env={"MDB_FAULT_POINT": "move.after_copy_commit"})
+        run = run_cli(["move", str(cluster.path), "user", str(g), "--to", target], env={"MDB_FAULT_POINT": "batch.after_precopy"})
         assert run.returncode == -signal.SIGKILL, run.stderr
     down.stop()
     partial = run_cli(["moves", "resume", str(cluster.path)])

@@ -178,7 +178,7 @@ def test_a_claim_waits_for_the_old_drivers_checked_transaction_and_refuses_it_af
                 pass
 
 
-@pytest.mark.parametrize("point", ["move.after_copy_commit", "move.before_commit_point", "move.after_commit_point"])
+@pytest.mark.parametrize("point", ["batch.after_precopy", "batch.before_commit_point", "batch.after_commit_point"])
 def test_a_single_move_paused_past_its_lease_writes_nothing_after_a_takeover(point: str, cluster: Cluster) -> None:  # noqa: F811
     """``mdb move`` drives its own lease: paused before, at and after its commit point while another host resumes it."""
     from mdb.gdid import GDID
@@ -208,7 +208,7 @@ def test_a_single_move_paused_past_its_lease_writes_nothing_after_a_takeover(poi
         store.refresh()
         assert snapshot(store, SERVERS) == before, f"{point}: rows lost or doubled"
         where = locations(store, SERVERS)[g]
-        assert where == [target if point == "move.after_commit_point" else source], (point, where)
+        assert where == [target if point == "batch.after_commit_point" else source], (point, where)
         assert store.router.locate("user", g).server == where[0]
         assert Journal(store).entries(unfinished=True) == []
 

@@ -103,12 +103,12 @@ def test_where_says_a_killed_move_is_interrupted(pg_databases: Callable[[int], l
     with cluster.store() as store:
         home = store.router.locate("user", g).server
     run = run_cli(["move", str(cluster.path), "user", str(g), "--to", next(s for s in SERVERS if s != home)],
-                  env={"MDB_FAULT_POINT": "move.after_copy_commit"})
+                  env={"MDB_FAULT_POINT": "batch.after_precopy"})
     assert run.returncode == -signal.SIGKILL, run.stderr
     where = json.loads(run_cli(["where", str(cluster.path), "user", str(g), "--json"]).stdout)
     assert [m["driver"] for m in where["moves_in_flight"]] == ["interrupted: run `mdb moves resume MAP`"], where
     text = run_cli(["where", str(cluster.path), "user", str(g)])
-    assert "at step copy, interrupted: run `mdb moves resume MAP`" in text.stdout.replace("\n", " "), text.stdout
+    assert "at step precopy, interrupted: run `mdb moves resume MAP`" in text.stdout.replace("\n", " "), text.stdout
 
 
 def _dead_pid() -> int:

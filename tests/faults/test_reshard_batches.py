@@ -23,8 +23,9 @@ from support.moves import ROOT, Cluster, locations, run_cli, snapshot
 from mdb import faults
 from mdb.gdid import GDID
 from mdb.moves import verify
-from mdb.moves.batch import BATCH_KIND
+from mdb.moves.batch import BATCH_KIND, SingleMove
 from mdb.moves.journal import Journal
+from mdb.moves.move import MoveResult
 from mdb.moves.reshard import BatchSizer, reshard
 from support.reshard import BATCH_POINTS, SERVERS, USERS, Writers, _batches, _check_placement, _check_writes, cluster, writers  # noqa: F401 (fixtures: cluster, writers)
 
@@ -149,14 +150,15 @@ def test_a_stale_router_writes_during_a_batched_reshard_and_lands_nowhere_wrong(
 def test_a_batch_that_fails_verification_is_rolled_back_and_its_briefcases_move_singly(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A wrong checksum for one briefcase on the target: the batch rolls back, that one moves on its own."""
+    """A wrong checksum for one briefcase on the target: the batch rolls back, that one moves on its own
+    (a batch of one, whose sums are left alone: the spoiled sum stands for a batch-only fault)."""
     real = verify.batch_sums
     spoiled: list[GDID] = []
 
     def spoil_target(conn, tables, gdids, method, **kw):  # type: ignore[no-untyped-def]
-        """A copy that comes out wrong on x every time for one briefcase (the re-sync cannot mend it)."""
+        """A copy of several briefcases that comes out wrong on x every time for one of them (the re-sync cannot mend it)."""
         sums = real(conn, tables, gdids, method, **kw)
-        if conn.engine.url.database == cluster.urls["x"].rsplit("/", 1)[-1]:
+        if conn.engine.url.database == cluster.urls["x"].rsplit("/", 1)[-1] and not alone:
             if not spoiled:
                 spoiled.append(next(k for k in sums if k[0] == "users")[1])
             key = ("users", spoiled[0])
@@ -164,7 +166,18 @@ def test_a_batch_that_fails_verification_is_rolled_back_and_its_briefcases_move_
                 sums[key] = verify.TableSum(sums[key].rows, "0" * 32)
         return sums
 
+    alone: list[bool] = []  # while a briefcase moves on its own (a batch of one): its sums are left alone
+    real_single = SingleMove.run
+
+    def single(self: SingleMove) -> MoveResult:
+        alone.append(True)
+        try:
+            return real_single(self)
+        finally:
+            alone.pop()
+
     monkeypatch.setattr(verify, "batch_sums", spoil_target)
+    monkeypatch.setattr(SingleMove, "run", single)
     with cluster.store() as admin:
         outcome = reshard(admin, "user", GDID(0, 0, 0), ["u1", "u2", "x"], map_path=cluster.path)
         assert outcome.moved == len(outcome.plan.moves)
@@ -173,7 +186,7 @@ def test_a_batch_that_fails_verification_is_rolled_back_and_its_briefcases_move_
     assert spoiled, "no batch into x was verified"
     aborted = [e for e in entries if e.kind == BATCH_KIND and e.status == "aborted"]
     assert len(aborted) == 1 and "differ" in (aborted[0].detail or ""), [(e.kind, e.status, e.detail) for e in entries]
-    assert any(e.kind == "move" and e.gdid == spoiled[0] and e.status == "done" for e in entries)
+    assert any(e.kind == BATCH_KIND and e.briefcases == [spoiled[0]] and e.status == "done" for e in entries)
     _check_placement(cluster)
 
 

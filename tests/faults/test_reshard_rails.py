@@ -199,7 +199,7 @@ def test_an_interrupt_stops_the_reshard_after_the_batches_in_hand(parallel: int,
                                                                    pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
     cluster = _cluster(pg_databases(4), tmp_path, users=36)  # 24 of them move (value 2-5 mod 6)
     # Every move takes 0.6 s more (outside any lock): the reshard lasts long enough to be stopped.
-    env = {"MDB_FAULT_POINT": "move.after_precheck", "MDB_FAULT_ACTION": "sleep:0.6"}
+    env = {"MDB_FAULT_POINT": "batch.after_journal_start", "MDB_FAULT_ACTION": "sleep:0.6"}
     args = ["reshard", str(cluster.path), "user", *RESHARD, "--parallel", str(parallel), "--batch-pause", "0"]
     with cluster.store() as probe, _reaped(_popen(args, env)) as proc:
         journal = Journal(probe)
@@ -271,7 +271,7 @@ def test_a_shard_that_dies_during_a_reshard_is_named_with_exit_3(pg_databases: C
 def test_ctrl_c_of_a_move_says_what_it_left_and_what_to_run(pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
     cluster = _cluster(pg_databases(4), tmp_path, users=4)
     g = GDID(0, 0, 2)
-    env = {"MDB_FAULT_POINT": "move.after_copy_commit", "MDB_FAULT_ACTION": "sleep:600"}
+    env = {"MDB_FAULT_POINT": "batch.after_precopy", "MDB_FAULT_ACTION": "sleep:600"}
     with cluster.store() as probe, _reaped(_popen(["move", str(cluster.path), "user", str(g), "--to", "x"], env)) as proc:
         journal = Journal(probe)
         _wait_for(proc, "the move to be journaled", lambda: bool(journal.entries(unfinished=True)))

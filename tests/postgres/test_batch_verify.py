@@ -22,7 +22,7 @@ from sqlalchemy.engine import Connection
 
 from mdb.errors import BatchAbortedError
 from mdb.gdid import GDID
-from mdb.moves import batch as batch_module, batch_sql
+from mdb.moves import batch_sql
 from mdb.moves.batch import BatchMove, BatchResult, hold_schemas
 from mdb.moves.journal import ABORTED, DONE, Journal
 from mdb.moves.move import area_tables
@@ -89,7 +89,7 @@ def test_a_briefcase_still_different_after_its_resync_is_reported_key_by_key(
         return copy
 
     monkeypatch.setattr(batch_sql, "copy_batch", tampering(batch_sql.copy_batch))  # the pre-copy
-    monkeypatch.setattr(batch_module, "copy_batch", tampering(batch_module.copy_batch))  # the re-sync under the lock
+    monkeypatch.setattr(batch_sql, "apply_diffs", tampering(batch_sql.apply_diffs))  # the row-level re-sync under the lock
     with cluster.store() as store:
         before = snapshot(store, SERVERS)
         with pytest.raises(BatchAbortedError) as caught:

@@ -1,12 +1,14 @@
 """Verification catches a bad copy, and the commit point deletes only what was verified.
 
-The copy is made wrong on purpose, on real servers: after the real copy has written the target
-rows (inside the target transaction that commits them), the test drops one, alters one or adds
-one that the source does not have. Verification queries both servers independently of the copy
-stream, so each must abort the move naming the key, leave the source untouched and
-authoritative, and leave nothing of the briefcase on the target. A write that slips past the
-briefcase's lock on the source between verification and the delete must abort the move too,
-instead of being deleted uncopied. A tampered pre-copy is repaired by the re-sync under the lock.
+A single move is a batch of one (docs/dev/0017): a pre-copy outside the lock, then a row-level
+re-sync of what differs under it. The copy is made wrong on purpose, on real servers: after the
+real pre-copy and again after the re-sync has written the target rows (inside the target
+transaction that commits them), the test drops one, alters one or adds one that the source does
+not have. Verification queries both servers independently of the copy stream, so each must
+abort the move naming the key, leave the source untouched and authoritative, and leave nothing
+of the briefcase on the target. A write that slips past the briefcase's lock on the source
+between its checksums and the delete must abort the move too, instead of being deleted
+uncopied. A tampered pre-copy alone is repaired by the re-sync under the lock.
 Runs between two PostgreSQL servers (checksums in SQL), two SQLite files and PostgreSQL ->
 SQLite (checksums in Python).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,7 +28,7 @@ from sqlalchemy.engine import Connection
 
 from mdb.gdid import GDID
 from mdb.errors import MoveAbortedError
-from mdb.moves import move_briefcase, sql_move as move_module, verify
+from mdb.moves import batch as batch_module, batch_sql, move_briefcase
 from mdb.moves.journal import ABORTED, Journal
 from mdb.system_tables import briefcase_state
 
@@ -76,31 +79,48 @@ def _assert_source_authoritative(cluster: Cluster, before: dict[str, Any]) -> No
         assert [e.status for e in entries] == [ABORTED]
 
 
-@pytest.fixture(params=["whole", "ranges"])
-def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """'ranges': every table of 2 rows or more is checksummed in key ranges on two connections
-    (normally only large ones are); the altered row is the first of the second range."""
-    if request.param == "ranges":
-        monkeypatch.setattr(verify, "SPLIT_ROWS", 2)
+@pytest.fixture(params=["whole", "blocks"])
+def blocks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """'blocks': the pre-copy sums key ranges of 2 rows (normally 20,000) and the re-sync compares
+    them first, fetching rows only of the ranges that differ (between PostgreSQL servers)."""
+    if request.param == "blocks":
+        monkeypatch.setattr(batch_sql, "RESYNC_BLOCK", 2)
     return str(request.param)
 
 
-@pytest.mark.parametrize("kind", sorted(TAMPER))
-def test_a_copy_that_dropped_altered_or_added_a_row_is_caught(cluster: Cluster, split: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_copy = move_module.copy_rows
-    tampered: list[GDID] = []
+def _tamper_copies(monkeypatch: pytest.MonkeyPatch, tamper: Callable[[Connection], None], *, resync: bool = True) -> list[str]:
+    """Run ``tamper(dst)`` after the pre-copy's COPY (and, with ``resync``, after the re-sync's
+    rows) in the target transaction that commits them; returns which of them ran."""
+    ran: list[str] = []
+    real_copy, real_apply = batch_sql.copy_batch, batch_sql.apply_diffs
 
     def bad_copy(src: Connection, dst: Connection, *args: Any, **kwargs: Any) -> dict[str, int]:
         counts = real_copy(src, dst, *args, **kwargs)
-        tampered.append(TAMPER[kind](dst, USER))  # same target transaction: commits with the copy
+        tamper(dst)
+        ran.append("precopy")
         return counts
 
-    monkeypatch.setattr(move_module, "copy_rows", bad_copy)
+    def bad_apply(src: Connection, dst: Connection, *args: Any, **kwargs: Any) -> int:
+        redone = real_apply(src, dst, *args, **kwargs)
+        tamper(dst)
+        ran.append("resync")
+        return redone
+
+    monkeypatch.setattr(batch_sql, "copy_batch", bad_copy)
+    if resync:
+        monkeypatch.setattr(batch_sql, "apply_diffs", bad_apply)
+    return ran
+
+
+@pytest.mark.parametrize("kind", sorted(TAMPER))
+def test_a_copy_that_dropped_altered_or_added_a_row_is_caught(cluster: Cluster, blocks: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    tampered: list[GDID] = []
+    ran = _tamper_copies(monkeypatch, lambda dst: tampered.append(TAMPER[kind](dst, USER)))
     with cluster.store() as store:
         before = snapshot(store, SERVERS)
-        with pytest.raises(MoveAbortedError) as caught:
-            move_briefcase(store, "user", USER, "u2", precopy_rows=10**9)
-    assert tampered, "the copy did not run"
+        with pytest.raises(MoveAbortedError, match=r"aborted and rolled back, 'u1' is still authoritative: verification failed") as caught:
+            move_briefcase(store, "user", USER, "u2")
+    assert ran == ["precopy", "resync"], "the pre-copy and the re-sync did not both run"
     error = caught.value
     assert any(m.startswith("order_line_items:") and str(tampered[0]) in m for m in error.mismatches), error.mismatches
     bucket = BUCKET[kind]
@@ -109,85 +129,93 @@ def test_a_copy_that_dropped_altered_or_added_a_row_is_caught(cluster: Cluster, 
     _assert_source_authoritative(cluster, before)
 
 
-def test_a_write_past_the_lock_is_not_deleted_uncopied(pg_source_cluster: Cluster, split: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_write_past_the_lock_is_not_deleted_uncopied(pg_source_cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """Something writes to the source without the briefcase lock after the checksums were taken
     (the move deletes only after both sides' checksums exist): the commit point's delete would
-    remove a row that was never copied, so the move aborts."""
-    real_delete = move_module.delete_rows
+    remove a row that was never copied, so the move aborts. Between PostgreSQL servers the
+    source's sums are those of the rows its one statement deletes, so there is no such gap:
+    a row written before that statement is summed, differs from the target, and is re-synced."""
     rogue = GDID(0, 3, 77)
+    real_delete, real_cut = batch_sql.delete_batch, batch_module.fence_and_delete
 
-    def delete_after_a_rogue_write(conn: Connection, *args: Any, **kwargs: Any) -> dict[str, int]:
+    def rogue_write() -> None:
         with pg_source_cluster.store() as other, other.transaction("u1") as rogue_conn:  # no briefcase lock
             row = rogue_conn.execute(select(LINES).where(LINES.c.user_id == USER).limit(1)).mappings().one()
             rogue_conn.execute(insert(LINES).values({**row, "line_id": rogue}))
+
+    def delete_after_a_rogue_write(conn: Connection, *args: Any, **kwargs: Any) -> dict[str, int]:
+        rogue_write()
         return real_delete(conn, *args, **kwargs)
 
-    monkeypatch.setattr(move_module, "delete_rows", delete_after_a_rogue_write)
+    def cut_after_a_rogue_write(*args: Any, **kwargs: Any) -> Any:
+        if not wrote:
+            wrote.append(True)
+            rogue_write()
+        return real_cut(*args, **kwargs)
+
+    wrote: list[bool] = []
     with pg_source_cluster.store() as store:
-        with pytest.raises(MoveAbortedError) as caught:
-            move_briefcase(store, "user", USER, "u2", precopy_rows=10**9)
-        assert any("order_line_items: the commit point would delete" in m for m in caught.value.mismatches), caught.value.mismatches
-        with store.transaction("u1") as conn:
-            assert conn.execute(select(func.count()).select_from(LINES).where(LINES.c.line_id == rogue)).scalar_one() == 1
-            assert _briefcase_rows(conn) == 7
         with store.transaction("u2") as conn:
-            assert _briefcase_rows(conn) == 0
+            in_one_statement = conn.dialect.name == "postgresql"  # else a SQLite target: the cut is several statements
+        if in_one_statement:
+            monkeypatch.setattr(batch_module, "fence_and_delete", cut_after_a_rogue_write)
+            result = move_briefcase(store, "user", USER, "u2")
+            assert result.status == "done" and result.tables["order_line_items"][0] == 7
+            rows, rogue_on = {"u1": 0, "u2": 7}, "u2"
+        else:
+            monkeypatch.setattr(batch_sql, "delete_batch", delete_after_a_rogue_write)
+            with pytest.raises(MoveAbortedError, match=r"order_line_items: 7 deleted, 6 verified") as caught:
+                move_briefcase(store, "user", USER, "u2")
+            assert "the commit point would delete rows that were not verified" in str(caught.value)
+            rows, rogue_on = {"u1": 7, "u2": 0}, "u1"
+        for server in SERVERS:
+            with store.transaction(server) as conn:
+                assert _briefcase_rows(conn) == rows[server], server
+                found = conn.execute(select(func.count()).select_from(LINES).where(LINES.c.line_id == rogue)).scalar_one()
+                assert found == (1 if server == rogue_on else 0), server
 
 
-@pytest.mark.parametrize("blocks", ["whole", "blocks"])
 def test_a_tampered_precopy_is_repaired_under_the_lock(
     cluster: Cluster, blocks: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The pre-copy runs outside the lock; whatever differs afterwards is re-synced and verified.
-
-    'blocks': the re-sync compares key ranges of 2 rows first (normally 5,000), so it fetches
-    rows only of the ranges that differ; either way exactly the 3 differing rows are redone.
-    """
-    if blocks == "blocks":
-        monkeypatch.setattr(move_module, "RESYNC_BLOCK", 2)
-    real_copy = move_module.copy_rows
-
-    def bad_precopy(src: Connection, dst: Connection, *args: Any, **kwargs: Any) -> dict[str, int]:
-        counts = real_copy(src, dst, *args, **kwargs)
+    """The pre-copy runs outside the lock; whatever differs afterwards is re-synced and verified:
+    exactly the 3 differing rows are redone (by key ranges first with 'blocks')."""
+    def every_tamper(dst: Connection) -> None:
         for tamper in TAMPER.values():
             tamper(dst, USER)
-        return counts
 
-    monkeypatch.setattr(move_module, "copy_rows", bad_precopy)
+    ran = _tamper_copies(monkeypatch, every_tamper, resync=False)
     caplog.set_level(logging.INFO, logger="mdb.moves")
     with cluster.store() as store:
         before = snapshot(store, SERVERS)
-        result = move_briefcase(store, "user", USER, "u2", precopy_rows=1)
-        assert result.precopied and result.status == "done"
+        result = move_briefcase(store, "user", USER, "u2")
+        assert result.precopied and result.status == "done" and ran == ["precopy"]
         assert snapshot(store, SERVERS) == before
         with store.transaction("u2") as conn:
             assert _briefcase_rows(conn) == 6
         with store.transaction("u1") as conn:
             assert _briefcase_rows(conn) == 0
-    assert any("re-synced 3 changed row(s)" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert any("re-synced 3 changed row(s) under the lock" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
-@pytest.mark.parametrize("blocks", ["whole", "blocks"])
 def test_writes_between_the_precopy_and_the_lock_are_resynced(
     cluster: Cluster, blocks: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The application changes the source after the pre-copy (before the lock): an added, an
     altered and a deleted row all arrive, and nothing else is redone."""
-    if blocks == "blocks":
-        monkeypatch.setattr(move_module, "RESYNC_BLOCK", 2)
-    real_fault_point = move_module.fault_point
+    real_fault_point = batch_module.fault_point
 
     def writes_after_the_precopy(name: str) -> None:
-        if name == "move.after_precopy":  # the pre-copy is committed, the lock not yet taken
+        if name == "batch.after_precopy":  # the pre-copy is committed, the lock not yet taken
             with cluster.store() as app, app.transaction("u1") as conn:
                 for tamper in TAMPER.values():
                     tamper(conn, USER)
         real_fault_point(name)
 
-    monkeypatch.setattr(move_module, "fault_point", writes_after_the_precopy)
+    monkeypatch.setattr(batch_module, "fault_point", writes_after_the_precopy)
     caplog.set_level(logging.INFO, logger="mdb.moves")
     with cluster.store() as store:
-        result = move_briefcase(store, "user", USER, "u2", precopy_rows=1)
+        result = move_briefcase(store, "user", USER, "u2")
         assert result.precopied and result.status == "done"
         with store.transaction("u2") as conn:
             lines = {r.line_id: r.quantity for r in conn.execute(select(LINES).where(LINES.c.user_id == USER))}
@@ -205,23 +233,23 @@ def test_a_statement_that_would_outlast_max_pause_is_cancelled_and_the_move_abor
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """--max-pause bounds the pause (PostgreSQL): every statement under the lock gets the time
-    left as its ``statement_timeout``. A target that takes 30 s over the copy (here a sleep in the
-    target transaction) is cancelled at the bound instead of being waited for, and the move is
-    aborted with the source authoritative."""
+    left as its ``statement_timeout``. A source that takes 30 s over its cut (here a sleep in the
+    locked source transaction) is cancelled at the bound instead of being waited for, and the
+    move is aborted with the source authoritative."""
     cluster = _cluster(request, tmp_path, "postgres")
-    real_copy = move_module.copy_rows
+    real_cut = batch_module.fence_and_delete
     finished: list[bool] = []
 
-    def slow_target(src: Connection, dst: Connection, *args: Any, **kwargs: Any) -> dict[str, int]:
-        counts = real_copy(src, dst, *args, **kwargs)
-        dst.exec_driver_sql("SELECT pg_sleep(30)")
+    def slow_source(src: Connection, *args: Any, **kwargs: Any) -> Any:
+        cut = real_cut(src, *args, **kwargs)
+        src.exec_driver_sql("SELECT pg_sleep(30)")
         finished.append(True)
-        return counts
+        return cut
 
-    monkeypatch.setattr(move_module, "copy_rows", slow_target)
+    monkeypatch.setattr(batch_module, "fence_and_delete", slow_source)
     with cluster.store() as store:
         before = snapshot(store, SERVERS)
         with pytest.raises(MoveAbortedError, match=r"cancelled at --max-pause 0\.50s \(canceling statement due to statement timeout\)"):
-            move_briefcase(store, "user", USER, "u2", precopy_rows=10**9, max_pause=0.5)
+            move_briefcase(store, "user", USER, "u2", max_pause=0.5)
     assert finished == [], "the slow statement ran to its end instead of being cancelled at the bound"
     _assert_source_authoritative(cluster, before)

@@ -19,12 +19,13 @@ import pytest
 from support.mapfiles import write_map
 from support.moves import create_user, make_cluster
 from sqlalchemy import func, select, update
+from sqlalchemy.engine import Connection
 
 from mdb.demo.models import User, UserBriefcase
 from mdb.demo.repositories import EmailIndex
 from mdb.errors import MoveAbortedError, ServerUnavailableError
 from mdb.gdid import GDID
-from mdb.moves import sql_move as move_module
+from mdb.moves import batch_sql
 from mdb.moves.move import move_briefcase
 from mdb.moves.reshard import reshard
 from mdb.schema import apply_schema
@@ -83,7 +84,7 @@ def test_scripted_workload_records_exact_counts_and_no_gdid_label(
         }
         assert otel.bounds("mdb.move.pause.duration") == {SECONDS_BUCKETS}  # seconds, not the SDK's millisecond default
         steps = [(sp.attributes or {}).get("mdb.move.step") for sp in otel.finished_spans() if sp.name == "mdb.move.step"]
-        assert steps == ["precheck", "lock", "copy", "verify", "commit_point", "relocation", "target_state"]
+        assert steps == ["precopy", "lock", "commit_point", "relocation", "target_state"]
         [move_span] = [sp for sp in otel.finished_spans() if sp.name == "mdb.move"]
         assert (move_span.attributes or {})["mdb.outcome"] == "done"
         assert all(sp.parent is not None and sp.parent.span_id == move_span.context.span_id
@@ -178,21 +179,23 @@ def test_a_session_that_cannot_open_counts_as_an_error_without_a_server(
 def test_a_move_whose_copy_does_not_verify_counts_a_verification_failure(
     otel: Otel, sqlite_store: tuple[Store, dict[str, str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The target copy is changed behind the move's back (after its copy committed): the move
-    aborts, counted as aborted and as a verification failure, and no rows count as moved."""
+    """The target copy is changed behind the move's back (in its pre-copy and again in the re-sync
+    that repaired it, each in the target transaction that commits it): the move aborts, counted
+    as aborted and as a verification failure, and no rows count as moved."""
     store, _ = sqlite_store
     gdid = store.new_gdid(UserBriefcase)
     create_user(store, gdid)
     target = "b" if store.router.locate("user", gdid).server == "a" else "a"
-    real_fault_point = move_module.fault_point
 
-    def tamper_with_the_target(name: str) -> None:
-        if name == "move.after_copy_commit":
-            with store.transaction(target) as conn:
-                conn.execute(update(User.__table__).where(User.__table__.c.user_id == gdid).values(name="tampered"))
-        real_fault_point(name)
+    def tampering(real: Callable[..., Any]) -> Callable[..., Any]:
+        def copy(src: Connection, dst: Connection, *args: Any, **kwargs: Any) -> Any:
+            out = real(src, dst, *args, **kwargs)
+            dst.execute(update(User.__table__).where(User.__table__.c.user_id == gdid).values(name="tampered"))
+            return out
+        return copy
 
-    monkeypatch.setattr(move_module, "fault_point", tamper_with_the_target)
+    monkeypatch.setattr(batch_sql, "copy_batch", tampering(batch_sql.copy_batch))  # the pre-copy
+    monkeypatch.setattr(batch_sql, "apply_diffs", tampering(batch_sql.apply_diffs))  # the re-sync under the lock
     otel.spans.clear()
     before = otel.values()
     with pytest.raises(MoveAbortedError, match="verification failed"):
@@ -356,7 +359,7 @@ def test_moves_ended_by_resume_are_counted(otel: Otel, pg_databases: Callable[[i
                 conn.execute(select(func.count()).select_from(t).where(UserBriefcase.key_column(t) == past)).scalar_one()
                 for t in UserBriefcase.tables
             )
-        for g, point in ((past, "move.after_commit_point"), (before_point, "move.after_copy_commit")):
+        for g, point in ((past, "batch.after_commit_point"), (before_point, "batch.after_precopy")):
             def crash(name: str, point: str = point) -> None:
                 if name == point:
                     raise Crash(name)

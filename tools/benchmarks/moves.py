@@ -134,7 +134,7 @@ def run(ctx: BenchContext) -> list[Result]:
         raw = _raw_copy(urls["a"], urls["b"], big)
         raw_table = _raw_copy_into_table(urls["a"], urls["x"], big)
         start = time.perf_counter()
-        result = move_briefcase(store, "user", big, "b", precopy_rows=10**12)
+        result = move_briefcase(store, "user", big, "b")
         moved = time.perf_counter() - start
     rows = result.rows
     name = f"mdb move, one briefcase of {rows} rows"
