@@ -247,7 +247,7 @@ def resync_blocks(src: Connection, tables: Sequence[AreaTable], gdid: GDID, rows
     parts: list[verify.Part] = []
     for at in tables:
         block = max(RESYNC_BLOCK, -(-rows.get(at.name, 0) // 64))
-        parts += verify.plan_parts(src, [at], gdid, rows, 1, block=block)
+        parts += verify.plan_parts(src, [at], gdid, rows, block=block)
     return parts
 
 

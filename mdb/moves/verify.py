@@ -28,8 +28,8 @@ from mdb.gdid import GDID
 from mdb.moves.copy import AreaTable, is_postgres
 
 __all__ = [
-    "PG_OUTPUT_CONFIG", "PG_OUTPUT_SETTINGS", "SPLIT_ROWS", "Method", "Part", "TableSum", "batch_sums", "combine", "compare", "describe_key", "describe_mismatch", "differing_keys", "hashable_tables", "method_for",
-    "part_sums", "plan_parts", "row_digests", "spread", "sql_digest", "table_sums",
+    "PG_OUTPUT_CONFIG", "PG_OUTPUT_SETTINGS", "Method", "Part", "TableSum", "batch_sums", "compare", "describe_key", "describe_mismatch", "differing_keys", "hashable_tables", "method_for",
+    "part_sums", "plan_parts", "row_digests", "sql_digest",
 ]
 
 Method = Literal["sql", "python"]
@@ -109,28 +109,16 @@ class Part:
     rows: int = 0
 
 
-SPLIT_ROWS = 50_000
-"""A table with at least this many rows is checksummed in ranges (see :func:`plan_parts`)."""
-
-
-def plan_parts(
-    conn: Connection, tables: Sequence[AreaTable], gdid: GDID, rows: dict[str, int], ways: int, *, block: int | None = None,
-) -> list[Part]:
-    """Every table as one part, or cut into primary-key ranges of about equal size.
-
-    Without ``block``: tables of SPLIT_ROWS rows or more in ``ways`` ranges (to sum them on
-    ``ways`` connections). With ``block``: every table of more than ``block`` rows in ranges of
-    about ``block`` rows (a re-sync compares ranges, then fetches rows only of those that
-    differ). The bounds are keys read on this server (the locked source), one pass per table;
-    any keys would do, the other side uses the same ones.
+def plan_parts(conn: Connection, tables: Sequence[AreaTable], gdid: GDID, rows: dict[str, int], *, block: int) -> list[Part]:
+    """Every table as one part, or, past ``block`` rows, cut into primary-key ranges of about
+    ``block`` rows (a re-sync compares ranges, then fetches rows only of those that differ).
+    The bounds are keys read on this server (the locked source), one pass per table; any keys
+    would do, the other side uses the same ones.
     """
     parts: list[Part] = []
     for at in tables:
         n = rows.get(at.name, 0)
-        if block is not None:
-            every = block if n > block else 0
-        else:
-            every = -(-n // ways) if ways > 1 and n >= SPLIT_ROWS else 0
+        every = block if n > block else 0
         bounds = _bounds(conn, at, gdid, every) if every else []
         edges: list[tuple[Any, ...] | None] = [None, *bounds, None]
         size = n // (len(edges) - 1)
@@ -145,23 +133,6 @@ def _bounds(conn: Connection, at: AreaTable, gdid: GDID, every: int) -> list[tup
     rn = numbered.c.mdb_rn
     query = select(*(numbered.c[c] for c in at.pk)).where(rn > 1, (rn - 1) % every == 0).order_by(rn)
     return [tuple(r) for r in conn.execute(query)]
-
-
-def spread(parts: Sequence[Part], ways: int) -> list[list[int]]:
-    """Indexes of ``parts`` in groups of about equal rows, one group per connection.
-
-    ``ways`` groups when some table was cut into ranges, else one: small tables are cheaper
-    to sum in one statement than to spread over connections.
-    """
-    if all(p.lo is None and p.hi is None for p in parts):
-        ways = 1
-    groups: list[list[int]] = [[] for _ in range(max(1, ways))]
-    load = [0] * len(groups)
-    for i in sorted(range(len(parts)), key=lambda i: -parts[i].rows):
-        g = load.index(min(load))
-        groups[g].append(i)
-        load[g] += parts[i].rows + 1
-    return [sorted(g) for g in groups if g]
 
 
 def _sql_part(i: int, part: Part, gdid: GDID) -> tuple[str, list[BindParameter[Any]]]:
@@ -206,25 +177,6 @@ def combine(parts: Sequence[Part], sums: Sequence[TableSum]) -> dict[str, TableS
         name: TableSum(sum(s.rows for s in pieces), pieces[0].digest if len(pieces) == 1 else ".".join(s.digest for s in pieces))
         for name, pieces in by_table.items()
     }
-
-
-def table_sums(conn: Connection, tables: Sequence[AreaTable], gdid: GDID, method: Method) -> dict[str, TableSum]:
-    """table -> (row count, checksum) of the briefcase on this server (the caller's transaction)."""
-    out: dict[str, TableSum] = {}
-    if method == "sql":
-        parts = [Part(at) for at in tables]
-        return combine(parts, part_sums(conn, parts, gdid))
-    for at in tables:
-        digest = hashlib.md5(usedforsecurity=False)
-        count = 0
-        result = conn.execute(
-            select(at.table).where(at.table.c[at.key] == gdid).order_by(*at.table.primary_key.columns)
-        )
-        for row in result:
-            digest.update(_row_hash(row).encode("ascii"))
-            count += 1
-        out[at.name] = TableSum(count, digest.hexdigest() if count else "")
-    return out
 
 
 def sql_digest(at: AreaTable, hashed: bool = False) -> str:
