@@ -10,6 +10,7 @@ under ``CI=true``, where it fails: CI must never go green by skipping the real-s
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +50,22 @@ def _bytecode_cached_outside_the_tree() -> None:
 
 
 _bytecode_cached_outside_the_tree()
+
+
+def _interrupts_reach_the_children() -> None:
+    """Let the ``mdb`` processes the tests start take Ctrl-C, however the suite itself was started.
+
+    A shell without job control starts a background command (``cmd &``) with SIGINT ignored,
+    and an ignored signal stays ignored across fork and exec: every ``mdb`` a test starts then
+    ignored the SIGINT the Ctrl-C tests send it, and they timed out (three of them, in a suite
+    started that way). A handled signal is reset to its default at exec, so the children get
+    SIGINT back and Python turns it into KeyboardInterrupt as in a terminal.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_interrupts_reach_the_children()
 
 POOL_SIZE = 4
 POSTGRES_FIXTURES = frozenset({"pg_cluster", "pg_databases", "pg_url", "pg_server_factory", "pg_replica_pair", "pgbouncer", "pg_route"})
