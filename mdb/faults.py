@@ -4,7 +4,7 @@ SQL moves, reshards, resume, cancel, document moves and CENTRAL's atomic creatio
 :func:`register` the names of their points at import time; registering a name twice fails, so
 two protocols can never share (and so confuse) a point. Tests reach a point two ways:
 
-* ``MDB_FAULT_POINT=move.after_copy_commit`` in the environment of a process the test harness
+* ``MDB_FAULT_POINT=batch.after_precopy`` in the environment of a process the test harness
   armed (``MDB_TESTING=1``, set by :func:`mdb.testing.arm` from tests/support/plugin.py and inherited
   by the processes tests start) makes that process kill itself with SIGKILL the moment it
   reaches that point: no cleanup, no ``finally``, exactly what a power cut or an OOM kill does.
