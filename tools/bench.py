@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--procs", type=int, help="application processes for the sections that start them (reshard_impact: default 4)")
     parser.add_argument("--settled", action="store_true",
                         help="reshard_impact: only briefcases that stay, so the reshard is its freeze, final sweep and map apply alone")
+    parser.add_argument("--mover-nice", type=int, default=0, metavar="N",
+                        help="reshard_impact: run the mover (this process's reshard threads) at nice N, as if on a host of its own")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.add_argument("--async", dest="aio", action="store_true",
                         help="the asyncio variant of each section that has one (briefcase -> briefcase_async)")
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                            "per_server": args.per_server}
         if args.settled:
             ctx.options["settled"] = True
+        if args.mover_nice:
+            ctx.options["mover_nice"] = args.mover_nice
         try:
             for name in args.sections or sections:
                 console.print(f"[bold]section {name}[/bold] ...")

@@ -63,8 +63,8 @@ from mdb.moves.gate import CutoverGate
 from mdb.moves.journal import ABORTED, RUNNING, Journal, JournalEntry, new_move_id
 from mdb.moves.lease import fenced_servers, hold
 from mdb.moves.move import (
-    DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, MoveOptions, MoveResult, ResumeOutcome, check_kinds, check_max_pause, refuse_if_busy,
-    register_mover, register_resolver,
+    DEFAULT_LOCK_WAIT, DEFAULT_MAX_PAUSE, BriefcaseMove, MoveOptions, MoveResult, ResumeOutcome, check_kinds, check_max_pause,
+    refuse_if_busy, register_mover, register_resolver,
 )
 from mdb.moves.sql_steps import area_tables, check_target_schema, locked_briefcases, precheck, statement_cancelled
 from mdb.system_tables import STATE_GONE
@@ -447,7 +447,7 @@ register_resolver(BatchMove)
 
 
 @register_mover
-class SingleMove:
+class SingleMove(BriefcaseMove):
     """A briefcase's move between two SQL servers (PostgreSQL, SQLite): ``mdb move``, a reshard's
     briefcase that no batch could take, a cancel's move back. A batch of one (docs/dev/0017).
 
@@ -462,17 +462,7 @@ class SingleMove:
 
     def __init__(self, cluster: Cluster, area: str, gdid: GDID, target: str, options: MoveOptions, journal: Journal | None = None) -> None:
         self.tables = area_tables(cluster, area)  # no type of the area: RoutingError first
-        self.cluster = cluster
-        self.area = area
-        self.gdid = gdid
-        self.target = target
-        self.options = options
-        self.journal = journal or Journal(cluster)
-        self.source = options.source or cluster.router.locate(area, gdid).server
-
-    @property
-    def what(self) -> str:
-        return f"move of {self.area}/{self.gdid} from {self.source!r} to {self.target!r}"
+        super().__init__(cluster, area, gdid, target, options, journal)
 
     def _result(self, move_id: str | None, status: str, tables: dict[str, tuple[int, int]], pause: float) -> MoveResult:
         return MoveResult(move_id, self.area, self.gdid, self.source, self.target, status, tables, pause, status == "done")

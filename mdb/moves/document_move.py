@@ -161,10 +161,6 @@ class DocumentMove(Move):
     def id_prefix(self) -> str:
         return "mmove"
 
-    @property
-    def what(self) -> str:
-        return f"move of {self.area}/{self.gdid} from {self.source!r} to {self.target!r}"
-
     def journal_entry(self) -> JournalEntry:
         return JournalEntry(
             move_id=self.move_id, kind=KIND, area=self.area, step="precheck", status=RUNNING, gdid=self.gdid,

@@ -48,6 +48,7 @@ from mdb.moves.sql_steps import area_tables, locked_source
 __all__ = [
     "DEFAULT_LOCK_WAIT",
     "DEFAULT_MAX_PAUSE",
+    "BriefcaseMove",
     "Move",
     "MoveOptions",
     "MoveResult",
@@ -179,7 +180,26 @@ def check_kinds(cluster: Cluster, area: str, gdid: GDID, source: str, target: st
             )
 
 
-class Move(ABC):
+class BriefcaseMove:
+    """What every mover of one briefcase starts from, whatever its engine: the briefcase, where it
+    is (the source the options name, or where the router places it) and where it goes."""
+
+    def __init__(self, cluster: Cluster, area: str, gdid: GDID, target: str, options: MoveOptions, journal: Journal | None = None) -> None:
+        self.cluster = cluster
+        self.area = area
+        self.gdid = gdid
+        self.target = target
+        self.options = options
+        self.journal = journal or Journal(cluster)
+        self.source = options.source or cluster.router.locate(area, gdid).server
+
+    @property
+    def what(self) -> str:
+        """The move in the words of its refusals and errors."""
+        return f"move of {self.area}/{self.gdid} from {self.source!r} to {self.target!r}"
+
+
+class Move(BriefcaseMove, ABC):
     """One briefcase's move from its source server to ``target``; :meth:`run` takes every step once."""
 
     server_kind: ClassVar[str]
@@ -191,13 +211,7 @@ class Move(ABC):
     """The fault points the driver passes (registered by the implementation's module)."""
 
     def __init__(self, cluster: Cluster, area: str, gdid: GDID, target: str, options: MoveOptions, journal: Journal | None = None) -> None:
-        self.cluster = cluster
-        self.area = area
-        self.gdid = gdid
-        self.target = target
-        self.options = options
-        self.journal = journal or Journal(cluster)
-        self.source = options.source or cluster.router.locate(area, gdid).server
+        super().__init__(cluster, area, gdid, target, options, journal)
         self.move_id = ""
         self.moved: dict[str, tuple[int, int]] = {}
         """What was moved, per table or collection: (rows, bytes); the result's ``tables``."""

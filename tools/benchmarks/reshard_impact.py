@@ -19,11 +19,19 @@ with their count); its RSS when the
 reshard started and its growth until the end. Latencies go into a fixed log-bucket histogram
 (about 1% resolution, the max exact), so the figures cost the process no memory that grows.
 Afterwards every briefcase is on exactly one server (N rows over a, b and x, no key twice).
-Then a timeline: the reshard's steps and every operation of 100 ms or more (wall clock, which
+Then a timeline: the reshard's steps, the mover's collections, each server's autovacuum runs
+and checkpoints (polled once a second), and every operation of 100 ms or more (wall clock, which
 processes, reads or writes, what their Stores absorbed meanwhile), so a stall can be set
 against the step it happened in. ``--settled``: only briefcases that stay on their shard, so
 the reshard moves nothing and is its freeze, final sweep and map apply alone (the end of a
 reshard of N briefcases, in seconds).
+
+``--mover-nice N``: the mover (this process, from the reshard's start) runs at CPU priority nice
+N. In production the mover runs on a host of its own, not on the application's cores; on a
+2-core machine holding the mover, five servers and the applications, the applications' p99
+during a reshard measures mostly whose turn the CPU was (the "direct" column: operations that
+absorbed nothing). A niced mover yields the CPU to the applications when they want it, which is
+closer to that; the servers keep their priority. The run prints the value it used.
 
 Sizes: ``--n`` (default 10,000; ``--quick``: 2,000) and ``--procs`` (0: the mover alone, for
 its rate). Its own time is the fill, 3 + 2 s (``--quick``; else 10 + 3 s) around the reshard, and
@@ -42,6 +50,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -335,6 +344,44 @@ class _Steps:
         pass
 
 
+class _ServerWatch(threading.Thread):
+    """Each server's own work on the timeline: its autovacuum runs (seen once a second in
+    ``pg_stat_activity``, with their duration) and its checkpoints (``pg_stat_bgwriter``'s counts
+    going up), so a slow operation that absorbed nothing can be set against what the servers did."""
+
+    def __init__(self, urls: dict[str, str], steps: _Steps) -> None:
+        super().__init__(name="server-watch", daemon=True)
+        self.urls = urls
+        self.steps = steps
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        conns = {name: psycopg.connect(_dsn(url), autocommit=True) for name, url in self.urls.items()}
+        running: dict[tuple[str, int, str], float] = {}
+        checkpoints: dict[str, int] = {}
+        try:
+            while not self.stopped.wait(1.0):
+                now = time.time()
+                for name, conn in conns.items():
+                    seen = {(name, pid, query) for pid, query in conn.execute(
+                        "SELECT pid, query FROM pg_stat_activity WHERE backend_type = 'autovacuum worker' AND query <> ''")}
+                    for key in seen - running.keys():
+                        running[key] = now
+                    for key in [k for k in running if k[0] == name and k not in seen]:
+                        started = running.pop(key)
+                        self.steps.log.append((started, f"server {name}: {key[2]}, {now - started:.0f} s (+-1 s)"))
+                    row = conn.execute("SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter").fetchone()
+                    count = int(row[0]) if row else 0
+                    if name in checkpoints and count > checkpoints[name]:
+                        self.steps.log.append((now, f"server {name}: checkpoint counted"))
+                    checkpoints[name] = count
+        finally:
+            for name, conn in conns.items():
+                conn.close()
+            for (name, _, query), started in running.items():
+                self.steps.log.append((started, f"server {name}: {query}, still running at the end"))
+
+
 def _timeline(console: Console, steps: list[tuple[float, str]], figures: list[dict[str, Any]]) -> None:
     """The reshard's steps and the application's slow operations on one clock (ms from the reshard's start).
 
@@ -344,7 +391,9 @@ def _timeline(console: Console, steps: list[tuple[float, str]], figures: list[di
     if not steps:
         return
     t0 = steps[0][0]
-    events: list[tuple[float, str]] = [(t - t0, name if name.startswith("mover:") else f"reshard: {name}") for t, name in steps]
+    events: list[tuple[float, str]] = [
+        (t - t0, name if name.startswith(("mover:", "server ")) else f"reshard: {name}") for t, name in steps
+    ]
     ops = sorted((w - t0, took, kind, f["index"], seen) for f in figures for w, took, kind, seen in f.get("slow", []))
     group: list[tuple[float, float, str, int, str]] = []
 
@@ -407,15 +456,22 @@ def run(ctx: BenchContext) -> list[Result]:
         _wait_for([run_dir / f"ready-{i}" for i in range(procs)], workers, timeout=120)
         time.sleep(before_s)
         (run_dir / "started").touch()
+        mover_nice = int(ctx.options.get("mover_nice", 0))
+        if mover_nice:
+            os.nice(mover_nice)  # this thread, and the reshard's threads it starts next; the servers keep theirs
         start = time.perf_counter()
         steps = _Steps()
         steps.phase("start")
         gc.callbacks.append(steps.collection)
+        watch = _ServerWatch(urls, steps)
+        watch.start()
         try:
             with Store.from_yaml(path, types=[UserBriefcase]) as store:
                 outcome = reshard(store, "user", GDID(0, 0, 0), ["a", "b", "x"], parallel=2, map_path=path, progress=steps)
         finally:
             gc.callbacks.remove(steps.collection)
+            watch.stopped.set()
+            watch.join()
         steps.phase("returned")
         elapsed = time.perf_counter() - start
         (run_dir / "ended").touch()
@@ -437,7 +493,7 @@ def run(ctx: BenchContext) -> list[Result]:
 
     rate = outcome.moved / elapsed
     console.print(f"  reshard 2 -> 3 at --parallel 2: {outcome.moved:,} of {n:,} briefcases moved in {elapsed:.1f}s: "
-                  f"[bold]{rate:,.0f} briefcases/s[/bold] (with {procs} application processes)")
+                  f"[bold]{rate:,.0f} briefcases/s[/bold] (with {procs} application processes; mover at nice {mover_nice})")
     table = Table(title=f"reshard_impact: {n:,} briefcases, per application process (latency in ms, memory in MB)")
     for column in ("proc", "reads", "writes", "errors", "absorbed", "refreshes", "refresh s", "dir loads", "learned",
                    "p50", "p99", "max", "p99 before", "p99 during", "p99 during: direct / refused", "max during", "own GC s (longest ms)", "RSS", "RSS growth"):
