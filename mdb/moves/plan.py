@@ -314,7 +314,7 @@ def plan_reshard(store: Cluster, scan: PartitionScan, area: str, start: GDID, ne
                 raise RoutingError(f"briefcase {area}/{g} has rows on both {last[1]!r} and {read.server!r}: run `mdb where` and `mdb moves resume` first")
             last = (key, read.server)
             plan.briefcases_in_partition += 1
-            target = shard_in(new_shards, g)
+            target = shard_in(new_shards, g.sharding_value)
             if target != read.server:
                 movers[read.server].append((g, target))
                 if len(movers[read.server]) >= COUNT_BLOCK:
