@@ -26,7 +26,7 @@ against the step it happened in. ``--settled``: only briefcases that stay on the
 the reshard moves nothing and is its freeze, final sweep and map apply alone (the end of a
 reshard of N briefcases, in seconds).
 
-``--mover-nice N``: the mover (this process, from the reshard's start) runs at CPU priority nice
+``--mover-nice N``: the mover (the reshard's threads in this process) runs at CPU priority nice
 N. In production the mover runs on a host of its own, not on the application's cores; on a
 2-core machine holding the mover, five servers and the applications, the applications' p99
 during a reshard measures mostly whose turn the CPU was (the "direct" column: operations that
@@ -53,6 +53,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ from benchmarks.moves import _map
 from benchmarks.reshard import AT, _dsn, _settle
 from mdb.demo.models import User, UserBriefcase
 from mdb.gdid import GDID
-from mdb.moves.reshard import reshard
+from mdb.moves.reshard import ReshardOutcome, reshard
 from mdb.retry import RoutedOpen, Step
 from mdb.schema import apply_schema
 from mdb.store import Store
@@ -457,8 +458,6 @@ def run(ctx: BenchContext) -> list[Result]:
         time.sleep(before_s)
         (run_dir / "started").touch()
         mover_nice = int(ctx.options.get("mover_nice", 0))
-        if mover_nice:
-            os.nice(mover_nice)  # this thread, and the reshard's threads it starts next; the servers keep theirs
         start = time.perf_counter()
         steps = _Steps()
         steps.phase("start")
@@ -466,8 +465,15 @@ def run(ctx: BenchContext) -> list[Result]:
         watch = _ServerWatch(urls, steps)
         watch.start()
         try:
-            with Store.from_yaml(path, types=[UserBriefcase]) as store:
-                outcome = reshard(store, "user", GDID(0, 0, 0), ["a", "b", "x"], parallel=2, map_path=path, progress=steps)
+            with Store.from_yaml(path, types=[UserBriefcase]) as store, ThreadPoolExecutor(1, thread_name_prefix="mover") as mover:
+                def move() -> ReshardOutcome:
+                    # Linux keeps a nice value per thread, inherited by the threads a thread starts: the
+                    # reshard's workers run niced, this process's other threads and later sections do not.
+                    if mover_nice:
+                        os.nice(mover_nice)
+                    return reshard(store, "user", GDID(0, 0, 0), ["a", "b", "x"], parallel=2, map_path=path, progress=steps)
+
+                outcome = mover.submit(move).result()
         finally:
             gc.callbacks.remove(steps.collection)
             watch.stopped.set()
