@@ -18,7 +18,7 @@ import yaml
 from support.mapfiles import map_dict
 from sqlalchemy import event, insert, select, text
 from sqlalchemy.pool import Pool
-from support.budget import connections_to, fill, refusals, small_server, write_budget_map  # noqa: F401 (refusals, small_server: the suite's fixtures)
+from support.budget import fill, settled_connections_to, refusals, small_server, write_budget_map  # noqa: F401 (refusals, small_server: the suite's fixtures)
 
 from mdb.aio import AsyncStore
 from mdb.aio.engines import AsyncBudgetPool
@@ -120,7 +120,7 @@ def test_concurrent_async_fan_outs_over_more_shards_than_the_cap_wait_for_the_bu
             expected = [GDID(0, 0, 100 + i) for i in range(len(SHARDS))]
             assert results == [expected] * 24
             assert live.peak == cap  # reached (6 shards x 8 fan-outs wanted up to 48), never passed
-            assert connections_to(server, admin) <= cap
+            assert settled_connections_to(server, admin, cap) <= cap
     finally:
         store.close()
 
@@ -196,7 +196,7 @@ def test_a_sync_waiter_makes_async_pools_close_idle_connections_on_their_loop(
             idle_before, idle_after, (one, thread) = asyncio.run(main())
             assert one == 1 and thread != threading.current_thread().name
             assert idle_after == idle_before - 1  # one async connection closed to make room
-            assert budget.open_connections(instance) <= cap and connections_to(server, admin) <= cap
+            assert budget.open_connections(instance) <= cap and settled_connections_to(server, admin, cap) <= cap
     finally:
         store.close()
 
@@ -225,7 +225,7 @@ def test_idle_async_connections_are_closed_by_the_reaper_on_their_loop(
             while store.engines.budget.open_connections(instance) and time.monotonic() < deadline:
                 time.sleep(0.05)  # the sync pools' idle connections (schema, inserts) age out too
             assert store.engines.budget.open_connections(instance) == 0
-            assert connections_to(server, admin) == 0
+            assert settled_connections_to(server, admin, 0) == 0
     finally:
         store.close()
 

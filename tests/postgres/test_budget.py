@@ -24,7 +24,7 @@ from mdb.demo.models import User, UserBriefcase
 from mdb.urls import sqlalchemy_url
 from mdb.errors import CapacityError, RetryableError
 from mdb.schema import apply_schema
-from support.budget import connections_to, fill, refusals, small_server, write_budget_map  # noqa: F401 (fixtures: refusals, small_server)
+from support.budget import connections_to, fill, settled_connections_to, refusals, small_server, write_budget_map  # noqa: F401 (fixtures: refusals, small_server)
 from support.budget import _Refusals
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,7 +158,7 @@ def test_the_budget_caps_an_instance_and_reuses_idle_connections(small_server: A
                 with store.transaction(name) as conn:
                     conn.execute(text("SELECT 1"))
                 assert store.engines.budget.open_connections(instance) <= 2
-                assert connections_to(server, admin) <= 2
+                assert settled_connections_to(server, admin, 2) <= 2
         with store.transaction("s0"), store.transaction("s1"):
             with pytest.raises(CapacityError) as raised:
                 with store.transaction("s2"):
@@ -193,10 +193,8 @@ def test_idle_connections_are_closed_after_idle_timeout(small_server: Any, tmp_p
             with store.transaction(name) as conn:
                 conn.execute(text("SELECT 1"))
         assert connections_to(server, admin) == 3
-        deadline = time.monotonic() + 30  # generous: the reaper runs every 0.1 s here
-        while connections_to(server, admin) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert connections_to(server, admin) == 0 and store.engines.budget.open_connections() == 0
+        # generous: the reaper runs every 0.1 s here
+        assert settled_connections_to(server, admin, 0, timeout=30) == 0 and store.engines.budget.open_connections() == 0
         with store.transaction("s0") as conn:  # the pool opens a new one when asked again
             assert conn.execute(text("SELECT 1")).scalar() == 1
 

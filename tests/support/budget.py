@@ -12,6 +12,7 @@ import yaml
 from support.mapfiles import map_dict
 from mdb.testing.postgres import PostgresServer
 import threading
+import time
 
 
 @pytest.fixture
@@ -48,6 +49,23 @@ def connections_to(server: PostgresServer, admin: psycopg.Connection[Any]) -> in
     ).fetchone()
     assert row is not None
     return int(row[0])
+
+
+def settled_connections_to(
+    server: PostgresServer, admin: psycopg.Connection[Any], at_most: int, timeout: float = 10.0
+) -> int:
+    """The server's client connections once they are at most ``at_most``, or the last count after ``timeout``.
+
+    A backend leaves ``pg_stat_activity`` a moment after its client closed the socket (it exits on
+    its own), so a count taken right after a close can still see it; a connection that was really
+    left open stays counted and fails the caller's assertion.
+    """
+    deadline = time.monotonic() + timeout
+    count = connections_to(server, admin)
+    while count > at_most and time.monotonic() < deadline:
+        time.sleep(0.05)
+        count = connections_to(server, admin)
+    return count
 
 
 def fill(server: PostgresServer) -> list[psycopg.Connection[Any]]:
