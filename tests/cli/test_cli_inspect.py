@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import forkserver
 from typer.testing import CliRunner
 
 from mdb import GDID, MdbError
@@ -263,7 +264,7 @@ def test_map_errors_do_not_leak_secrets(monkeypatch: pytest.MonkeyPatch, capsys:
 
 def run_mdb(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "COLUMNS": "250", **(env or {})}
-    return subprocess.run([str(MDB), *args], capture_output=True, text=True, cwd=cwd, env=full_env, timeout=60)
+    return forkserver.run([str(MDB), *args], capture_output=True, text=True, cwd=cwd, env=full_env, timeout=60)
 
 
 def test_console_script_route_must_show() -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import yaml
+from support import forkserver
 from support.moves import ROOT, Cluster, run_cli
 from support.templates import Databases
 from support.fleet import SERVE, _free_port, _python
@@ -106,7 +107,7 @@ def test_serve_metrics_gauges_follow_a_reshard_and_the_dashboard_names_only_expo
     assert run_cli(["migrate", "up", str(cluster.path)]).returncode == 0
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    exporter = subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", "serve-metrics", str(cluster.path),
+    exporter = forkserver.popen([sys.executable, "-c", "from mdb.cli import main; main()", "serve-metrics", str(cluster.path),
                                  "--port", str(port), "--interval", "0.3"], cwd=str(ROOT), env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -174,7 +175,7 @@ def test_replica_lag_is_in_status_and_a_gauge(pg_databases: Callable[[int], list
     _, out = status(cluster)
     assert set(out["replica_lag_seconds"]) == {"u1"} and 0 <= out["replica_lag_seconds"]["u1"] < 60, out["replica_lag_seconds"]
     port = _free_port()
-    exporter = subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", "serve-metrics", str(cluster.path),
+    exporter = forkserver.popen([sys.executable, "-c", "from mdb.cli import main; main()", "serve-metrics", str(cluster.path),
                                  "--port", str(port), "--interval", "0.3"], cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)},
                                 text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:

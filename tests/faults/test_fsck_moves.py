@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import forkserver
 from support.moves import ROOT, Cluster, process_state
 from support.reshard import BATCH_POINTS, Writers, _check_placement, _check_writes, cluster, writers  # noqa: F401  (fixtures)
 
@@ -46,7 +47,7 @@ sat out 30 s per such briefcase."""
 
 
 def mdb(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([MDB, *args], capture_output=True, text=True, env={**os.environ, **(env or {})},
+    return forkserver.run([MDB, *args], capture_output=True, text=True, env={**os.environ, **(env or {})},
                           timeout=300, cwd=str(ROOT))
 
 
@@ -83,7 +84,7 @@ def _named_by_batches(cluster: Cluster) -> set[str]:
 def test_fsck_repair_while_a_batch_is_paused_at_each_step(cluster: Cluster, writers: Writers, point: str) -> None:
     writers.wait_for(20)
     for shards in LISTS:
-        proc = subprocess.Popen(
+        proc = forkserver.popen(
             [MDB, "reshard", str(cluster.path), "user", "--partition", "0:0:0", "--shards", ",".join(shards)],
             env={**os.environ, "MDB_FAULT_POINT": point, "MDB_FAULT_ACTION": "stop"},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT),

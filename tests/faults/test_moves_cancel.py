@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support import forkserver
 from support.moves import ROOT, Cluster, create_user, locations, make_cluster, run_cli, snapshot
 
 from mdb.gdid import GDID
@@ -118,7 +119,7 @@ def test_cancel_a_running_reshard_from_another_process(cluster: Cluster) -> None
     before = _state(cluster)
     map_text = cluster.path.read_text(encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MDB_FAULT_POINT": "reshard.after_first_move", "MDB_FAULT_ACTION": "sleep:8"}
-    proc = subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", *_reshard_args(cluster)],
+    proc = forkserver.popen([sys.executable, "-c", "from mdb.cli import main; main()", *_reshard_args(cluster)],
                             cwd=str(ROOT), env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support import forkserver
 from support.moves import FAST_LEASE, ROOT, Cluster, locations, make_cluster, run_cli, snapshot
 from sqlalchemy import event, select, text
 from support.reshard import BATCH_POINTS, SERVERS, Writers, _check_placement, _check_writes, cluster, writers  # noqa: F401 (fixtures: cluster, writers)
@@ -49,7 +50,7 @@ def test_a_driver_paused_past_its_lease_at_each_batch_step_writes_nothing_after_
         shards = ",".join(lists[i % 2])
         env = {**os.environ, **FAST_LEASE, "PYTHONPATH": str(ROOT), "MDB_HOST_NAME": "host-a",
                "MDB_FAULT_POINT": point, "MDB_FAULT_ACTION": "stop"}
-        first = subprocess.Popen(
+        first = forkserver.popen(
             [sys.executable, "-c", "from mdb.cli import main; main()", "reshard", str(cluster.path), "user",
              "--partition", "0:0:0", "--shards", shards],
             cwd=str(ROOT), env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -190,7 +191,7 @@ def test_a_single_move_paused_past_its_lease_writes_nothing_after_a_takeover(poi
         before = snapshot(store, SERVERS)
     env = {**os.environ, **FAST_LEASE, "PYTHONPATH": str(ROOT), "MDB_HOST_NAME": "host-a",
            "MDB_FAULT_POINT": point, "MDB_FAULT_ACTION": "stop"}
-    first = subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", "move", str(cluster.path), "user", str(g),
+    first = forkserver.popen([sys.executable, "-c", "from mdb.cli import main; main()", "move", str(cluster.path), "user", str(g),
                               "--to", target], cwd=str(ROOT), env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         _wait_stopped(first, point)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support import forkserver
 from support.moves import ROOT, Cluster, create_user, make_cluster, run_cli
 from sqlalchemy import func, update
 
@@ -58,7 +59,7 @@ def _wait_for_first_move(cluster: Cluster, proc: subprocess.Popen[str]) -> str:
 def test_a_running_reshard_is_named_and_not_driven_twice(stop: signal.Signals, pg_databases: Callable[[int], list[str]], tmp_path: Path) -> None:
     cluster = _cluster(pg_databases(4), tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MDB_FAULT_POINT": "reshard.after_first_move", "MDB_FAULT_ACTION": "sleep:600"}
-    proc = subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", "reshard", str(cluster.path), "user",
+    proc = forkserver.popen([sys.executable, "-c", "from mdb.cli import main; main()", "reshard", str(cluster.path), "user",
                              "--partition", "0:0:0", "--shards", "u1,u2,x"], cwd=str(ROOT), env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:

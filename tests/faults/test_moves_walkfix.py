@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support import forkserver
 from support.moves import ROOT, Cluster, create_user, make_cluster
 
 from mdb.gdid import GDID
@@ -31,7 +32,7 @@ def cli(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None) -> su
     """Run `mdb ARGS` in a child process from folder CWD (relative paths resolve there)."""
     full = {**os.environ, **(env or {})}
     full["PYTHONPATH"] = str(ROOT) + os.pathsep + full.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-c", "from mdb.cli import main; main()", *args],
+    return forkserver.run([sys.executable, "-c", "from mdb.cli import main; main()", *args],
                           capture_output=True, text=True, env=full, timeout=120, cwd=str(cwd))
 
 
@@ -166,7 +167,7 @@ def test_a_move_onto_a_model_with_a_new_column_lists_the_drift_not_a_driver_erro
 
 def _popen(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     full = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", *args], cwd=str(cwd), env=full,
+    return forkserver.popen([sys.executable, "-c", "from mdb.cli import main; main()", *args], cwd=str(cwd), env=full,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

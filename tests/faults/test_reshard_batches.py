@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import statistics
 import sys
 
 import pytest
+from support import forkserver
 from support.moves import ROOT, Cluster, locations, run_cli, snapshot
 
 from mdb import faults
@@ -110,7 +110,7 @@ def test_sigkill_while_a_batch_copies_again_what_was_written_since_its_precopy(c
     """Killed after the re-sync committed its second copy on the target, before the source's commit
     point: resume discards that copy (no fence on the source), and the reshard finishes with every write."""
     writers.wait_for(10)
-    run = subprocess.run(
+    run = forkserver.run(
         [sys.executable, "-c", RESYNC, str(cluster.path), "u1,u2,x", str(len(USERS))], cwd=str(ROOT),
         env={**os.environ, "MDB_FAULT_POINT": "batch.after_resync"}, capture_output=True, text=True, timeout=120,
     )

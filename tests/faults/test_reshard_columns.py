@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 
+from support import forkserver
 from support.moves import ROOT, Cluster, add_transaction, create_user
 from sqlalchemy import text
 from support.reshard import _wait_stopped
@@ -33,7 +34,7 @@ OLD, NEW = ["u1", "u2"], ["u1", "u2", "x"]
 def test_a_column_added_between_two_passes_is_refused_not_dropped(cluster: Cluster) -> None:  # noqa: F811
     newcomers = [GDID(0, 0, c) for c in range(100, 130) if OLD[c % 2] != NEW[c % 3]][:3]  # they move under 2 -> 3
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MDB_FAULT_POINT": "reshard.between_passes", "MDB_FAULT_ACTION": "stop"}
-    mover = subprocess.Popen(
+    mover = forkserver.popen(
         [sys.executable, "-c", "from mdb.cli import main; main()", "reshard", str(cluster.path), "user",
          "--partition", "0:0:0", "--shards", ",".join(NEW)],
         cwd=str(ROOT), env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import forkserver
 from support.moves import ROOT, Cluster, add_transaction, create_user, locations, make_cluster, run_cli
 from sqlalchemy import create_engine, text
 
@@ -54,7 +55,7 @@ def _cluster(urls: Sequence[str], tmp_path: Path, users: int) -> Cluster:
 
 def _popen(args: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     full = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", *args], cwd=str(ROOT), env=full,
+    return forkserver.popen([sys.executable, "-c", "from mdb.cli import main; main()", *args], cwd=str(ROOT), env=full,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

@@ -18,6 +18,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from support import forkserver
 from support.moves import ROOT, Cluster, add_transaction, locations, run_cli
 from sqlalchemy import func, select
 
@@ -77,7 +78,7 @@ def test_writers_in_threads_and_a_process_during_moves_and_a_reshard(cluster: Cl
                     acked.append((g, tid))
 
     stop_file = tmp_path / "stop"
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(cluster.path), str(stop_file), "3000000"],
+    proc = forkserver.popen([sys.executable, "-c", WRITER, str(cluster.path), str(stop_file), "3000000"],
                             cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     threads = [threading.Thread(target=writer, args=(base,)) for base in (1_000_000, 2_000_000)]
     for t in threads:

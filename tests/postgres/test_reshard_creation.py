@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from support import forkserver
 from support.moves import ROOT, Cluster, create_user, locations, make_cluster
 from sqlalchemy import select
 
@@ -118,7 +119,7 @@ def test_briefcases_created_during_a_reshard_end_up_once_on_the_new_shard(
     # read stdout too and steal parts of lines from the reader).
     errors = tmp_path / "creator.stderr"
     with errors.open("w") as err_file:
-        proc = subprocess.Popen([sys.executable, "-c", CREATOR, str(cluster.path), str(stop)],
+        proc = forkserver.popen([sys.executable, "-c", CREATOR, str(cluster.path), str(stop)],
                                 cwd=str(ROOT), stdout=subprocess.PIPE, stderr=err_file, text=True)
     lines: list[str] = []
     assert proc.stdout is not None

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
+from support import forkserver
 from support.mapfiles import map_dict
 from sqlalchemy import create_engine, inspect, select, update
 from typer.testing import CliRunner
@@ -160,6 +160,6 @@ def test_the_console_script_imports_models_from_the_folder_it_runs_in(tmp_path: 
         })
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([str(MDB), "schema", "apply", "map.yaml"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    done = forkserver.run([str(MDB), "schema", "apply", "map.yaml"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "tour_members" in inspect(create_engine(f"sqlite:///{tmp_path / 'data' / 'm.db'}")).get_table_names()

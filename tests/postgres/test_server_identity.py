@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from support import forkserver
 from support.mapfiles import map_dict
 from sqlalchemy import create_engine, func, inspect, select, text
 
@@ -49,7 +50,7 @@ def with_password(url: str) -> str:
 
 def mdb(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """The installed console script, as an operator types it; no output may carry the password."""
-    proc = subprocess.run([str(MDB), *args], capture_output=True, text=True, cwd=cwd, timeout=180,
+    proc = forkserver.run([str(MDB), *args], capture_output=True, text=True, cwd=cwd, timeout=180,
                           env={**os.environ, PW_ENV: SECRET, "COLUMNS": "250"})
     assert SECRET not in proc.stdout and SECRET not in proc.stderr
     return proc
@@ -244,7 +245,7 @@ def test_map_check_says_when_it_could_not_ask_the_system(tmp_path: Path) -> None
     data = map_dict({"c": "postgresql+psycopg://mdb:${MDB_TEST_IDENTITY_PW}@127.0.0.1:1/c"}, central=["c"])
     path = tmp_path / "down.yaml"
     path.write_text(yaml.safe_dump(data), encoding="utf-8")
-    proc = subprocess.run([str(MDB), "map", "check", str(path), "--json"], capture_output=True, text=True, cwd=tmp_path,
+    proc = forkserver.run([str(MDB), "map", "check", str(path), "--json"], capture_output=True, text=True, cwd=tmp_path,
                           timeout=120, env={**os.environ, PW_ENV: SECRET})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     found = json.loads(proc.stdout)
@@ -260,10 +261,10 @@ def test_map_show_lists_pooler_and_direct_masked(tmp_path: Path) -> None:
     path = tmp_path / "pooled.yaml"
     path.write_text(yaml.safe_dump(data), encoding="utf-8")
     env = {**os.environ, PW_ENV: SECRET, "COLUMNS": "250"}
-    shown = subprocess.run([str(MDB), "map", "show", str(path), "--json"], capture_output=True, text=True, cwd=tmp_path,
+    shown = forkserver.run([str(MDB), "map", "show", str(path), "--json"], capture_output=True, text=True, cwd=tmp_path,
                            timeout=120, env=env)
     assert shown.returncode == 0, shown.stderr
     server = json.loads(shown.stdout)["servers"]["c"]
     assert server["pooler"] == "transaction" and server["direct"] == "postgresql+psycopg://mdb:***@127.0.0.1:2/c"
-    table = subprocess.run([str(MDB), "map", "show", str(path)], capture_output=True, text=True, cwd=tmp_path, timeout=120, env=env)
+    table = forkserver.run([str(MDB), "map", "show", str(path)], capture_output=True, text=True, cwd=tmp_path, timeout=120, env=env)
     assert "transaction" in table.stdout and "127.0.0.1:2/c" in table.stdout and SECRET not in table.stdout + table.stderr

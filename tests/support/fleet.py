@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from support import forkserver
 from support.moves import ROOT, Cluster, cloned_cluster, create_user, make_cluster, run_cli
 from support.templates import Databases
 
@@ -66,7 +67,7 @@ def _free_port() -> int:
 
 def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=60, cwd=str(ROOT))
+    return forkserver.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=60, cwd=str(ROOT))
 
 
 def _status_users(store: Store) -> None:
@@ -93,7 +94,7 @@ def status(cluster: Cluster, *extra: str) -> tuple[int, dict[str, Any]]:
 
 def start_reshard(cluster: Cluster, point: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MDB_FAULT_POINT": point, "MDB_FAULT_ACTION": "sleep:600"}
-    return subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", "reshard", str(cluster.path), "user",
+    return forkserver.popen([sys.executable, "-c", "from mdb.cli import main; main()", "reshard", str(cluster.path), "user",
                              "--partition", "0:0:0", "--shards", "u1,u2,x"], cwd=str(ROOT), env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from support import forkserver
 from support import templates
 from support.mapfiles import map_dict
 from support.templates import Databases, Seed
@@ -128,7 +129,7 @@ def locations(store: Store, servers: Sequence[str]) -> dict[GDID, list[str]]:
 def run_cli(args: Sequence[str], env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     full = {**os.environ, **(env or {})}
     full["PYTHONPATH"] = str(ROOT) + os.pathsep + full.get("PYTHONPATH", "")
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, "-c", "from mdb.cli import main; main()", *args],
         capture_output=True, text=True, env=full, timeout=timeout, cwd=str(ROOT),
     )

@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 import pytest
+from support import forkserver
 from support.moves import process_state, ROOT, Cluster, add_transaction, cloned_cluster, create_user, locations
 from support.templates import Databases
 from sqlalchemy import select
@@ -107,7 +108,7 @@ class Writers:
         stale_map = tmp_path / "stale-map.yaml"  # never rewritten: the process routes by the map it started with
         shutil.copy(cluster.path, stale_map)
         self.stale_version = Cluster(cluster.urls, stale_map, cluster.central).store().map.version
-        self._proc = subprocess.Popen(
+        self._proc = forkserver.popen(
             [sys.executable, "-c", WRITER, str(stale_map), str(self._stop_file), "5000000", str(len(USERS))],
             cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )

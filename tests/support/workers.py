@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from support import forkserver
 from support.moves import ROOT, Cluster
 
 SPAWNED: list[subprocess.Popen[str]] = []
@@ -21,7 +22,7 @@ SPAWNED: list[subprocess.Popen[str]] = []
 def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """``mdb ARGS`` in the background, with ``env`` over this process's environment; stdout and stderr piped."""
     full = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", "from mdb.cli import main; main()", *args], cwd=str(ROOT), env=full,
+    proc = forkserver.popen([sys.executable, "-c", "from mdb.cli import main; main()", *args], cwd=str(ROOT), env=full,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     SPAWNED.append(proc)
     return proc
