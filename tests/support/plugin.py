@@ -91,6 +91,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _needs_postgres(item):
             item.add_marker(pytest.mark.postgres)
+    # The slow tests first (otherwise in collection order): under -n N the workers start on the
+    # minutes-long fault tests and fill in with the short ones, instead of finding a 4-minute test
+    # at the end of the queue and waiting for it with idle cores (19.5 min for 1,291 tests at
+    # -n 3 on 2 cores, cores 83% busy).
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 class _Unavailable:

@@ -104,26 +104,34 @@ class BenchContext:
             self._servers.pop().close()
 
 
-def per_call(fn: Callable[[], object], iterations: int) -> float:
-    """Seconds per call of ``fn`` over ``iterations`` calls."""
-    start = time.perf_counter()
+def per_call(fn: Callable[[], object], iterations: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds per call of ``fn`` over ``iterations`` calls, by ``clock`` (wall time unless told)."""
+    start = clock()
     for _ in range(iterations):
         fn()
-    return (time.perf_counter() - start) / iterations
+    return (clock() - start) / iterations
 
 
 def compare(
-    subject: Callable[[], object], baseline: Callable[[], object], *, iterations: int, rounds: int, warmup: int
+    subject: Callable[[], object], baseline: Callable[[], object], *, iterations: int, rounds: int, warmup: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, float]:
     """Median seconds per call of (subject, baseline), measured in alternating rounds.
 
     Alternating rounds share whatever else the machine is doing between the two, so the ratio
-    is steadier than two back-to-back runs.
+    is steadier than two back-to-back runs; the order flips every round (subject first, then
+    baseline first), so neither always runs right after the other's caches warmed. ``clock``:
+    ``time.process_time`` measures this process's CPU instead of wall time (for work that is all
+    in-process, such as SQLite, where the machine's other load shows in wall time only).
     """
-    per_call(subject, warmup)
-    per_call(baseline, warmup)
+    per_call(subject, warmup, clock)
+    per_call(baseline, warmup, clock)
     subject_times, baseline_times = [], []
-    for _ in range(rounds):
-        subject_times.append(per_call(subject, iterations))
-        baseline_times.append(per_call(baseline, iterations))
+    for i in range(rounds):
+        if i % 2:
+            baseline_times.append(per_call(baseline, iterations, clock))
+            subject_times.append(per_call(subject, iterations, clock))
+        else:
+            subject_times.append(per_call(subject, iterations, clock))
+            baseline_times.append(per_call(baseline, iterations, clock))
     return statistics.median(subject_times), statistics.median(baseline_times)
