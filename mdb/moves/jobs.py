@@ -5,7 +5,7 @@ cancel's move-back, a pass of the reshard's own job); what follows says "reshard
 
 A reshard used to live in one process (the operator's terminal) and move every batch itself.
 Now each pass of its sweeps writes its planned moves to CENTRAL table ``mdb_job_items``, one row
-per *work item*: up to :data:`ITEM_BRIEFCASES` briefcases of one (source, target) pair. Any
+per *work item*: up to :func:`item_briefcases` briefcases of one (source, target) pair. Any
 worker (``mdb worker MAP`` on any host, the threads of ``mdb reshard`` itself) claims an item,
 moves its briefcases in batched cutovers of the size its own sizer picks, and marks it done.
 
@@ -14,7 +14,7 @@ Claiming (:func:`claim`) is one CENTRAL transaction: on PostgreSQL the candidate
 advisory lock that makes the per-server count exact; on SQLite, one writer at a time, the
 transaction alone does it (and a SQLite CENTRAL runs one worker). An item is claimable when
 nobody claimed it, or when its claimer's lease is gone (:mod:`mdb.moves.lease`: a dead pid on
-this host, a beat older than ``LEASE_STALE`` from another host), and only while fewer than the
+this host, a beat older than ``lease_stale()`` from another host), and only while fewer than the
 job's ``per_server`` items are in flight on each of its two servers.
 
 **Each item is driven under a lease of its own** (lease id = item id): the claimer takes it
@@ -59,16 +59,18 @@ from mdb.moves.plan import PlannedMove
 from mdb.system_tables import central_metadata
 
 __all__ = [
-    "ITEM_BRIEFCASES", "Item", "ItemResult", "WorkerRow", "claim", "enqueue", "finish_item", "item_servers", "item_state",
+    "item_briefcases", "Item", "ItemResult", "WorkerRow", "claim", "enqueue", "finish_item", "item_servers", "item_state",
     "done_since", "drop", "forget", "give_back", "progress_item", "results_of", "job_items", "last_pass", "count_open", "open_items", "release_item", "settle", "stop_items", "workers",
 ]
 
 log = logging.getLogger("mdb.moves.jobs")
 
-ITEM_BRIEFCASES: Final = int(os.environ.get("MDB_ITEM_BRIEFCASES") or 200)
-"""Briefcases per work item: several batches' worth (a batch aims at ~25 ms, 60-80 briefcases of 100
+def item_briefcases() -> int:
+    """Briefcases per work item: several batches' worth (a batch aims at ~25 ms, 60-80 briefcases of 100
 rows), so a claim's round trips are paid rarely, and few enough that the workers share a pass.
-``MDB_ITEM_BRIEFCASES`` overrides it (tests cut a small reshard into many items)."""
+``MDB_ITEM_BRIEFCASES`` overrides it (tests cut a small reshard into many items), read when used."""
+    return int(os.environ.get("MDB_ITEM_BRIEFCASES") or 200)
+
 DEFAULT_PER_SERVER: Final = 2
 """Items in flight at once on one server (as source or target), over every worker of every host."""
 CLAIM_SETTLE: Final = 10.0
@@ -157,10 +159,10 @@ class ItemResult:
                    dict(data.get("tables", {})))
 
 
-def enqueue(journal: Journal, job_id: str, pass_no: int, moves: Sequence[PlannedMove], size: int = ITEM_BRIEFCASES) -> list[str]:
+def enqueue(journal: Journal, job_id: str, pass_no: int, moves: Sequence[PlannedMove], size: int | None = None) -> list[str]:
     """Queue ``moves`` as items of ``job_id``'s pass ``pass_no``: per (source, target) pair, in plan order, pairs in turn."""
     _ensure(journal)
-    size = max(1, size)
+    size = max(1, item_briefcases() if size is None else size)
     groups: dict[tuple[str, str], list[PlannedMove]] = {}
     for m in moves:
         groups.setdefault((m.source, m.target), []).append(m)

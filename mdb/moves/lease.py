@@ -5,12 +5,12 @@ on them (the second failed midway), and after a Ctrl-C nothing said whether
 a reshard's process was still alive (item 10). So a driver (a single ``mdb move``, a reshard,
 a resume, a cancel) first takes the entry's *lease*: a row in CENTRAL table
 ``mdb_move_leases`` beside the journal, naming its pid and host, when it took it and its last
-heartbeat. A thread beats every :data:`LEASE_BEAT` seconds while the lease is held; the same
+heartbeat. A thread beats every :func:`lease_beat` seconds while the lease is held; the same
 beat reads whether another process asked the driver to stop (``mdb moves cancel``).
 
 A lease is free when nobody holds it, when its pid is gone from this host (a SIGKILLed or
 crashed driver: taken over at once), or when it is held from another host and its beat is
-older than :data:`LEASE_STALE` seconds. A live process on this host keeps its lease however
+older than :func:`lease_stale` seconds. A live process on this host keeps its lease however
 old its beat (it may be stopped in a debugger or by SIGSTOP; kill it to take over). A reused
 pid on this host keeps a dead driver's lease until that process ends. Taking a lease is a
 compare-and-swap on the lease's epoch, so of two processes taking over one dead driver's lease
@@ -24,7 +24,7 @@ on every server the entry may touch, and the driver writes only through
 
 ``MDB_HOST_NAME`` overrides the host name a driver records (containers that share a host name,
 or tests of two "hosts" on one machine); ``MDB_LEASE_STALE_SECONDS`` and
-``MDB_LEASE_BEAT_SECONDS`` override :data:`LEASE_STALE` and :data:`LEASE_BEAT`.
+``MDB_LEASE_BEAT_SECONDS`` override :func:`lease_stale` and :func:`lease_beat`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Final
+from typing import Any
 
 from sqlalchemy import func, insert, inspect, select, text, update
 
@@ -48,7 +48,7 @@ from mdb.moves import fencing
 from mdb.moves.journal import JOB_KINDS, Journal, JournalEntry, move_leases
 
 __all__ = [
-    "LEASE_BEAT", "LEASE_STALE", "Holder", "Lease", "check_stop", "describe", "describe_liveness", "ensure_table", "fenced_servers", "hold", "holder_of",
+    "Holder", "Lease", "check_stop", "describe", "describe_liveness", "ensure_table", "fenced_servers", "hold", "holder_of",
     "holders_in",
     "lease_owner_id", "liveness", "me", "refuse_if_busy", "request_stop",
 ]
@@ -69,12 +69,23 @@ def _seconds(name: str, default: float) -> float:
     return value
 
 
-LEASE_BEAT: Final = _seconds("MDB_LEASE_BEAT_SECONDS", 5.0)
-"""Seconds between two heartbeats of a held lease."""
-LEASE_STALE: Final = _seconds("MDB_LEASE_STALE_SECONDS", 30.0)
-"""A lease held from another host whose beat is older than this is taken over."""
+def lease_beat() -> float:
+    """Seconds between two heartbeats of a held lease (``MDB_LEASE_BEAT_SECONDS``, default 5).
 
-_HOST: Final = os.environ.get("MDB_HOST_NAME") or socket.gethostname()
+    Read from the environment when used, like every setting of mdb: never frozen at import."""
+    return _seconds("MDB_LEASE_BEAT_SECONDS", 5.0)
+
+
+def lease_stale() -> float:
+    """A lease held from another host whose beat is older than this many seconds is taken over
+    (``MDB_LEASE_STALE_SECONDS``, default 30)."""
+    return _seconds("MDB_LEASE_STALE_SECONDS", 30.0)
+
+
+def this_host() -> str:
+    """The host name a lease records (``MDB_HOST_NAME``, else the machine's)."""
+    return os.environ.get("MDB_HOST_NAME") or socket.gethostname()
+
 _registry: dict[str, Lease] = {}
 _registry_lock = threading.Lock()
 _ensured: set[str] = set()
@@ -109,13 +120,13 @@ class Holder:
 
     @property
     def mine(self) -> bool:
-        return self.host == _HOST and self.pid == os.getpid()
+        return self.host == this_host() and self.pid == os.getpid()
 
     @property
     def alive(self) -> bool:
-        if self.host == _HOST:
+        if self.host == this_host():
             return _pid_alive(self.pid)
-        return self.beat_age < LEASE_STALE
+        return self.beat_age < lease_stale()
 
     def describe(self) -> str:
         return f"pid {self.pid} on host {self.host} since {_utc(self.since):%Y-%m-%d %H:%M:%S} UTC (last beat {self.beat_age:.0f}s ago)"
@@ -215,7 +226,7 @@ class Lease:
         self._thread = threading.Thread(target=self._beat, name=f"mdb-lease-{move_id}", daemon=True)
 
     def _beat(self) -> None:
-        while not self._done.wait(LEASE_BEAT) and not self.lost:
+        while not self._done.wait(lease_beat()) and not self.lost:
             try:
                 self._beat_once()
             except Exception as exc:  # a beat that fails is retried; a stale beat is the other side's signal
@@ -258,7 +269,7 @@ def _take(journal: Journal, move_id: str) -> tuple[str, int]:
     epoch, which the take increments.
     """
     for _ in range(3):
-        mine = {"pid": os.getpid(), "host": _HOST, "token": uuid.uuid4().hex, "since": func.current_timestamp(),
+        mine = {"pid": os.getpid(), "host": this_host(), "token": uuid.uuid4().hex, "since": func.current_timestamp(),
                 "beat_at": func.current_timestamp(), "stop_by": None}
         try:  # a driver paused inside its heartbeat's transaction holds the row: ended after a grace, not waited for
             with journal.store.transaction(journal.server) as conn, fencing.ending_blockers(journal.store, conn, journal.server, move_id):
@@ -334,7 +345,7 @@ def request_stop(journal: Journal, move_id: str, by: str) -> bool:
 
 
 def me() -> str:
-    return f"pid {os.getpid()} on host {_HOST}"
+    return f"pid {os.getpid()} on host {this_host()}"
 
 
 def liveness(journal: Journal, entry: JournalEntry) -> tuple[str, Holder | None]:

@@ -27,7 +27,7 @@ from sqlalchemy import func, update
 from mdb.errors import MoveLeaseHeldError
 from mdb.gdid import GDID
 from mdb.moves.journal import Journal, move_leases
-from mdb.moves.lease import LEASE_STALE, hold, holder_of
+from mdb.moves.lease import hold, holder_of, lease_stale
 
 pytestmark = pytest.mark.slow  # processes killed or paused at fault points: seconds to minutes per test (docs/testing.md)
 
@@ -137,9 +137,9 @@ def test_takeover_rules(backend: str, request: pytest.FixtureRequest, tmp_path: 
 
         cases = [
             ("other host, fresh beat", 4242, "elsewhere.example", 0, True),
-            ("other host, stale beat", 4242, "elsewhere.example", LEASE_STALE + 30, False),
+            ("other host, stale beat", 4242, "elsewhere.example", lease_stale() + 30, False),
             ("this host, pid gone, fresh beat", _dead_pid(), socket.gethostname(), 0, False),
-            ("this host, pid alive, stale beat", os.getppid(), socket.gethostname(), LEASE_STALE + 30, True),
+            ("this host, pid alive, stale beat", os.getppid(), socket.gethostname(), lease_stale() + 30, True),
         ]
         for i, (what, pid, host, age, refused) in enumerate(cases):
             move_id = f"move-lease-{i}"

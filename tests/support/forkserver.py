@@ -4,7 +4,7 @@ Each ``mdb`` a test starts spent 60-85% of its CPU importing (docs/testing.md, "
 goes"), and the fault suites start hundreds: a reshard killed at each of 16 steps and resumed is
 32 processes. :func:`popen` and :func:`run` are ``subprocess.Popen`` and ``subprocess.run`` for
 ``python -c CODE ARGS`` and the ``mdb`` console script. They ask a *fork server* (one per pytest
-process, started on first use) to fork a child from a process that already imported the
+process, started on first use) to fork a child from a process that already imported mdb and the
 third-party libraries mdb uses (SQLAlchemy, psycopg, pydantic, typer, rich, Alembic, ...), as
 multiprocessing's ``forkserver`` does.
 
@@ -14,11 +14,13 @@ handlers, a fresh ``__main__``, no other open descriptor. It is a real process: 
 stops and SIGKILLs it by its pid; its exit status is the fork server's ``waitpid`` of it, sent back
 over the socket, so ``poll()``, ``wait()``, ``communicate()`` and ``returncode`` are Popen's own.
 
-mdb's own modules are *not* preloaded: several read the environment when they are imported (the
-lease timings, the host name, the CLI's console width), and each child has its own environment.
-A child whose ``PYTHON*`` variables differ from the server's, or a call with options the server
-does not model (``preexec_fn``, ``pass_fds``, a new session, another user), is started the
-ordinary way; so is every child when ``MDB_TEST_FORKSERVER=0``.
+The server imports what a full ``mdb`` CLI imports except ``mdb.cli`` (its console reads
+``COLUMNS`` when created) and the test harness, with ``os.environ`` watched: a child whose
+environment differs from the server's on a variable those imports read (OpenTelemetry's
+provider choices, psycopg's implementation, ...), or on a ``PYTHON*`` variable, is started the
+ordinary way; so is a call with options the server does not model (``preexec_fn``,
+``pass_fds``, a new session, another user), and every child when ``MDB_TEST_FORKSERVER=0``.
+docs/dev/0021 says why.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import sys
 import tempfile
 import threading
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from types import CodeType
 from typing import Any
@@ -47,9 +49,10 @@ SWITCH_ENV = "MDB_TEST_FORKSERVER"
 MDB_SCRIPT = Path(sys.executable).parent / "mdb"
 """The installed console script; started through the server as its own code would run."""
 _MDB_SCRIPT_CODE = "import sys\nfrom mdb.cli import main\nsys.exit(main())\n"
-_NOT_PRELOADED = ("mdb", "support", "opentelemetry", "__main__")
-"""Top-level packages the server does not import ahead: mdb (reads its environment at import),
-the tests' helpers, OpenTelemetry (picks its context implementation from the environment)."""
+_NOT_PRELOADED = ("mdb.cli", "mdb.testing", "support", "__main__")
+"""Packages the server does not import ahead: the CLI (its console takes its width from
+``COLUMNS`` when imported), the testing harness and the tests' helpers (they arm fault points,
+start servers), the script itself."""
 _DEFAULTS: dict[str, tuple[Any, ...]] = {
     "preexec_fn": (None,), "pass_fds": (None, ()), "start_new_session": (None, False), "process_group": (None, -1),
     "user": (None,), "group": (None,), "extra_groups": (None,), "umask": (None, -1), "shell": (None, False),
@@ -71,7 +74,7 @@ _BOOT = (
 
 
 class _Server:
-    """A fork server of this pytest process: its process and the socket it listens on."""
+    """A fork server of this pytest process: its process, the socket it listens on, what its imports read."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self.folder = tempfile.mkdtemp(prefix="mdb-forkserver-")
@@ -82,10 +85,18 @@ class _Server:
         )
         assert self.process.stdout is not None
         ready = self.process.stdout.readline().strip()
-        if ready != "ready":
+        if not ready.startswith("ready "):
             self.process.kill()
             raise RuntimeError(f"the tests' fork server did not start: {ready!r} (exit {self.process.wait()})")
+        read = json.loads(ready.split(" ", 1)[1])
+        self.imported_with: dict[str, str | None] | None = None if "*" in read else {k: env.get(k) for k in read}
+        """The environment variables its imports read, with the values they saw (None: unset, or
+        the imports read all of it): a child whose environment differs there is started the ordinary way."""
         atexit.register(self.close)
+
+    def accepts(self, env: Mapping[str, str]) -> bool:
+        """Whether a child with ``env`` would import what the server imported the way it did."""
+        return self.imported_with is not None and all(env.get(k) == v for k, v in self.imported_with.items())
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -135,13 +146,17 @@ def _preload_list(env: dict[str, str]) -> list[str]:
     done = subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), env=env,
                           capture_output=True, text=True, timeout=300, check=True)
     names = done.stdout.strip().split(",")
-    return [m for m in names if m and m.split(".")[0] not in _NOT_PRELOADED]
+    return [m for m in names if m and not any(m == p or m.startswith(p + ".") for p in _NOT_PRELOADED)]
 
 
 class ForkedPopen(subprocess.Popen):
-    """A ``Popen`` whose child is forked by the fork server; ``args`` as for ``python -c CODE ARGS``."""
+    """A ``Popen`` whose child is forked by ``server``; ``args`` as for ``python -c CODE ARGS``."""
 
     _status: socket.socket
+
+    def __init__(self, args: Sequence[Any], *, server: _Server, **kwargs: Any) -> None:
+        self._server = server
+        super().__init__(args, **kwargs)
 
     def _execute_child(self, args: Any, executable: Any, preexec_fn: Any, close_fds: Any, pass_fds: Any,
                        cwd: Any, env: Any, startupinfo: Any, creationflags: Any, shell: Any,
@@ -157,7 +172,7 @@ class ForkedPopen(subprocess.Popen):
         fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            conn.connect(_server_for(env).path)
+            conn.connect(self._server.path)
             socket.send_fds(conn, [request], fds)
             reply = conn.recv(4096).decode()
         except BaseException:
@@ -210,8 +225,12 @@ def _forkable(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
 
 def popen(args: Sequence[Any], **kwargs: Any) -> subprocess.Popen[Any]:
     """``subprocess.Popen(args, **kwargs)``, forked from the warm server where it can be."""
-    cls = ForkedPopen if _forkable(args, kwargs) else subprocess.Popen
-    return cls(args, **kwargs)
+    if _forkable(args, kwargs):
+        env = _child_env(kwargs.get("env"))
+        server = _server_for(env)
+        if server.accepts(env):
+            return ForkedPopen(args, server=server, **kwargs)
+    return subprocess.Popen(args, **kwargs)
 
 
 def run(args: Sequence[Any], *, input: Any = None, capture_output: bool = False, timeout: float | None = None,
@@ -242,8 +261,13 @@ def serve(path: str, modules: str, initial_path: list[str]) -> CodeType:
 
     Returns only in a child, with the code it is to run (the caller ``exec``s it in ``__main__``).
     """
-    for name in filter(None, modules.split(",")):
-        importlib.import_module(name)
+    watched = _WatchedEnviron(os.environ)
+    os.environ = watched  # type: ignore[assignment]  # os.getenv reads the module's global too
+    try:
+        for name in filter(None, modules.split(",")):
+            importlib.import_module(name)
+    finally:
+        os.environ = watched.environ  # type: ignore[assignment]
     if threading.active_count() != 1:
         raise RuntimeError(f"the fork server must not fork with threads running: {threading.enumerate()}")
     gc.collect()
@@ -262,7 +286,7 @@ def serve(path: str, modules: str, initial_path: list[str]) -> CodeType:
     selector.register(wake_r, selectors.EVENT_READ, "reap")
     selector.register(0, selectors.EVENT_READ, "stdin")
     waiting: dict[int, socket.socket] = {}
-    print("ready", flush=True)
+    print("ready " + json.dumps(sorted(watched.read)), flush=True)
     while True:
         for key, _ in selector.select():
             if key.data == "stdin":
@@ -302,6 +326,41 @@ def serve(path: str, modules: str, initial_path: list[str]) -> CodeType:
                 conn.send(f"pid {pid}".encode())
                 waiting[pid] = conn
                 _reap(waiting)  # a child that ended before it was registered
+
+
+class _WatchedEnviron(MutableMapping[str, str]):
+    """``os.environ`` as the preloaded modules see it while they import: which variables they read
+    (``*``: all of them, by iterating)."""
+
+    def __init__(self, environ: MutableMapping[str, str]) -> None:
+        self.environ = environ
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> str:
+        self.read.add(key)
+        return self.environ[key]
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(str(key))
+        return key in self.environ
+
+    def __iter__(self) -> Iterator[str]:
+        self.read.add("*")
+        return iter(self.environ)
+
+    def __len__(self) -> int:
+        self.read.add("*")
+        return len(self.environ)
+
+    def __setitem__(self, key: str, value: str) -> None:
+        self.environ[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self.environ[key]
+
+    def copy(self) -> dict[str, str]:
+        self.read.add("*")
+        return dict(self.environ)
 
 
 def _reap(waiting: dict[int, socket.socket]) -> None:

@@ -65,6 +65,15 @@ def test_the_mdb_script_and_a_wait_with_a_timeout_work_as_with_exec() -> None:
     assert waiting.wait(timeout=30) == -signal.SIGKILL
 
 
+def test_a_child_whose_environment_differs_where_the_preloaded_imports_read_it_is_started_cold() -> None:
+    """The server records the variables its imports read (OpenTelemetry's provider choice, for
+    one); a child with another value there must import for itself."""
+    same = forkserver.popen([PY, "-c", "pass"])
+    other = forkserver.popen([PY, "-c", "pass"], env={**os.environ, "OTEL_PYTHON_CONTEXT": "contextvars_context"})
+    assert type(same) is forkserver.ForkedPopen and type(other) is subprocess.Popen
+    assert same.wait(timeout=60) == other.wait(timeout=60) == 0
+
+
 def test_what_the_server_does_not_model_is_started_the_ordinary_way() -> None:
     own_session = forkserver.popen([PY, "-c", "pass"], start_new_session=True)
     assert type(own_session) is subprocess.Popen and own_session.wait(timeout=60) == 0
