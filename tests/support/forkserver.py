@@ -199,7 +199,19 @@ class ForkedPopen(subprocess.Popen):
         return pid, int(message.split()[1])
 
     def _internal_poll(self, _deadstate: Any = None, **_: Any) -> int | None:
-        return super()._internal_poll(_deadstate, _waitpid=self._waitpid)  # type: ignore[misc]
+        # Popen's own, with the server's status for waitpid: written out because its parameters
+        # differ between Python versions (``_waitpid`` in 3.11, ``_del_safe`` from 3.12).
+        if self.returncode is None:
+            if not self._waitpid_lock.acquire(False):  # type: ignore[attr-defined]
+                return None  # another thread is waiting for it
+            try:
+                if self.returncode is None:
+                    pid, status = self._waitpid(self.pid, os.WNOHANG)
+                    if pid == self.pid:
+                        self._handle_exitstatus(status)  # type: ignore[attr-defined]
+            finally:
+                self._waitpid_lock.release()  # type: ignore[attr-defined]
+        return self.returncode
 
     def _try_wait(self, wait_flags: int) -> tuple[int, int]:
         return self._waitpid(self.pid, wait_flags)
