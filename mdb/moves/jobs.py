@@ -65,11 +65,13 @@ __all__ = [
 
 log = logging.getLogger("mdb.moves.jobs")
 
+
 def item_briefcases() -> int:
     """Briefcases per work item: several batches' worth (a batch aims at ~25 ms, 60-80 briefcases of 100
 rows), so a claim's round trips are paid rarely, and few enough that the workers share a pass.
 ``MDB_ITEM_BRIEFCASES`` overrides it (tests cut a small reshard into many items), read when used."""
     return int(os.environ.get("MDB_ITEM_BRIEFCASES") or 200)
+
 
 DEFAULT_PER_SERVER: Final = 2
 """Items in flight at once on one server (as source or target), over every worker of every host."""

@@ -48,7 +48,7 @@ from mdb.moves import fencing
 from mdb.moves.journal import JOB_KINDS, Journal, JournalEntry, move_leases
 
 __all__ = [
-    "Holder", "Lease", "check_stop", "describe", "describe_liveness", "ensure_table", "fenced_servers", "hold", "holder_of",
+    "Holder", "Lease", "check_stop", "lease_beat", "lease_stale", "this_host", "describe", "describe_liveness", "ensure_table", "fenced_servers", "hold", "holder_of",
     "holders_in",
     "lease_owner_id", "liveness", "me", "refuse_if_busy", "request_stop",
 ]
@@ -213,8 +213,10 @@ def lease_owner_id(entry: JournalEntry) -> str:
 class Lease:
     """A held lease: beats in a thread until released; says whether a stop was asked for."""
 
-    def __init__(self, journal: Journal, move_id: str, token: str, epoch: int) -> None:
+    def __init__(self, journal: Journal, move_id: str, token: str, epoch: int, beat: float) -> None:
         self.journal = journal
+        self.beat = beat
+        """Seconds between two heartbeats, read when the lease was taken."""
         self.move_id = move_id
         self.token = token
         self.epoch = epoch
@@ -226,7 +228,7 @@ class Lease:
         self._thread = threading.Thread(target=self._beat, name=f"mdb-lease-{move_id}", daemon=True)
 
     def _beat(self) -> None:
-        while not self._done.wait(lease_beat()) and not self.lost:
+        while not self._done.wait(self.beat) and not self.lost:
             try:
                 self._beat_once()
             except Exception as exc:  # a beat that fails is retried; a stale beat is the other side's signal
@@ -312,8 +314,10 @@ def hold(journal: Journal, move_id: str) -> Iterator[Lease]:
         if lease is not None:
             lease.depth += 1
     if lease is None:
+        beat = lease_beat()  # a bad MDB_LEASE_BEAT_SECONDS is refused here, before the lease is taken
+        lease_stale()  # (and a bad MDB_LEASE_STALE_SECONDS), not later in the heartbeat thread
         _ensure_table(journal)
-        lease = Lease(journal, move_id, *_take(journal, move_id))
+        lease = Lease(journal, move_id, *_take(journal, move_id), beat=beat)
         with _registry_lock:
             _registry[move_id] = lease
         lease._thread.start()

@@ -177,3 +177,24 @@ def test_a_taken_over_driver_notices_it_lost_its_lease(tmp_sqlite_urls: Callable
             lease_mod.Lease._beat_once(mine)
             with pytest.raises(ReshardStoppedError, match="taken over"):
                 mine.check()
+
+
+@pytest.mark.parametrize("variable", ["MDB_LEASE_BEAT_SECONDS", "MDB_LEASE_STALE_SECONDS"])
+def test_a_bad_lease_setting_is_refused_before_the_lease_is_taken(
+    variable: str, tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The settings are read when used; a bad one fails the driver's start, naming the variable,
+    not its heartbeat thread later (which would let the lease go stale under a running driver)."""
+    from mdb.errors import MdbError
+
+    cluster = make_cluster(dict(zip(["c", *SERVERS], tmp_sqlite_urls(4))), tmp_path, [("0:0:0", ["u1", "u2"])])
+    with cluster.store() as store:
+        journal = Journal(store)
+        monkeypatch.setenv(variable, "soon")
+        with pytest.raises(MdbError, match=f"{variable}='soon' is not a number of seconds"):
+            with hold(journal, "move-badly-set"):
+                pass
+        monkeypatch.delenv(variable)
+        assert holder_of(journal, "move-badly-set") is None
+        with hold(journal, "move-badly-set") as lease:
+            assert lease.beat == 5.0 and holder_of(journal, "move-badly-set") is not None
