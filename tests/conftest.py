@@ -6,4 +6,4 @@ shared between test modules live in tests/support (``pythonpath = ["tests"]`` in
 a test module never imports another test module.
 """
 
-pytest_plugins = ["pytester", "support.plugin"]  # pytester: tests/postgres/test_harness.py runs the plugin in a nested session
+pytest_plugins = ["pytester", "support.plugin", "support.cputime"]  # pytester: tests/postgres/test_harness.py runs the plugin in a nested session
