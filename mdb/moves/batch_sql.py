@@ -158,7 +158,7 @@ def claim_and_copy(src: Connection, dst: Connection, area: str, tables: Sequence
     for (name, g), s in sums.items():
         if s.rows > RESYNC_BLOCK:
             with gate.step():
-                parts = resync_blocks(src, [next(at for at in tables if at.name == name)], g, {name: s.rows})
+                parts = resync_blocks(src, [next(at for at in tables if at.name == name)], g, {name: s.rows}, hashed)
                 blocks[(name, g)] = (parts, verify.part_sums(dst, parts, g))
     return [], sums, blocks
 
@@ -242,12 +242,14 @@ Diff = tuple[AreaTable, list[tuple[Any, ...]], list[tuple[Any, ...]], list[tuple
 """(table, primary keys only on the source, only on the target, on both with other values)."""
 
 
-def resync_blocks(src: Connection, tables: Sequence[AreaTable], gdid: GDID, rows: dict[str, int]) -> list[verify.Part]:
-    """Key ranges of about RESYNC_BLOCK rows (at most 64 per table) for a re-sync, bounds read on ``src``."""
+def resync_blocks(src: Connection, tables: Sequence[AreaTable], gdid: GDID, rows: dict[str, int],
+                  hashed: frozenset[str] = frozenset()) -> list[verify.Part]:
+    """Key ranges of about RESYNC_BLOCK rows (at most 64 per table) for a re-sync, bounds read on ``src``;
+    ``hashed``: the tables both servers sum by row hash (:func:`mdb.moves.verify.hashable_tables`)."""
     parts: list[verify.Part] = []
     for at in tables:
         block = max(RESYNC_BLOCK, -(-rows.get(at.name, 0) // 64))
-        parts += verify.plan_parts(src, [at], gdid, rows, block=block)
+        parts += verify.plan_parts(src, [at], gdid, rows, block=block, hashed=hashed)
     return parts
 
 
