@@ -51,10 +51,10 @@ def _scratch_in_memory() -> None:
     try:
         with open("/proc/mounts") as mounts:
             tmpfs = any(line.split()[1:3] == [shm, "tmpfs"] for line in mounts)
-        free = os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize
+        space = os.statvfs(shm)
     except OSError:
         return
-    if tmpfs and free >= SCRATCH_IN_MEMORY_MIN_FREE and os.access(shm, os.W_OK | os.X_OK):
+    if tmpfs and space.f_bavail * space.f_frsize >= SCRATCH_IN_MEMORY_MIN_FREE and os.access(shm, os.W_OK | os.X_OK):
         os.environ["TMPDIR"] = shm  # the processes the tests start, and their children, too
         tempfile.tempdir = shm
 
