@@ -52,6 +52,7 @@ from sqlalchemy import BigInteger, Column, DateTime, Integer, String, Table, Tex
 
 from mdb.cluster import Cluster
 from mdb.dialects import sql_dialect
+from mdb.errors import MdbError
 from mdb.gdid import GDID
 from mdb.moves.journal import RUNNING, Journal, moves_table
 from mdb.moves.lease import Holder, holders_in, me
@@ -69,8 +70,18 @@ log = logging.getLogger("mdb.moves.jobs")
 def item_briefcases() -> int:
     """Briefcases per work item: several batches' worth (a batch aims at ~25 ms, 60-80 briefcases of 100
 rows), so a claim's round trips are paid rarely, and few enough that the workers share a pass.
-``MDB_ITEM_BRIEFCASES`` overrides it (tests cut a small reshard into many items), read when used."""
-    return int(os.environ.get("MDB_ITEM_BRIEFCASES") or 200)
+``MDB_ITEM_BRIEFCASES`` overrides it (tests cut a small reshard into many items), read when used;
+a value that is not a whole number of at least 1 is refused naming the variable."""
+    raw = os.environ.get("MDB_ITEM_BRIEFCASES")
+    if not raw:
+        return 200
+    try:
+        value = int(raw)
+    except ValueError:
+        raise MdbError(f"MDB_ITEM_BRIEFCASES={raw!r} is not a whole number of briefcases") from None
+    if value < 1:
+        raise MdbError(f"MDB_ITEM_BRIEFCASES={raw!r} must be at least 1")
+    return value
 
 
 DEFAULT_PER_SERVER: Final = 2
