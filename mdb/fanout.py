@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from sqlalchemy import Enum, String, and_, func, or_, select, text
 from sqlalchemy import inspect as sa_inspect
-from sqlalchemy.engine import Connection, Row
+from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.engine.result import IteratorResult, SimpleResultMetaData
 from sqlalchemy.exc import CompileError, DBAPIError
 from sqlalchemy.util import LRUCache
@@ -49,6 +49,7 @@ from mdb.backends import Servers, backend_of, servers_where
 from mdb.dberrors import translated
 from mdb.dialects import SqlDialect, sql_dialect
 from mdb.engines import one_statement
+from mdb.scatter import CompiledRead, compile_read, has_idle_connection, read_many
 from mdb.errors import CapacityError, MdbError, QueryError
 from mdb.gdid import GDID, MAX_AUTHORITY, MAX_COUNTER, MAX_ERA
 from mdb.router import Router
@@ -575,7 +576,12 @@ def gather(
     The one thread-pool gather of SQL and document fan-outs (the asyncio runner collects its
     outcomes on the loop and settles them the same way).
     """
-    workers = max(1, max_workers or DEFAULT_MAX_WORKERS)
+    outcomes = _on_threads(servers, one, max(1, max_workers or DEFAULT_MAX_WORKERS))
+    return settle(cluster, servers, outcomes, allow_partial=allow_partial)
+
+
+def _on_threads(servers: Sequence[str], one: Callable[[str], list[R]], workers: int) -> list[list[R] | Exception]:
+    """``one(server)`` of every server, run by up to ``workers`` threads: its rows, or what it raised."""
     pool = _pool(workers)
     outcomes: list[list[R] | Exception] = [[] for _ in servers]
     indexes = iter(range(len(servers)))  # shared by the workers: its next() is one C call, atomic under the GIL
@@ -586,12 +592,12 @@ def gather(
         for i in indexes:
             try:
                 outcomes[i] = one(servers[i])
-            except Exception as exc:  # settled below: a server's error or a bug, asked of its backend
+            except Exception as exc:  # settled by the caller: a server's error or a bug, asked of its backend
                 outcomes[i] = exc
 
     for future in [pool.submit(drain) for _ in range(min(workers, len(servers)))]:
         future.result()
-    return settle(cluster, servers, outcomes, allow_partial=allow_partial)
+    return outcomes
 
 
 def settle(
@@ -649,11 +655,57 @@ def fan_out(
     budget) is raised even with ``allow_partial``: the shard is there, only busy.
     """
     plan = plan_fan_out(store, store.router, area, statement, aggregate=aggregate, from_gdid=from_gdid, readonly=readonly)
-    per_shard, failed = gather(
-        store, plan.servers, lambda s: run_shard(store, s, plan.query(s), readonly),
-        allow_partial=allow_partial, max_workers=max_workers,
-    )
-    return plan.result(per_shard, failed)
+    workers = max(1, max_workers or DEFAULT_MAX_WORKERS)
+    outcomes, reads = _scatter(store, plan, readonly, workers)
+    rest = [i for i, outcome in enumerate(outcomes) if outcome is None]
+    if rest:  # cold, or not sendable that way, or failed there (run again: this path translates the error)
+        servers = [plan.servers[i] for i in rest]
+        run = _on_threads(servers, lambda s: run_shard(store, s, plan.query(s), readonly), workers)
+        for i, outcome in zip(rest, run):
+            outcomes[i] = outcome
+    # Every None was run on the threads above.
+    per_shard, failed = settle(store, plan.servers, cast("list[list[Any] | Exception]", outcomes), allow_partial=allow_partial)
+    result = plan.result(per_shard, failed)
+    if reads and not aggregate:  # the merged rows read by scatter are tuples: keyed as SQLAlchemy keys them
+        made = iter(reads[0].rows([row for row in result.rows if not isinstance(row, Row)]))
+        result.rows = [row if isinstance(row, Row) else next(made) for row in result.rows]
+    return result
+
+
+def _scatter(
+    store: Cluster, plan: FanOutPlan, readonly: bool, window: int,
+) -> tuple[list[list[Any] | Exception | None], list[CompiledRead]]:
+    """The shards whose statement one thread sends to all before reading any (:mod:`mdb.scatter`):
+    one statement, no ORM entities, a PostgreSQL engine with an idle pooled connection. Their rows
+    (tuples), None for every other shard and for one that failed there; and the reads used."""
+    outcomes: list[list[Any] | Exception | None] = [None] * len(plan.servers)
+    picked: list[int] = []
+    targets: list[tuple[Engine, CompiledRead]] = []
+    compiled: dict[tuple[int, int], CompiledRead | None] = {}
+    for i, server in enumerate(plan.servers):
+        query = plan.query(server)
+        if query.orm or not query.one_statement:
+            continue
+        engine = store.engines.engine(server, readonly)
+        if not has_idle_connection(engine):
+            continue  # connecting here would make the shards wait for each other: the thread pool connects in parallel
+        key = (id(query), id(engine.dialect))
+        if key not in compiled:
+            compiled[key] = compile_read(query.statement, engine.dialect)
+        read = compiled[key]
+        if read is not None:
+            picked.append(i)
+            targets.append((engine, read))
+    if not targets:
+        return outcomes, []
+
+    def observe(j: int, started: float, ended: float) -> None:
+        telemetry.fanout_shard_read(plan.servers[picked[j]], started, ended)
+
+    for i, rows in zip(picked, read_many(targets, window, observe if telemetry.sdk_installed() else None)):
+        if not isinstance(rows, Exception):
+            outcomes[i] = rows
+    return outcomes, [read for read in compiled.values() if read is not None]
 
 
 def _warm(store: Cluster, server: str, readonly: bool) -> None:

@@ -47,6 +47,7 @@ __all__ = [
     "central_lookup",
     "fanout_partial",
     "fanout_shard",
+    "fanout_shard_read",
     "gdid_block",
     "move_done",
     "move_finished",
@@ -364,6 +365,21 @@ def _observed_shard(server: str) -> Iterator[None]:
             outcome = "ok"
         finally:
             FANOUT_SHARD_DURATION.record(time.perf_counter() - started, _attrs(("server", "outcome"), (server, outcome)))
+
+
+def fanout_shard_read(server: str, started: float, ended: float) -> None:
+    """A shard's part of a fan-out that ran interleaved with the others' (one thread sends to
+    every shard, then reads each: :mod:`mdb.scatter`), recorded once it is read, outcome ok.
+
+    ``started``/``ended`` are ``time.perf_counter()`` values; the span gets those real times.
+    A shard that failed there is run again through :func:`fanout_shard`, which records its outcome.
+    """
+    if not sdk_installed():
+        return
+    to_ns = time.time_ns() - time.perf_counter_ns()
+    span = _tracer.start_span("mdb.fanout.shard", attributes={"mdb.server": server}, start_time=to_ns + int(started * 1e9))
+    span.end(end_time=to_ns + int(ended * 1e9))
+    FANOUT_SHARD_DURATION.record(ended - started, _attrs(("server", "outcome"), (server, "ok")))
 
 
 def fanout_partial(failed: list[tuple[str, Any]]) -> None:

@@ -94,14 +94,16 @@ def test_8_threads_x_1000_sessions_through_a_pool_of_3_all_succeed(pooled: tuple
 
 
 def test_a_pooled_engine_prepares_nothing_on_the_server(pooled: tuple[Path, PgBouncer]) -> None:
-    """No SQL PREPARE and no psycopg auto-prepare: after many sessions and many repeats of one
-    query on one client connection, no server session holds a prepared statement."""
+    """No SQL PREPARE and no psycopg auto-prepare: after many sessions, many repeats of one
+    query on one client connection and many warm fan-outs (mdb.scatter prepares its statement
+    on a direct connection), no server session holds a prepared statement."""
     path, _ = pooled
     gdid = BRIEFCASES[0]
     with Store.from_yaml(path, types=[UserBriefcase]) as store:
         with store.briefcase(UserBriefcase, gdid) as session:
             session.add(User(user_id=gdid, email="a@example.com", name="a"))
         for _ in range(20):  # psycopg auto-prepares a query from its 5th run on a connection
+            assert store.fan_out("user", select(func.count()).select_from(User), aggregate=True).rows == [(1,)]
             with store.briefcase(UserBriefcase, gdid, readonly=True) as session:
                 session.get(User, gdid)
                 for _ in range(6):

@@ -113,11 +113,20 @@ def test_scripted_workload_records_exact_counts_and_no_gdid_label(
             s("mdb.briefcase.sessions", area="user", server="u1", outcome="ok"): 1,  # the root probe
         }
 
-        # A fan-out: one duration per shard it read, no partial failure.
-        before = otel.values()
-        out = admin.fan_out("user", select(User.user_id))
-        assert sorted(r.user_id for r in out) == sorted(users)
-        assert otel.delta(before) == {s("mdb.fanout.shard.duration", server=srv, outcome="ok"): 1 for srv in out.servers}
+        # A fan-out: one duration and one span per shard it read, no partial failure; the same
+        # when every shard's pool is warm and one thread sends to all of them (mdb.scatter).
+        for warm in (False, True):
+            if warm:
+                admin.fan_out("user", select(User.user_id))
+            spans = len(otel.finished_spans())
+            before = otel.values()
+            out = admin.fan_out("user", select(User.user_id))
+            assert sorted(r.user_id for r in out) == sorted(users)
+            assert otel.delta(before) == {s("mdb.fanout.shard.duration", server=srv, outcome="ok"): 1 for srv in out.servers}
+            shard_spans = [sp for sp in otel.finished_spans()[spans:] if sp.name == "mdb.fanout.shard"]
+            assert sorted((sp.attributes or {})["mdb.server"] for sp in shard_spans) == sorted(out.servers)
+            assert all(sp.start_time is not None and sp.end_time is not None and sp.start_time <= sp.end_time
+                       for sp in shard_spans)
         assert otel.bounds("mdb.fanout.shard.duration") == {SECONDS_BUCKETS}
 
         keys = [str(g) for g in users] + [f"{g}@example.com" for g in users] + [email, email.casefold()]

@@ -1,0 +1,199 @@
+"""A warm fan-out sent from one thread to every shard (mdb.scatter) on three real PostgreSQL shards.
+
+It must read what the thread-pool path reads (the same rows, keys and types: GDIDs, aware
+datetimes, Decimals, NULLs), raise what it raises, and leave the pools as it found them: no
+connection returned busy, by an error, by Ctrl-C, or by a prepared statement dropped behind its
+back; and it must prepare each statement once per connection, never more than the cap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Column, Engine, func, literal_column, select, text
+from support.fanout import insert_users
+
+from mdb import GDID, Store
+from mdb import scatter
+from mdb.demo.models import Order, User
+from mdb.errors import SchemaError
+from mdb.fanout import FanOutResult, gather, plan_fan_out, run_shard
+from support.fanout import make_store
+
+pytestmark = pytest.mark.postgres
+
+SHARDS = ("u1", "u2", "u3")
+USERS = [
+    (GDID(0, 0, 5), "ann", [(1, "placed", 10, 0), (2, "B", 7, 3)]),
+    (GDID(0, 1, 6), "bob", [(3, "é", 3, 1)]),
+    (GDID(0, 2, 1500), "Cy", [(4, "placed", 0, 2), (5, "a", 99, 5), (6, "Zed", 42, 4)]),
+    (GDID(0, 0, 1700), "dee", []),  # no orders: NULLs in an outer join
+    (GDID(0, 1, 40), "eve", [(7, "b", 5, 6)]),
+]
+
+STATEMENTS: dict[str, tuple[Any, bool]] = {
+    "columns, top-N": (select(Order.user_id, Order.order_id, Order.status, Order.total_cents, Order.placed_at)
+                       .order_by(Order.placed_at.desc(), Order.order_id).limit(4), False),
+    "all rows, unordered": (select(Order.order_id, Order.total_cents), False),
+    "outer join: NULLs": (select(User.name, Order.order_id, Order.placed_at).outerjoin(User.orders)
+                          .order_by(User.name.collate("C"), Order.order_id), False),
+    "labels and literals": (select(User.user_id, literal_column("3").label("three"), (User.name + "!").label("loud"))
+                            .order_by(User.user_id), False),
+    "grouped aggregates": (select(Order.status, func.count().label("n"), func.avg(Order.total_cents).label("mean"),
+                                  func.max(Order.placed_at)).group_by(Order.status).order_by(Order.status.collate("C")), True),
+    "count": (select(func.count()).select_from(Order), True),
+    "expanding IN: the SQLAlchemy way": (select(Order.order_id).where(Order.status.in_(["a", "b", "placed"]))
+                                         .order_by(Order.order_id), False),
+}
+
+
+@pytest.fixture
+def store(pg_databases: Any, tmp_path: Path) -> Iterator[Store]:
+    store = make_store(tmp_path, pg_databases(3))
+    insert_users(store, None, USERS)
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def sent(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many shards each fan-out sent through :func:`mdb.scatter.read_many` (the real one, counted)."""
+    counts: list[int] = []
+    real = scatter.read_many
+
+    def counted(targets: Any, *args: Any, **kwargs: Any) -> Any:
+        counts.append(len(targets))
+        return real(targets, *args, **kwargs)
+
+    monkeypatch.setattr("mdb.fanout.read_many", counted)
+    return counts
+
+
+def _on_threads(store: Store, statement: Any, aggregate: bool) -> FanOutResult:
+    """The fan-out the SQLAlchemy way: every shard run by the thread pool (the path before mdb.scatter)."""
+    plan = plan_fan_out(store, store.router, "user", statement, aggregate=aggregate)
+    per_shard, failed = gather(store, plan.servers, lambda s: run_shard(store, s, plan.query(s), False),
+                               allow_partial=False, max_workers=None)
+    return plan.result(per_shard, failed)
+
+
+def _engines(store: Store) -> list[Engine]:
+    return [store.engines.engine(s) for s in SHARDS]
+
+
+def _checked_out(store: Store) -> int:
+    return sum(engine.pool.checkedout() for engine in _engines(store))  # type: ignore[attr-defined]
+
+
+def _one_connection(engine: Engine, sql: str) -> list[tuple[Any, ...]]:
+    """``sql`` on the connection a checkout gives next (the pool reuses the newest idle one)."""
+    fairy = engine.raw_connection()
+    try:
+        cursor = fairy.cursor()
+        cursor.execute(sql)
+        rows = list(cursor.fetchall()) if cursor.description else []
+        cursor.close()
+        return rows
+    finally:
+        fairy.close()
+
+
+@pytest.mark.parametrize("name", list(STATEMENTS))
+def test_a_warm_fan_out_reads_what_the_thread_pool_reads(store: Store, sent: list[int], name: str) -> None:
+    statement, aggregate = STATEMENTS[name]
+    cold = _on_threads(store, statement, aggregate)
+    warm = [store.fan_out("user", statement, aggregate=aggregate) for _ in range(3)]  # the 2nd, 3rd: prepared
+    expanding = name.startswith("expanding")
+    assert sent == ([] if expanding else [3, 3, 3])
+    for result in warm:
+        assert [tuple(r) for r in result.rows] == [tuple(r) for r in cold.rows]
+        assert [r._fields for r in result.rows] == [r._fields for r in cold.rows]
+        assert [[type(v) for v in r] for r in result.rows] == [[type(v) for v in r] for r in cold.rows]
+        if not aggregate:  # rows are keyed by the selected columns too, as a CursorResult's are
+            for column in statement.selected_columns:
+                if isinstance(column, Column):
+                    assert [r._mapping[column] for r in result.rows] == [r._mapping[column] for r in cold.rows]
+    assert len(cold.rows) > 0
+    assert _checked_out(store) == 0
+
+
+def test_from_gdid_binds_a_gdid_as_the_thread_pool_does(store: Store, sent: list[int]) -> None:
+    statement = select(Order.user_id, Order.order_id).order_by(Order.user_id, Order.order_id)
+    start = GDID(0, 0, 1000)
+    plan = plan_fan_out(store, store.router, "user", statement, from_gdid=start)
+    per_shard, failed = gather(store, plan.servers, lambda s: run_shard(store, s, plan.query(s), False),
+                               allow_partial=False, max_workers=None)
+    cold = plan.result(per_shard, failed)
+    warm = store.fan_out("user", statement, from_gdid=start)
+    assert sent == [len(warm.servers)]
+    assert [tuple(r) for r in warm] == [tuple(r) for r in cold]
+    expected = sorted((gdid, GDID(0, 1, counter)) for gdid, _, orders in USERS for counter, *_ in orders
+                      if gdid.sharding_value >= start.sharding_value)
+    assert [tuple(r) for r in warm] == expected and expected
+
+
+def test_a_shard_error_is_raised_as_the_thread_pool_raises_it_and_no_connection_stays_out(store: Store, sent: list[int]) -> None:
+    count = select(func.count()).select_from(Order)
+    with store.engines.engine("u2").begin() as conn:
+        conn.execute(text("DROP TABLE orders CASCADE"))
+    with pytest.raises(SchemaError) as raised:
+        store.fan_out("user", count, aggregate=True)
+    assert "'u2'" in str(raised.value)
+    assert sent == [3]  # sent the scatter way, raised as the thread-pool path raises it (it ran the shard again)
+    assert _checked_out(store) == 0
+
+
+def test_a_statement_is_prepared_once_per_connection_and_never_more_than_the_cap(store: Store) -> None:
+    count = select(func.count()).select_from(Order)
+    prepared = f"SELECT name FROM pg_prepared_statements WHERE name LIKE '{scatter.PREPARED_PREFIX}%'"
+    store.fan_out("user", count, aggregate=True)  # cold: one idle connection per shard afterwards
+    for _ in range(5):
+        assert store.fan_out("user", count, aggregate=True).rows[0][0] == 7
+    for engine in _engines(store):
+        assert len(_one_connection(engine, prepared)) == 1
+    for k in range(scatter.MAX_PREPARED + 6):  # distinct statements: a literal of their own each
+        distinct = select(func.count()).select_from(Order).where(Order.total_cents > literal_column(str(-1 - k)))
+        assert store.fan_out("user", distinct, aggregate=True).rows == [(7,)]
+    for engine in _engines(store):
+        assert len(_one_connection(engine, prepared)) == scatter.MAX_PREPARED
+
+
+def test_a_prepared_statement_dropped_behind_its_back_is_sent_again_on_the_same_connection(store: Store) -> None:
+    count = select(func.count()).select_from(Order)
+    for _ in range(3):
+        store.fan_out("user", count, aggregate=True)
+    engine = store.engines.engine("u1")
+    pid = _one_connection(engine, "SELECT pg_backend_pid()")
+    _one_connection(engine, "DEALLOCATE ALL")  # what psycopg does after a ROLLBACK where it prepared
+    assert store.fan_out("user", count, aggregate=True).rows[0][0] == 7
+    assert _one_connection(engine, "SELECT pg_backend_pid()") == pid  # the connection was kept, not replaced
+    assert _checked_out(store) == 0
+
+
+def test_an_interrupted_scatter_puts_no_busy_connection_back(store: Store) -> None:
+    count = select(func.count()).select_from(Order)
+    store.fan_out("user", count, aggregate=True)
+    plan = plan_fan_out(store, store.router, "user", count, aggregate=True)
+    engines = [store.engines.engine(s) for s in plan.servers]
+    read = scatter.compile_read(plan.query(plan.servers[0]).statement, engines[0].dialect)
+    assert read is not None
+
+    def interrupt(index: int, started: float, ended: float) -> None:
+        raise KeyboardInterrupt  # Ctrl-C while the other shards' statements are in flight
+
+    with pytest.raises(KeyboardInterrupt):
+        scatter.read_many([(e, read) for e in engines], 16, interrupt)
+    assert _checked_out(store) == 0
+    for _ in range(2):
+        assert store.fan_out("user", count, aggregate=True).rows[0][0] == 7
+
+
+def test_only_mdbs_postgresql_dialect_is_sent_this_way(tmp_sqlite_urls: Callable[[int], list[str]], tmp_path: Path) -> None:
+    sqlite = make_store(tmp_path, tmp_sqlite_urls(3))
+    try:
+        assert scatter.compile_read(select(func.count()).select_from(Order), sqlite.engines.engine("u1").dialect) is None
+    finally:
+        sqlite.close()
