@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from sqlalchemy import Enum, String, and_, func, or_, select, text
 from sqlalchemy import inspect as sa_inspect
-from sqlalchemy.engine import Connection, Engine, Row
+from sqlalchemy.engine import Connection, Dialect, Engine, Row
 from sqlalchemy.engine.result import IteratorResult, SimpleResultMetaData
 from sqlalchemy.exc import CompileError, DBAPIError
 from sqlalchemy.util import LRUCache
@@ -48,6 +48,7 @@ from mdb import telemetry
 from mdb.backends import Servers, backend_of, servers_where
 from mdb.dberrors import translated
 from mdb.dialects import SqlDialect, sql_dialect
+from mdb.detached import DetachedLoader
 from mdb.engines import one_statement
 from mdb.scatter import CompiledRead, compile_read, has_idle_connection, read_many
 from mdb.errors import CapacityError, MdbError, QueryError
@@ -656,7 +657,7 @@ def fan_out(
     """
     plan = plan_fan_out(store, store.router, area, statement, aggregate=aggregate, from_gdid=from_gdid, readonly=readonly)
     workers = max(1, max_workers or DEFAULT_MAX_WORKERS)
-    outcomes, reads = _scatter(store, plan, readonly, workers)
+    outcomes, sent = _scatter(store, plan, readonly, workers)
     rest = [i for i, outcome in enumerate(outcomes) if outcome is None]
     if rest:  # cold, or not sendable that way, or failed there (run again: this path translates the error)
         servers = [plan.servers[i] for i in rest]
@@ -666,46 +667,104 @@ def fan_out(
     # Every None was run on the threads above.
     per_shard, failed = settle(store, plan.servers, cast("list[list[Any] | Exception]", outcomes), allow_partial=allow_partial)
     result = plan.result(per_shard, failed)
-    if reads and not aggregate:  # the merged rows read by scatter are tuples: keyed as SQLAlchemy keys them
-        made = iter(reads[0].rows([row for row in result.rows if not isinstance(row, Row)]))
+    if sent and not aggregate:  # the merged rows that scatter read are tuples or _EntityRow: as Rows now
+        made = iter(sent[0].as_rows([row for row in result.rows if not isinstance(row, Row)]))
         result.rows = [row if isinstance(row, Row) else next(made) for row in result.rows]
     return result
 
 
+class _EntityRow:
+    """A shard's row of a one-entity ORM statement, read as column values: the instance is built
+    only when the merge reads it (a stream head's sort key) or returns it (:mod:`mdb.detached`)."""
+
+    __slots__ = ("values", "loader", "instance")
+
+    def __init__(self, values: tuple[Any, ...], loader: DetachedLoader) -> None:
+        self.values = values
+        self.loader = loader
+        self.instance: Any = None
+
+    def __getitem__(self, index: int) -> Any:
+        if index != 0:
+            raise IndexError(index)
+        if self.instance is None:
+            self.instance = self.loader(self.values)
+        return self.instance
+
+
+@dataclass(frozen=True)
+class _Sendable:
+    """A shard statement that :mod:`mdb.scatter` can send on one dialect, and how its rows read back."""
+
+    read: CompiledRead
+    entity: Any = None
+    """The one ORM entity it selects (its rows become detached instances); None: columns."""
+    loader: DetachedLoader | None = None
+
+    @classmethod
+    def of(cls, query: ShardQuery, dialect: Dialect) -> _Sendable | None:
+        if not query.one_statement:
+            return None
+        read = compile_read(query.statement, dialect)
+        if read is None or not query.orm:
+            return None if read is None else cls(read)
+        descriptions = query.statement.column_descriptions
+        if len(descriptions) != 1:
+            return None
+        loader = DetachedLoader.of(descriptions[0]["entity"], read.objects)
+        return None if loader is None else cls(read, descriptions[0]["entity"], loader)
+
+    def shape(self, rows: list[tuple[Any, ...]]) -> list[Any]:
+        """A shard's rows as the merge reads them (``row[i]``, like a Row of the thread-pool path)."""
+        loader = self.loader
+        return rows if loader is None else [_EntityRow(values, loader) for values in rows]
+
+    def as_rows(self, merged: list[Any]) -> list[Row[Any]]:
+        """Merged rows of :meth:`shape` as SQLAlchemy rows, keyed as the thread-pool path's are."""
+        if self.loader is None:
+            return self.read.rows(merged)
+        name = sa_inspect(self.entity).class_.__name__
+        result: IteratorResult[Any] = IteratorResult(
+            SimpleResultMetaData([name], extra=[(self.entity,)]), iter([(row[0],) for row in merged])
+        )
+        return list(result.all())
+
+
 def _scatter(
     store: Cluster, plan: FanOutPlan, readonly: bool, window: int,
-) -> tuple[list[list[Any] | Exception | None], list[CompiledRead]]:
+) -> tuple[list[list[Any] | Exception | None], list[_Sendable]]:
     """The shards whose statement one thread sends to all before reading any (:mod:`mdb.scatter`):
-    one statement, no ORM entities, a PostgreSQL engine with an idle pooled connection. Their rows
-    (tuples), None for every other shard and for one that failed there; and the reads used."""
+    one statement (columns, or one plain ORM entity), a PostgreSQL engine with an idle pooled
+    connection. Their rows (:meth:`_Sendable.shape`), None for every other shard and for one that
+    failed there; and the sendables used."""
     outcomes: list[list[Any] | Exception | None] = [None] * len(plan.servers)
-    picked: list[int] = []
+    picked: list[tuple[int, _Sendable]] = []
     targets: list[tuple[Engine, CompiledRead]] = []
-    compiled: dict[tuple[int, int], CompiledRead | None] = {}
+    sendables: dict[tuple[int, int], _Sendable | None] = {}
     for i, server in enumerate(plan.servers):
         query = plan.query(server)
-        if query.orm or not query.one_statement:
+        if not query.one_statement:
             continue
         engine = store.engines.engine(server, readonly)
         if not has_idle_connection(engine):
             continue  # connecting here would make the shards wait for each other: the thread pool connects in parallel
         key = (id(query), id(engine.dialect))
-        if key not in compiled:
-            compiled[key] = compile_read(query.statement, engine.dialect)
-        read = compiled[key]
-        if read is not None:
-            picked.append(i)
-            targets.append((engine, read))
+        if key not in sendables:
+            sendables[key] = _Sendable.of(query, engine.dialect)
+        sendable = sendables[key]
+        if sendable is not None:
+            picked.append((i, sendable))
+            targets.append((engine, sendable.read))
     if not targets:
         return outcomes, []
 
     def observe(j: int, started: float, ended: float) -> None:
-        telemetry.fanout_shard_read(plan.servers[picked[j]], started, ended)
+        telemetry.fanout_shard_read(plan.servers[picked[j][0]], started, ended)
 
-    for i, rows in zip(picked, read_many(targets, window, observe if telemetry.sdk_installed() else None)):
+    for (i, sendable), rows in zip(picked, read_many(targets, window, observe if telemetry.sdk_installed() else None)):
         if not isinstance(rows, Exception):
-            outcomes[i] = rows
-    return outcomes, [read for read in compiled.values() if read is not None]
+            outcomes[i] = sendable.shape(rows)
+    return outcomes, [sendable for sendable in sendables.values() if sendable is not None]
 
 
 def _warm(store: Cluster, server: str, readonly: bool) -> None:

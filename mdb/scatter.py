@@ -63,14 +63,15 @@ class CompiledRead:
     """A SELECT compiled for one PostgreSQL dialect: the SQL and bound parameters every shard
     receives, and how its rows are read back (keys, result processors)."""
 
-    __slots__ = ("sql", "params", "keys", "_extra", "_types", "_dialect", "_query", "_processors", "_name")
+    __slots__ = ("sql", "params", "keys", "objects", "_types", "_dialect", "_query", "_processors", "_name")
 
     def __init__(self, sql: str, params: dict[str, Any], keys: list[str], extra: list[tuple[Any, ...]],
                  types: list[Any], dialect: Dialect) -> None:
         self.sql = sql
         self.params = params
         self.keys = keys
-        self._extra = extra
+        self.objects = extra
+        """Per result column, the objects it stands for (its Column, label...): what rows are keyed by besides :attr:`keys`."""
         self._types = types
         self._dialect = dialect
         self._query: PostgresQuery | None = None
@@ -115,7 +116,7 @@ class CompiledRead:
     def rows(self, tuples: Sequence[tuple[Any, ...]]) -> list[Row[Any]]:
         """``tuples`` as SQLAlchemy rows, keyed as a ``CursorResult`` of the statement keys them
         (by name and by the selected column objects)."""
-        result: IteratorResult[Any] = IteratorResult(SimpleResultMetaData(self.keys, extra=self._extra), iter(tuples))
+        result: IteratorResult[Any] = IteratorResult(SimpleResultMetaData(self.keys, extra=self.objects), iter(tuples))
         return list(result.all())
 
 

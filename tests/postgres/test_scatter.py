@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Column, Engine, func, literal_column, select, text
+from sqlalchemy import Column, Engine, event, func, literal_column, select, text
+from sqlalchemy import inspect as sa_inspect
+from sqlalchemy.orm import Session
+from sqlalchemy.orm.exc import DetachedInstanceError
 from support.fanout import insert_users
 
 from mdb import GDID, Store
@@ -118,6 +121,55 @@ def test_a_warm_fan_out_reads_what_the_thread_pool_reads(store: Store, sent: lis
                     assert [r._mapping[column] for r in result.rows] == [r._mapping[column] for r in cold.rows]
     assert len(cold.rows) > 0
     assert _checked_out(store) == 0
+
+
+ENTITY_STATEMENTS = {
+    "top-N of an entity": select(Order).order_by(Order.placed_at.desc(), Order.order_id).limit(4),
+    "top-N with OFFSET and a WHERE": select(Order).where(Order.total_cents < 50).order_by(Order.total_cents, Order.order_id)
+    .offset(1).limit(3),
+    "every row of an entity": select(User).order_by(User.name.collate("C")),
+}
+
+
+def _state(instance: Any) -> tuple[Any, ...]:
+    state = sa_inspect(instance)
+    columns = tuple(getattr(instance, c.key) for c in state.mapper.column_attrs)
+    return type(instance), columns, state.key, state.detached, state.modified, sorted(state.unloaded)
+
+
+@pytest.mark.parametrize("name", list(ENTITY_STATEMENTS))
+def test_a_warm_orm_fan_out_returns_the_instances_the_thread_pool_returns(store: Store, sent: list[int], name: str) -> None:
+    statement = ENTITY_STATEMENTS[name]
+    cold = _on_threads(store, statement, False)
+    warm = store.fan_out("user", statement)
+    assert sent == [3]
+    assert [r._fields for r in warm.rows] == [r._fields for r in cold.rows]
+    assert [_state(r[0]) for r in warm.rows] == [_state(r[0]) for r in cold.rows]
+    entity = statement.column_descriptions[0]["entity"]
+    assert [r._mapping[entity] for r in warm.rows] == [r[0] for r in warm.rows]
+    assert len(warm.rows) > 1
+    relationship = "orders" if entity is User else "line_items"
+    for row in (warm.rows[0], cold.rows[0]):  # detached: a lazy load raises, as on an instance whose Session closed
+        with pytest.raises(DetachedInstanceError):
+            getattr(row[0], relationship)
+    with Session(store.engines.engine("u1")) as session:  # and it can be attached again, unchanged
+        merged = session.merge(warm.rows[0][0], load=False)
+        assert not session.dirty and sa_inspect(merged).persistent
+
+
+def test_an_entity_with_a_load_listener_is_loaded_through_a_session(store: Store, sent: list[int]) -> None:
+    loaded: list[Any] = []
+
+    def on_load(target: Any, context: Any) -> None:
+        loaded.append(target)
+
+    event.listen(User, "load", on_load)
+    try:
+        result = store.fan_out("user", select(User).order_by(User.name.collate("C")))
+    finally:
+        event.remove(User, "load", on_load)
+    assert sent == []  # not sent the scatter way: its instances must be loaded, with their events
+    assert sorted(id(r[0]) for r in result.rows) == sorted(id(u) for u in loaded) and loaded
 
 
 def test_from_gdid_binds_a_gdid_as_the_thread_pool_does(store: Store, sent: list[int]) -> None:
