@@ -52,6 +52,7 @@ MAX_PREPARED = 64
 
 
 _NO_SUCH_STATEMENT = b"26000"  # invalid_sql_statement_name
+_ALREADY_PREPARED = b"42P05"  # duplicate_prepared_statement
 
 
 class ResultError(Exception):
@@ -65,12 +66,12 @@ class CompiledRead:
 
     __slots__ = ("sql", "params", "keys", "objects", "_types", "_dialect", "_query", "_processors", "_name")
 
-    def __init__(self, sql: str, params: dict[str, Any], keys: list[str], extra: list[tuple[Any, ...]],
+    def __init__(self, sql: str, params: dict[str, Any], keys: list[str], objects: list[tuple[Any, ...]],
                  types: list[Any], dialect: Dialect) -> None:
         self.sql = sql
         self.params = params
         self.keys = keys
-        self.objects = extra
+        self.objects = objects
         """Per result column, the objects it stands for (its Column, label...): what rows are keyed by besides :attr:`keys`."""
         self._types = types
         self._dialect = dialect
@@ -245,8 +246,9 @@ def _finish(in_flight: deque[_InFlight], outcomes: list[list[tuple[Any, ...]] | 
     try:
         results = connection.wait(pg_generators.execute(connection.pgconn))
         last = results[-1] if results else None
+        sqlstate = last.error_field(pq.DiagnosticField.SQLSTATE) if last is not None else None
         wanted = pq.ExecStatus.COMMAND_OK if item.preparing is not None else pq.ExecStatus.TUPLES_OK
-        if item.by_name and last is not None and last.error_field(pq.DiagnosticField.SQLSTATE) == _NO_SUCH_STATEMENT:
+        if item.by_name and sqlstate == _NO_SUCH_STATEMENT:
             # Dropped behind our back (psycopg sends DEALLOCATE ALL after a ROLLBACK on a connection
             # where it prepared statements itself; so do DISCARD ALL and a pooler): what this
             # connection holds is unknown now (mdb.ownership asks the server next time). Unnamed, again.
@@ -254,7 +256,9 @@ def _finish(in_flight: deque[_InFlight], outcomes: list[list[tuple[Any, ...]] | 
             _send(item)
             in_flight.append(item)
             return
-        if last is None or last.status != wanted:
+        # On the connection already though not on record (mdb.ownership re-reads only its own names
+        # after a PREPARE failed half-way): the name is the statement's hash, so it is this statement.
+        if last is None or (last.status != wanted and not (item.preparing is not None and sqlstate == _ALREADY_PREPARED)):
             message = last.error_message.decode(errors="replace") if last is not None else "no result"
             raise ResultError(message.strip())
         if item.preparing is not None:

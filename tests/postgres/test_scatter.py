@@ -22,6 +22,7 @@ from support.fanout import insert_users
 from mdb import GDID, Store
 from mdb import scatter
 from mdb.demo.models import Order, User
+from mdb.engines import prepared_names
 from mdb.errors import SchemaError
 from mdb.fanout import FanOutResult, gather, plan_fan_out, run_shard
 from support.fanout import make_store
@@ -222,6 +223,26 @@ def test_a_prepared_statement_dropped_behind_its_back_is_sent_again_on_the_same_
     _one_connection(engine, "DEALLOCATE ALL")  # what psycopg does after a ROLLBACK where it prepared
     assert store.fan_out("user", count, aggregate=True).rows[0][0] == 7
     assert _one_connection(engine, "SELECT pg_backend_pid()") == pid  # the connection was kept, not replaced
+    assert _checked_out(store) == 0
+
+
+def test_a_prepared_statement_off_the_record_is_used_on_the_same_connection(store: Store) -> None:
+    """The record of what a connection holds lost a name the server still has (mdb.ownership
+    re-reads only its own names after a PREPARE failed half-way): PREPARE answers "already
+    exists", and the statement under that name is the one meant (the name is its hash)."""
+    count = select(func.count()).select_from(Order)
+    for _ in range(3):
+        store.fan_out("user", count, aggregate=True)
+    engine = store.engines.engine("u2")
+    pid = _one_connection(engine, "SELECT pg_backend_pid()")
+    fairy = engine.raw_connection()
+    known = prepared_names(fairy).known
+    assert known is not None and any(n.startswith(scatter.PREPARED_PREFIX) for n in known)
+    known.difference_update({n for n in known if n.startswith(scatter.PREPARED_PREFIX)})
+    fairy.close()
+    for _ in range(2):
+        assert store.fan_out("user", count, aggregate=True).rows[0][0] == 7
+    assert _one_connection(engine, "SELECT pg_backend_pid()") == pid
     assert _checked_out(store) == 0
 
 
