@@ -389,6 +389,26 @@ class BudgetPool(Pool):
 
     # -- idle connections -------------------------------------------------------------------
 
+    def idle_ready(self) -> bool:
+        """Would a checkout now hand out an idle connection as it is, opening none?
+
+        False when none is idle, or when the one a checkout takes (the newest: LIFO) is closed,
+        due for ``pool_recycle``, or older than an invalidation of the pool: SQLAlchemy's checkout
+        would then connect anew (``_ConnectionRecord.get_connection``), which a caller that must
+        not block on a connect (a fan-out sent from one thread: mdb.scatter) leaves to threads.
+        """
+        with self._cond:
+            if not self._idle:
+                return False
+            record: Any = self._idle[-1][0]
+        started = record.starttime
+        return (
+            record.dbapi_connection is not None
+            and (self._recycle < 0 or time.time() - started <= self._recycle)
+            and self._invalidate_time <= started
+            and record._soft_invalidate_time <= started
+        )
+
     def oldest_idle(self) -> float | None:
         """When the least recently returned idle connection was returned; None when none is idle."""
         with self._cond:

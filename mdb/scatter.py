@@ -36,6 +36,7 @@ from sqlalchemy.engine.result import IteratorResult, SimpleResultMetaData
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.sql.selectable import Select
 
+from mdb.budget import BudgetPool
 from mdb.engines import MdbPGDialect, prepared_names
 
 __all__ = ["CompiledRead", "ShardObserver", "compile_read", "has_idle_connection", "read_many"]
@@ -147,9 +148,11 @@ def compile_read(statement: Select[Any], dialect: Dialect) -> CompiledRead | Non
 
 
 def has_idle_connection(engine: Engine) -> bool:
-    """Would a checkout from ``engine``'s pool reuse an idle connection (no connect on this thread)?"""
-    checkedin = getattr(engine.pool, "checkedin", None)
-    return checkedin is not None and checkedin() > 0
+    """Would a checkout from ``engine``'s pool reuse an idle connection as it is (no connect on
+    this thread: not one due for ``pool_recycle`` either)? mdb's PostgreSQL engines pool with
+    :class:`~mdb.budget.BudgetPool`, which can tell; any other pool is not asked."""
+    pool = engine.pool
+    return isinstance(pool, BudgetPool) and pool.idle_ready()
 
 
 def read_many(

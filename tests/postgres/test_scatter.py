@@ -9,10 +9,12 @@ back; and it must prepare each statement once per connection, never more than th
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from sqlalchemy import Column, Engine, event, func, literal_column, select, text
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.orm import Session
@@ -21,15 +23,18 @@ from support.fanout import insert_users
 
 from mdb import GDID, Store
 from mdb import scatter
-from mdb.demo.models import Order, User
+from mdb.demo.models import Order, User, UserBriefcase
 from mdb.engines import prepared_names
 from mdb.errors import SchemaError
+from mdb.schema import apply_schema
 from mdb.fanout import FanOutResult, gather, plan_fan_out, run_shard
-from support.fanout import make_store
+from support.fanout import PARTITIONS, make_store
+from support.mapfiles import map_dict
 
 pytestmark = pytest.mark.postgres
 
 SHARDS = ("u1", "u2", "u3")
+RECYCLE = 2.0  # seconds: a connection older than this is replaced at checkout
 USERS = [
     (GDID(0, 0, 5), "ann", [(1, "placed", 10, 0), (2, "B", 7, 3)]),
     (GDID(0, 1, 6), "bob", [(3, "é", 3, 1)]),
@@ -244,6 +249,34 @@ def test_a_prepared_statement_off_the_record_is_used_on_the_same_connection(stor
         assert store.fan_out("user", count, aggregate=True).rows[0][0] == 7
     assert _one_connection(engine, "SELECT pg_backend_pid()") == pid
     assert _checked_out(store) == 0
+
+
+def test_a_connection_due_for_recycling_is_reconnected_on_the_threads(pg_databases: Any, tmp_path: Path,
+                                                                       sent: list[int]) -> None:
+    """``pool_recycle`` makes a checkout connect anew: that shard must not connect on the
+    sending thread (one after the other), so a pool whose idle connection is due counts as cold."""
+    data = map_dict(dict(zip(("u1", "u2", "u3"), pg_databases(3))), central=["u1"], partitions=PARTITIONS)
+    data["engine_defaults"] = {"pool_recycle": RECYCLE}
+    path = tmp_path / "map.yaml"
+    path.write_text(yaml.safe_dump(data))
+    recycled = Store.from_yaml(path, types=[UserBriefcase])
+    try:
+        assert all(r.ok for r in apply_schema(recycled))
+        insert_users(recycled, None, USERS)
+        count = select(func.count()).select_from(Order)
+        recycled.engines.dispose()
+        assert recycled.fan_out("user", count, aggregate=True).rows == [(7,)]  # cold: the threads connect now
+        sent.clear()
+        assert recycled.fan_out("user", count, aggregate=True).rows == [(7,)]
+        assert sent == [3]  # warm: every pool's idle connection young enough
+        time.sleep(RECYCLE + 0.3)
+        assert not any(scatter.has_idle_connection(recycled.engines.engine(s)) for s in SHARDS)
+        assert recycled.fan_out("user", count, aggregate=True).rows == [(7,)]
+        assert sent == [3]  # every shard reconnected on the thread pool
+        assert recycled.fan_out("user", count, aggregate=True).rows == [(7,)]
+        assert sent == [3, 3]  # and the fresh connections are sent to again
+    finally:
+        recycled.close()
 
 
 def test_an_interrupted_scatter_puts_no_busy_connection_back(store: Store) -> None:
