@@ -175,19 +175,19 @@ def read_many(
             while len(in_flight) >= limit:
                 _finish(in_flight, outcomes, observe)
             item = _InFlight(i, read, time.perf_counter())
+            in_flight.append(item)  # before the checkout: interrupted in it or in the send, it is invalidated below
             try:
                 item.fairy = engine.raw_connection()
                 _send(item)
             except Exception as exc:
+                in_flight.pop()
                 outcomes[i] = exc
                 if item.fairy is not None:
                     item.fairy.invalidate(exc)
-                continue
-            in_flight.append(item)
         while in_flight:
             _finish(in_flight, outcomes, observe)
     except BaseException:
-        # Interrupted (Ctrl-C in a wait): the connections still in flight have a query running.
+        # Interrupted (Ctrl-C in a wait or a send): the connections in flight may have a query running.
         for item in in_flight:
             if item.fairy is not None:
                 item.fairy.invalidate()
