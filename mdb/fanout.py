@@ -703,8 +703,7 @@ class _Sendable:
 
     @classmethod
     def of(cls, query: ShardQuery, dialect: Dialect) -> _Sendable | None:
-        if not query.one_statement:
-            return None
+        """``query`` (one statement: :func:`_scatter` asks only for those) as sent on ``dialect``; None: not this way."""
         read = compile_read(query.statement, dialect)
         if read is None or not query.orm:
             return None if read is None else cls(read)
