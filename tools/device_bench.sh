@@ -3,21 +3,29 @@
 # wheels tools/device_wheels.sh downloaded (carry .device/wheels), then runs the sections the wave-3
 # issues measure there, each under its own time limit, every table with its same-run baseline.
 # Usage: bash tools/device_bench.sh [SECTION ...]   (default: all below, in this order)
-# Each section's full output goes to $OUT/<section>.txt (or /tmp/mdb-device-bench) and its table here.
+# A section named again runs again (its output then <section>-2, -3, ...): rounds interleave.
+# Each section's full output goes to /tmp/mdb-device-bench/<section>.txt and its table here; with
+# $OUT set (the device tool), every output is also appended to $OUT/device-bench.log as it ends:
+# one file, because the tool brings back at most eight.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-out=${OUT:-/tmp/mdb-device-bench}
+out=/tmp/mdb-device-bench
 mkdir -p "$out"
+log=${OUT:+$OUT/device-bench.log}
+declare -A seen=()
 bash tools/device_wheels.sh install >"$out/install.txt" 2>&1 || { cat "$out/install.txt"; exit 1; }
 py=.device/venv/bin/python
 echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%d GiB", $2/1048576}' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
 
 section() {  # NAME SECONDS ARGS...: one bench.py run, bounded
     local name=$1 limit=$2; shift 2
+    seen[$name]=$(( ${seen[$name]:-0} + 1 ))
+    [ "${seen[$name]}" -eq 1 ] || name="$name-${seen[$name]}"
     local started=$SECONDS
     timeout "$limit" "$py" tools/bench.py "$@" >"$out/$name.txt" 2>&1
     local rc=$?
     echo "== $name ($((SECONDS - started)) s, rc=$rc): tools/bench.py $*"
+    [ -z "$log" ] || { echo "===== $name ($((SECONDS - started)) s, rc=$rc): tools/bench.py $*"; cat "$out/$name.txt"; } >>"$log"
     sed -n '/mdb benchmarks/,$p' "$out/$name.txt" | grep -v '^[┏┡└━]' | cut -c1-230
     [ "$rc" -eq 0 ] || tail -5 "$out/$name.txt"
 }
@@ -32,6 +40,8 @@ for w in "${wanted[@]}"; do
     briefcase) MDB_BENCH_FRACTION=$fraction section briefcase 120 briefcase ;;
     briefcase_async) MDB_BENCH_FRACTION=$fraction section briefcase_async 120 briefcase --async ;;
     scale) MDB_BENCH_FRACTION=$fraction MDB_BENCH_SCALE_SIZES=${MDB_BENCH_SCALE_SIZES:-128} section scale 150 scale ;;
+    impact-[0-9]*)  # issue 31, one size: impact-100000
+        section "$w" "${IMPACT_LIMIT:-240}" reshard_impact --n "${w#impact-}" --procs 4 ;;
     impact)  # issue 31: 10k and 100k (IMPACT_N: others, e.g. "10000 100000 1000000"), then the end of a 100k reshard alone
         for n in ${IMPACT_N:-10000 100000}; do
             section "impact-$n" "${IMPACT_LIMIT:-240}" reshard_impact --n "$n" --procs 4
