@@ -347,7 +347,7 @@ class _Steps:
 
 class _ServerWatch(threading.Thread):
     """Each server's own work on the timeline: its autovacuum runs (seen once a second in
-    ``pg_stat_activity``, with their duration) and its checkpoints (``pg_stat_bgwriter``'s counts
+    ``pg_stat_activity``, with their duration) and its checkpoints (the checkpointer's counts
     going up), so a slow operation that absorbed nothing can be set against what the servers did."""
 
     def __init__(self, urls: dict[str, str], steps: _Steps) -> None:
@@ -360,6 +360,9 @@ class _ServerWatch(threading.Thread):
         conns = {name: psycopg.connect(_dsn(url), autocommit=True) for name, url in self.urls.items()}
         running: dict[tuple[str, int, str], float] = {}
         checkpoints: dict[str, int] = {}
+        # PostgreSQL 17 moved the checkpoint counts from pg_stat_bgwriter to pg_stat_checkpointer.
+        counted = {name: "SELECT num_timed + num_requested FROM pg_stat_checkpointer" if conn.info.server_version >= 170000
+                   else "SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter" for name, conn in conns.items()}
         try:
             while not self.stopped.wait(1.0):
                 now = time.time()
@@ -371,7 +374,7 @@ class _ServerWatch(threading.Thread):
                     for key in [k for k in running if k[0] == name and k not in seen]:
                         started = running.pop(key)
                         self.steps.log.append((started, f"server {name}: {key[2]}, {now - started:.0f} s (+-1 s)"))
-                    row = conn.execute("SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter").fetchone()
+                    row = conn.execute(counted[name]).fetchone()
                     count = int(row[0]) if row else 0
                     if name in checkpoints and count > checkpoints[name]:
                         self.steps.log.append((now, f"server {name}: checkpoint counted"))
