@@ -320,9 +320,14 @@ def _wait_for(paths: list[Path], procs: list[subprocess.Popen[str]], timeout: fl
 class _Steps:
     """The reshard's progress as a step log: (wall-clock time, phase), for the timeline."""
 
+    PROGRESS_EVERY = 20.0
+    """Seconds between progress lines on stderr: a run cut off by a time limit (the lent machine's)
+    still says how far the mover got and at what rate."""
+
     def __init__(self) -> None:
         self.log: list[tuple[float, str]] = []
         self._collecting: float | None = None
+        self._printed = time.time()
 
     def phase(self, name: str) -> None:
         self.log.append((time.time(), name))
@@ -339,7 +344,14 @@ class _Steps:
             self._collecting = None
 
     def counts(self, counts: Any, last: Any) -> None:
-        pass
+        now = time.time()
+        if now - self._printed >= self.PROGRESS_EVERY:
+            self._printed = now
+            started = self.log[0][0] if self.log else now
+            rate = counts.window.figures(counts.briefcases_done, counts.briefcases_total, counts.rows_done,
+                                         counts.rows_total, now).briefcases_per_second
+            print(f"  {now - started:5.0f} s  {self.log[-1][1] if self.log else ''}: {counts.briefcases_done:,} of "
+                  f"{counts.briefcases_total:,} moved, {rate or 0:,.0f} /s lately", file=sys.stderr, flush=True)
 
     def waiting(self, reason: str, seconds: float) -> None:
         pass
