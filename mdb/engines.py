@@ -238,11 +238,14 @@ def _pg_begin(fairy: Any, pooled: bool) -> None:
     The engine runs in driver autocommit mode and every transaction starts here, so that a
     prelude (the briefcase ownership check) travels with BEGIN in ONE round trip. ``pooled``:
     behind a transaction-pooling pooler each transaction may run on another server session, so
-    the prelude may rely on nothing prepared on one; still one round trip.
+    the prelude may rely on nothing prepared on one; still one round trip. Without a prelude
+    (``store.transaction``, a Session on a Store's engine) BEGIN alone takes the same way: psycopg's
+    ``execute`` would spend a cursor on it and auto-prepare it from its fifth use (about 40 µs of
+    client CPU per transaction on the 2-core machine, docs/dev/measured-sessions.md).
     """
     prelude: BeginPrelude | None = fairy.info.pop(PRELUDE, None)
     if prelude is None:
-        fairy.driver_connection.execute("BEGIN")
+        simple_query(fairy.driver_connection, "BEGIN")
     elif pooled:
         fairy.info[BEGIN_RESULT] = prelude.begin_postgresql_pooled(fairy.driver_connection)
     else:

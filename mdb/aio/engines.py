@@ -57,6 +57,7 @@ from mdb.engines import (
     EngineRegistry,
     mdb_url,
     prepared_names,
+    simple_query,
     sqlite_begin,
     sqlite_setup,
 )
@@ -157,9 +158,6 @@ class _GreenletConnection:
     def wait(self, gen: Any) -> Any:
         return await_(self._connection.wait(gen))
 
-    def execute(self, query: str) -> None:
-        await_(self._connection.execute(query))
-
     def cursor(self) -> _GreenletCursor:
         return _GreenletCursor(self._connection.cursor())
 
@@ -168,11 +166,10 @@ def _pg_begin(fairy: Any, pooled: bool) -> None:
     """The sync engine's PostgreSQL BEGIN (:func:`mdb.engines.MdbPGDialect.do_begin`), with the driver
     connection seen through the greenlet facade."""
     prelude: BeginPrelude | None = fairy.info.pop(PRELUDE, None)
-    driver = fairy.driver_connection
+    facade = cast(psycopg.Connection[Any], _GreenletConnection(fairy.driver_connection))  # the API the prelude uses
     if prelude is None:
-        await_(driver.execute("BEGIN"))
+        simple_query(facade, "BEGIN")
         return
-    facade = cast(psycopg.Connection[Any], _GreenletConnection(driver))  # the API the prelude uses
     if pooled:  # behind a transaction pooler: the check as a call of its PL/pgSQL function, nothing prepared
         fairy.info[BEGIN_RESULT] = prelude.begin_postgresql_pooled(facade)
     else:

@@ -8,6 +8,7 @@ of their own, so they pin the engine's side of the contract, not the check's.
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,49 @@ def test_postgres_pooled_engine_sends_the_unprepared_form(pg_url: str) -> None:
         reg.dispose()
 
 
+
+
+@pytest.mark.postgres
+def test_a_transaction_without_a_prelude_begins_in_the_simple_protocol(pg_url: str) -> None:
+    """A plain transaction's BEGIN (``store.transaction``, a Session on a Store's engine) is sent as
+    the briefcase BEGIN is, one simple-protocol message: nothing prepared for it on the server,
+    where psycopg's ``execute`` auto-prepares a statement from its fifth use (and spends a cursor)."""
+    reg = EngineRegistry({"pg": ServerSpec(primary=pg_url)})
+    try:
+        engine = reg.engine("pg")
+        with engine.connect() as conn:
+            for _ in range(12):
+                with conn.begin():
+                    assert conn.execute(sa.text("SELECT 1")).scalar_one() == 1
+            prepared = conn.exec_driver_sql("SELECT statement FROM pg_prepared_statements").scalars().all()
+            conn.rollback()
+        assert not [s for s in prepared if s.strip().upper() == "BEGIN"], prepared
+        assert any(s.strip() == "SELECT 1" for s in prepared), f"the probe needs psycopg's auto-prepare on: {prepared}"
+    finally:
+        reg.dispose()
+
+
+@pytest.mark.postgres
+def test_an_async_transaction_without_a_prelude_begins_in_the_simple_protocol(pg_url: str) -> None:
+    """The same for the async engines (``AsyncStore.transaction``): one BEGIN path for both."""
+    from mdb.aio.engines import create_async
+
+    async def run() -> list[str]:
+        engine = create_async(pg_url, readonly=False)
+        try:
+            async with engine.connect() as conn:
+                for _ in range(12):
+                    async with conn.begin():
+                        assert (await conn.execute(sa.text("SELECT 1"))).scalar_one() == 1
+                found = (await conn.exec_driver_sql("SELECT statement FROM pg_prepared_statements")).scalars().all()
+                await conn.rollback()
+                return list(found)
+        finally:
+            await engine.dispose()
+
+    prepared = asyncio.run(run())
+    assert not [s for s in prepared if s.strip().upper() == "BEGIN"], prepared
+    assert any(s.strip() == "SELECT 1" for s in prepared), f"the probe needs psycopg's auto-prepare on: {prepared}"
 
 @pytest.mark.postgres
 @pytest.mark.parametrize(("url_of", "pooled", "call"), [
