@@ -291,6 +291,8 @@ class MdbPGDialect(PGDialect_psycopg):
     """
 
     supports_statement_cache = True
+    mdb_scatter = True
+    """:mod:`mdb.scatter` may send a fan-out's statement on its connections itself."""
 
     def __init__(self, mdb_pooled: bool = False, mdb_instance: str | None = None, mdb_user: str | None = None,
                  mdb_budget: ConnectionBudget | None = None, **kw: Any) -> None:

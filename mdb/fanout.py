@@ -50,7 +50,7 @@ from mdb.dberrors import translated
 from mdb.dialects import SqlDialect, sql_dialect
 from mdb.detached import DetachedLoader
 from mdb.engines import one_statement
-from mdb.scatter import CompiledRead, compile_read, has_idle_connection, read_many
+from mdb.scatter import CompiledRead, compile_key, compile_read, has_idle_connection, read_many
 from mdb.errors import CapacityError, MdbError, QueryError
 from mdb.gdid import GDID, MAX_AUTHORITY, MAX_COUNTER, MAX_ERA
 from mdb.router import Router
@@ -62,7 +62,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FanOutPlan", "FanOutResult", "ShardFailure", "ShardQuery", "SortKey", "SortTerm", "fan_out", "fan_out_aggregate",
-    "fan_out_servers", "gather", "merge_sorted", "plan_fan_out", "run_shard", "settle", "warm_up",
+    "fan_out_result", "fan_out_servers", "gather", "merge_sorted", "plan_fan_out", "run_shard", "scatter_shards", "settle",
+    "warm_up",
 ]
 
 AGGREGATES = frozenset({"count", "sum", "min", "max", "avg"})
@@ -657,7 +658,7 @@ def fan_out(
     """
     plan = plan_fan_out(store, store.router, area, statement, aggregate=aggregate, from_gdid=from_gdid, readonly=readonly)
     workers = max(1, max_workers or DEFAULT_MAX_WORKERS)
-    outcomes, sent = _scatter(store, plan, readonly, workers)
+    outcomes, sent = scatter_shards(plan, workers, lambda server: store.engines.engine(server, readonly))
     rest = [i for i, outcome in enumerate(outcomes) if outcome is None]
     if rest:  # cold, or not sendable that way, or failed there (run again: this path translates the error)
         servers = [plan.servers[i] for i in rest]
@@ -665,7 +666,17 @@ def fan_out(
         for i, outcome in zip(rest, run):
             outcomes[i] = outcome
     # Every None was run on the threads above.
-    per_shard, failed = settle(store, plan.servers, cast("list[list[Any] | Exception]", outcomes), allow_partial=allow_partial)
+    return fan_out_result(store, plan, cast("list[list[Any] | Exception]", outcomes), sent,
+                          aggregate=aggregate, allow_partial=allow_partial)
+
+
+def fan_out_result(
+    store: Cluster, plan: FanOutPlan, outcomes: list[list[Any] | Exception], sent: list[_Sendable], *,
+    aggregate: bool, allow_partial: bool,
+) -> FanOutResult:
+    """The merged result of every shard's outcome (its rows, or its exception, for :func:`settle`),
+    for the sync and the async fan-out alike; ``sent``: the sendables :func:`scatter_shards` used."""
+    per_shard, failed = settle(store, plan.servers, outcomes, allow_partial=allow_partial)
     result = plan.result(per_shard, failed)
     if sent and not aggregate:  # the merged rows that scatter read are tuples or _EntityRow: as Rows now
         made = iter(sent[0].as_rows([row for row in result.rows if not isinstance(row, Row)]))
@@ -703,7 +714,7 @@ class _Sendable:
 
     @classmethod
     def of(cls, query: ShardQuery, dialect: Dialect) -> _Sendable | None:
-        """``query`` (one statement: :func:`_scatter` asks only for those) as sent on ``dialect``; None: not this way."""
+        """``query`` (one statement: :func:`scatter_shards` asks only for those) as sent on ``dialect``; None: not this way."""
         read = compile_read(query.statement, dialect)
         if read is None or not query.orm:
             return None if read is None else cls(read)
@@ -729,25 +740,26 @@ class _Sendable:
         return list(result.all())
 
 
-def _scatter(
-    store: Cluster, plan: FanOutPlan, readonly: bool, window: int,
+def scatter_shards(
+    plan: FanOutPlan, window: int, engine_of: Callable[[str], Engine | None],
 ) -> tuple[list[list[Any] | Exception | None], list[_Sendable]]:
     """The shards whose statement one thread sends to all before reading any (:mod:`mdb.scatter`):
     one statement (columns, or one plain ORM entity), a PostgreSQL engine with an idle pooled
     connection. Their rows (:meth:`_Sendable.shape`), None for every other shard and for one that
-    failed there; and the sendables used."""
+    failed there; and the sendables used. ``engine_of``: the engine a shard's statement is sent
+    on (an async engine's ``sync_engine``, called in a greenlet), None to leave the shard out."""
     outcomes: list[list[Any] | Exception | None] = [None] * len(plan.servers)
     picked: list[tuple[int, _Sendable]] = []
     targets: list[tuple[Engine, CompiledRead]] = []
-    sendables: dict[tuple[int, int], _Sendable | None] = {}
+    sendables: dict[tuple[Any, ...], _Sendable | None] = {}
     for i, server in enumerate(plan.servers):
         query = plan.query(server)
         if not query.one_statement:
             continue
-        engine = store.engines.engine(server, readonly)
-        if not has_idle_connection(engine):
+        engine = engine_of(server)
+        if engine is None or not has_idle_connection(engine):
             continue  # connecting here would make the shards wait for each other: the thread pool connects in parallel
-        key = (id(query), id(engine.dialect))
+        key = (id(query), compile_key(engine.dialect))
         if key not in sendables:
             sendables[key] = _Sendable.of(query, engine.dialect)
         sendable = sendables[key]

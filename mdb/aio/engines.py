@@ -181,6 +181,8 @@ class MdbPGDialectAsync(PGDialectAsync_psycopg):
     (:meth:`mdb.engines.MdbPGDialect.get_async_dialect_cls`); ``mdb_pooled`` as there."""
 
     supports_statement_cache = True
+    mdb_scatter = True
+    """:mod:`mdb.scatter` may send a fan-out's statement on its connections itself (from a greenlet)."""
 
     def __init__(self, mdb_pooled: bool = False, **kw: Any) -> None:
         super().__init__(**kw)
@@ -392,9 +394,15 @@ class FairGate:
     def in_use(self) -> int:
         return self.size - self._free
 
-    async def acquire(self, server: str) -> None:
+    def try_acquire(self) -> bool:
+        """A slot now if one is free and nobody waits (the fan-out's scatter takes no turn); else False."""
         if self._free > 0 and not self._waiters:
             self._free -= 1
+            return True
+        return False
+
+    async def acquire(self, server: str) -> None:
+        if self.try_acquire():
             return
         slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(slot)

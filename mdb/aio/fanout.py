@@ -3,9 +3,15 @@
 Everything but the waiting is the sync fan-out's public, sans-IO core: :func:`mdb.fanout.plan_fan_out`
 decides the servers, rewrites the statement per backend and says how each shard runs it and
 how the rows merge (a heap merge of the sorted per-shard streams, or the combining of aggregate
-partials); :func:`mdb.fanout.settle` applies the error translation and the partial-failure
-policy to the outcomes collected here. Nothing of the merge or the policy is written twice, and
-aggregates run on the loop like any other fan-out.
+partials); :func:`mdb.fanout.fan_out_result` applies the error translation and the partial-failure
+policy to the outcomes collected here and merges. Nothing of the merge or the policy is written
+twice, and aggregates run on the loop like any other fan-out.
+
+A warm shard is sent as the sync fan-out sends it (:func:`mdb.fanout.scatter_shards`, docs/dev/0022):
+in SQLAlchemy's greenlet, the statement goes to every shard with an idle connection (and a free
+slot of its server's :class:`~mdb.aio.engines.FairGate`) before any answer is read, each wait
+awaited on the loop. The others, and a shard that failed there, run as their own task through
+``AsyncStore.transaction``, which translates errors and replaces a dead connection.
 """
 
 from __future__ import annotations
@@ -13,17 +19,21 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from sqlalchemy import Row, Select
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.util.concurrency import greenlet_spawn
 
 from mdb import telemetry
+from mdb.aio.engines import AsyncEngines, FairGate
 from mdb.engines import BeginPrelude, one_statement_prelude
-from mdb.fanout import FanOutResult, ShardQuery, plan_fan_out, settle
+from mdb.fanout import DEFAULT_MAX_WORKERS, FanOutPlan, FanOutResult, ShardQuery, fan_out_result, plan_fan_out, scatter_shards
 from mdb.gdid import GDID
 from mdb.router import Router
+from mdb.scatter import has_idle_connection
 from mdb.store import Store
 
 __all__ = ["fan_out"]
@@ -34,6 +44,9 @@ class AsyncServers(Protocol):
 
     @property
     def sync(self) -> Store: ...
+
+    @property
+    def engines(self) -> AsyncEngines: ...
 
     async def router(self) -> Router: ...
 
@@ -98,6 +111,32 @@ async def fan_out(
         await asyncio.to_thread(lambda: router.relocation_reach)
     cluster = store.sync
     plan = plan_fan_out(cluster, router, area, statement, aggregate=aggregate, from_gdid=from_gdid, readonly=readonly)
-    outcomes = await asyncio.gather(*(_outcome(_run(store, s, plan.query(s), readonly)) for s in plan.servers))
-    per_shard, failed = settle(cluster, plan.servers, outcomes, allow_partial=allow_partial)
-    return plan.result(per_shard, failed)
+    outcomes, sent = await _scatter(store, plan, readonly)
+    rest = [i for i, outcome in enumerate(outcomes) if outcome is None]
+    if rest:  # cold, or not sendable that way, or failed there (run again: this path translates the error)
+        run = await asyncio.gather(*(_outcome(_run(store, plan.servers[i], plan.query(plan.servers[i]), readonly)) for i in rest))
+        for i, outcome in zip(rest, run):
+            outcomes[i] = outcome
+    # Every None was run as a task above.
+    return fan_out_result(cluster, plan, cast("list[list[Any] | Exception]", outcomes), sent,
+                          aggregate=aggregate, allow_partial=allow_partial)
+
+
+async def _scatter(store: AsyncServers, plan: FanOutPlan, readonly: bool) -> tuple[list[Any], list[Any]]:
+    """:func:`mdb.fanout.scatter_shards` in a greenlet, over the async engines of warm shards whose
+    gate has a free slot now (taken without waiting; every slot given back before the rest runs)."""
+    held: list[FairGate] = []
+
+    def engine_of(server: str) -> Engine | None:
+        engine, gate = store.engines.engine_and_gate(server, readonly)
+        sync = engine.sync_engine
+        if not has_idle_connection(sync) or not gate.try_acquire():
+            return None
+        held.append(gate)
+        return sync
+
+    try:
+        return await greenlet_spawn(scatter_shards, plan, DEFAULT_MAX_WORKERS, engine_of)
+    finally:
+        for gate in held:
+            gate.release()

@@ -8,6 +8,7 @@ measured failure before ``pooler: transaction``: 364 of 1,600 sessions failed wi
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 from support.briefcase import eight_exclusive_writers_lose_nothing, RoundTripCounter, _proxied, child_id
 
+from mdb.aio import AsyncStore
 from mdb.demo.models import Order, User, UserBriefcase
 from mdb.errors import SchemaError, StaleRouteError
 from mdb.gdid import GDID
@@ -110,6 +112,16 @@ def test_a_pooled_engine_prepares_nothing_on_the_server(pooled: tuple[Path, PgBo
                     session.execute(select(User.name).where(User.user_id == gdid)).all()
                 held = session.execute(text("SELECT name FROM pg_prepared_statements")).scalars().all()
                 assert held == [], f"prepared statements on a pooled server session: {held}"
+
+        async def through_the_loop() -> list[str]:  # the async fan-out sends warm shards the same way
+            async with AsyncStore(store) as aio:
+                for _ in range(20):
+                    assert (await aio.fan_out("user", select(func.count()).select_from(User), aggregate=True)).rows == [(1,)]
+                async with aio.transaction(store.router.locate("user", gdid).server) as conn:
+                    return list((await conn.execute(text("SELECT name FROM pg_prepared_statements"))).scalars().all())
+
+        held = asyncio.run(through_the_loop())
+        assert held == [], f"prepared statements on a pooled server session: {held}"
 
 
 def test_a_fence_still_turns_a_pooled_session_away(pooled: tuple[Path, PgBouncer]) -> None:

@@ -8,8 +8,9 @@ back; and it must prepare each statement once per connection, never more than th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import asyncio
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from sqlalchemy.orm.exc import DetachedInstanceError
 from support.fanout import insert_users
 
 from mdb import GDID, Store
+from mdb.aio import AsyncStore
 from mdb import scatter
 from mdb.demo.models import Order, User, UserBriefcase
 from mdb.engines import prepared_names
@@ -303,3 +305,111 @@ def test_only_mdbs_postgresql_dialect_is_sent_this_way(tmp_sqlite_urls: Callable
         assert scatter.compile_read(select(func.count()).select_from(Order), sqlite.engines.engine("u1").dialect) is None
     finally:
         sqlite.close()
+
+
+# -- the async fan-out sends warm shards the same way (mdb.aio.fanout) --------------------------
+
+
+def _async_gates_in_use(aio: AsyncStore) -> int:
+    return sum(aio.engines.gate(s).in_use for s in SHARDS)
+
+
+def _async_checked_out(aio: AsyncStore) -> int:
+    return sum(aio.engines.engine(s).sync_engine.pool.checkedout() for s in SHARDS)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", list(STATEMENTS))
+def test_a_warm_async_fan_out_reads_what_the_thread_pool_reads(store: Store, sent: list[int], name: str) -> None:
+    statement, aggregate = STATEMENTS[name]
+    cold = _on_threads(store, statement, aggregate)
+
+    async def main() -> tuple[list[FanOutResult], int, int]:
+        async with AsyncStore(store) as aio:
+            results = [await aio.fan_out("user", statement, aggregate=aggregate) for _ in range(3)]  # cold, warm, prepared
+            return results, _async_checked_out(aio), _async_gates_in_use(aio)
+
+    results, checked_out, gates = asyncio.run(main())
+    expanding = name.startswith("expanding")
+    assert sent == ([] if expanding else [3, 3])  # the first found no idle async connection
+    for result in results:
+        assert [tuple(r) for r in result.rows] == [tuple(r) for r in cold.rows]
+        assert [r._fields for r in result.rows] == [r._fields for r in cold.rows]
+        assert [[type(v) for v in r] for r in result.rows] == [[type(v) for v in r] for r in cold.rows]
+    assert len(cold.rows) > 0
+    assert checked_out == 0 and gates == 0
+
+
+@pytest.mark.parametrize("name", list(ENTITY_STATEMENTS))
+def test_a_warm_async_orm_fan_out_returns_the_instances_the_thread_pool_returns(store: Store, sent: list[int], name: str) -> None:
+    statement = ENTITY_STATEMENTS[name]
+    cold = _on_threads(store, statement, False)
+
+    async def main() -> FanOutResult:
+        async with AsyncStore(store) as aio:
+            await aio.fan_out("user", statement)
+            return await aio.fan_out("user", statement)
+
+    warm = asyncio.run(main())
+    assert sent == [3]
+    assert [r._fields for r in warm.rows] == [r._fields for r in cold.rows]
+    assert [_state(r[0]) for r in warm.rows] == [_state(r[0]) for r in cold.rows]
+    assert len(warm.rows) > 1
+
+
+def test_an_async_shard_whose_gate_is_full_waits_its_turn_and_a_failed_one_is_raised(store: Store, sent: list[int]) -> None:
+    """A shard whose server's gate has no free slot is not sent the scatter way (it would jump the
+    queue): it runs as its own task once a slot is free. A shard that fails there is run again the
+    task way and raised as that way raises it, naming the shard; no connection or slot stays out."""
+    count = select(func.count()).select_from(Order)
+
+    async def main() -> tuple[FanOutResult, int, int]:
+        async with AsyncStore(store) as aio:
+            await aio.fan_out("user", count, aggregate=True)  # warm: one idle connection per shard
+            gate = aio.engines.gate("u2")
+            taken = 0
+            while gate.try_acquire():
+                taken += 1
+
+            async def free_later() -> None:
+                await asyncio.sleep(0.05)
+                for _ in range(taken):
+                    gate.release()
+
+            freeing = asyncio.create_task(free_later())
+            queued = await aio.fan_out("user", count, aggregate=True)
+            await freeing
+            with store.engines.engine("u2").begin() as conn:
+                conn.execute(text("DROP TABLE orders CASCADE"))
+            with pytest.raises(SchemaError) as raised:
+                await aio.fan_out("user", count, aggregate=True)
+            assert "'u2'" in str(raised.value)
+            return queued, _async_checked_out(aio), _async_gates_in_use(aio)
+
+    queued, checked_out, gates = asyncio.run(main())
+    assert queued.scalars() == [sum(len(orders) for _, _, orders in USERS)]
+    assert sent == [2, 3]  # u2 left out while its gate was full; then all three, u2 failing there
+    assert checked_out == 0 and gates == 0
+
+
+def test_a_warm_async_fan_out_compiles_its_statement_once(store: Store, sent: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each async engine has a dialect of its own; the shards' statement is still compiled once
+    per fan-out (one class, server version and pooler setting: :func:`mdb.scatter.compile_key`)."""
+    compiled: list[Any] = []
+    real = scatter.compile_read
+
+    def counted(statement: Any, dialect: Any) -> Any:
+        compiled.append(dialect)
+        return real(statement, dialect)
+
+    top = ENTITY_STATEMENTS["top-N of an entity"]
+
+    async def main() -> None:
+        async with AsyncStore(store) as aio:
+            await aio.fan_out("user", top)  # cold: every shard connects
+            dialects = {id(aio.engines.engine(s).sync_engine.dialect) for s in SHARDS}
+            assert len(dialects) == 3  # what makes the point: one dialect instance per async engine
+            monkeypatch.setattr("mdb.fanout.compile_read", counted)
+            await aio.fan_out("user", top)
+
+    asyncio.run(main())
+    assert sent == [3] and len(compiled) == 1

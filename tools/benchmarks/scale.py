@@ -22,6 +22,7 @@ sizes given, e.g. to re-measure the largest one without paying for the others.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from contextlib import ExitStack
@@ -36,6 +37,7 @@ from sqlalchemy import Engine, create_engine, func, insert, select, text
 from sqlalchemy.orm import Session
 
 from benchmarks import BenchContext, Result, compare
+from mdb.aio import AsyncStore
 from mdb.demo.models import Order, User, UserBriefcase
 from mdb.urls import sqlalchemy_url
 from mdb.gdid import GDID
@@ -256,6 +258,7 @@ def _one_size(ctx: BenchContext, shards: int, rounds: int, calls: int) -> list[R
                               "sequential loop of plain Sessions", seq * 1000, per_shard + f"; aim <= {aim} at S=128 (issue 34)"))
             out.append(Result(SECTION, f"fan-out {name} vs thread pool, S={shards}", subject * 1000, "ms",
                               "thread-pool loop of plain Sessions (16)", pooled * 1000, per_shard))
+        out.extend(_async_fan_outs(store, sequential, shards, rounds, calls))
 
         server = store.router.locate("user", user).server
         engine = plain[server]
@@ -285,6 +288,36 @@ def _one_size(ctx: BenchContext, shards: int, rounds: int, calls: int) -> list[R
         store.close()
         for engine_ in plain.values():
             engine_.dispose()
+    return out
+
+
+def _async_fan_outs(store: Store, sequential: Callable[[Any], list[Any]], shards: int, rounds: int, calls: int) -> list[Result]:
+    """``AsyncStore.fan_out`` of the same statements on one event loop, against the same sequential
+    loop and against the sync fan-out (both measured in the same rounds)."""
+    out: list[Result] = []
+    loop = asyncio.new_event_loop()
+    aio = AsyncStore(store)
+    try:
+        for name, statement, aggregate in (("count", COUNT, True), ("ORM top-10", TOP10, False)):
+            def fanned(statement: Any = statement, aggregate: bool = aggregate) -> None:
+                loop.run_until_complete(aio.fan_out("user", statement, aggregate=aggregate))
+
+            def looped(statement: Any = statement) -> None:
+                sequential(statement)
+
+            def synced(statement: Any = statement, aggregate: bool = aggregate) -> None:
+                store.fan_out("user", statement, aggregate=aggregate)
+
+            subject, seq = compare(fanned, looped, iterations=calls, rounds=rounds, warmup=2)
+            _, sync = compare(fanned, synced, iterations=calls, rounds=rounds, warmup=2)
+            per_shard = f"{subject / shards * 1000:.2f} ms/shard; one event loop"
+            out.append(Result(SECTION, f"async fan-out {name}, S={shards}", subject * 1000, "ms",
+                              "sequential loop of plain Sessions", seq * 1000, per_shard))
+            out.append(Result(SECTION, f"async fan-out {name} vs the sync fan-out, S={shards}", subject * 1000, "ms",
+                              "Store.fan_out", sync * 1000, per_shard))
+    finally:
+        loop.run_until_complete(aio.close())  # its async engines; the sync Store stays open
+        loop.close()
     return out
 
 
