@@ -182,8 +182,8 @@ def read_many(
     oldest is read before the next is sent), so a process holds no more connections and loads
     the servers no more than it did with threads.
     Each statement runs without BEGIN: the engines run in driver autocommit, so it is a
-    transaction of its own on the server (one snapshot of committed data). The engines of an
-    async engine (its ``sync_engine``) are called from SQLAlchemy's greenlet (``greenlet_spawn``).
+    transaction of its own on the server (one snapshot of committed data). For an async engine,
+    ``targets`` holds its ``sync_engine`` and this runs in SQLAlchemy's greenlet (``greenlet_spawn``).
     """
     outcomes: list[list[tuple[Any, ...]] | Exception] = [[] for _ in targets]
     in_flight: deque[_InFlight] = deque()

@@ -413,3 +413,30 @@ def test_a_warm_async_fan_out_compiles_its_statement_once(store: Store, sent: li
 
     asyncio.run(main())
     assert sent == [3] and len(compiled) == 1
+
+
+def test_a_cancelled_async_scatter_puts_no_busy_connection_back(store: Store, sent: list[int]) -> None:
+    """A fan-out task cancelled while a shard's answer is awaited (u2's count waits on a lock):
+    the connections in flight are invalidated, never returned busy; every gate slot is given
+    back; the next fan-out reads the right count."""
+    count = select(func.count()).select_from(Order)
+    total = sum(len(orders) for _, _, orders in USERS)
+
+    async def main() -> tuple[int, int, list[Any]]:
+        async with AsyncStore(store) as aio:
+            await aio.fan_out("user", count, aggregate=True)  # connects: one idle connection per shard after it
+            with store.engines.engine("u2").begin() as locker:
+                locker.execute(text("LOCK TABLE orders IN ACCESS EXCLUSIVE MODE"))
+                task = asyncio.create_task(aio.fan_out("user", count, aggregate=True))
+                await asyncio.sleep(0.3)
+                assert not task.done()  # waiting for u2's answer
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            after = await aio.fan_out("user", count, aggregate=True)
+            return _async_checked_out(aio), _async_gates_in_use(aio), after.scalars()
+
+    checked_out, gates, after = asyncio.run(main())
+    assert sent[0] == 3  # the cancelled fan-out went the scatter way (the first one connected)
+    assert checked_out == 0 and gates == 0
+    assert after == [total]
