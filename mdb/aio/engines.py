@@ -10,10 +10,10 @@ handed over with :func:`mdb.engines.set_prelude` and its rows read with
 :func:`mdb.engines.take_result`.
 
 Why that works on an async driver: SQLAlchemy runs the sync core of an AsyncConnection inside
-a greenlet, where ``await_`` suspends on the event loop. The prelude's code speaks psycopg's
-sync cursor API (``cursor()``, ``execute``, ``nextset``, ``pgresult``, ``fetchall``), so
-:class:`_GreenletConnection` offers that API over a ``psycopg.AsyncConnection``, awaiting each
-call on the loop. The ownership SQL, the prepare-once bookkeeping and the re-prepare after a
+a greenlet, where ``await_`` suspends on the event loop. The prelude sends its statements with
+:func:`mdb.engines.simple_query`, which uses only libpq's send, psycopg's ``wait`` and its
+loaders, so :class:`_GreenletConnection` offers those over a ``psycopg.AsyncConnection``, the
+wait awaited on the loop. The ownership SQL, the prepare-once bookkeeping and the re-prepare after a
 ``DEALLOCATE`` are therefore the sync ones, not a second copy. On SQLite, SQLAlchemy's aiosqlite
 adapter already offers a sync-looking cursor and connection: the sync engine's SQLite BEGIN and
 connection setup are used as they are.
@@ -28,10 +28,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import types
 from collections import deque
-from collections.abc import Coroutine, Generator
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import psycopg
 from sqlalchemy import event
@@ -70,70 +68,6 @@ __all__ = ["AsyncBudgetPool", "AsyncEngines", "MdbPGDialectAsync", "MdbSQLiteDia
 log = logging.getLogger("mdb.aio.engines")
 
 
-_T = TypeVar("_T")
-
-
-def _at_once(coro: Coroutine[Any, Any, _T]) -> _T:
-    """``coro``'s result, run right here when it never waits (psycopg's fetch of a result that
-    has arrived, its cursor close); handed to the loop where it stopped when it does wait.
-
-    Why not ``await_`` for all: each is a round trip between the greenlet and the loop, which
-    costs more than those calls' own work (2 of the 3 driver calls of the ownership check).
-    """
-    try:
-        waits_for = coro.send(None)
-    except StopIteration as done:
-        return cast(_T, done.value)
-    return await_(_resume(coro, waits_for))
-
-
-@types.coroutine
-def _resume(coro: Coroutine[Any, Any, _T], waits_for: Any) -> Generator[Any, Any, _T]:
-    """Go on with a coroutine that stopped at its first wait: what ``await coro`` would have done from there."""
-    while True:
-        try:
-            sent = yield waits_for
-        except BaseException as exc:  # thrown in by the loop (a cancellation): the coroutine's to handle
-            try:
-                waits_for = coro.throw(exc)
-            except StopIteration as done:
-                return cast(_T, done.value)
-        else:
-            try:
-                waits_for = coro.send(sent)
-            except StopIteration as done:
-                return cast(_T, done.value)
-
-
-class _GreenletCursor:
-    """psycopg's sync cursor API over an AsyncCursor, its calls awaited on the loop (greenlet) when they wait."""
-
-    __slots__ = ("_cursor",)
-
-    def __init__(self, cursor: psycopg.AsyncCursor[Any]) -> None:
-        self._cursor = cursor
-
-    def __enter__(self) -> _GreenletCursor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        _at_once(self._cursor.close())
-
-    def execute(self, query: str, params: Any = None) -> _GreenletCursor:
-        await_(self._cursor.execute(query, params))
-        return self
-
-    def nextset(self) -> bool | None:
-        return self._cursor.nextset()
-
-    @property
-    def pgresult(self) -> Any:
-        return self._cursor.pgresult
-
-    def fetchall(self) -> list[Any]:
-        return _at_once(self._cursor.fetchall())
-
-
 class _GreenletConnection:
     """What :func:`mdb.engines.simple_query` and a prelude use of psycopg's sync Connection, over a
     ``psycopg.AsyncConnection``: its ``pgconn`` and loaders as they are, ``wait`` awaited on the loop."""
@@ -157,9 +91,6 @@ class _GreenletConnection:
 
     def wait(self, gen: Any) -> Any:
         return await_(self._connection.wait(gen))
-
-    def cursor(self) -> _GreenletCursor:
-        return _GreenletCursor(self._connection.cursor())
 
 
 def _pg_begin(fairy: Any, pooled: bool) -> None:
