@@ -371,8 +371,9 @@ class FanOutPlan:
 
     Sans-IO, so the thread-pool runner (:func:`fan_out`) and the asyncio one
     (:func:`mdb.aio.fanout.fan_out`) share every decision and only differ in how they wait:
-    they run :meth:`query` on each of :attr:`servers`, hand the outcomes to :func:`settle`
-    (errors and the partial-failure policy) and the rows to :meth:`result`.
+    they send the warm shards with :func:`scatter_shards`, run :meth:`query` on each other server,
+    and hand every outcome to :func:`fan_out_result` (:func:`settle`'s errors and partial-failure
+    policy, then :meth:`result`'s merge).
     """
 
     servers: list[str]
