@@ -311,6 +311,10 @@ class BudgetPool(Pool):
         self.budget: ConnectionBudget | None = None
         self.instance = ""
         self.idle_timeout: float | None = None
+        self.reuse: Callable[[ConnectionPoolEntry], None] | None = None
+        """Called with an idle connection before a checkout hands it out again, outside the pool's
+        lock: the engine's driver finishes what the connection's last use left in flight (mdb.engines:
+        a read-only transaction's end sent unwaited). When it raises, the connection is replaced."""
 
     def attach(self, budget: ConnectionBudget | None, instance: str, idle_timeout: float | None) -> BudgetPool:
         """Count this pool's connections in ``budget`` as ``instance``'s; close idle ones after ``idle_timeout``."""
@@ -336,10 +340,22 @@ class BudgetPool(Pool):
                         instance=self.instance or None,
                     )
                 self._wait_for_return(remaining)
-            if self._idle:
-                return self._idle.pop()[0]
-            self._count += 1
-        return self._open_new(deadline)
+            record = self._idle.pop()[0] if self._idle else None
+            if record is None:
+                self._count += 1
+        if record is None:
+            return self._open_new(deadline)
+        reuse = self.reuse
+        if reuse is not None and record.dbapi_connection is not None:
+            try:
+                reuse(record)
+            except Exception as exc:
+                # Its server is gone or the connection is in a state nothing should follow: SQLAlchemy's
+                # checkout connects this record afresh (get_connection), as after any invalidation.
+                log.warning("pool of instance %s: replacing a connection whose last transaction's end failed: %s",
+                            self.instance or "?", exc)
+                record.invalidate(exc)
+        return record
 
     def _wait_for_return(self, remaining: float) -> None:
         """Wait (holding ``_cond``) up to ``remaining`` seconds for a connection to come back."""

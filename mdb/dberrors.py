@@ -16,7 +16,7 @@ from sqlalchemy.exc import DBAPIError
 
 from mdb.budget import is_capacity_refusal
 from mdb.errors import (
-    AuthenticationError, CapacityError, DuplicateRowError, MapError, MdbError, SchemaError, ServerUnavailableError,
+    AuthenticationError, CapacityError, DuplicateRowError, MapError, MdbError, QueryError, SchemaError, ServerUnavailableError,
     TransactionConflictError,
 )
 from mdb.gdid import GDID
@@ -50,6 +50,8 @@ _UNREACHABLE_SQLSTATES = ("57P01", "57P02", "57P03", "57P05", "25P03")
 """The server ended or refused the session: admin_shutdown, crash_shutdown, cannot_connect_now,
 idle_session_timeout, idle_in_transaction_session_timeout; besides class 08 (connection_exception)."""
 _PG_UNDEFINED_COLUMN = "42703"
+_PG_READ_ONLY = "25006"
+"""read_only_sql_transaction: a write in a readonly briefcase session (``READ ONLY`` on PostgreSQL) or on a replica."""
 _UNREACHABLE = (
     "connection refused",
     "could not connect",
@@ -235,6 +237,9 @@ def _classify(server: str, exc: DBAPIError) -> MdbError | None:
         table = _statement_table(exc.statement)
         where = f"server {server!r}, table {table!r}" if table else f"server {server!r}"
         return SchemaError(f"{where}: {detail} (check the table against its model: `mdb schema check MAP`)")
+    if sqlstate == _PG_READ_ONLY:
+        return QueryError(f"server {server!r}: {detail} (a readonly briefcase session, or a replica, cannot write: "
+                          "open the session with readonly=False to write)")
     if sqlstate in _PREPARED_SQLSTATES:
         return MapError(f"server {server!r}: {detail}: its connections reach a transaction-pooling pooler (PgBouncer) "
                         "that the map does not declare: add `pooler: transaction` to this server in the map (docs/operations.md)")

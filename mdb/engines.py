@@ -49,8 +49,8 @@ from mdb.urls import mask_url, sqlalchemy_url
 
 __all__ = [
     "BEGIN_RESULT", "DEFAULT_ENGINE", "MDB_DRIVER", "PRELUDE", "SQLITE_READ_BEGIN", "SQLITE_WRITE_BEGIN", "BeginPrelude",
-    "EngineRegistry", "MdbPGDialect", "MdbSQLiteDialect", "PreparedNames", "Rows", "mdb_url", "one_statement",
-    "one_statement_prelude", "prelude_of", "prepared_names", "set_prelude", "simple_query", "sqlite_begin", "sqlite_setup",
+    "EngineRegistry", "MdbPGDialect", "MdbSQLiteDialect", "PreparedNames", "Rows", "commit_unwaited",
+    "finish_pending_end", "finish_pending_record", "mdb_url", "one_statement", "one_statement_prelude", "pg_begin", "prelude_of", "rollback_needed", "prepared_names", "set_prelude", "simple_query", "sqlite_begin", "sqlite_setup",
     "take_result",
 ]
 
@@ -84,6 +84,11 @@ BEGIN_RESULT = "mdb.begin_result"
 """``info`` key where the rows of the prelude's last statement are left."""
 _PREPARED = "mdb.prepared"
 """``info`` key: the connection's :class:`PreparedNames`."""
+_UNWAITED_END = "mdb.unwaited_end"
+"""``info`` key: the open transaction cannot write (its prelude began it ``READ ONLY``), so its end
+is sent without waiting for the answer (:func:`commit_unwaited`)."""
+_PENDING_END = "mdb.pending_end"
+"""``info`` key: an end was sent unwaited and its answer is not read yet (:func:`finish_pending_end`)."""
 
 
 Rows = list[tuple[Any, ...]]
@@ -126,6 +131,12 @@ class BeginPrelude(Protocol):
         """``begin`` (``BEGIN`` or ``BEGIN IMMEDIATE``) and the statements on SQLite."""
         ...
 
+    @property
+    def read_only(self) -> bool:
+        """The PostgreSQL transaction it begins cannot write (``BEGIN ... READ ONLY``): its end
+        changes nothing, so the engine sends it without waiting for the answer (:func:`commit_unwaited`)."""
+        ...
+
 
 def set_prelude(conn: Connection, prelude: BeginPrelude) -> None:
     """Make the next BEGIN on ``conn`` run ``prelude`` (taken by that BEGIN, never run twice)."""
@@ -134,6 +145,8 @@ def set_prelude(conn: Connection, prelude: BeginPrelude) -> None:
 
 class _OneStatement:
     """The prelude of a "transaction" that is one statement: on PostgreSQL it sends nothing."""
+
+    read_only = False
 
     def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:
         return None
@@ -232,8 +245,8 @@ def _prepared(fairy: Any) -> PreparedNames:
     return names
 
 
-def _pg_begin(fairy: Any, pooled: bool) -> None:
-    """The BEGIN of mdb's PostgreSQL dialect: the prelude set on ``fairy`` (the pooled connection) with it.
+def pg_begin(fairy: Any, pooled: bool, connection: Any) -> None:
+    """The BEGIN of mdb's PostgreSQL dialects: the prelude set on ``fairy`` (the pooled connection) with it.
 
     The engine runs in driver autocommit mode and every transaction starts here, so that a
     prelude (the briefcase ownership check) travels with BEGIN in ONE round trip. ``pooled``:
@@ -242,14 +255,79 @@ def _pg_begin(fairy: Any, pooled: bool) -> None:
     (``store.transaction``, a Session on a Store's engine) BEGIN alone takes the same way: psycopg's
     ``execute`` would spend a cursor on it and auto-prepare it from its fifth use (about 40 µs of
     client CPU per transaction on the 2-core machine, docs/dev/measured-sessions.md).
+    ``connection``: psycopg's Connection, or the async engines' greenlet facade over an AsyncConnection.
     """
-    prelude: BeginPrelude | None = fairy.info.pop(PRELUDE, None)
+    info = fairy.info
+    if _PENDING_END in info:  # the last transaction's end, sent unwaited on this checkout
+        finish_pending_end(connection, info)
+    prelude: BeginPrelude | None = info.pop(PRELUDE, None)
     if prelude is None:
-        simple_query(fairy.driver_connection, "BEGIN")
-    elif pooled:
-        fairy.info[BEGIN_RESULT] = prelude.begin_postgresql_pooled(fairy.driver_connection)
+        simple_query(connection, "BEGIN")
+        return
+    if pooled:
+        info[BEGIN_RESULT] = prelude.begin_postgresql_pooled(connection)
     else:
-        fairy.info[BEGIN_RESULT] = prelude.begin_postgresql(fairy.driver_connection, _prepared(fairy))
+        info[BEGIN_RESULT] = prelude.begin_postgresql(connection, _prepared(fairy))
+    if prelude.read_only:
+        info[_UNWAITED_END] = True
+
+
+def commit_unwaited(fairy: Any, connection: Any) -> bool:
+    """COMMIT ``fairy``'s transaction here if that needs no wait; False: the caller commits as usual.
+
+    A transaction its prelude began ``READ ONLY`` (a readonly briefcase session's) cannot have
+    written anything, so the answer to its COMMIT tells the application nothing: it is sent and
+    the connection goes back to the pool without waiting for it, one round trip fewer per
+    readonly session (docs/dev/0023-readonly-sessions-end-unwaited.md). The answer is read before
+    anything else is sent on the connection: by the next BEGIN (:func:`pg_begin`), or by the
+    pool before it hands the connection out again (:func:`finish_pending_record`). True too when
+    the transaction's end is on its way already: nothing to send.
+    """
+    info = fairy.info
+    if info.pop(_UNWAITED_END, False):
+        pgconn = connection.pgconn
+        pgconn.send_query(b"COMMIT")
+        info[_PENDING_END] = True
+        connection.wait(pg_generators.send(pgconn))  # flushed: the server has it, whatever happens here next
+        return True
+    return _PENDING_END in info
+
+
+def rollback_needed(fairy: Any) -> bool:
+    """Whether ``fairy`` has a transaction for psycopg's ``rollback()`` to end (sent and waited for).
+
+    Not when its end is on its way already (:func:`commit_unwaited`: the pool's reset after a
+    readonly session), nor when libpq says no transaction is open (the reset after every
+    committed one: psycopg would send nothing either, after its lock and generator). A readonly
+    transaction that ends in a rollback (an error in the session) takes psycopg's way, which
+    also forgets the statements psycopg prepared, as after any ROLLBACK.
+    """
+    try:
+        info = fairy.info
+    except NotImplementedError:  # SQLAlchemy's ad-hoc proxy of a brand-new connection (its first_connect)
+        info = None
+    if info is not None:
+        if _PENDING_END in info:
+            return False
+        info.pop(_UNWAITED_END, None)
+    return bool(fairy.driver_connection.pgconn.transaction_status != pq.TransactionStatus.IDLE)
+
+
+def finish_pending_end(connection: Any, info: dict[Any, Any]) -> None:
+    """Read the answer of a transaction end :func:`commit_unwaited` sent; raise it if it is an error."""
+    del info[_PENDING_END]
+    for result in connection.wait(pg_generators.fetch_many(connection.pgconn)):
+        if result.status == pq.ExecStatus.FATAL_ERROR:
+            raise pg_errors.error_from_result(result, encoding=_encoding(connection.pgconn))
+
+
+def finish_pending_record(record: Any, facade: Callable[[Any], Any] | None = None) -> None:
+    """:attr:`mdb.budget.BudgetPool.reuse` of the PostgreSQL engines: an idle connection's unwaited
+    end (:func:`commit_unwaited`) is read before the pool hands the connection out again. ``facade``:
+    what the async engines see their AsyncConnection through (the driver connection as it is: sync)."""
+    info = record.info
+    if _PENDING_END in info:
+        finish_pending_end(record.driver_connection if facade is None else facade(record), info)
 
 
 def sqlite_begin(fairy: Any, begin: str) -> None:
@@ -305,7 +383,15 @@ class MdbPGDialect(PGDialect_psycopg):
         """What :func:`_pg_server_key` read on this dialect's first connection."""
 
     def do_begin(self, dbapi_connection: Any) -> None:
-        _pg_begin(dbapi_connection, self.mdb_pooled)
+        pg_begin(dbapi_connection, self.mdb_pooled, dbapi_connection.driver_connection)
+
+    def do_commit(self, dbapi_connection: Any) -> None:
+        if not commit_unwaited(dbapi_connection, dbapi_connection.driver_connection):
+            super().do_commit(dbapi_connection)
+
+    def do_rollback(self, dbapi_connection: Any) -> None:
+        if rollback_needed(dbapi_connection):
+            super().do_rollback(dbapi_connection)
 
     def initialize(self, connection: Connection) -> None:
         if self.mdb_instance is None:
@@ -536,6 +622,9 @@ def _create(url: str, readonly: bool, engine: EngineSpec | None = None, pooled: 
                            execution_options={"compiled_cache": _COMPILED}, mdb_pooled=pooled, mdb_instance=instance,
                            mdb_user=parsed.username, mdb_budget=budget, **_pool_args(settings))
         _budgeted(pg, instance, settings, budget)
+        pool = pg.pool
+        assert isinstance(pool, BudgetPool)
+        pool.reuse = finish_pending_record
         return _adopt_template(pg, instance, parsed.username, pooled)
     return create_engine(parsed)
 

@@ -46,16 +46,15 @@ from mdb.budget import BudgetPool, ConnectionBudget, connect_patiently, instance
 # The same per-connection ``info`` keys and record as mdb.engines (set_prelude, take_result and
 # prelude_of are used unchanged on the sync Connection inside an AsyncConnection).
 from mdb.engines import (
-    BEGIN_RESULT,
     DEFAULT_ENGINE,
-    PRELUDE,
     SQLITE_READ_BEGIN,
     SQLITE_WRITE_BEGIN,
-    BeginPrelude,
     EngineRegistry,
+    commit_unwaited,
+    finish_pending_record,
     mdb_url,
-    prepared_names,
-    simple_query,
+    pg_begin,
+    rollback_needed,
     sqlite_begin,
     sqlite_setup,
 )
@@ -93,18 +92,15 @@ class _GreenletConnection:
         return await_(self._connection.wait(gen))
 
 
-def _pg_begin(fairy: Any, pooled: bool) -> None:
-    """The sync engine's PostgreSQL BEGIN (:func:`mdb.engines.MdbPGDialect.do_begin`), with the driver
-    connection seen through the greenlet facade."""
-    prelude: BeginPrelude | None = fairy.info.pop(PRELUDE, None)
-    facade = cast(psycopg.Connection[Any], _GreenletConnection(fairy.driver_connection))  # the API the prelude uses
-    if prelude is None:
-        simple_query(facade, "BEGIN")
-        return
-    if pooled:  # behind a transaction pooler: the check as a call of its PL/pgSQL function, nothing prepared
-        fairy.info[BEGIN_RESULT] = prelude.begin_postgresql_pooled(facade)
-    else:
-        fairy.info[BEGIN_RESULT] = prelude.begin_postgresql(facade, prepared_names(fairy))
+def _facade(fairy: Any) -> psycopg.Connection[Any]:
+    """The pooled connection's AsyncConnection seen through the greenlet facade: the API the prelude,
+    BEGIN and an unwaited end use (:func:`mdb.engines.pg_begin`, :func:`mdb.engines.commit_unwaited`)."""
+    return cast(psycopg.Connection[Any], _GreenletConnection(fairy.driver_connection))
+
+
+def _finish_pending_record(record: Any) -> None:
+    """:attr:`mdb.budget.BudgetPool.reuse` of the async PostgreSQL engines (:func:`mdb.engines.finish_pending_record`, awaited)."""
+    finish_pending_record(record, _facade)
 
 
 class MdbPGDialectAsync(PGDialectAsync_psycopg):
@@ -120,7 +116,15 @@ class MdbPGDialectAsync(PGDialectAsync_psycopg):
         self.mdb_pooled = mdb_pooled
 
     def do_begin(self, dbapi_connection: Any) -> None:
-        _pg_begin(dbapi_connection, self.mdb_pooled)
+        pg_begin(dbapi_connection, self.mdb_pooled, _facade(dbapi_connection))
+
+    def do_commit(self, dbapi_connection: Any) -> None:
+        if not commit_unwaited(dbapi_connection, _facade(dbapi_connection)):
+            super().do_commit(dbapi_connection)
+
+    def do_rollback(self, dbapi_connection: Any) -> None:
+        if rollback_needed(dbapi_connection):
+            super().do_rollback(dbapi_connection)
 
 
 class MdbSQLiteDialectAsync(SQLiteDialect_aiosqlite):
@@ -300,6 +304,9 @@ def create_async(
             mdb_pooled=pooled, **pool_args,
         )
         _budgeted(pg, instance_of(parsed) or "", spec, budget)
+        pool = pg.sync_engine.pool
+        assert isinstance(pool, AsyncBudgetPool)
+        pool.reuse = _finish_pending_record
         return pg
     raise ValueError(f"no async driver for {backend!r} servers ({mask_url(url)})")
 

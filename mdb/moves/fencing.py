@@ -113,6 +113,7 @@ class FenceCheck:
     """
 
     __slots__ = ("lease_id",)
+    read_only = False  # a mover's transaction writes
 
     def __init__(self, lease_id: str) -> None:
         self.lease_id = lease_id

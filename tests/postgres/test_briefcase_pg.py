@@ -39,7 +39,7 @@ from mdb.demo.models import (
     User,
     UserBriefcase,
 )
-from mdb.errors import CrossBriefcaseError, MdbError, StaleRouteError
+from mdb.errors import CrossBriefcaseError, MdbError, QueryError, StaleRouteError
 from mdb.gdid import GDID
 from mdb.router import ShardLayout
 from mdb.schema import apply_schema, stamp_layout
@@ -319,10 +319,12 @@ def test_readonly_sessions_read_from_the_replica(
         with store.briefcase(UserBriefcase, gdid, readonly=True) as session:
             assert session.execute(text("SELECT pg_is_in_recovery()")).scalar_one() is True
             assert session.scalars(select(User.email)).all() == [f"{gdid}@example.com"]
-        # Even raw SQL cannot write through a readonly session: the server itself is a standby.
-        with pytest.raises(DBAPIError, match="read-only transaction"):
+        # Even raw SQL cannot write through a readonly session: the server itself is a standby
+        # (and the session's transaction is READ ONLY), named as mdb's error with the driver's as its cause.
+        with pytest.raises(QueryError, match="read-only transaction.*a readonly briefcase session, or a replica, cannot write") as raised:
             with store.briefcase(UserBriefcase, gdid, readonly=True) as session:
                 session.execute(text("DELETE FROM balances"))
+        assert isinstance(raised.value.__cause__, DBAPIError)
         with store.briefcase(UserBriefcase, gdid) as session:
             assert session.execute(select(func.count()).select_from(Balance)).scalar_one() == 1
 

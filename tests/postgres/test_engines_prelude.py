@@ -25,6 +25,8 @@ from mdb.partition_map import ServerSpec
 class Recording:
     """A prelude that records how the engine called it and returns one row naming the call."""
 
+    read_only = False
+
     def __init__(self, fail: bool = False) -> None:
         self.calls: list[str] = []
         self.fail = fail
