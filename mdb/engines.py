@@ -48,10 +48,11 @@ from mdb.servers import ServerDirectory
 from mdb.urls import mask_url, sqlalchemy_url
 
 __all__ = [
-    "BEGIN_RESULT", "DEFAULT_ENGINE", "MDB_DRIVER", "PRELUDE", "SQLITE_READ_BEGIN", "SQLITE_WRITE_BEGIN", "BeginPrelude",
-    "EngineRegistry", "MdbPGDialect", "MdbSQLiteDialect", "PreparedNames", "Rows", "commit_unwaited",
-    "finish_pending_end", "finish_pending_record", "mdb_url", "one_statement", "one_statement_prelude", "pg_begin", "prelude_of", "rollback_needed", "prepared_names", "set_prelude", "simple_query", "sqlite_begin", "sqlite_setup",
-    "take_result",
+    "BEGIN_RESULT", "BeginPrelude", "DEFAULT_ENGINE", "EngineRegistry", "MDB_DRIVER", "MdbPGDialect",
+    "MdbSQLiteDialect", "PRELUDE", "PreparedNames", "Rows", "SQLITE_READ_BEGIN", "SQLITE_WRITE_BEGIN",
+    "commit_unwaited", "finish_pending_end", "finish_pending_record", "mdb_url", "one_statement",
+    "one_statement_prelude", "pg_begin", "prelude_of", "prepared_names", "rollback_needed", "set_prelude",
+    "simple_query", "sqlite_begin", "sqlite_setup", "take_result"
 ]
 
 log = logging.getLogger("mdb.engines")

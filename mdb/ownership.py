@@ -23,7 +23,7 @@ Read-only sessions ignore the marker: reads cannot strand a briefcase.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Final
@@ -111,9 +111,9 @@ class Prelude:
 
     statements: tuple[str, ...]
     prepare: Mapping[str, str] = field(default_factory=dict)
-    params: Sequence[Any] | Mapping[str, Any] = ()
-    """Parameters of the statements, as sqlite3 binds them (SQLite only: a PostgreSQL prelude
-    travels as one simple-protocol string, which takes none, so its values are inlined)."""
+    params: Mapping[str, Any] = field(default_factory=dict)
+    """Named parameters of the statements (SQLite only: a PostgreSQL prelude travels as one
+    simple-protocol string, which takes none, so its values are inlined)."""
     unprepared: tuple[str, ...] = ()
     """The same with no prepared statement behind them (PostgreSQL): what an engine behind a
     transaction-pooling pooler sends, where nothing prepared outlives a transaction."""
@@ -347,12 +347,9 @@ def _pg_prelude_statements(placement: Placement, lock: bool, pooled: bool, exclu
     return (f"EXECUTE {lock_name}({keys})", f"EXECUTE mdb_ownership_write({check})")
 
 
-_SQLITE_READ = _check_sql("?1", "?2", None, "?3")
-_SQLITE_WRITE = _check_sql("?1", "?2", "?4", "?3")
-"""The check on SQLite, with numbered parameters: (area, GDID bytes, freeze-marker GDID bytes[,
-partition start]); a write session's also reads the freeze marker. Numbered, not named: sqlite3
-binds a name by building its string and looking it up in the dict, once per use of the name
-(area is used three times), and that was half of the check's cost (19 µs against 10, measured)."""
+_SQLITE_READ = _check_sql(":area", ":gdid", None, ":freeze")
+_SQLITE_WRITE = _check_sql(":area", ":gdid", ":start", ":freeze")
+"""The check on SQLite, with named parameters (a write session's also reads the freeze marker)."""
 _SQLITE_FREEZE = bytes(FREEZE_GDID)
 
 
@@ -381,7 +378,10 @@ def ownership_prelude(backend: str, placement: Placement, lock: bool, exclusive:
     (fence, source rows deleted) landing between the check and a read made that read find an
     empty briefcase on a shard that had just said it owned it (seen by ``bench.py
     reshard_impact``). A transaction that only reads never fails to serialize. A SQLite read
-    transaction already reads one snapshot.
+    transaction already reads one snapshot. It is also ``READ ONLY``: a readonly session cannot
+    write even through ``text()`` (the server refuses it, as a replica would), so its COMMIT
+    changes nothing and the engine sends it without waiting for the answer
+    (:func:`mdb.engines.commit_unwaited`, docs/dev/0023-readonly-sessions-end-unwaited.md).
     """
     if backend == "postgresql":
         # Both renderings: the engine sends the function call when it is behind a transaction
@@ -394,12 +394,12 @@ def ownership_prelude(backend: str, placement: Placement, lock: bool, exclusive:
         )
     area, start = placement.area, placement.partition_start
     # SQLite: BEGIN IMMEDIATE already serializes write sessions with a reshard's freeze. The
-    # check is one text per kind with parameters, so sqlite3's statement cache parses it once
-    # per connection; with the values inlined every briefcase was a new text (24 µs per check
-    # instead of 9, measured).
-    params: tuple[Any, ...] = (area, bytes(placement.gdid), _SQLITE_FREEZE)
+    # check is one text per kind with named parameters, so sqlite3's statement cache parses it
+    # once per connection; with the values inlined every briefcase was a new text (24 µs per
+    # check instead of 9, measured).
+    params: dict[str, Any] = {"area": area, "gdid": bytes(placement.gdid), "freeze": bytes(FREEZE_GDID)}
     if lock:
-        params = (*params, str(start))
+        params["start"] = str(start)
     return Prelude((_SQLITE_WRITE if lock else _SQLITE_READ,), params=params)
 
 
@@ -431,13 +431,14 @@ class OwnershipCheck:
         return "; ".join((_pg_begin(self.lock), *statements))
 
     @cached_property
-    def _sqlite_params(self) -> tuple[str, tuple[Any, ...]]:
-        # The check's one text per kind and its parameters (as ownership_prelude renders them,
-        # without building a Prelude).
+    def _sqlite_params(self) -> tuple[str, dict[str, Any]]:
+        # The check's one text per kind, its values as named parameters (as ownership_prelude
+        # renders it, without building a Prelude). sqlite3 only reads the dict.
         placement = self.placement
-        params = (placement.area, bytes(placement.gdid), _SQLITE_FREEZE)
+        params: dict[str, Any] = {"area": placement.area, "gdid": bytes(placement.gdid), "freeze": _SQLITE_FREEZE}
         if self.lock:
-            return _SQLITE_WRITE, (*params, str(placement.partition_start))
+            params["start"] = str(placement.partition_start)
+            return _SQLITE_WRITE, params
         return _SQLITE_READ, params
 
     def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:

@@ -58,7 +58,7 @@ def test_the_sqlite_check_is_one_text_for_every_briefcase(stale_sqlite_cluster: 
     for lock in (False, True):
         first, second = ownership_prelude("sqlite", a, lock), ownership_prelude("sqlite", b, lock)
         assert first.statements == second.statements
-        assert "X'" not in first.statements[-1] and first.params[1] == bytes(a.gdid) != second.params[1]
+        assert "X'" not in first.statements[-1] and first.params["gdid"] == bytes(a.gdid) != second.params["gdid"]
 
 
 # -- an older map ------------------------------------------------------------------------------
