@@ -273,7 +273,7 @@ def pg_begin(fairy: Any, pooled: bool, connection: Any) -> None:
         info[_UNWAITED_END] = True
 
 
-def commit_unwaited(fairy: Any, connection: Any) -> bool:
+def commit_unwaited(fairy: Any, connection_of: Callable[[Any], Any]) -> bool:
     """COMMIT ``fairy``'s transaction here if that needs no wait; False: the caller commits as usual.
 
     A transaction its prelude began ``READ ONLY`` (a readonly briefcase session's) cannot have
@@ -282,10 +282,12 @@ def commit_unwaited(fairy: Any, connection: Any) -> bool:
     readonly session (docs/dev/0023-readonly-sessions-end-unwaited.md). The answer is read before
     anything else is sent on the connection: by the next BEGIN (:func:`pg_begin`), or by the
     pool before it hands the connection out again (:func:`finish_pending_record`). True too when
-    the transaction's end is on its way already: nothing to send.
+    the transaction's end is on its way already: nothing to send. ``connection_of``: the
+    connection to send on, from ``fairy`` (asked only then: every commit passes here).
     """
     info = fairy.info
     if info.pop(_UNWAITED_END, False):
+        connection = connection_of(fairy)
         pgconn = connection.pgconn
         pgconn.send_query(b"COMMIT")
         info[_PENDING_END] = True
@@ -294,14 +296,15 @@ def commit_unwaited(fairy: Any, connection: Any) -> bool:
     return _PENDING_END in info
 
 
-def rollback_needed(fairy: Any) -> bool:
+def rollback_needed(fairy: Any, driver: Any) -> bool:
     """Whether ``fairy`` has a transaction for psycopg's ``rollback()`` to end (sent and waited for).
 
     Not when its end is on its way already (:func:`commit_unwaited`: the pool's reset after a
     readonly session), nor when libpq says no transaction is open (the reset after every
     committed one: psycopg would send nothing either, after its lock and generator). A readonly
     transaction that ends in a rollback (an error in the session) takes psycopg's way, which
-    also forgets the statements psycopg prepared, as after any ROLLBACK.
+    also forgets the statements psycopg prepared, as after any ROLLBACK. ``driver``: the psycopg
+    connection (sync or async) of ``fairy``.
     """
     try:
         info = fairy.info
@@ -311,7 +314,11 @@ def rollback_needed(fairy: Any) -> bool:
         if _PENDING_END in info:
             return False
         info.pop(_UNWAITED_END, None)
-    return bool(fairy.driver_connection.pgconn.transaction_status != pq.TransactionStatus.IDLE)
+    return bool(driver.pgconn.transaction_status != pq.TransactionStatus.IDLE)
+
+
+def _dbapi_of(fairy: Any) -> Any:
+    return fairy.dbapi_connection
 
 
 def finish_pending_end(connection: Any, info: dict[Any, Any]) -> None:
@@ -384,14 +391,16 @@ class MdbPGDialect(PGDialect_psycopg):
         """What :func:`_pg_server_key` read on this dialect's first connection."""
 
     def do_begin(self, dbapi_connection: Any) -> None:
-        pg_begin(dbapi_connection, self.mdb_pooled, dbapi_connection.driver_connection)
+        # (psycopg's sync Connection is the DBAPI connection itself: an attribute, where
+        # ``driver_connection`` is three calls on every transaction)
+        pg_begin(dbapi_connection, self.mdb_pooled, dbapi_connection.dbapi_connection)
 
     def do_commit(self, dbapi_connection: Any) -> None:
-        if not commit_unwaited(dbapi_connection, dbapi_connection.driver_connection):
+        if not commit_unwaited(dbapi_connection, _dbapi_of):
             super().do_commit(dbapi_connection)
 
     def do_rollback(self, dbapi_connection: Any) -> None:
-        if rollback_needed(dbapi_connection):
+        if rollback_needed(dbapi_connection, dbapi_connection.dbapi_connection):
             super().do_rollback(dbapi_connection)
 
     def initialize(self, connection: Connection) -> None:

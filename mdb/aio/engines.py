@@ -119,11 +119,11 @@ class MdbPGDialectAsync(PGDialectAsync_psycopg):
         pg_begin(dbapi_connection, self.mdb_pooled, _facade(dbapi_connection))
 
     def do_commit(self, dbapi_connection: Any) -> None:
-        if not commit_unwaited(dbapi_connection, _facade(dbapi_connection)):
+        if not commit_unwaited(dbapi_connection, _facade):
             super().do_commit(dbapi_connection)
 
     def do_rollback(self, dbapi_connection: Any) -> None:
-        if rollback_needed(dbapi_connection):
+        if rollback_needed(dbapi_connection, dbapi_connection.driver_connection):
             super().do_rollback(dbapi_connection)
 
 
