@@ -291,7 +291,8 @@ def commit_unwaited(fairy: Any, connection_of: Callable[[Any], Any]) -> bool:
         pgconn = connection.pgconn
         pgconn.send_query(b"COMMIT")
         info[_PENDING_END] = True
-        connection.wait(pg_generators.send(pgconn))  # flushed: the server has it, whatever happens here next
+        if pgconn.flush():  # not all of it went out at once (a full socket buffer): psycopg's send loop waits
+            connection.wait(pg_generators.send(pgconn))
         return True
     return _PENDING_END in info
 
@@ -322,11 +323,26 @@ def _dbapi_of(fairy: Any) -> Any:
 
 
 def finish_pending_end(connection: Any, info: dict[Any, Any]) -> None:
-    """Read the answer of a transaction end :func:`commit_unwaited` sent; raise it if it is an error."""
+    """Read the answer of a transaction end :func:`commit_unwaited` sent; raise it if it is an error.
+
+    By the time a connection is used again the answer has usually arrived: it is taken from the
+    socket without a wait (``consume_input``), and psycopg's wait (a poll, or on the async
+    engines a turn of the event loop) is only for an answer still on its way.
+    """
     del info[_PENDING_END]
-    for result in connection.wait(pg_generators.fetch_many(connection.pgconn)):
+    pgconn = connection.pgconn
+    pgconn.consume_input()
+    results = []
+    while not pgconn.is_busy():
+        result = pgconn.get_result()
+        if result is None:
+            break
+        results.append(result)
+    else:
+        results += connection.wait(pg_generators.fetch_many(pgconn))
+    for result in results:
         if result.status == pq.ExecStatus.FATAL_ERROR:
-            raise pg_errors.error_from_result(result, encoding=_encoding(connection.pgconn))
+            raise pg_errors.error_from_result(result, encoding=_encoding(pgconn))
 
 
 def finish_pending_record(record: Any, facade: Callable[[Any], Any] | None = None) -> None:

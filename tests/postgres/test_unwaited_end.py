@@ -25,7 +25,7 @@ from support.mapfiles import write_map
 from mdb.aio import AsyncStore
 from mdb.budget import BudgetPool
 from mdb.demo.models import User, UserBriefcase
-from mdb.engines import set_prelude, take_result
+from mdb.engines import _PENDING_END, finish_pending_end, set_prelude, take_result
 from mdb.errors import MdbError
 from mdb.gdid import GDID
 from mdb.ownership import OwnershipCheck
@@ -166,3 +166,27 @@ def test_a_connection_that_begins_again_on_the_same_checkout_reads_the_end_first
         assert conn.execute(text("SELECT 3")).scalar() == 3  # autobegin: its BEGIN read the answer first
         conn.commit()
         assert driver.pgconn.transaction_status == pq.TransactionStatus.IDLE
+
+
+@pytest.mark.parametrize("arrived", [True, False], ids=["answer-arrived", "answer-on-its-way"])
+def test_reading_a_pending_end_waits_only_when_it_must_and_raises_its_error(pg_url: str, arrived: bool) -> None:
+    """:func:`mdb.engines.finish_pending_end` takes an answer that arrived without waiting, waits
+    for one still on its way, and raises an error answer as psycopg's error class."""
+    url = pg_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(url, autocommit=True) as connection:
+        info: dict[Any, Any] = {_PENDING_END: True}
+        connection.pgconn.send_query(b"SELECT 1" if arrived else b"SELECT pg_sleep(0.3)")
+        connection.pgconn.flush()
+        if arrived:
+            time.sleep(0.2)
+        started = time.monotonic()
+        finish_pending_end(connection, info)
+        assert _PENDING_END not in info
+        assert connection.pgconn.transaction_status == pq.TransactionStatus.IDLE
+        if not arrived:  # it waited for the answer (the query sleeps 0.3 s), not returned with it unread
+            assert time.monotonic() - started > 0.1
+        connection.pgconn.send_query(b"SELECT 1/0")
+        connection.pgconn.flush()
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            finish_pending_end(connection, {_PENDING_END: True})
+        assert connection.execute("SELECT 2").fetchone() == (2,)  # the connection is usable after the error
