@@ -38,6 +38,7 @@ from sqlalchemy.dialects import registry as dialect_registry
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from sqlalchemy.dialects.sqlite.pysqlite import SQLiteDialect_pysqlite
 from sqlalchemy.engine import URL, Connection, Dialect
+from sqlalchemy.engine.default import DefaultDialect
 from sqlalchemy.util import LRUCache
 from sqlalchemy.pool import NullPool
 
@@ -49,7 +50,7 @@ from mdb.urls import mask_url, sqlalchemy_url
 
 __all__ = [
     "BEGIN_RESULT", "BeginPrelude", "DEFAULT_ENGINE", "EngineRegistry", "MDB_DRIVER", "MdbPGDialect",
-    "MdbSQLiteDialect", "PRELUDE", "PreparedNames", "Rows", "SQLITE_READ_BEGIN", "SQLITE_WRITE_BEGIN",
+    "MdbSQLiteDialect", "PGTransactions", "PRELUDE", "PreparedNames", "Rows", "SQLITE_READ_BEGIN", "SQLITE_WRITE_BEGIN",
     "commit_unwaited", "finish_pending_end", "finish_pending_record", "mdb_url", "one_statement",
     "one_statement_prelude", "pg_begin", "prelude_of", "prepared_names", "rollback_needed", "set_prelude",
     "simple_query", "sqlite_begin", "sqlite_setup", "take_result"
@@ -304,8 +305,8 @@ def rollback_needed(fairy: Any, driver: Any) -> bool:
     readonly session), nor when libpq says no transaction is open (the reset after every
     committed one: psycopg would send nothing either, after its lock and generator). A readonly
     transaction that ends in a rollback (an error in the session) takes psycopg's way, which
-    also forgets the statements psycopg prepared, as after any ROLLBACK. ``driver``: the psycopg
-    connection (sync or async) of ``fairy``.
+    also forgets the statements psycopg prepared, as after any ROLLBACK. ``driver``: what has
+    ``fairy``'s libpq connection (``pgconn``).
     """
     try:
         info = fairy.info
@@ -316,10 +317,6 @@ def rollback_needed(fairy: Any, driver: Any) -> bool:
             return False
         info.pop(_UNWAITED_END, None)
     return bool(driver.pgconn.transaction_status != pq.TransactionStatus.IDLE)
-
-
-def _dbapi_of(fairy: Any) -> Any:
-    return fairy.dbapi_connection
 
 
 def finish_pending_end(connection: Any, info: dict[Any, Any]) -> None:
@@ -378,7 +375,32 @@ SQLITE_WRITE_BEGIN = "BEGIN IMMEDIATE"
 SQLITE_READ_BEGIN = "BEGIN"
 
 
-class MdbPGDialect(PGDialect_psycopg):
+class PGTransactions(DefaultDialect):
+    """BEGIN, COMMIT and ROLLBACK of mdb's PostgreSQL dialects, sync and async: one implementation
+    (:func:`pg_begin`, :func:`commit_unwaited`, :func:`rollback_needed`), each dialect saying only
+    how it reaches psycopg's connection (:meth:`mdb_connection`). First among a dialect's bases."""
+
+    mdb_pooled = False
+
+    @staticmethod
+    def mdb_connection(fairy: Any) -> Any:
+        """What the prelude, BEGIN and an unwaited COMMIT send on: psycopg's sync Connection is
+        the DBAPI connection itself (an attribute, where ``driver_connection`` is three calls)."""
+        return fairy.dbapi_connection
+
+    def do_begin(self, dbapi_connection: Any) -> None:
+        pg_begin(dbapi_connection, self.mdb_pooled, self.mdb_connection(dbapi_connection))
+
+    def do_commit(self, dbapi_connection: Any) -> None:
+        if not commit_unwaited(dbapi_connection, self.mdb_connection):
+            super().do_commit(dbapi_connection)
+
+    def do_rollback(self, dbapi_connection: Any) -> None:
+        if rollback_needed(dbapi_connection, self.mdb_connection(dbapi_connection)):
+            super().do_rollback(dbapi_connection)
+
+
+class MdbPGDialect(PGTransactions, PGDialect_psycopg):
     """psycopg 3 with mdb's BEGIN (``postgresql+mdb``): SQLAlchemy's extension point for a driver's behaviour.
 
     Why a dialect and not a ``begin`` event listener: an engine with any connection event makes
@@ -406,18 +428,6 @@ class MdbPGDialect(PGDialect_psycopg):
         self.mdb_server_key: tuple[object, ...] | None = None
         """What :func:`_pg_server_key` read on this dialect's first connection."""
 
-    def do_begin(self, dbapi_connection: Any) -> None:
-        # (psycopg's sync Connection is the DBAPI connection itself: an attribute, where
-        # ``driver_connection`` is three calls on every transaction)
-        pg_begin(dbapi_connection, self.mdb_pooled, dbapi_connection.dbapi_connection)
-
-    def do_commit(self, dbapi_connection: Any) -> None:
-        if not commit_unwaited(dbapi_connection, _dbapi_of):
-            super().do_commit(dbapi_connection)
-
-    def do_rollback(self, dbapi_connection: Any) -> None:
-        if rollback_needed(dbapi_connection, dbapi_connection.dbapi_connection):
-            super().do_rollback(dbapi_connection)
 
     def initialize(self, connection: Connection) -> None:
         if self.mdb_instance is None:

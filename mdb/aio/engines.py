@@ -50,11 +50,9 @@ from mdb.engines import (
     SQLITE_READ_BEGIN,
     SQLITE_WRITE_BEGIN,
     EngineRegistry,
-    commit_unwaited,
+    PGTransactions,
     finish_pending_record,
     mdb_url,
-    pg_begin,
-    rollback_needed,
     sqlite_begin,
     sqlite_setup,
 )
@@ -103,7 +101,7 @@ def _finish_pending_record(record: Any) -> None:
     finish_pending_record(record, _facade)
 
 
-class MdbPGDialectAsync(PGDialectAsync_psycopg):
+class MdbPGDialectAsync(PGTransactions, PGDialectAsync_psycopg):
     """psycopg's AsyncConnection with mdb's BEGIN: what ``create_async_engine`` picks for ``postgresql+mdb``
     (:meth:`mdb.engines.MdbPGDialect.get_async_dialect_cls`); ``mdb_pooled`` as there."""
 
@@ -115,16 +113,7 @@ class MdbPGDialectAsync(PGDialectAsync_psycopg):
         super().__init__(**kw)
         self.mdb_pooled = mdb_pooled
 
-    def do_begin(self, dbapi_connection: Any) -> None:
-        pg_begin(dbapi_connection, self.mdb_pooled, _facade(dbapi_connection))
-
-    def do_commit(self, dbapi_connection: Any) -> None:
-        if not commit_unwaited(dbapi_connection, _facade):
-            super().do_commit(dbapi_connection)
-
-    def do_rollback(self, dbapi_connection: Any) -> None:
-        if rollback_needed(dbapi_connection, dbapi_connection.driver_connection):
-            super().do_rollback(dbapi_connection)
+    mdb_connection = staticmethod(_facade)  # the AsyncConnection, its waits awaited on the loop
 
 
 class MdbSQLiteDialectAsync(SQLiteDialect_aiosqlite):
