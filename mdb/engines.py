@@ -51,8 +51,8 @@ from mdb.urls import mask_url, sqlalchemy_url
 __all__ = [
     "BEGIN_RESULT", "BeginPrelude", "DEFAULT_ENGINE", "EngineRegistry", "MDB_DRIVER", "MdbPGDialect",
     "MdbSQLiteDialect", "PGTransactions", "PRELUDE", "PreparedNames", "Rows", "SQLITE_READ_BEGIN", "SQLITE_WRITE_BEGIN",
-    "commit_unwaited", "finish_pending_end", "finish_pending_record", "mdb_url", "one_statement",
-    "one_statement_prelude", "pg_begin", "prelude_of", "prepared_names", "rollback_needed", "set_prelude",
+    "finish_pending_end", "finish_pending_record", "mdb_url", "one_statement",
+    "one_statement_prelude", "prelude_of", "prepared_names", "set_prelude",
     "simple_query", "sqlite_begin", "sqlite_setup", "take_result"
 ]
 
