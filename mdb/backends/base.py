@@ -394,6 +394,7 @@ def open_routed(
     policy: RoutedOpen,
     on_refused: Callable[[Placement, RetryableError], None] | None = None,
     on_retry: Callable[[Placement, RetryableError], None] | None = None,
+    refused: tuple[Placement, RetryableError] | None = None,
 ) -> S:
     """Route ``policy``'s briefcase, open and ownership-check its shard with ``attempt``; retry as ``policy`` says.
 
@@ -403,20 +404,26 @@ def open_routed(
     when it raises); a :class:`~mdb.errors.RetryableError` (a fence, a re-stamped layout, a move
     in progress) goes to the policy, which follows the fence, waits, or asks for a map refresh,
     so a stale route costs a retry, never a wrong write. ``on_refused`` and ``on_retry`` see
-    each refusal before and after the wait (telemetry).
+    each refusal before and after the wait (telemetry). ``refused``: a refusal the caller met
+    before it made ``policy``, at the placement the policy has placed first (a kept route tried
+    without a policy, as ``Store`` does): it is handled as the loop's first refusal.
     """
     while True:
-        router = cluster.router
-        placement = policy.placement(router)
-        try:
-            return attempt(router, placement)
-        except RetryableError as exc:
-            if on_refused is not None:
-                on_refused(placement, exc)
-            step = policy.refused(placement, exc)
-            if step.delay:
-                time.sleep(step.delay)
-            if on_retry is not None:
-                on_retry(placement, exc)
-            if step.refresh:
-                cluster.refresh()
+        if refused is None:
+            router = cluster.router
+            placement = policy.placement(router)
+            try:
+                return attempt(router, placement)
+            except RetryableError as exc:
+                refused = (placement, exc)
+        placement, error = refused
+        refused = None
+        if on_refused is not None:
+            on_refused(placement, error)
+        step = policy.refused(placement, error)
+        if step.delay:
+            time.sleep(step.delay)
+        if on_retry is not None:
+            on_retry(placement, error)
+        if step.refresh:
+            cluster.refresh()
