@@ -9,12 +9,13 @@ filtered: it is the application's explicit escape hatch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache, cached_property
 from typing import Any
 
 from sqlalchemy import BindParameter, ColumnElement, bindparam, event
+from sqlalchemy.engine import Dialect
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.orm import Mapper, Session, UOWTransaction
 from sqlalchemy.orm.util import LoaderCriteriaOption
@@ -24,6 +25,7 @@ from sqlalchemy.sql import visitors
 from sqlalchemy.types import UserDefinedType
 
 from mdb.briefcase import BriefcaseType
+from mdb.dialects import sql_dialect
 from mdb.errors import CrossBriefcaseError, MdbError
 from mdb.gdid import GDID
 from mdb.router import Placement
@@ -55,13 +57,15 @@ class _StoredKey(UserDefinedType[bytes]):
     those into the driver's binary again on every statement (8 Python calls per confined
     statement, measured); the context holds the bytes already (:attr:`BriefcaseContext.key`),
     and both drivers send bytes as a binary value (``bytea``, ``BLOB``) without help. No bind
-    processor, no cast: SQLAlchemy leaves the value alone.
+    processor, no cast: SQLAlchemy leaves the value alone. Inlined (``literal_binds``), it is the
+    binary literal the column type renders.
     """
 
     cache_ok = True
 
-    def get_col_spec(self, **_kw: Any) -> str:  # never a column's type; for a rendered DDL's sake
-        return "BYTEA"
+    def literal_processor(self, dialect: Dialect) -> Callable[[bytes], str]:
+        render = sql_dialect(dialect).gdid_literal
+        return lambda value: render(value.hex())
 
 
 def _key_attr(model: type[Any], key: str) -> str:

@@ -43,7 +43,8 @@ from mdb.errors import CrossBriefcaseError, MdbError, QueryError, StaleRouteErro
 from mdb.gdid import GDID
 from mdb.router import ShardLayout
 from mdb.schema import apply_schema, stamp_layout
-from mdb.session import BriefcaseSession
+from mdb.dialects import sql_dialect
+from mdb.session import BriefcaseSession, _confined
 from mdb.store import Store
 from mdb.system_tables import briefcase_state
 from support.briefcase import RoundTripCounter, _proxied, child_id, pg_store, sqlite_store, store  # noqa: F401 (fixtures: pg_store, sqlite_store, store)
@@ -175,6 +176,27 @@ def test_confinement_covers_aliases_joins_subqueries_eager_loads_and_bulk_delete
         assert session.execute(delete(Address)).rowcount == 1
     with store.briefcase(UserBriefcase, neighbour, readonly=True) as session:
         assert session.scalars(select(Address.user_id)).all() == [neighbour]
+
+
+def test_a_confined_statement_inlined_compares_the_key_as_its_column_stores_it(store: Store) -> None:
+    """The confining parameter carries the key's 12 stored bytes (no column type converts them per
+    statement); compiled with ``literal_binds`` it renders as the binary literal of the column
+    and, run as raw SQL on the shard, selects the briefcase's rows and no neighbour's."""
+    mine, neighbour = GDID(0, 0, 70), GDID(0, 0, 72)  # both on u1
+    for gdid in (mine, neighbour):
+        with store.briefcase(UserBriefcase, gdid) as session:
+            fill_briefcase(session, gdid)
+    with store.briefcase(UserBriefcase, mine, readonly=True) as session:
+        assert session.briefcase.key == bytes(mine)
+        statement, params = _confined(session.briefcase, select(Address.address_id), None)
+        assert params == {"mdb_briefcase_key": bytes(mine)}
+        bound = statement.params(params)
+        dialect = session.get_bind().dialect
+        sql = str(bound.compile(dialect=dialect, compile_kwargs={"literal_binds": True}))
+        assert sql_dialect(dialect).gdid_literal(mine.hex) in sql, sql
+        inlined = [GDID.from_bytes(bytes(value)) for value in session.execute(text(sql)).scalars()]
+        assert inlined == session.scalars(select(Address.address_id)).all()
+        assert len(inlined) == ROWS_PER_BRIEFCASE[Address.__table__.name]
 
 
 def test_confinement_covers_every_form_of_statement_and_statements_a_listener_substitutes(store: Store) -> None:
