@@ -331,9 +331,10 @@ class Store:
 
     def session_routing(self, btype: type[BriefcaseType], gdid: GDID, readonly: bool, exclusive: bool) -> tuple[
             tuple[type[BriefcaseType], GDID, bool, bool], SessionRoute | None, RoutedOpen]:
-        """What a briefcase session open starts from, sync and async alike: its key in
-        :attr:`session_routes`, the route kept there (None: none valid) and its policy, whose
-        first attempt goes to the kept placement."""
+        """What an async briefcase session open starts from: its key in :attr:`session_routes`,
+        the route kept there (None: none valid) and its policy, whose first attempt goes to the
+        kept placement. The sync open (:meth:`_open`) does the same two lookups inline and makes
+        the policy only after a kept route is refused (docs/dev/0019, amended)."""
         key = (btype, gdid, readonly, exclusive)
         learned = self.routes.get(btype.area, gdid)
         kept = self.session_routes.get(key, self._router, learned)
