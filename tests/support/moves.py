@@ -136,9 +136,12 @@ def run_cli(args: Sequence[str], env: dict[str, str] | None = None, timeout: flo
 
 
 def process_state(pid: int) -> str:
-    """The process's state letter from /proc (T: stopped, e.g. by ``MDB_FAULT_ACTION=stop``); "" once it is gone."""
+    """The process's state letter from /proc (T: stopped, e.g. by ``MDB_FAULT_ACTION=stop``); "" once it is gone.
+
+    A process that exits between the open and the read of its stat file makes the read fail with
+    ESRCH (ProcessLookupError), not ENOENT: both mean gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return ""
     return text.rsplit(")", 1)[1].split()[0]
