@@ -1,4 +1,4 @@
-"""Where a routed session's client time goes: ``python tools/profile_session.py [--backend pg|sqlite] [--write] [--async] [--miss] [--top N]``.
+"""Where a routed session's client time goes: ``python tools/profile_session.py [--backend pg|sqlite] [--write] [--async] [--miss] [--steps] [--top N]``.
 
 Counts Python function calls per read (cProfile, deterministic: steady on a busy machine where
 wall time is not) and client CPU per read (``time.process_time``, this process only) for a
@@ -9,6 +9,12 @@ each finds the routing its briefcase's last session kept (``Store.session_routes
 ``--miss`` turns that cache off, the cost of a session whose briefcase has none kept. Evidence for docs/briefcases.md ("What a
 session costs") and its history in docs/dev/measured-sessions.md ("Where
 the time goes").
+
+``--steps`` times the way from the plain read to the routed one a step at a time, each step
+the one before plus one thing the routed session does (:func:`_steps`), in alternating rounds,
+and prints what each step adds: a timing, not a call count. mdb's added instructions run slower
+than SQLAlchemy's own (a call count and an instruction count both understate the time:
+docs/dev/measured-sessions.md, "Sixth pass"), so the steps are where a cut must be aimed.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import os
 import asyncio
 import cProfile
 import pstats
+import statistics
 import sys
 import tempfile
 import time
@@ -89,6 +96,79 @@ def _cpu(routed: Callable[[], object], plain: Callable[[], object], n: int, roun
     return (min(x[0] for x in a), min(x[1] for x in a)), (min(x[0] for x in b), min(x[1] for x in b))
 
 
+def _steps(store: Any, plain: Any, gdid: Callable[[], GDID], readonly: bool) -> list[tuple[str, Callable[[], object]]]:
+    """The ladder from a plain read to the routed one; each step adds one thing the routed session does.
+
+    The steps reuse what the Store keeps for each briefcase (``Store.session_routes``: the
+    confinement context and the rendered ownership check), so a step pays only for running it.
+    """
+    from mdb.engines import PRELUDE
+    from mdb.session import BriefcaseSession
+
+    engine = store.engine("u1", readonly)
+
+    def kept(g: GDID) -> Any:
+        route = store.session_routes.get((UserBriefcase, g, readonly, False), store.router, store.routes.get("user", g))
+        if route is None:
+            raise RuntimeError(f"no routing kept for {g}: run routed sessions of every briefcase twice first")
+        return route
+
+    def plain_engine() -> object:
+        g = gdid()
+        with Session(plain) as session:
+            return session.scalars(select(User).where(User.user_id == g)).one()
+
+    def mdb_engine() -> object:
+        g = gdid()
+        with Session(engine) as session:
+            return session.scalars(select(User).where(User.user_id == g)).one()
+
+    def by_hand(confine: bool, check: bool) -> Callable[[], object]:
+        def read() -> object:
+            g = gdid()
+            route = kept(g)
+            conn = engine.connect()
+            if check:
+                conn.info[PRELUDE] = route.check
+            conn.begin()
+            session = BriefcaseSession(bind=conn, briefcase=route.context if confine else None,
+                                       join_transaction_mode="rollback_only", expire_on_commit=False)
+            row = session.scalars(select(User).where(User.user_id == g)).one()
+            conn.commit()
+            session.close()
+            conn.close()
+            return row
+        return read
+
+    def routed() -> object:
+        g = gdid()
+        with store.briefcase(UserBriefcase, g, readonly=readonly) as session:
+            return session.scalars(select(User).where(User.user_id == g)).one()
+
+    return [
+        ("plain Session on a plain engine (the baseline)", plain_engine),
+        ("plain Session on mdb's engine (its BEGIN, COMMIT, pool)", mdb_engine),
+        ("+ a Session on a Connection begun by hand (the Store's shape)", by_hand(False, False)),
+        ("+ confinement (the briefcase's criteria on the statement)", by_hand(True, False)),
+        ("+ the ownership check with BEGIN", by_hand(True, True)),
+        ("store.briefcase (+ routing, request checks, telemetry, flush, judging the row)", routed),
+    ]
+
+
+def _time_steps(steps: list[tuple[str, Callable[[], object]]], n: int, rounds: int, clock: Callable[[], float]) -> list[float]:
+    """Median seconds per call of each step, in rounds that alternate the steps' order."""
+    times: list[list[float]] = [[] for _ in steps]
+    order = list(range(len(steps)))
+    for r in range(rounds):
+        for i in (order if r % 2 == 0 else order[::-1]):
+            fn = steps[i][1]
+            start = clock()
+            for _ in range(n):
+                fn()
+            times[i].append((clock() - start) / n)
+    return [statistics.median(t) for t in times]
+
+
 def _async_pair(store: Any, gdid: Callable[[], GDID], readonly: bool) -> tuple[Callable[[], object], Callable[[], object], Callable[[], None] | None]:
     """A routed and a plain async read, each a sync call that runs one read on one kept event loop, and a closer."""
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -123,6 +203,8 @@ def main() -> int:
     parser.add_argument("--write", action="store_true", help="a write session instead of a readonly one")
     parser.add_argument("--async", dest="aio", action="store_true", help="AsyncStore vs a plain AsyncSession (PostgreSQL)")
     parser.add_argument("--miss", action="store_true", help="keep no session routing between sessions (placement_cache_size=0)")
+    parser.add_argument("--steps", action="store_true",
+                        help="time the way from a plain read to the routed one a step at a time (sync sessions)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--n", type=int, default=2000)
     parser.add_argument("--cpu-rounds", type=int, default=7, help="alternating rounds timing client CPU (0: count calls only)")
@@ -162,6 +244,29 @@ def main() -> int:
                 with Session(plain) as session:
                     return session.scalars(select(User).where(User.user_id == g)).one()
 
+            if args.steps:
+                for _ in range(2):  # every briefcase's routing kept (the second session of each keeps it)
+                    for _ in ids:
+                        routed()
+                steps = _steps(store, plain, gdid, readonly)
+                for _, fn in steps:
+                    for _ in range(300):
+                        fn()
+                calls = [_calls(fn, args.n)[0] for _, fn in steps]
+                # SQLite runs in this thread: its CPU is the cost, steadier than wall time. PostgreSQL: wall.
+                clock = time.thread_time if args.backend == "sqlite" else time.perf_counter
+                rounds = max(args.cpu_rounds, 3) * 3
+                per_round = min(500, args.n)
+                medians = _time_steps(steps, per_round, rounds, clock)
+                what = "this thread's CPU" if args.backend == "sqlite" else "wall time"
+                print(f"{args.backend} {'write' if args.write else 'readonly'}: the steps from a plain read to a routed one "
+                      f"({what}, median of {rounds} alternating rounds of {per_round} reads; calls per read counted)")
+                for (label, _), seconds, count, before in zip(steps, medians, calls, [None, *medians[:-1]], strict=True):
+                    step = "" if before is None else f"{(seconds - before) * 1e6:+6.1f} us"
+                    print(f"  {seconds * 1e6:7.1f} us {step:>10} {seconds / medians[0]:6.3f}x {count:5.0f} calls  {label}")
+                store.close()
+                plain.dispose()
+                return 0
             subject, baseline, close = _async_pair(store, gdid, readonly) if args.aio else (routed, direct, None)
             for fn in (subject, baseline):
                 for _ in range(300):
