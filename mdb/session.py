@@ -122,6 +122,10 @@ def _criteria(btype: type[BriefcaseType]) -> _BriefcaseCriteria:
     return _BriefcaseCriteria(btype, bindparam(_KEY_PARAM, type_=_StoredKey(), required=True))
 
 
+_CONFINED = "_mdb_confined"
+"""The attribute a select keeps its confined copy in: (the select's id, briefcase type, the copy)."""
+
+
 def _with_key(parameters: Any, key: bytes) -> Any:
     if isinstance(parameters, list):  # executemany-style ORM bulk UPDATE/DELETE
         return [{**p, _KEY_PARAM: key} for p in parameters]
@@ -155,8 +159,21 @@ def _confined(ctx: BriefcaseContext, statement: Any, params: Any) -> tuple[Any, 
         return statement.options(_criteria(ctx.btype)), _with_key(params, ctx.key)  # type: ignore[arg-type]
     # The common case: what ``Executable.options`` does (a copy of the statement with the option
     # appended), minus its generative decorator and the option's coercion (it is one already).
-    confined = statement._generate()
-    confined._with_options = (*statement._with_options, _criteria(ctx.btype))  # type: ignore[arg-type]
+    # The copy holds no GDID (the key is a parameter), so it is kept on the statement for the
+    # next session of the same type that executes it: a statement the application builds once
+    # and executes again keeps its cache key, which a new copy computes again (~14 µs).
+    btype = ctx.btype
+    kept = statement.__dict__.get(_CONFINED)
+    if kept is not None and kept[0] == id(statement) and kept[1] is btype:
+        confined = kept[2]
+    else:
+        confined = statement._generate()
+        confined._with_options = (*statement._with_options, _criteria(btype))  # type: ignore[arg-type]
+        # A memoized attribute, as SQLAlchemy keeps the cache key: a statement derived from this
+        # one (``.where()``, ``.options()``) is a copy that leaves it behind. The id is for a
+        # copy that took it anyway (two threads memoizing at once can drop a name from the
+        # memoized set): the copy is another object, so it builds its own.
+        statement._set_memoized_attribute(_CONFINED, (id(statement), btype, confined))
     return confined, {_KEY_PARAM: ctx.key} if params is None else _with_key(params, ctx.key)
 
 

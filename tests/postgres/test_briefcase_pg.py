@@ -199,6 +199,31 @@ def test_a_confined_statement_inlined_compares_the_key_as_its_column_stores_it(s
         assert len(inlined) == ROWS_PER_BRIEFCASE[Address.__table__.name]
 
 
+def test_a_statement_executed_again_keeps_its_confined_copy_and_each_session_its_own_rows(store: Store) -> None:
+    """A select the application builds once and executes in many sessions keeps one confined copy
+    (the key is a parameter, so the copy is the same for every briefcase of the type, and its
+    cache key is computed once); each session still reads only its own briefcase's rows. A
+    statement derived from it (``.where()``) is another statement: it is confined with its own
+    criteria, never answered with the copy of the one it came from."""
+    mine, neighbour = GDID(0, 0, 80), GDID(0, 0, 82)  # both on u1
+    for gdid in (mine, neighbour):
+        with store.briefcase(UserBriefcase, gdid) as session:
+            fill_briefcase(session, gdid)
+            session.add(Address(address_id=child_id(), line1="2 Side St", city="Shelbyville", country="US"))
+    every_address = select(Address.user_id, Address.city).order_by(Address.city)
+    copies = []
+    for gdid in (mine, neighbour, mine):
+        with store.briefcase(UserBriefcase, gdid, readonly=True) as session:
+            assert session.execute(every_address).all() == [(gdid, "Shelbyville"), (gdid, "Springfield")]
+            copies.append(_confined(session.briefcase, every_address, None)[0])
+    assert copies[0] is copies[1] is copies[2] and copies[0] is not every_address
+    in_springfield = every_address.where(Address.city == "Springfield")  # made after the copy was kept
+    with store.briefcase(UserBriefcase, neighbour, readonly=True) as session:
+        assert session.execute(in_springfield).all() == [(neighbour, "Springfield")]
+        assert _confined(session.briefcase, in_springfield, None)[0] is not copies[0]
+        assert session.execute(every_address).all() == [(neighbour, "Shelbyville"), (neighbour, "Springfield")]
+
+
 def test_confinement_covers_every_form_of_statement_and_statements_a_listener_substitutes(store: Store) -> None:
     """A legacy Query, a lambda statement and a statement that an application's own
     ``do_orm_execute`` listener runs instead of the one it was given are confined like any other:
