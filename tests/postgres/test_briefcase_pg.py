@@ -222,6 +222,11 @@ def test_a_statement_executed_again_keeps_its_confined_copy_and_each_session_its
         assert session.execute(in_springfield).all() == [(neighbour, "Springfield")]
         assert _confined(session.briefcase, in_springfield, None)[0] is not copies[0]
         assert session.execute(every_address).all() == [(neighbour, "Shelbyville"), (neighbour, "Springfield")]
+        # A copy that carried the entry anyway (two threads memoizing on one statement can lose
+        # the name that keeps it out of copies): the entry names another statement, so unused.
+        in_shelbyville = every_address.where(Address.city == "Shelbyville")
+        in_shelbyville.__dict__["_mdb_confined"] = every_address.__dict__["_mdb_confined"]
+        assert session.execute(in_shelbyville).all() == [(neighbour, "Shelbyville")]
 
 
 def test_confinement_covers_every_form_of_statement_and_statements_a_listener_substitutes(store: Store) -> None:
