@@ -9,6 +9,7 @@ checked by querying every shard directly, not by asking the router again.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +228,35 @@ def test_a_statement_executed_again_keeps_its_confined_copy_and_each_session_its
         in_shelbyville = every_address.where(Address.city == "Shelbyville")
         in_shelbyville.__dict__["_mdb_confined"] = every_address.__dict__["_mdb_confined"]
         assert session.execute(in_shelbyville).all() == [(neighbour, "Shelbyville")]
+
+
+def test_threads_sharing_statements_each_read_their_own_briefcase(store: Store) -> None:
+    """Eight threads execute one shared select, and selects each derives from it afresh, in sessions
+    of four briefcases at once: whatever order their memoizations on the shared statement land
+    in, every session reads exactly its own briefcase's rows, filtered as its statement says."""
+    gdids = [GDID(0, 0, n) for n in (90, 92, 94, 96)]  # all on u1
+    for gdid in gdids:
+        with store.briefcase(UserBriefcase, gdid) as session:
+            fill_briefcase(session, gdid)
+    shared = select(Address.user_id, Address.city)
+
+    def work(worker: int) -> list[str]:
+        wrong = []
+        for n in range(40):
+            gdid = gdids[(worker + n) % len(gdids)]
+            city = "Springfield" if n % 2 else "Nowhere"
+            derived = shared.where(Address.city == city)
+            with store.briefcase(UserBriefcase, gdid, readonly=True) as session:
+                if (rows := session.execute(shared).all()) != [(gdid, "Springfield")]:
+                    wrong.append(f"{gdid} shared: {rows}")
+                expected = [(gdid, "Springfield")] if city == "Springfield" else []
+                if (rows := session.execute(derived).all()) != expected:
+                    wrong.append(f"{gdid} {city}: {rows}")
+        return wrong
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        wrong = [w for found in pool.map(work, range(8)) for w in found]
+    assert wrong == []
 
 
 def test_confinement_covers_every_form_of_statement_and_statements_a_listener_substitutes(store: Store) -> None:
