@@ -96,11 +96,14 @@ def _cpu(routed: Callable[[], object], plain: Callable[[], object], n: int, roun
     return (min(x[0] for x in a), min(x[1] for x in a)), (min(x[0] for x in b), min(x[1] for x in b))
 
 
-def _steps(store: Any, plain: Any, gdid: Callable[[], GDID], readonly: bool) -> list[tuple[str, Callable[[], object]]]:
+def _steps(store: Any, gdid: Callable[[], GDID], readonly: bool, baseline: Callable[[], object],
+           routed: Callable[[], object]) -> list[tuple[str, Callable[[], object]]]:
     """The ladder from a plain read to the routed one; each step adds one thing the routed session does.
 
-    The steps reuse what the Store keeps for each briefcase (``Store.session_routes``: the
-    confinement context and the rendered ownership check), so a step pays only for running it.
+    ``baseline`` and ``routed`` are the first and last steps (the reads the rest of this tool
+    compares). The steps between reuse what the Store keeps for each briefcase
+    (``Store.session_routes``: the confinement context and the rendered ownership check), so a
+    step pays only for running it.
     """
     from mdb.engines import PRELUDE
     from mdb.session import BriefcaseSession
@@ -112,11 +115,6 @@ def _steps(store: Any, plain: Any, gdid: Callable[[], GDID], readonly: bool) -> 
         if route is None:
             raise RuntimeError(f"no routing kept for {g}: run routed sessions of every briefcase twice first")
         return route
-
-    def plain_engine() -> object:
-        g = gdid()
-        with Session(plain) as session:
-            return session.scalars(select(User).where(User.user_id == g)).one()
 
     def mdb_engine() -> object:
         g = gdid()
@@ -140,13 +138,8 @@ def _steps(store: Any, plain: Any, gdid: Callable[[], GDID], readonly: bool) -> 
             return row
         return read
 
-    def routed() -> object:
-        g = gdid()
-        with store.briefcase(UserBriefcase, g, readonly=readonly) as session:
-            return session.scalars(select(User).where(User.user_id == g)).one()
-
     return [
-        ("plain Session on a plain engine (the baseline)", plain_engine),
+        ("plain Session on a plain engine (the baseline)", baseline),
         ("plain Session on mdb's engine (its BEGIN, COMMIT, pool)", mdb_engine),
         ("+ a Session on a Connection begun by hand (the Store's shape)", by_hand(False, False)),
         ("+ confinement (the briefcase's criteria on the statement)", by_hand(True, False)),
@@ -248,7 +241,7 @@ def main() -> int:
                 for _ in range(2):  # every briefcase's routing kept (the second session of each keeps it)
                     for _ in ids:
                         routed()
-                steps = _steps(store, plain, gdid, readonly)
+                steps = _steps(store, gdid, readonly, direct, routed)
                 for _, fn in steps:
                     for _ in range(300):
                         fn()
