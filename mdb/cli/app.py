@@ -21,8 +21,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import re
-import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -40,6 +38,8 @@ from typer.models import DefaultPlaceholder
 
 from mdb import faults
 from mdb.backends import servers_where
+from mdb.cli import interrupts
+from mdb.cli.interrupts import one_line
 from mdb.dberrors import describe
 from mdb.errors import MdbError, RetryableError, ServerUnavailableError
 from mdb.maps.history import load_applied_map
@@ -207,19 +207,15 @@ def fail(message: str) -> NoReturn:
 
 def warn(message: str) -> None:
     """One masked ``note:`` line on stderr (never on stdout, which scripts parse)."""
-    err_console.print(f"note: {mask_secrets(_one_line(message))}", markup=False, soft_wrap=True)
+    err_console.print(f"note: {mask_secrets(one_line(message))}", markup=False, soft_wrap=True)
 
 
 def emit_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
-def _one_line(message: str) -> str:
-    return re.sub(r"\s*[\r\n]+\s*", " ", message).strip()
-
-
 def _error_line(message: str) -> None:
-    err_console.print(f"error: {mask_secrets(_one_line(message))}", markup=False, soft_wrap=True)
+    err_console.print(f"error: {mask_secrets(one_line(message))}", markup=False, soft_wrap=True)
 
 
 # -- one truth about the map ---------------------------------------------------------------------
@@ -345,24 +341,12 @@ def exit_code(exc: MdbError) -> int:
     return EXIT_REFUSED
 
 
-_terminated: list[int] = []
-
-
-def _terminate(signum: int, frame: object) -> None:
-    """SIGTERM (systemd, kubectl, timeout) stops a command the way Ctrl-C does: the reshard's
-    workers finish the batch in hand, leases are let go, and the "what to run" note is printed.
-    The default action would kill the process mid-step with no word of what it left."""
-    _terminated.append(signum)
-    raise KeyboardInterrupt
-
-
 def main() -> None:
     """Run the CLI: every error mdb raises on purpose ends in one ``error:`` line and its exit code."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
+    interrupts.install()
     try:
         code = app(standalone_mode=False)
-        if code == EXIT_INTERRUPTED and _terminated:
+        if code == EXIT_INTERRUPTED and interrupts.terminated():
             code = EXIT_TERMINATED
     except MdbError as exc:
         _error_line(str(exc))
@@ -378,7 +362,7 @@ def main() -> None:
         sys.exit(EXIT_REFUSED)
     except Abort:
         _error_line("aborted")
-        sys.exit(EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED)
+        sys.exit(EXIT_TERMINATED if interrupts.terminated() else EXIT_INTERRUPTED)
     except KeyboardInterrupt:  # a signal while typer was still building the command, outside click's own handler
-        sys.exit(EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED)
+        sys.exit(EXIT_TERMINATED if interrupts.terminated() else EXIT_INTERRUPTED)
     sys.exit(code if isinstance(code, int) else EXIT_OK)
