@@ -55,4 +55,4 @@ def test_mdb_route_imports_neither_the_other_commands_nor_alembic() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == str(["mdb.cli.app", "mdb.cli.inspect", "mdb.cli.options"]), done.stdout[-500:]
+    assert done.stdout.splitlines()[-1] == str(["mdb.cli.app", "mdb.cli.inspect", "mdb.cli.interrupts", "mdb.cli.options"]), done.stdout[-500:]
