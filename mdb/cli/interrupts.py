@@ -1,4 +1,4 @@
-"""How a command stops on SIGTERM or Ctrl-C: with its note and without a traceback.
+"""How a command stops on SIGTERM or Ctrl-C: with its note, without a traceback, never ignoring the signal.
 
 SIGTERM (systemd, kubectl, timeout) is made to stop a command the way Ctrl-C does: a
 ``KeyboardInterrupt``, so the reshard's workers finish the batch in hand, leases are let go and the
@@ -9,10 +9,12 @@ thread, so that interrupt can land inside a finalizer, and two finalizers treat 
   ("Exception during reset or similar") and then re-raises it. The command still stops as it
   should; the traceback is noise. :class:`OneLineLog` drops log records of an interrupt and prints
   every other record on one masked line, as lastResort did but without a traceback.
-* A ``__del__`` cannot raise: Python prints "Exception ignored in ..." and the interrupt is lost,
-  as it is for Ctrl-C in any Python program; a second signal stops the command. Re-raising it from
-  the unraisable hook was tried and dropped (every way of flagging the signal again runs its handler
-  inside the hook, where it is lost once more).
+* A finalizer (``__del__``, a weakref callback such as the pool's own for a connection nobody
+  closed) cannot raise: Python prints "Exception ignored in ..." with a traceback and the interrupt
+  is lost, so the command would run on. The unraisable hook (:func:`_deliver_again`) prints
+  nothing for an interrupt and sends the same signal to the main thread again from a short-lived
+  thread 50 ms later, when the main thread has left the finalizer: sending it from the hook itself
+  runs the handler inside the hook, where it is lost once more (tried).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import re
 import signal
 import sys
 import threading
+import time
+from typing import Any
 
 from mdb.urls import mask_secrets
 
@@ -71,6 +75,33 @@ class OneLineLog(logging.Handler):
             self.handleError(record)
 
 
+REDELIVERY_DELAY_S = 0.05
+"""How long after a finalizer swallowed an interrupt it is delivered again (:func:`_deliver_again`)."""
+
+_previous_hook: list[Any] = []
+
+
+def _deliver_again(unraisable: Any) -> None:
+    """The unraisable hook: an interrupt a finalizer swallowed is delivered again; anything else goes to the hook before."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        signum = signal.SIGTERM if _terminated else signal.SIGINT
+        try:
+            threading.Thread(target=_interrupt_main_later, args=(signum,), name="mdb-interrupt-again", daemon=True).start()
+            return
+        except RuntimeError:  # the interpreter is shutting down: no thread; Python's report, as before
+            pass
+    (_previous_hook[0] if _previous_hook else sys.__unraisablehook__)(unraisable)
+
+
+def _interrupt_main_later(signum: signal.Signals) -> None:
+    time.sleep(REDELIVERY_DELAY_S)
+    main = threading.main_thread().ident
+    if main is not None:
+        # A real signal, not _thread.interrupt_main(): that one only flags the handler, and a main
+        # thread blocked in a system call (a socket read, a sleep) would not see it until the call ends.
+        signal.pthread_kill(main, signum)
+
+
 def install() -> None:
     """Set up the running process for a command; idempotent (tests run ``main`` in-process)."""
     if threading.current_thread() is not threading.main_thread():
@@ -79,3 +110,6 @@ def install() -> None:
     root = logging.getLogger()
     if not any(isinstance(h, OneLineLog) for h in root.handlers):
         root.addHandler(OneLineLog())
+    if sys.unraisablehook is not _deliver_again:
+        _previous_hook[:] = [sys.unraisablehook]
+        sys.unraisablehook = _deliver_again

@@ -1,6 +1,6 @@
-"""A SIGTERM landing inside SQLAlchemy's pool still stops the command, with no traceback on stderr.
+"""A SIGTERM landing inside a finalizer still stops the command, with no traceback on stderr.
 
-The case runs in its own interpreter (signal handlers, the root logger and the unraisable hook
+Each case runs in its own interpreter (signal handlers, the root logger and the unraisable hook
 are process-wide), set up by ``interrupts.install()`` exactly as ``mdb``'s ``main`` does.
 """
 
@@ -31,6 +31,24 @@ try:
 except KeyboardInterrupt:
     print("stopped", interrupts.terminated())
 """
+SIGTERM_DURING_A_DEL = """
+import os, signal, time
+from mdb.cli import interrupts
+interrupts.install()
+class Held:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # the interrupt is raised inside __del__, which cannot raise
+        for _ in range(1000):
+            pass
+try:
+    held = Held()
+    del held
+    time.sleep(30)
+    print("ran on")
+except KeyboardInterrupt:
+    print("stopped", interrupts.terminated())
+"""
+
 
 def _run(script: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -40,6 +58,12 @@ def test_sigterm_during_a_pool_reset_stops_without_the_pools_traceback() -> None
     proc = _run(SIGTERM_DURING_A_POOL_RESET)
     assert proc.stdout.strip() == "stopped True", (proc.stdout, proc.stderr)
     assert proc.stderr == "", proc.stderr  # SQLAlchemy logged the interrupt with its traceback: dropped
+
+
+def test_sigterm_swallowed_by_a_del_is_delivered_again_and_stops_the_command() -> None:
+    proc = _run(SIGTERM_DURING_A_DEL)
+    assert proc.stdout.strip() == "stopped True", (proc.stdout, proc.stderr)
+    assert proc.stderr == "", proc.stderr  # no "Exception ignored in ..." and its traceback
 
 
 def test_other_log_records_print_as_one_masked_line_with_their_exception(capsys: pytest.CaptureFixture[str]) -> None:
