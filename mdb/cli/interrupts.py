@@ -14,7 +14,7 @@ thread, so that interrupt can land inside a finalizer, and two finalizers treat 
   is lost, so the command would run on. The unraisable hook (:func:`_deliver_again`) prints
   nothing for an interrupt and sends the same signal to the main thread again from a short-lived
   thread 50 ms later, when the main thread has left the finalizer: sending it from the hook itself
-  runs the handler inside the hook, where it is lost once more (tried).
+  runs the handler inside the hook, where it is lost once more (tried; docs/dev/0024).
 """
 
 from __future__ import annotations
