@@ -166,14 +166,24 @@ def test_a_claim_waits_for_the_old_drivers_checked_transaction_and_refuses_it_af
         thread = threading.Thread(target=old_driver)
         thread.start()
         assert in_old.wait(30)
-        claimer = threading.Thread(target=lambda: (fencing.claim(store, ["u1"], "reshard-race", 2), order.append("claimed")))
+        committed_when_claimed: list[bool] = []
+
+        def claimer_run() -> None:
+            fencing.claim(store, ["u1"], "reshard-race", 2)
+            # The moment the claim returned, asked of the server (not by which thread appends first:
+            # the old driver's commit lets the claim go before that thread is scheduled again).
+            with store.transaction("u1") as conn:
+                committed_when_claimed.append(bool(conn.execute(text("SELECT to_regclass('old_driver_wrote') IS NOT NULL")).scalar()))
+
+        claimer = threading.Thread(target=claimer_run)
         claimer.start()
         time.sleep(0.5)
-        assert order == [], "the claim returned while the old driver's checked transaction was open"
+        assert committed_when_claimed == [] and claimer.is_alive(), "the claim returned while the old driver's checked transaction was open"
         release_old.set()
         thread.join(30)
         claimer.join(30)
-        assert order == ["old committed", "claimed"]
+        assert not thread.is_alive() and not claimer.is_alive()
+        assert order == ["old committed"] and committed_when_claimed == [True]
         with pytest.raises(LeaseLostError):
             with old.transaction("u1"):
                 pass
