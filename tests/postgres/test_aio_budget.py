@@ -206,13 +206,14 @@ def test_idle_async_connections_are_closed_by_the_reaper_on_their_loop(
     small_server: Callable[[int], PostgresServer], tmp_path: Path
 ) -> None:
     server = small_server(30)
-    store, instance = shard_store(server, tmp_path, {"idle_timeout": 0.2})
+    # 2 s, not less: a connection the fan-out gave back must not be reaped before all six are counted.
+    store, instance = shard_store(server, tmp_path, {"idle_timeout": 2.0})
 
     async def main() -> tuple[int, int]:
         async with AsyncStore(store) as aio:
             await aio.fan_out("user", select(User.user_id))
             opened = async_records(aio)
-            deadline = time.monotonic() + 30  # generous: the reaper runs every 0.1 s here
+            deadline = time.monotonic() + 30  # generous: the reaper runs every second here
             while async_records(aio) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)  # the loop runs: the reaper's closes are done on it
             return opened, async_records(aio)
