@@ -45,6 +45,7 @@ def one_line(message: str) -> str:
 
 
 def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM's handler: the interrupt Ctrl-C raises, remembered so the exit code says 143."""
     _terminated.append(signum)
     raise KeyboardInterrupt
 
