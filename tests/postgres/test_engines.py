@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from mdb import MdbError, RoutingError, load_map, parse_map
 from mdb.engines import EngineRegistry
 from mdb.budget import BudgetPool
-from mdb.engines import SQLITE_BUSY_TIMEOUT_MS
+from mdb.engines import SQLITE_BUSY_TIMEOUT_MS, sqlite_setup
 from mdb.urls import sqlalchemy_url
 from mdb.partition_map import EngineSpec, ServerSpec
 
@@ -120,6 +120,48 @@ def test_sqlite_transactions_commit_and_roll_back(registry: EngineRegistry, tmp_
         assert raw.execute("SELECT x FROM t ORDER BY x").fetchall() == [(1,)]
     finally:
         raw.close()
+
+
+class _CountingSqlite(sqlite3.Connection):
+    """sqlite3's connection, counting calls of the methods that parse their statement on every call."""
+
+    parsed_ends = 0
+
+    def commit(self) -> None:
+        type(self).parsed_ends += 1
+        super().commit()
+
+    def rollback(self) -> None:
+        type(self).parsed_ends += 1
+        super().rollback()
+
+
+def test_sqlite_transactions_end_through_the_statement_cache(tmp_path: Path) -> None:
+    # mdb's SQLite dialect ends a transaction with a cached COMMIT/ROLLBACK statement, never
+    # sqlite3's commit()/rollback() (which parse theirs every time), and sends nothing when no
+    # transaction is open, as those methods do.
+    engine = sa.create_engine(f"sqlite+mdb:///{tmp_path / 'c.db'}", connect_args={"factory": _CountingSqlite})
+    sa.event.listen(engine, "connect", sqlite_setup)
+    sent: list[str] = []
+    try:
+        with engine.connect() as conn:
+            conn.connection.dbapi_connection.set_trace_callback(sent.append)  # type: ignore[union-attr]
+            with conn.begin():
+                conn.execute(sa.text("CREATE TABLE t (x INTEGER)"))
+                conn.execute(sa.text("INSERT INTO t VALUES (1)"))
+            conn.begin()
+            conn.execute(sa.text("INSERT INTO t VALUES (2)"))
+            conn.rollback()
+            conn.begin()
+            conn.execute(sa.text("INSERT INTO t VALUES (3)"))
+            conn.exec_driver_sql("ROLLBACK")  # as SQLite ends a transaction on some errors by itself
+            conn.commit()  # nothing open: nothing sent, no error
+        assert [s for s in sent if s in ("COMMIT", "ROLLBACK")] == ["COMMIT", "ROLLBACK", "ROLLBACK"]
+        assert _CountingSqlite.parsed_ends == 0
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT x FROM t")).scalars().all() == [1]
+    finally:
+        engine.dispose()
 
 
 def test_sqlite_write_transactions_take_the_write_lock_at_begin(registry: EngineRegistry, tmp_path: Path) -> None:
