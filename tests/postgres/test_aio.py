@@ -393,7 +393,7 @@ def test_the_gate_serves_waiters_in_order_passes_on_slots_and_times_out_as_capac
     from mdb.errors import CapacityError
 
     async def main() -> None:
-        gate = FairGate(2, timeout=0.2)  # a pool_size of 2
+        gate = FairGate(2, timeout=30.0)  # a pool_size of 2; the waiters never time out, however slow the machine
         await gate.acquire("s")
         await gate.acquire("s")
         order: list[int] = []
@@ -412,7 +412,8 @@ def test_the_gate_serves_waiters_in_order_passes_on_slots_and_times_out_as_capac
         gate.release()  # a freed slot goes straight to the oldest waiter
         await asyncio.sleep(0.01)
         assert order == [0, 2, 3] and gate.in_use == 2
-        with pytest.raises(CapacityError, match="all 2 async connections stayed in use"):
+        gate.timeout = 0.2  # read at each wait: only this waiter times out
+        with pytest.raises(CapacityError, match="all 2 async connections stayed in use for 0.2 s"):
             await gate.acquire("s")
         gate.release()
         gate.release()
