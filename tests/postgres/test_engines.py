@@ -140,6 +140,7 @@ def test_sqlite_transactions_end_through_the_statement_cache(tmp_path: Path) -> 
     # mdb's SQLite dialect ends a transaction with a cached COMMIT/ROLLBACK statement, never
     # sqlite3's commit()/rollback() (which parse theirs every time), and sends nothing when no
     # transaction is open, as those methods do.
+    _CountingSqlite.parsed_ends = 0
     engine = sa.create_engine(f"sqlite+mdb:///{tmp_path / 'c.db'}", connect_args={"factory": _CountingSqlite})
     sa.event.listen(engine, "connect", sqlite_setup)
     sent: list[str] = []
