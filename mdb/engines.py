@@ -380,9 +380,21 @@ def sqlite_end(connection: sqlite3.Connection, statement: str) -> None:
     transaction cost ~8 µs of a ~190 µs point read; a cached statement only steps (measured:
     docs/dev/measured-sessions.md, "Eighth pass"). Nothing open (SQLite rolled back on its own
     after an error, or nothing began): nothing sent, as those methods do.
+
+    A ``COMMIT`` that fails (a deferred foreign key, a busy database) leaves SQLite's transaction
+    open, for the caller to retry; SQLAlchemy has given the transaction up by then and never
+    rolls it back, so the pooled connection carried it, with its write lock, into the next
+    session, whose ``BEGIN`` then failed ("cannot start a transaction within a transaction").
+    So it is rolled back here and the ``COMMIT``'s error raised.
     """
-    if connection.in_transaction:
+    if not connection.in_transaction:
+        return
+    try:
         connection.execute(statement)
+    except BaseException:
+        if connection.in_transaction:
+            connection.execute("ROLLBACK")
+        raise
 
 
 SQLITE_WRITE_BEGIN = "BEGIN IMMEDIATE"

@@ -129,6 +129,17 @@ class MdbSQLiteDialectAsync(SQLiteDialect_aiosqlite):
     def do_begin(self, dbapi_connection: Any) -> None:
         sqlite_begin(dbapi_connection, self.mdb_begin)
 
+    def do_commit(self, dbapi_connection: Any) -> None:
+        # The adapter's commit() (one trip to aiosqlite's thread); a COMMIT that fails leaves
+        # SQLite's transaction open, which nothing else would end: rolled back here, as
+        # mdb.engines.sqlite_end does for the sync dialect.
+        try:
+            super().do_commit(dbapi_connection)
+        except BaseException:
+            if dbapi_connection.driver_connection.in_transaction:
+                super().do_rollback(dbapi_connection)
+            raise
+
 
 _POLL_FIRST = 0.002
 _POLL_MAX = 0.05

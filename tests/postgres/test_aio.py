@@ -421,3 +421,34 @@ def test_the_gate_serves_waiters_in_order_passes_on_slots_and_times_out_as_capac
         await asyncio.gather(*waiters, return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_an_async_sqlite_commit_that_fails_leaves_no_transaction_in_the_pool(tmp_path: Path) -> None:
+    # As the sync dialect (tests/postgres/test_engines.py): a deferred foreign key fails the
+    # COMMIT, SQLite would keep that transaction open and the pool hand it to the next BEGIN.
+    from sqlalchemy.exc import IntegrityError
+
+    from mdb.aio.engines import create_async
+
+    async def main() -> None:
+        engine = create_async(f"sqlite:///{tmp_path / 'a.db'}", readonly=False)
+        try:
+            async with engine.begin() as conn:
+                await conn.execute(text("CREATE TABLE parent (id INTEGER PRIMARY KEY)"))
+                await conn.execute(text("CREATE TABLE child (id INTEGER PRIMARY KEY, parent_id INTEGER "
+                                        "REFERENCES parent (id) DEFERRABLE INITIALLY DEFERRED)"))
+            async with engine.connect() as conn:
+                await conn.begin()
+                await conn.execute(text("INSERT INTO child VALUES (1, 42)"))  # no parent 42: refused at COMMIT
+                with pytest.raises(IntegrityError, match="FOREIGN KEY constraint failed"):
+                    await conn.commit()
+                assert not (await conn.get_raw_connection()).driver_connection.in_transaction
+            async with engine.begin() as conn:  # the pooled connection again: BEGIN works
+                await conn.execute(text("INSERT INTO parent VALUES (8)"))
+            async with engine.connect() as conn:
+                assert (await conn.execute(text("SELECT count(*) FROM child"))).scalar_one() == 0
+                assert (await conn.execute(text("SELECT id FROM parent"))).scalars().all() == [8]
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())

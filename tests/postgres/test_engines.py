@@ -165,6 +165,39 @@ def test_sqlite_transactions_end_through_the_statement_cache(tmp_path: Path) -> 
         engine.dispose()
 
 
+def test_a_sqlite_commit_that_fails_raises_and_keeps_nothing(registry: EngineRegistry, tmp_path: Path) -> None:
+    # A deferred foreign key checked at COMMIT: the COMMIT statement fails, and SQLite would keep
+    # the transaction open, which SQLAlchemy never rolls back (neither its rollback() after the
+    # failed commit nor the close sends anything): the pooled connection kept it, and the next
+    # BEGIN on it failed. The dialect ends it: nothing is kept, the next transaction runs.
+    engine = registry.engine("a")
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE parent (id INTEGER PRIMARY KEY)"))
+        conn.execute(sa.text("CREATE TABLE child (id INTEGER PRIMARY KEY, parent_id INTEGER "
+                             "REFERENCES parent (id) DEFERRABLE INITIALLY DEFERRED)"))
+    for ending in ("rollback", "close"):
+        with engine.connect() as conn:
+            driver = conn.connection.dbapi_connection
+            conn.begin()
+            conn.execute(sa.text("INSERT INTO child VALUES (1, 42)"))  # no parent 42: refused at COMMIT
+            with pytest.raises(sa.exc.IntegrityError, match="FOREIGN KEY constraint failed"):
+                conn.commit()
+            assert not driver.in_transaction  # type: ignore[union-attr]
+            if ending == "rollback":
+                conn.rollback()
+                with conn.begin():
+                    conn.execute(sa.text("INSERT INTO parent VALUES (7)"))
+        with engine.begin() as conn:  # the pool's one connection again (SQLite's pool keeps it)
+            assert conn.connection.dbapi_connection is driver
+            conn.execute(sa.text("INSERT INTO parent VALUES (8)" if ending == "close" else "SELECT 1"))
+    raw = sqlite3.connect(tmp_path / "a.db")
+    try:
+        assert raw.execute("SELECT count(*) FROM child").fetchone() == (0,)
+        assert raw.execute("SELECT id FROM parent ORDER BY id").fetchall() == [(7,), (8,)]
+    finally:
+        raw.close()
+
+
 def test_sqlite_write_transactions_take_the_write_lock_at_begin(registry: EngineRegistry, tmp_path: Path) -> None:
     engine = registry.engine("a")
     with engine.begin() as conn:
