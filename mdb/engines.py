@@ -23,7 +23,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,7 +49,7 @@ from mdb.servers import ServerDirectory
 from mdb.urls import mask_url, sqlalchemy_url
 
 __all__ = [
-    "BEGIN_RESULT", "BeginPrelude", "DEFAULT_ENGINE", "EngineRegistry", "MDB_DRIVER", "MdbPGDialect",
+    "BEGIN_RESULT", "BeginPrelude", "DEFAULT_ENGINE", "EngineRegistry", "KnownRows", "MDB_DRIVER", "MdbPGDialect",
     "MdbSQLiteDialect", "PGTransactions", "PRELUDE", "PreparedNames", "Rows", "SQLITE_READ_BEGIN", "SQLITE_WRITE_BEGIN",
     "finish_pending_end", "finish_pending_record", "mdb_url", "one_statement",
     "one_statement_prelude", "prelude_of", "prepared_names", "set_prelude",
@@ -89,6 +89,8 @@ _PREPARED = "mdb.prepared"
 _UNWAITED_END = "mdb.unwaited_end"
 """``info`` key: the open transaction cannot write (its prelude began it ``READ ONLY``), so its end
 is sent without waiting for the answer (:func:`commit_unwaited`)."""
+_KNOWN = "mdb.known_rows"
+"""``info`` key: the connection's :class:`KnownRows` (SQLite)."""
 _PENDING_END = "mdb.pending_end"
 """``info`` key: an end was sent unwaited and its answer is not read yet (:func:`finish_pending_end`)."""
 
@@ -112,6 +114,22 @@ class PreparedNames:
     session looked its column types up again (:func:`simple_query`)."""
 
 
+@dataclass
+class KnownRows:
+    """What a SQLite prelude keeps of its reads for later transactions: SQLite's counterpart of :class:`PreparedNames`.
+
+    ``shared`` is the engine's (one database file), shared by its connections: key -> (the version
+    the rows were read at, the rows), each entry written and read whole, so connections that race
+    only replace each other's entries. ``versioned`` is this connection's: whether its database
+    carries the version a kept entry is checked against (None: not asked yet), asked once per
+    connection so that a connection opened after ``mdb schema apply`` installed it starts using it.
+    What may be kept, and when an entry is still true, is the prelude's business (:mod:`mdb.ownership`).
+    """
+
+    shared: dict[Hashable, tuple[Any, Rows]]
+    versioned: bool | None = None
+
+
 class BeginPrelude(Protocol):
     """Work a transaction does right after BEGIN, in the SAME round trip (the ownership check).
 
@@ -129,8 +147,9 @@ class BeginPrelude(Protocol):
         """BEGIN behind a transaction-pooling pooler: nothing prepared may be relied on."""
         ...
 
-    def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
-        """``begin`` (``BEGIN`` or ``BEGIN IMMEDIATE``) and the statements on SQLite."""
+    def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str, known: KnownRows) -> Rows | None:
+        """``begin`` (``BEGIN`` or ``BEGIN IMMEDIATE``) and the statements on SQLite; ``known``:
+        what this prelude may keep of its reads between transactions on this database."""
         ...
 
     @property
@@ -156,7 +175,7 @@ class _OneStatement:
     def begin_postgresql_pooled(self, connection: psycopg.Connection[Any]) -> Rows | None:
         return None
 
-    def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
+    def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str, known: KnownRows) -> Rows | None:
         cursor.execute(begin)  # a local call, no round trip to save
         return None
 
@@ -351,14 +370,16 @@ def finish_pending_record(record: Any, facade: Callable[[Any], Any] | None = Non
         finish_pending_end(record.driver_connection if facade is None else facade(record), info)
 
 
-def sqlite_begin(fairy: Any, begin: str) -> None:
+def sqlite_begin(fairy: Any, begin: str, shared: dict[Hashable, tuple[Any, Rows]]) -> None:
     """The BEGIN of mdb's SQLite dialects (sync and aiosqlite): ``begin``, then the prelude set on ``fairy``.
 
     ``begin`` is ``BEGIN IMMEDIATE`` for writers (SQLite's write lock taken up front, so two
     writers queue on the busy timeout instead of deadlocking when both upgrade from a read
-    lock) and ``BEGIN`` for readers.
+    lock) and ``BEGIN`` for readers. ``shared``: the dialect's (its engine's) part of the
+    :class:`KnownRows` the prelude gets.
     """
-    prelude: BeginPrelude | None = fairy.info.pop(PRELUDE, None)
+    info = fairy.info
+    prelude: BeginPrelude | None = info.pop(PRELUDE, None)
     # The DBAPI connection, not the driver's: for pysqlite they are one object, and for
     # aiosqlite (mdb.aio) it is SQLAlchemy's adapter, whose cursor has this same sync API.
     cursor = fairy.dbapi_connection.cursor()
@@ -366,7 +387,10 @@ def sqlite_begin(fairy: Any, begin: str) -> None:
         if prelude is None:
             cursor.execute(begin)
         else:
-            fairy.info[BEGIN_RESULT] = prelude.begin_sqlite(cursor, begin)
+            known: KnownRows | None = info.get(_KNOWN)
+            if known is None:  # a new connection
+                known = info[_KNOWN] = KnownRows(shared)
+            info[BEGIN_RESULT] = prelude.begin_sqlite(cursor, begin, known)
     finally:
         cursor.close()
 
@@ -476,9 +500,11 @@ class MdbSQLiteDialect(SQLiteDialect_pysqlite):
     def __init__(self, mdb_begin: str = SQLITE_WRITE_BEGIN, **kw: Any) -> None:
         super().__init__(**kw)
         self.mdb_begin = mdb_begin
+        self.mdb_known_rows: dict[Hashable, tuple[Any, Rows]] = {}
+        """What preludes keep of their reads on this engine's database (:class:`KnownRows`)."""
 
     def do_begin(self, dbapi_connection: Any) -> None:
-        sqlite_begin(dbapi_connection, self.mdb_begin)
+        sqlite_begin(dbapi_connection, self.mdb_begin, self.mdb_known_rows)
 
     def do_commit(self, dbapi_connection: Any) -> None:
         sqlite_end(dbapi_connection.dbapi_connection, "COMMIT")

@@ -32,15 +32,17 @@ import psycopg
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from mdb.engines import PreparedNames, Rows, simple_query
+from mdb.engines import KnownRows, PreparedNames, Rows, simple_query
 from mdb.errors import BriefcaseMovingError, StaleRouteError
 from mdb.gdid import GDID
 from mdb.router import Placement
-from mdb.system_tables import STATE_FROZEN, STATE_GONE, STATE_INCOMING, STATE_RESIDENT
+from mdb.system_tables import (
+    CHECK_VERSION_TABLE, STATE_FROZEN, STATE_GONE, STATE_INCOMING, STATE_RESIDENT, briefcase_state, shard_layout,
+)
 
 __all__ = [
-    "FREEZE_GDID", "OwnershipCheck", "Prelude", "check_ownership", "confirming_row", "freeze_holder", "freeze_mark", "frozen_for",
-    "install_pg_functions", "lock_key_sql", "lock_keys_sql", "ownership_prelude", "partition_lock_key_sql",
+    "FREEZE_GDID", "KEPT_CHECKS", "OwnershipCheck", "Prelude", "check_ownership", "confirming_row", "freeze_holder", "freeze_mark", "frozen_for",
+    "install_pg_functions", "install_sqlite_check_version", "lock_key_sql", "lock_keys_sql", "ownership_prelude", "partition_lock_key_sql",
 ]
 
 FREEZE_GDID = GDID(0, 0, 0)
@@ -134,14 +136,10 @@ class Prelude:
         """BEGIN and the unprepared form (the check as a call of its PL/pgSQL function)."""
         return simple_query(connection, "; ".join([self.begin, *(self.unprepared or self.statements)]))
 
-    def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
-        """``begin``, then the statements with their named parameters (sqlite3 caches the texts)."""
-        cursor.execute(begin)
-        rows: Rows | None = None
-        for statement in self.statements:
-            cursor.execute(statement, self.params)
-            rows = cursor.fetchall() if cursor.description is not None else rows
-        return rows
+    def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str, known: KnownRows) -> Rows | None:
+        """``begin``, then the check with its named parameters (sqlite3 caches the text), as :class:`OwnershipCheck`."""
+        (statement,) = self.statements  # one statement on SQLite (ownership_prelude)
+        return _sqlite_rows(cursor, begin, statement, self.params, known)
 
 
 def _begin_prepared(connection: psycopg.Connection[Any], prepared: PreparedNames, prepare: Mapping[str, str],
@@ -352,6 +350,73 @@ _SQLITE_WRITE = _check_sql(":area", ":gdid", ":start", ":freeze")
 """The check on SQLite, with named parameters (a write session's also reads the freeze marker)."""
 _SQLITE_FREEZE = bytes(FREEZE_GDID)
 
+_CHECKED_TABLES: Final = {"layout": shard_layout.name, "state": briefcase_state.name}
+_VERSION_TRIGGERS: Final = {
+    f"{CHECK_VERSION_TABLE}_{short}_{op}": (op, table)
+    for short, table in _CHECKED_TABLES.items() for op in ("insert", "update", "delete")
+}
+_SQLITE_VERSION = f"SELECT token FROM {CHECK_VERSION_TABLE} WHERE id = 1"
+_VERSION_OBJECTS = f"sqlite_master WHERE name IN ({', '.join(repr(n) for n in (CHECK_VERSION_TABLE, *_VERSION_TRIGGERS))})"
+_SQLITE_VERSIONED = f"SELECT count(*) FROM {_VERSION_OBJECTS}"
+KEPT_CHECKS: Final = 4096
+"""Check results an engine keeps (:class:`mdb.engines.KnownRows`; all dropped when full): about
+400 bytes each, so at most ~1.6 MB per SQLite engine."""
+
+
+def install_sqlite_check_version(conn: Connection) -> list[str]:
+    """Create :data:`CHECK_VERSION_TABLE` and its triggers on a SQLite server where missing; returns the names created.
+
+    ``mdb schema apply`` runs it with the system tables, in their transaction, so a database has
+    all of them or none; sessions on a database without them run the whole check every time.
+    """
+    present = {str(name) for (name,) in conn.exec_driver_sql(f"SELECT name FROM {_VERSION_OBJECTS}")}
+    created: list[str] = []
+    if CHECK_VERSION_TABLE not in present:
+        conn.exec_driver_sql(
+            f"CREATE TABLE {CHECK_VERSION_TABLE} (id INTEGER PRIMARY KEY CHECK (id = 1), token INTEGER NOT NULL)"
+        )
+        created.append(CHECK_VERSION_TABLE)
+    conn.exec_driver_sql(f"INSERT OR IGNORE INTO {CHECK_VERSION_TABLE} (id, token) VALUES (1, random())")
+    for name, (op, table) in _VERSION_TRIGGERS.items():
+        if name not in present:
+            conn.exec_driver_sql(
+                f"CREATE TRIGGER {name} AFTER {op.upper()} ON {table} "
+                f"BEGIN UPDATE {CHECK_VERSION_TABLE} SET token = random() WHERE id = 1; END"
+            )
+            created.append(name)
+    return created
+
+
+def _sqlite_rows(cursor: sqlite3.Cursor, begin: str, sql: str, params: Mapping[str, Any], known: KnownRows) -> Rows:
+    """``begin`` and the check's rows: those an earlier transaction read under the token this one reads, or read now.
+
+    Costs one lookup of a one-row table where the rows are kept (the common case: no move or map
+    change since this briefcase's last session on this engine); the whole check otherwise, and on
+    a database without :data:`CHECK_VERSION_TABLE` (asked once per connection). Every part runs in
+    the session's transaction: the token and, when read, the rows come from its one snapshot.
+    """
+    cursor.execute(begin)
+    versioned = known.versioned
+    if versioned is None:
+        cursor.execute(_SQLITE_VERSIONED)
+        versioned = known.versioned = cursor.fetchone()[0] == 1 + len(_VERSION_TRIGGERS)
+    if versioned:
+        cursor.execute(_SQLITE_VERSION)
+        token = cursor.fetchone()
+        if token is not None:  # (a deleted row is never changed by the triggers: keep nothing then)
+            shared, key = known.shared, (sql, *params.values())
+            kept = shared.get(key)
+            if kept is not None and kept[0] == token[0]:
+                return kept[1]
+            cursor.execute(sql, params)
+            rows = cursor.fetchall()
+            if len(shared) >= KEPT_CHECKS:
+                shared.clear()
+            shared[key] = (token[0], rows)
+            return rows
+    cursor.execute(sql, params)
+    return cursor.fetchall()
+
 
 _PG_READ_BEGIN = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
 
@@ -447,10 +512,9 @@ class OwnershipCheck:
     def begin_postgresql_pooled(self, connection: psycopg.Connection[Any]) -> Rows | None:
         return simple_query(connection, self._pooled_sql)
 
-    def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
-        cursor.execute(begin)
-        cursor.execute(*self._sqlite_params)
-        return cursor.fetchall()
+    def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str, known: KnownRows) -> Rows | None:
+        sql, params = self._sqlite_params
+        return _sqlite_rows(cursor, begin, sql, params, known)
 
     @property
     def read_only(self) -> bool:

@@ -37,7 +37,7 @@ from mdb.parallel import DEFAULT_PARALLEL, run_each
 from mdb.router import Router, ShardLayout
 from mdb.schema_diff import Difference, compare_tables
 from mdb.store import Store
-from mdb.system_tables import load_system_tables, on_demand_metadata, version_table
+from mdb.system_tables import CHECK_VERSION_TABLE, load_system_tables, on_demand_metadata, version_table
 
 __all__ = ["ShardReport", "apply_schema", "check_schema", "create_tables", "known_tables", "server_tables", "stamp_layout"]
 
@@ -100,7 +100,7 @@ def known_tables(store: Store) -> set[str]:
     shard_md, central_md = load_system_tables()
     types = {*store.types, *registered_types(store.registry)}
     versions = {version_table(area) for area in store.map.areas}  # `mdb migrate`'s, one per area
-    return {*shard_md.tables, *central_md.tables, *on_demand_metadata.tables, *versions,
+    return {*shard_md.tables, *central_md.tables, *on_demand_metadata.tables, *versions, CHECK_VERSION_TABLE,
             *(t.name for btype in types for t in btype.tables)}
 
 

@@ -20,6 +20,7 @@ from sqlalchemy import BigInteger, Column, DateTime, Integer, MetaData, String, 
 from mdb.sqltypes import GDIDType
 
 __all__ = [
+    "CHECK_VERSION_TABLE",
     "lease_fences",
     "on_demand_metadata",
     "CENTRAL_TABLE_MODULES",
@@ -83,6 +84,17 @@ briefcase_state = Table(
     Column("move_id", String(64), nullable=True),
     Column("changed_at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
 )
+
+CHECK_VERSION_TABLE: Final = "mdb_check_version"
+"""SQLite: one row whose ``token`` changes with every change to the tables the check reads.
+
+Triggers on ``mdb_shard_layout`` and ``mdb_briefcase_state`` set it to a new random value in the
+transaction of the change, whatever wrote it (a move, ``mdb map apply``, fsck, an older mdb, a
+person at the ``sqlite3`` prompt). So the check's rows read under one token are the rows any
+later transaction that reads the same token would read: a session reads the token, inside its
+transaction, and takes the rows kept for it (:mod:`mdb.ownership`), which is still the check on the
+shard, in the session's transaction. Random rather than a counter: a file restored from a copy
+and written again cannot come back to a token it had with other contents."""
 
 CENTRAL_TABLE_MODULES: Final[tuple[str, ...]] = (
     "mdb.backends.sql",

@@ -29,6 +29,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Hashable
 from typing import Any, cast
 
 import psycopg
@@ -51,6 +52,7 @@ from mdb.engines import (
     SQLITE_WRITE_BEGIN,
     EngineRegistry,
     PGTransactions,
+    Rows,
     finish_pending_record,
     mdb_url,
     sqlite_begin,
@@ -125,9 +127,10 @@ class MdbSQLiteDialectAsync(SQLiteDialect_aiosqlite):
     def __init__(self, mdb_begin: str = SQLITE_WRITE_BEGIN, **kw: Any) -> None:
         super().__init__(**kw)
         self.mdb_begin = mdb_begin
+        self.mdb_known_rows: dict[Hashable, tuple[Any, Rows]] = {}
 
     def do_begin(self, dbapi_connection: Any) -> None:
-        sqlite_begin(dbapi_connection, self.mdb_begin)
+        sqlite_begin(dbapi_connection, self.mdb_begin, self.mdb_known_rows)
 
     def do_commit(self, dbapi_connection: Any) -> None:
         # The adapter's commit() (one trip to aiosqlite's thread); a COMMIT that fails leaves

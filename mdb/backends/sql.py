@@ -21,7 +21,7 @@ from sqlalchemy.types import SchemaType, TypeDecorator
 from mdb.backends.base import AreaData, AreaScan, Backend, BriefcaseStateRow, Holding, SchemaOutcome, Servers, ServerSchema
 from mdb.errors import MapEditError, MdbError
 from mdb.gdid import GDID
-from mdb.ownership import APPLYING_PREFIX, FREEZE_GDID, install_pg_functions, partition_lock_key_sql
+from mdb.ownership import APPLYING_PREFIX, FREEZE_GDID, install_pg_functions, install_sqlite_check_version, partition_lock_key_sql
 from mdb.router import Reach, ShardLayout
 from mdb.schema_diff import compare_tables
 from mdb.sqltypes import GDIDType
@@ -131,6 +131,8 @@ def create_tables(conn: Connection, tables: list[Table]) -> list[str]:
         metadata.create_all(conn, tables=[t for t in missing if t.metadata is metadata], checkfirst=check)
     if conn.dialect.name == "postgresql":  # the ownership check behind a transaction pooler (docs/operations.md)
         install_pg_functions(conn)
+    elif conn.dialect.name == "sqlite":  # the version the ownership check's kept rows are checked against
+        install_sqlite_check_version(conn)
     return created
 
 

@@ -128,7 +128,7 @@ class FenceCheck:
     def begin_postgresql_pooled(self, connection: Any) -> Rows | None:
         return self._pg(connection)
 
-    def begin_sqlite(self, cursor: Any, begin: str) -> Rows | None:
+    def begin_sqlite(self, cursor: Any, begin: str, known: Any) -> Rows | None:
         cursor.execute(begin)  # one writer at a time: no row lock to take
         cursor.execute(f"SELECT epoch FROM {lease_fences.name} WHERE lease_id = ?", (self.lease_id,))
         return list(cursor.fetchall())

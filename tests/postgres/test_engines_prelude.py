@@ -17,7 +17,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from mdb.engines import BeginPrelude, EngineRegistry, PreparedNames, Rows, prelude_of, set_prelude, take_result
+from mdb.engines import BeginPrelude, EngineRegistry, KnownRows, PreparedNames, Rows, prelude_of, set_prelude, take_result
 from mdb.ownership import Prelude
 from mdb.partition_map import ServerSpec
 
@@ -41,7 +41,7 @@ class Recording:
         connection.execute("BEGIN")
         return [("postgresql_pooled",)]
 
-    def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str) -> Rows | None:
+    def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str, known: KnownRows) -> Rows | None:
         self.calls.append(begin)
         cursor.execute(begin)
         if self.fail:
