@@ -83,6 +83,12 @@ class _BriefcaseCriteria(LoaderCriteriaOption):
     criterion, and its cache key is the briefcase type alone: the criteria are fixed per type
     and the GDID travels as the bound parameter ``mdb_briefcase_key``, never in the statement.
     It hooks the same two methods the ORM calls on every loader criteria option.
+
+    It does not propagate to loaders (``propagate_to_loaders``, on for ``with_loader_criteria``):
+    a lazy, selectin, subquery or refresh load of a briefcase session is an execution of that
+    session, confined in :meth:`BriefcaseSession._execute_internal` like any other, so
+    propagating only made the ORM carry the option on every loaded row (~1 µs per statement,
+    docs/dev/measured-sessions.md, "Ninth pass").
     """
 
     __slots__ = ("_by_mapper",)
@@ -96,7 +102,7 @@ class _BriefcaseCriteria(LoaderCriteriaOption):
         self.where_criteria = None  # type: ignore[assignment]
         self._where_crit_orig = None
         self.include_aliases = True
-        self.propagate_to_loaders = True
+        self.propagate_to_loaders = False
         self._by_mapper: dict[Mapper[Any], ColumnElement[bool]] = {
             sa_inspect(model): getattr(model, _key_attr(model, btype.key)) == placeholder for model in btype.models
         }
@@ -166,9 +172,13 @@ def _confined(ctx: BriefcaseContext, statement: Any, params: Any) -> tuple[Any, 
     kept = statement.__dict__.get(_CONFINED)
     if kept is not None and kept[0] == id(statement) and kept[1] is btype:
         confined = kept[2]
+    elif (options := statement._with_options) and any(option is _criteria(btype) for option in options):  # type: ignore[arg-type]
+        # Confined already (by identity: an option's == is its own business): a selectin or
+        # subquery load's statement carries its parent's options, ours among them.
+        confined = statement
     else:
         confined = statement._generate()
-        confined._with_options = (*statement._with_options, _criteria(btype))  # type: ignore[arg-type]
+        confined._with_options = (*options, _criteria(btype))  # type: ignore[arg-type]
         # A memoized attribute, as SQLAlchemy keeps the cache key: a statement derived from this
         # one (``.where()``, ``.options()``) is a copy that leaves it behind. The id is for a
         # copy that took it anyway (two threads memoizing at once can drop a name from the
@@ -196,8 +206,8 @@ class BriefcaseSession(Session):
         self._mdb_briefcase = briefcase
 
     def _execute_internal(self, statement: Any, params: Any = None, **kw: Any) -> Any:
-        # Every execution, a listener's invoke_statement() too (it may hand over a new statement):
-        # one already confined gets the same criteria twice, which selects the same rows.
+        # Every execution: the application's, the ORM's own loads (lazy, selectin, subquery,
+        # refresh), a listener's invoke_statement() (which may hand over a new statement).
         ctx = self._mdb_briefcase
         if ctx is not None:
             statement, params = _confined(ctx, statement, params)

@@ -179,6 +179,43 @@ def test_confinement_covers_aliases_joins_subqueries_eager_loads_and_bulk_delete
         assert session.scalars(select(Address.user_id)).all() == [neighbour]
 
 
+def test_the_orms_own_loads_are_confined_once(store: Store) -> None:
+    """A lazy load, a refresh and a selectin load are executions of the briefcase session, confined
+    there like the application's: each carries the confining criterion once (the option does not
+    also propagate to loaders, which put it in twice) and sees no neighbour's rows."""
+    mine, neighbour = GDID(0, 0, 50), GDID(0, 0, 52)  # both on u1
+    for gdid in (mine, neighbour):
+        with store.briefcase(UserBriefcase, gdid) as session:
+            fill_briefcase(session, gdid)
+    sent: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        sent.append(" ".join(statement.split()))
+
+    engine = store.engine("u1", True)
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        with store.briefcase(UserBriefcase, mine, readonly=True) as session:
+            user = session.get(User, mine)
+            assert user is not None
+            sent.clear()
+            assert {o.user_id for o in user.orders} == {mine}  # lazy
+            session.expire(user)
+            assert user.email  # refresh
+            session.scalars(select(Order).options(selectinload(Order.line_items))).all()  # selectin
+            loads = list(sent)
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    assert len(loads) == 4, loads
+    for sql in loads:
+        table = sql.split(" FROM ", 1)[1].split()[0]
+        where = sql.split(" WHERE ", 1)[1]
+        # The relationship's own join condition may name the key column too; the criterion is
+        # "<table>.user_id = <parameter>" with the parameter second.
+        criteria = [part for part in where.split(" AND ") if part.startswith(f"{table}.user_id = ")]
+        assert len(criteria) == 1, sql
+
+
 def test_a_confined_statement_inlined_compares_the_key_as_its_column_stores_it(store: Store) -> None:
     """The confining parameter carries the key's 12 stored bytes (no column type converts them per
     statement); compiled with ``literal_binds`` it renders as the binary literal of the column
