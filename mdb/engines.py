@@ -116,7 +116,7 @@ class PreparedNames:
 
 @dataclass
 class KnownRows:
-    """What a SQLite prelude keeps of its reads for later transactions: SQLite's counterpart of :class:`PreparedNames`.
+    """What a SQLite connection keeps for its later transactions: SQLite's counterpart of :class:`PreparedNames`.
 
     ``shared`` is the engine's (one database file), shared by its connections: key -> (the version
     the rows were read at, the rows), each entry written and read whole, so connections that race
@@ -124,10 +124,15 @@ class KnownRows:
     carries the version a kept entry is checked against (None: not asked yet), asked once per
     connection so that a connection opened after ``mdb schema apply`` installed it starts using it.
     What may be kept, and when an entry is still true, is the prelude's business (:mod:`mdb.ownership`).
+    ``cursor``: the cursor its BEGIN sends on.
     """
 
     shared: dict[Hashable, tuple[Any, Rows]]
     versioned: bool | None = None
+    cursor: Any = None
+    """The cursor this connection's BEGIN and prelude send on, made on its first BEGIN and kept:
+    a cursor made and closed per transaction cost each session ~0.5 µs on pysqlite (and a trip to
+    aiosqlite's thread on the async engines). Its statements are done when BEGIN returns."""
 
 
 class BeginPrelude(Protocol):
@@ -379,20 +384,16 @@ def sqlite_begin(fairy: Any, begin: str, shared: dict[Hashable, tuple[Any, Rows]
     :class:`KnownRows` the prelude gets.
     """
     info = fairy.info
+    known: KnownRows | None = info.get(_KNOWN)
+    if known is None:  # a new connection
+        # The DBAPI connection's cursor, not the driver's: for pysqlite they are one object, and
+        # for aiosqlite (mdb.aio) it is SQLAlchemy's adapter, whose cursor has this same sync API.
+        known = info[_KNOWN] = KnownRows(shared, cursor=fairy.dbapi_connection.cursor())
     prelude: BeginPrelude | None = info.pop(PRELUDE, None)
-    # The DBAPI connection, not the driver's: for pysqlite they are one object, and for
-    # aiosqlite (mdb.aio) it is SQLAlchemy's adapter, whose cursor has this same sync API.
-    cursor = fairy.dbapi_connection.cursor()
-    try:
-        if prelude is None:
-            cursor.execute(begin)
-        else:
-            known: KnownRows | None = info.get(_KNOWN)
-            if known is None:  # a new connection
-                known = info[_KNOWN] = KnownRows(shared)
-            info[BEGIN_RESULT] = prelude.begin_sqlite(cursor, begin, known)
-    finally:
-        cursor.close()
+    if prelude is None:
+        known.cursor.execute(begin)
+    else:
+        info[BEGIN_RESULT] = prelude.begin_sqlite(known.cursor, begin, known)
 
 
 def sqlite_end(connection: sqlite3.Connection, statement: str) -> None:
@@ -507,10 +508,14 @@ class MdbSQLiteDialect(SQLiteDialect_pysqlite):
         sqlite_begin(dbapi_connection, self.mdb_begin, self.mdb_known_rows)
 
     def do_commit(self, dbapi_connection: Any) -> None:
-        sqlite_end(dbapi_connection.dbapi_connection, "COMMIT")
+        connection = dbapi_connection.dbapi_connection
+        if connection.in_transaction:  # (sqlite_end asks too: not calling it when nothing is open, as at every pool return)
+            sqlite_end(connection, "COMMIT")
 
     def do_rollback(self, dbapi_connection: Any) -> None:
-        sqlite_end(dbapi_connection.dbapi_connection, "ROLLBACK")
+        connection = dbapi_connection.dbapi_connection
+        if connection.in_transaction:
+            sqlite_end(connection, "ROLLBACK")
 
     @classmethod
     def get_async_dialect_cls(cls, url: URL) -> type[Dialect]:

@@ -23,7 +23,7 @@ Read-only sessions ignore the marker: reads cannot strand a briefcase.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Final
@@ -139,7 +139,7 @@ class Prelude:
     def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str, known: KnownRows) -> Rows | None:
         """``begin``, then the check with its named parameters (sqlite3 caches the text), as :class:`OwnershipCheck`."""
         (statement,) = self.statements  # one statement on SQLite (ownership_prelude)
-        return _sqlite_rows(cursor, begin, statement, self.params, known)
+        return _sqlite_rows(cursor, begin, statement, self.params, known, (statement, *self.params.values()))
 
 
 def _begin_prepared(connection: psycopg.Connection[Any], prepared: PreparedNames, prepare: Mapping[str, str],
@@ -387,13 +387,15 @@ def install_sqlite_check_version(conn: Connection) -> list[str]:
     return created
 
 
-def _sqlite_rows(cursor: sqlite3.Cursor, begin: str, sql: str, params: Mapping[str, Any], known: KnownRows) -> Rows:
+def _sqlite_rows(cursor: sqlite3.Cursor, begin: str, sql: str, params: Mapping[str, Any], known: KnownRows,
+                 key: Hashable) -> Rows:
     """``begin`` and the check's rows: those an earlier transaction read under the token this one reads, or read now.
 
     Costs one lookup of a one-row table where the rows are kept (the common case: no move or map
     change since this briefcase's last session on this engine); the whole check otherwise, and on
     a database without :data:`CHECK_VERSION_TABLE` (asked once per connection). Every part runs in
     the session's transaction: the token and, when read, the rows come from its one snapshot.
+    ``key``: what the rows are kept under, the text and the values of ``params`` (made once by the caller).
     """
     cursor.execute(begin)
     versioned = known.versioned
@@ -404,7 +406,7 @@ def _sqlite_rows(cursor: sqlite3.Cursor, begin: str, sql: str, params: Mapping[s
         cursor.execute(_SQLITE_VERSION)
         token = cursor.fetchone()
         if token is not None:  # (a deleted row is never changed by the triggers: keep nothing then)
-            shared, key = known.shared, (sql, *params.values())
+            shared = known.shared
             kept = shared.get(key)
             if kept is not None and kept[0] == token[0]:
                 return kept[1]
@@ -496,15 +498,16 @@ class OwnershipCheck:
         return "; ".join((_pg_begin(self.lock), *statements))
 
     @cached_property
-    def _sqlite_params(self) -> tuple[str, dict[str, Any]]:
+    def _sqlite_params(self) -> tuple[str, dict[str, Any], tuple[Any, ...]]:
         # The check's one text per kind, its values as named parameters (as ownership_prelude
-        # renders it, without building a Prelude). sqlite3 only reads the dict.
+        # renders it, without building a Prelude), and what its rows are kept under. sqlite3
+        # only reads the dict.
         placement = self.placement
         params: dict[str, Any] = {"area": placement.area, "gdid": bytes(placement.gdid), "freeze": _SQLITE_FREEZE}
         if self.lock:
             params["start"] = str(placement.partition_start)
-            return _SQLITE_WRITE, params
-        return _SQLITE_READ, params
+        sql = _SQLITE_WRITE if self.lock else _SQLITE_READ
+        return sql, params, (sql, *params.values())
 
     def begin_postgresql(self, connection: psycopg.Connection[Any], prepared: PreparedNames) -> Rows | None:
         return _begin_prepared(connection, prepared, PG_PREPARED, self._direct_sql)
@@ -513,8 +516,8 @@ class OwnershipCheck:
         return simple_query(connection, self._pooled_sql)
 
     def begin_sqlite(self, cursor: sqlite3.Cursor, begin: str, known: KnownRows) -> Rows | None:
-        sql, params = self._sqlite_params
-        return _sqlite_rows(cursor, begin, sql, params, known)
+        sql, params, key = self._sqlite_params
+        return _sqlite_rows(cursor, begin, sql, params, known, key)
 
     @property
     def read_only(self) -> bool:

@@ -189,7 +189,7 @@ def _names_its_briefcase(ctx: BriefcaseContext, statement: Select[Any]) -> bool:
         column.__visit_name__ == "column" and column.table is key.table and column.name == key.name
         and column._annotations.get("parententity") is mapper
         and value.__class__ is BindParameter and value.callable is None and value.type is column.type
-        and value.value.__class__ is GDID and value.value == ctx.gdid
+        and ((gdid := value.value) is ctx.gdid or (gdid.__class__ is GDID and gdid == ctx.gdid))
     )
 
 
@@ -268,7 +268,7 @@ class BriefcaseSession(Session):
     _mdb_briefcase: BriefcaseContext | None = None
 
     def __init__(self, bind: Any = None, *, briefcase: BriefcaseContext | None = None, **kw: Any) -> None:
-        super().__init__(bind, **kw)
+        Session.__init__(self, bind, **kw)  # (not super(): one object fewer per session)
         self._mdb_briefcase = briefcase
 
     def _execute_internal(self, statement: Any, params: Any = None, **kw: Any) -> Any:

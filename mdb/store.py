@@ -517,7 +517,8 @@ class _BriefcaseBlock(AbstractContextManager[BriefcaseSession]):
         try:
             if exc is None:
                 try:
-                    session.flush()
+                    if session._new or session._deleted or session.identity_map._modified:  # (Session._is_clean, without 3 calls)
+                        session.flush()
                     conn.commit()
                 except BaseException as failure:
                     _failed(conn, session, failure)
