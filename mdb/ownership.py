@@ -42,7 +42,7 @@ from mdb.system_tables import (
 
 __all__ = [
     "FREEZE_GDID", "KEPT_CHECKS", "OwnershipCheck", "Prelude", "check_ownership", "confirming_row", "freeze_holder", "freeze_mark", "frozen_for",
-    "install_pg_functions", "install_sqlite_check_version", "lock_key_sql", "lock_keys_sql", "ownership_prelude", "partition_lock_key_sql",
+    "check_helpers_missing", "install_pg_functions", "install_sqlite_check_version", "lock_key_sql", "lock_keys_sql", "ownership_prelude", "partition_lock_key_sql",
 ]
 
 FREEZE_GDID = GDID(0, 0, 0)
@@ -315,13 +315,7 @@ def install_pg_functions(conn: Connection) -> list[str]:
     Unchanged ones are left alone: ``CREATE OR REPLACE`` of the same function by two
     concurrent ``mdb schema apply`` runs can fail with "tuple concurrently updated".
     """
-    names = list(PG_FUNCTIONS)
-    rows = conn.execute(
-        text("SELECT proname, prosrc FROM pg_proc WHERE proname = ANY(:names) AND pronamespace = current_schema()::regnamespace"),
-        {"names": names},
-    )
-    current = {str(name): str(source) for name, source in rows}
-    changed = [name for name in names if current.get(name) != PG_FUNCTIONS[name][1]]
+    changed = _pg_functions_to_install(conn)
     for name in changed:
         args, body = PG_FUNCTIONS[name]
         conn.exec_driver_sql(
@@ -361,6 +355,36 @@ _SQLITE_VERSIONED = f"SELECT count(*) FROM {_VERSION_OBJECTS}"
 KEPT_CHECKS: Final = 4096
 """Check results an engine keeps (:class:`mdb.engines.KnownRows`; all dropped when full): about
 400 bytes each, so at most ~1.6 MB per SQLite engine."""
+
+
+def _pg_functions_to_install(conn: Connection) -> list[str]:
+    """The check functions missing on a PostgreSQL server, or there with another body (an older mdb's)."""
+    names = list(PG_FUNCTIONS)
+    rows = conn.execute(
+        text("SELECT proname, prosrc FROM pg_proc WHERE proname = ANY(:names) AND pronamespace = current_schema()::regnamespace"),
+        {"names": names},
+    )
+    current = {str(name): str(source) for name, source in rows}
+    return [name for name in names if current.get(name) != PG_FUNCTIONS[name][1]]
+
+
+def check_helpers_missing(conn: Connection) -> list[str]:
+    """What ``mdb schema apply`` would install for the ownership check on this server, as names.
+
+    On PostgreSQL the check functions a transaction pooler's sessions call (missing or of another
+    body); on SQLite :data:`CHECK_VERSION_TABLE`, its row and its triggers. Without them sessions
+    are as safe (the whole check runs every time) but slower, so ``mdb schema check`` reports them
+    as notes, not as drift. Reads only.
+    """
+    if conn.dialect.name == "postgresql":
+        return _pg_functions_to_install(conn)
+    if conn.dialect.name != "sqlite":
+        return []
+    present = {str(name) for (name,) in conn.exec_driver_sql(f"SELECT name FROM {_VERSION_OBJECTS}")}
+    missing = [name for name in (CHECK_VERSION_TABLE, *_VERSION_TRIGGERS) if name not in present]
+    if CHECK_VERSION_TABLE in present and conn.exec_driver_sql(_SQLITE_VERSION).first() is None:
+        missing.append(f"{CHECK_VERSION_TABLE} row")
+    return missing
 
 
 def install_sqlite_check_version(conn: Connection) -> list[str]:

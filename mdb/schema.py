@@ -33,6 +33,7 @@ from mdb.briefcase import registered_types
 from mdb.dberrors import describe
 from mdb.errors import MdbError
 from mdb.maps.identity import Recorded, ensure_on, identity_problem, read_identity, record_identities, recorded_identities
+from mdb.ownership import check_helpers_missing
 from mdb.parallel import DEFAULT_PARALLEL, run_each
 from mdb.router import Router, ShardLayout
 from mdb.schema_diff import Difference, compare_tables
@@ -58,6 +59,8 @@ class ShardReport:
     error: str | None = None
     identity: str | None = None
     """The identity of the database the server's URL reaches (SQL servers; after the run)."""
+    notes: list[str] = field(default_factory=list)
+    """What ``schema check`` found that is worth a line but is not drift (the report stays ok)."""
 
     @property
     def ok(self) -> bool:
@@ -139,6 +142,12 @@ def check_schema(
         try:
             with store.transaction(server) as conn:
                 report.differences = compare_tables(conn, tables, known=known)
+                missing = check_helpers_missing(conn)
+            if missing:
+                report.notes.append(
+                    f"the ownership check's helpers are missing or outdated ({', '.join(missing)}): its sessions run the "
+                    "whole check every time (safe, slower); `mdb schema apply` installs them"
+                )
         except (MdbError, DBAPIError) as exc:
             _shard_failed(server, report, exc)
         return report

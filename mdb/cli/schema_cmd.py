@@ -75,7 +75,7 @@ def _report_json(r: ShardReport) -> dict[str, object]:
     return {"server": r.server, "url": r.url, "roles": r.roles, "created": r.created, "stamped": r.stamped,
             "kept": r.kept, "identity": r.identity, "problems": [mask_secrets(p) for p in r.problems],
             "differences": [d.to_json() for d in r.differences],
-            "error": None if r.error is None else mask_secrets(r.error), "ok": r.ok}
+            "error": None if r.error is None else mask_secrets(r.error), "notes": r.notes, "ok": r.ok}
 
 
 def _print(reports: list[ShardReport], map_version: int) -> None:
@@ -144,6 +144,9 @@ def _print_check(reports: list[ShardReport], map_version: int) -> None:
         table.add_row(escape(r.server), escape(r.url), escape(", ".join(r.roles)), _status(r))
     console.print(table)
     _print_drift(reports)
+    for r in reports:
+        for note in r.notes:
+            console.print(f"note: {r.server}: {note}", markup=False)
     bad = [r.server for r in reports if not r.ok]
     if bad:
         console.print(f"{len(bad)} of {len(reports)} shards differ from the models or failed: {', '.join(bad)}", markup=False)
