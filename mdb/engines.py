@@ -124,15 +124,16 @@ class KnownRows:
     carries the version a kept entry is checked against (None: not asked yet), asked once per
     connection so that a connection opened after ``mdb schema apply`` installed it starts using it.
     What may be kept, and when an entry is still true, is the prelude's business (:mod:`mdb.ownership`).
-    ``cursor``: the cursor its BEGIN sends on.
     """
 
     shared: dict[Hashable, tuple[Any, Rows]]
     versioned: bool | None = None
     cursor: Any = None
     """The cursor this connection's BEGIN and prelude send on, made on its first BEGIN and kept:
-    a cursor made and closed per transaction cost each session ~0.5 µs on pysqlite (and a trip to
-    aiosqlite's thread on the async engines). Its statements are done when BEGIN returns."""
+    one made and closed per transaction was ~0.2 µs of each session on pysqlite in a tight loop,
+    more in the read (docs/dev/measured-sessions.md, "Tenth pass"), and a trip to aiosqlite's
+    thread on the async engines. Its statements are done when BEGIN returns; closed and
+    replaced when a BEGIN fails."""
 
 
 class BeginPrelude(Protocol):
@@ -386,14 +387,24 @@ def sqlite_begin(fairy: Any, begin: str, shared: dict[Hashable, tuple[Any, Rows]
     info = fairy.info
     known: KnownRows | None = info.get(_KNOWN)
     if known is None:  # a new connection
+        known = info[_KNOWN] = KnownRows(shared)
+    cursor = known.cursor
+    if cursor is None:
         # The DBAPI connection's cursor, not the driver's: for pysqlite they are one object, and
         # for aiosqlite (mdb.aio) it is SQLAlchemy's adapter, whose cursor has this same sync API.
-        known = info[_KNOWN] = KnownRows(shared, cursor=fairy.dbapi_connection.cursor())
+        cursor = known.cursor = fairy.dbapi_connection.cursor()
     prelude: BeginPrelude | None = info.pop(PRELUDE, None)
-    if prelude is None:
-        known.cursor.execute(begin)
-    else:
-        info[BEGIN_RESULT] = prelude.begin_sqlite(known.cursor, begin, known)
+    try:
+        if prelude is None:
+            cursor.execute(begin)
+        else:
+            info[BEGIN_RESULT] = prelude.begin_sqlite(cursor, begin, known)
+    except BaseException:
+        # A statement cut off before its last row holds its read snapshot (and with it the WAL)
+        # until its cursor is closed: this one is done, the next BEGIN makes another.
+        known.cursor = None
+        cursor.close()
+        raise
 
 
 def sqlite_end(connection: sqlite3.Connection, statement: str) -> None:

@@ -239,3 +239,40 @@ def test_kept_check_rows_are_the_rows_the_check_reads_now(stale_sqlite_cluster: 
 
     run()
     assert kept > 0  # the property was tested on kept rows, not only on checks read again
+
+
+class _CutOff:
+    """A prelude that stops after the first row of a read with more (what an interrupt or a failing
+    row conversion leaves behind): the statement is still open on the BEGIN's cursor."""
+
+    def begin_sqlite(self, cursor: Any, begin: str, known: Any) -> None:
+        cursor.execute(begin)
+        cursor.execute("SELECT area FROM mdb_shard_layout UNION ALL SELECT area FROM mdb_shard_layout")
+        cursor.fetchone()
+        raise KeyboardInterrupt
+
+    def begin_postgresql(self, connection: Any, prepared: Any) -> None:
+        raise AssertionError("SQLite only")
+
+    begin_postgresql_pooled = begin_postgresql
+    read_only = True
+
+
+def test_a_begin_cut_off_half_way_holds_no_snapshot(stale_sqlite_cluster: Cluster) -> None:
+    """Each connection keeps the cursor its BEGIN sends on. A BEGIN that fails half-way closes it:
+    a read left open on it would hold its snapshot, and a checkpoint would wait for it, for as
+    long as the connection sits in the pool."""
+    store = stale_sqlite_cluster.store()
+    gdid = GDID(0, 0, 12)
+    assert create_user(store, gdid) == "u1"
+    engine = store.engine("u1", True)
+    with engine.connect() as conn:
+        set_prelude(conn, _CutOff())  # type: ignore[arg-type]  # the protocol's SQLite part is what runs
+        with pytest.raises(KeyboardInterrupt):
+            conn.begin()
+        with _outside(stale_sqlite_cluster, "u1") as other:
+            other.execute("UPDATE mdb_shard_layout SET map_version = map_version")
+            busy, _log, _done = other.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            assert busy == 0
+    for _ in range(2):  # the pooled connection's next sessions: a new cursor, the check as before
+        assert _read(store, gdid) == "u1"
