@@ -368,6 +368,11 @@ def _pg_functions_to_install(conn: Connection) -> list[str]:
     return [name for name in names if current.get(name) != PG_FUNCTIONS[name][1]]
 
 
+def _version_objects_present(conn: Connection) -> set[str]:
+    """Which of :data:`CHECK_VERSION_TABLE` and its triggers a SQLite server has."""
+    return {str(name) for (name,) in conn.exec_driver_sql(f"SELECT name FROM {_VERSION_OBJECTS}")}
+
+
 def check_helpers_missing(conn: Connection) -> list[str]:
     """What ``mdb schema apply`` would install for the ownership check on this server, as names.
 
@@ -380,7 +385,7 @@ def check_helpers_missing(conn: Connection) -> list[str]:
         return _pg_functions_to_install(conn)
     if conn.dialect.name != "sqlite":
         return []
-    present = {str(name) for (name,) in conn.exec_driver_sql(f"SELECT name FROM {_VERSION_OBJECTS}")}
+    present = _version_objects_present(conn)
     missing = [name for name in (CHECK_VERSION_TABLE, *_VERSION_TRIGGERS) if name not in present]
     if CHECK_VERSION_TABLE in present and conn.exec_driver_sql(_SQLITE_VERSION).first() is None:
         missing.append(f"{CHECK_VERSION_TABLE} row")
@@ -393,7 +398,7 @@ def install_sqlite_check_version(conn: Connection) -> list[str]:
     ``mdb schema apply`` runs it with the system tables, in their transaction, so a database has
     all of them or none; sessions on a database without them run the whole check every time.
     """
-    present = {str(name) for (name,) in conn.exec_driver_sql(f"SELECT name FROM {_VERSION_OBJECTS}")}
+    present = _version_objects_present(conn)
     created: list[str] = []
     if CHECK_VERSION_TABLE not in present:
         conn.exec_driver_sql(
