@@ -108,20 +108,28 @@ def _hook_cost(ctx: BenchContext) -> float:
 def _measure(ctx: BenchContext, backend: str, central: str, shard: str, otel_note: str) -> list[Result]:
     store = _store(ctx.tmpdir / backend, central, shard)
     ids = [GDID(0, 0, i) for i in range(1, ROWS + 1)]
+    # Briefcases no session of this process has opened yet, one per call of the "first session" row.
+    first_iterations, first_rounds = ctx.iterations(25, 10), ctx.iterations(16, 2)
+    unopened = [GDID(0, 0, ROWS + i) for i in range(1, first_iterations * first_rounds + 2)]
     with store.transaction("u1") as conn:
-        conn.execute(insert(User), [{"user_id": g, "email": f"{g}@example.com", "name": f"user {g}", "created_at": NOW} for g in ids])
+        conn.execute(insert(User), [{"user_id": g, "email": f"{g}@example.com", "name": f"user {g}", "created_at": NOW}
+                                    for g in ids + unopened])
     plain = create_engine(shard)
     order = ids * 20
     random.Random(7).shuffle(order)
     cursor = iter(order * 1000)
 
-    def routed(readonly: bool) -> Callable[[], object]:
-        def read() -> object:
-            g = next(cursor)
-            with store.briefcase(UserBriefcase, g, readonly=readonly) as session:
-                return session.scalars(select(User).where(User.user_id == g)).one()
+    def read(g: GDID, readonly: bool) -> object:
+        with store.briefcase(UserBriefcase, g, readonly=readonly) as session:
+            return session.scalars(select(User).where(User.user_id == g)).one()
 
-        return read
+    def routed(readonly: bool) -> Callable[[], object]:
+        return lambda: read(next(cursor), readonly)
+
+    fresh = iter(unopened)
+
+    def first_session() -> object:
+        return read(next(fresh), True)
 
     unobserved = Store.briefcase.__wrapped__  # type: ignore[attr-defined]
 
@@ -165,6 +173,16 @@ def _measure(ctx: BenchContext, backend: str, central: str, shard: str, otel_not
     results = []
     session_time = 0.0
     try:
+        # The steady state of this workload first: one session of each of its briefcases in each
+        # mode, so that every measured round reads briefcases whose route and check rows the
+        # Store keeps (a 300-read warm-up left ~700 of the 1,000 unopened, and their first
+        # sessions, ~40 µs dearer each, fell into the first 6 of 20 rounds and lifted the median
+        # by ~1%: docs/dev/measured-sessions.md, "Eleventh pass"). What a first session costs,
+        # the price of every session when the working set outgrows what the Store keeps, is
+        # its own row below.
+        for readonly in (True, False):
+            for g in ids:
+                read(g, readonly)
         for readonly in (True, False):
             value, base = compare(routed(readonly), direct, iterations=iterations, rounds=rounds, warmup=ctx.iterations(300, 50))
             kind = "readonly" if readonly else "write"
@@ -186,6 +204,15 @@ def _measure(ctx: BenchContext, backend: str, central: str, shard: str, otel_not
                         f"{iterations} reads x {rounds} rounds, median of this process's CPU time",
                     )
                 )
+        value, base = compare(first_session, direct, iterations=first_iterations, rounds=first_rounds, warmup=1)
+        results.append(
+            Result(
+                "briefcase", f"{backend}: routed point read, first session of its briefcase (readonly)", value * 1e6, "µs/read",
+                "plain Session on the engine", base * 1e6,
+                f"{first_iterations} reads x {first_rounds} rounds, median; each of a briefcase no session of this process "
+                "opened before (its route and check rows not kept yet)",
+            )
+        )
         value, base = compare(routed_built_once, direct_built_once, iterations=iterations, rounds=rounds, warmup=ctx.iterations(300, 50))
         results.append(
             Result(

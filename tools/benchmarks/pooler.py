@@ -80,6 +80,10 @@ def _routed_vs_plain(ctx: BenchContext, store: Store, pooled_shard: str, ids: li
     iterations, rounds = ctx.iterations(2000, 200), ctx.iterations(5, 2)
     results = []
     try:
+        for readonly in (True, False):  # the steady state: every briefcase opened once in each mode (as benchmarks.briefcase does)
+            for g in ids:
+                with store.briefcase(UserBriefcase, g, readonly=readonly) as session:
+                    session.scalars(select(User).where(User.user_id == g)).one()
         for readonly in (True, False):
             value, base = compare(routed(readonly), baseline, iterations=iterations, rounds=rounds, warmup=ctx.iterations(300, 50))
             kind = "readonly" if readonly else "write"
