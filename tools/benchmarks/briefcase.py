@@ -173,15 +173,16 @@ def _measure(ctx: BenchContext, backend: str, central: str, shard: str, otel_not
     results = []
     session_time = 0.0
     try:
-        # The steady state of this workload first: one session of each of its briefcases in each
-        # mode, so that every measured round reads briefcases whose route and check rows the
-        # Store keeps (a 300-read warm-up left ~700 of the 1,000 unopened, and their first
-        # sessions, ~40 µs dearer each, fell into the first 6 of 20 rounds and lifted the median
-        # by ~1%: docs/dev/measured-sessions.md, "Eleventh pass"). What a first session costs,
-        # the price of every session when the working set outgrows what the Store keeps, is
-        # its own row below.
+        # The steady state of this workload first: two sessions of each of its briefcases in each
+        # mode (a route is kept from a briefcase's second session: the doorkeeper of
+        # docs/dev/0019), so that every measured round reads briefcases whose route and check
+        # rows the Store keeps. A 300-read warm-up left ~700 of the 1,000 unopened, and their
+        # first sessions, ~25-60 µs dearer each, fell into the first 6 of 20 rounds and lifted
+        # the median (docs/dev/measured-sessions.md, "Eleventh pass"). What a first session
+        # costs, the price of every session when the working set outgrows what the Store
+        # keeps, is its own row below.
         for readonly in (True, False):
-            for g in ids:
+            for g in ids * 2:
                 read(g, readonly)
         for readonly in (True, False):
             value, base = compare(routed(readonly), direct, iterations=iterations, rounds=rounds, warmup=ctx.iterations(300, 50))

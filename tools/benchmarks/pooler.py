@@ -80,8 +80,8 @@ def _routed_vs_plain(ctx: BenchContext, store: Store, pooled_shard: str, ids: li
     iterations, rounds = ctx.iterations(2000, 200), ctx.iterations(5, 2)
     results = []
     try:
-        for readonly in (True, False):  # the steady state: every briefcase opened once in each mode (as benchmarks.briefcase does)
-            for g in ids:
+        for readonly in (True, False):  # the steady state: every briefcase's route kept in each mode (as benchmarks.briefcase does)
+            for g in ids * 2:
                 with store.briefcase(UserBriefcase, g, readonly=readonly) as session:
                     session.scalars(select(User).where(User.user_id == g)).one()
         for readonly in (True, False):
