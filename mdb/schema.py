@@ -143,17 +143,31 @@ def check_schema(
             with store.transaction(server) as conn:
                 report.differences = compare_tables(conn, tables, known=known)
                 missing = check_helpers_missing(conn)
+                backend = conn.dialect.name
             if missing:
-                report.notes.append(
-                    f"the ownership check's helpers are missing or outdated ({', '.join(missing)}): its sessions run the "
-                    "whole check every time (safe, slower); `mdb schema apply` installs them"
-                )
+                _helpers_missing(report, backend, store.engines.spec(server).pooler == "transaction", missing)
         except (MdbError, DBAPIError) as exc:
             _shard_failed(server, report, exc)
         return report
 
     servers = servers_where(store.map, lambda b: b.checks_drift)
     return run_each(servers, one, parallel=parallel, on_done=on_done, name="mdb-schema-check")
+
+
+def _helpers_missing(report: ShardReport, backend: str, pooled: bool, missing: list[str]) -> None:
+    """Report the ownership check's helpers a server lacks (:func:`mdb.ownership.check_helpers_missing`)
+    by what their absence does: on SQLite sessions read the whole check every time (a note: safe,
+    slower); on PostgreSQL only sessions through a transaction pooler call the check functions, and
+    fail without them (a problem on a server the map puts behind one, a note on the others)."""
+    what = f"the ownership check's helpers are missing or outdated ({', '.join(missing)})"
+    if backend == "sqlite":
+        report.notes.append(f"{what}: its sessions read the whole check every time (safe, slower); `mdb schema apply` installs them")
+    elif pooled:
+        report.problems.append(f"{what}: sessions through its transaction pooler call them and fail without them; "
+                               "`mdb schema apply` installs them")
+    else:
+        report.notes.append(f"{what}: only sessions through a transaction pooler call them (the map puts this server "
+                            "behind none); `mdb schema apply` installs them")
 
 
 def _server_schema(

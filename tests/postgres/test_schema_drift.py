@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from support.moves import add_transaction, create_user, make_cluster
 from sqlalchemy import (
     BigInteger,
@@ -30,6 +31,7 @@ from sqlalchemy import (
     text,
     update,
 )
+from support.pgbouncer import pooled_servers, write_pooled_map
 from support.schema import write_models_map
 from typer.testing import CliRunner
 
@@ -42,6 +44,7 @@ from mdb.moves.move import move_briefcase
 from mdb.moves.reshard import reshard
 from mdb.schema_diff import Difference, compare_tables
 from mdb.sqltypes import GDIDType
+from mdb.testing.pgbouncer import PgBouncer
 
 MDB = Path(sys.executable).parent / "mdb"
 runner = CliRunner()
@@ -184,8 +187,9 @@ def test_check_notes_a_missing_helper_of_the_ownership_check_without_failing(
     urls: Callable[[int], list[str]], tmp_path: Path
 ) -> None:
     """A shard whose helpers of the ownership check are gone (an upgrade not yet applied, a hand
-    edit): its sessions run the whole check every time, which is slower, not wrong. ``schema
-    check`` says so in a note, exits 0, and ``schema apply`` puts the helper back."""
+    edit): on SQLite its sessions read the whole check every time, which is slower, not wrong;
+    on PostgreSQL without a pooler its sessions do not call the functions. ``schema check`` says
+    so in a note, exits 0, and ``schema apply`` puts the helper back."""
     c, u1, u2 = urls(3)
     path = write_map(tmp_path, {"c": c, "u1": u1, "u2": u2})
     assert cli("apply", str(path)).exit_code == 0
@@ -207,6 +211,32 @@ def test_check_notes_a_missing_helper_of_the_ownership_check_without_failing(
 
     assert cli("apply", str(path)).exit_code == 0
     assert [s["notes"] for s in json.loads(cli("check", str(path), "--json").stdout)["shards"]] == [[], [], []]
+
+
+@pytest.mark.postgres
+def test_check_fails_a_pooled_server_without_the_check_functions(
+    pg_databases: Callable[[int], list[str]], pgbouncer: Callable[..., PgBouncer], tmp_path: Path
+) -> None:
+    """Behind a transaction pooler a session calls the check functions, and fails without them:
+    on a server the map puts behind one, their absence is a problem (exit 1), not a note."""
+    direct = dict(zip(("c", "u1"), pg_databases(2), strict=True))
+    _bouncer, pooled = pooled_servers(pgbouncer, direct)
+    path = write_pooled_map(tmp_path, pooled, direct, central=["c"], partitions=[("0:0:0", ["u1"])])
+    data = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**data, "models": ["mdb.demo.models"]}, sort_keys=False))
+    assert cli("apply", str(path)).exit_code == 0
+    assert cli("check", str(path)).exit_code == 0
+
+    ddl(direct["u1"], "DROP FUNCTION mdb_check_read")
+    result = cli("check", str(path), "--json")
+    assert result.exit_code == 1, result.stdout
+    shards = {s["server"]: s for s in json.loads(result.stdout)["shards"]}
+    assert not shards["u1"]["ok"] and shards["u1"]["notes"] == [] and shards["u1"]["differences"] == []
+    assert len(shards["u1"]["problems"]) == 1 and "(mdb_check_read)" in shards["u1"]["problems"][0], shards["u1"]
+    assert "transaction pooler" in shards["u1"]["problems"][0] and shards["c"]["ok"]
+
+    assert cli("apply", str(path)).exit_code == 0
+    assert cli("check", str(path)).exit_code == 0
 
 
 def test_check_changes_nothing_and_reports_a_down_server(tmp_path: Path) -> None:
