@@ -377,9 +377,9 @@ def check_helpers_missing(conn: Connection) -> list[str]:
     """What ``mdb schema apply`` would install for the ownership check on this server, as names.
 
     On PostgreSQL the check functions a transaction pooler's sessions call (missing or of another
-    body); on SQLite :data:`CHECK_VERSION_TABLE`, its row and its triggers. Without them sessions
-    are as safe (the whole check runs every time) but slower, so ``mdb schema check`` reports them
-    as notes, not as drift. Reads only.
+    body); on SQLite :data:`CHECK_VERSION_TABLE`, its row and its triggers. What their absence
+    does differs (SQLite sessions read the whole check, pooled PostgreSQL sessions fail), so
+    ``mdb schema check`` says it per server (:func:`mdb.schema.check_schema`). Reads only.
     """
     if conn.dialect.name == "postgresql":
         return _pg_functions_to_install(conn)
